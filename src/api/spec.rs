@@ -1,0 +1,456 @@
+//! `spec` of a VirtualMachineMigration: the user's intent, as written in Git.
+//!
+//! Everything with a sensible default has one, so a minimal manifest names
+//! only the source host, its pinned host key, the credentials Secret, the VM,
+//! and the destination namespace and StorageClass.
+
+// Each `printcolumn(...)` repeats `type_ = ...`, which this lint mistakes for a duplicate.
+#![allow(clippy::duplicated_attributes)]
+
+use super::status::VirtualMachineMigrationStatus;
+use kube::{CustomResource, KubeSchema};
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+/// API group of every vmmigrate resource.
+pub const GROUP: &str = "migration.platform.example";
+/// API version of `VirtualMachineMigration`.
+pub const VERSION: &str = "v1alpha1";
+/// Annotation that moves a migration out of ManualInterventionRequired; removed when consumed.
+pub const RETRY_ANNOTATION: &str = "migration.platform.example/retry";
+
+/// A request to move one VM from a standalone ESXi host into KubeVirt.
+#[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[kube(
+    group = "migration.platform.example",
+    version = "v1alpha1",
+    kind = "VirtualMachineMigration",
+    plural = "virtualmachinemigrations",
+    singular = "virtualmachinemigration",
+    shortname = "vmm",
+    category = "migration",
+    namespaced,
+    status = "VirtualMachineMigrationStatus",
+    derive = "PartialEq",
+    doc = "Moves one virtual machine from a standalone VMware ESXi host into KubeVirt.",
+    printcolumn(name = "Phase", type_ = "string", json_path = ".status.phase"),
+    printcolumn(
+        name = "Progress",
+        type_ = "integer",
+        json_path = ".status.progress.percent",
+        description = "Percent of the current phase's bytes done"
+    ),
+    printcolumn(name = "Source VM", type_ = "string", json_path = ".spec.source.vm.name", priority = "1"),
+    printcolumn(
+        name = "Destination",
+        type_ = "string",
+        json_path = ".spec.destination.namespace",
+        priority = "1"
+    ),
+    printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp")
+)]
+#[serde(rename_all = "camelCase")]
+pub struct VirtualMachineMigrationSpec {
+    /// The ESXi host and the VM on it.
+    pub source: SourceSpec,
+    /// Where the VM lands in the cluster.
+    pub destination: DestinationSpec,
+    /// Source network name to destination network. Every source NIC must be covered or validation blocks.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["source"]))]
+    pub network_map: Vec<NetworkMapping>,
+    /// How the source VM may be powered off before its disks are copied.
+    #[serde(default)]
+    pub power_off_policy: PowerOffPolicy,
+    /// Disk conversion settings.
+    #[serde(default)]
+    pub conversion: ConversionSpec,
+    /// Retry budget, backoff and timeouts.
+    #[serde(default)]
+    pub strategy: StrategySpec,
+    /// Checks that prove the migrated application works.
+    #[serde(default)]
+    pub validation: ValidationSpec,
+    /// What is removed when a migration ends or its resource is deleted.
+    #[serde(default)]
+    pub cleanup: CleanupSpec,
+}
+
+/// The ESXi host (reached over SSH) and the VM on it.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct SourceSpec {
+    /// Host name or IP address of the ESXi host's SSH service.
+    #[schemars(length(min = 1, max = 253))]
+    pub host: String,
+    /// SSH port.
+    #[serde(default = "default_ssh_port")]
+    #[schemars(range(min = 1, max = 65535))]
+    pub port: i32,
+    /// Pinned SSH host key fingerprint, as `ssh-keygen -lf` prints it: `SHA256:` and 43 base64 characters.
+    /// The connection is refused when the host presents another key; there is no trust on first use.
+    #[schemars(regex(pattern = r"^SHA256:[A-Za-z0-9+/]{43}=?$"))]
+    pub host_key: String,
+    /// Secret in the migration's namespace with `username` and either `password` or `privateKey`.
+    pub credentials_secret_ref: SecretReference,
+    /// The source VM, by name or by vmid.
+    pub vm: SourceVm,
+}
+
+fn default_ssh_port() -> i32 {
+    22
+}
+
+/// A Secret in the same namespace as the migration.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+pub struct SecretReference {
+    /// Name of the Secret.
+    #[schemars(length(min = 1, max = 253))]
+    pub name: String,
+}
+
+/// The source VM, by exactly one of its display name or its vmid.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+#[x_kube(validation = Rule::new("has(self.name) != has(self.id)").message("set exactly one of vm.name or vm.id"))]
+pub struct SourceVm {
+    /// Display name as `vim-cmd vmsvc/getallvms` lists it (may contain spaces).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 80))]
+    pub name: Option<String>,
+    /// The vmid (the first column of `vim-cmd vmsvc/getallvms`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(regex(pattern = r"^[0-9]{1,9}$"))]
+    pub id: Option<String>,
+}
+
+/// Where the VM lands.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct DestinationSpec {
+    /// Namespace of the KubeVirt VirtualMachine and its DataVolumes.
+    #[schemars(length(min = 1, max = 63), regex(pattern = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"))]
+    pub namespace: String,
+    /// Name of the VirtualMachine; defaults to the migration's name. At most 55 characters so that
+    /// `<name>-disk-<n>` stays a valid DataVolume name.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 55), regex(pattern = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"))]
+    pub name: Option<String>,
+    /// StorageClass of the imported disks.
+    #[schemars(length(min = 1, max = 253))]
+    pub storage_class_name: String,
+    /// runStrategy set on the VM once it is created (it is created Halted).
+    #[serde(default)]
+    pub run_strategy: RunStrategy,
+    /// CPU topology override; defaults to the source VM's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpu: Option<CpuOverride>,
+    /// Memory override as a Kubernetes quantity (e.g. `4Gi`); defaults to the source VM's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(regex(pattern = r"^[0-9]+(Ki|Mi|Gi|Ti|k|M|G|T)?$"))]
+    pub memory: Option<String>,
+}
+
+/// KubeVirt `spec.runStrategy` values.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub enum RunStrategy {
+    #[default]
+    Always,
+    RerunOnFailure,
+    Manual,
+    Halted,
+}
+
+/// CPU topology of the destination VM.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct CpuOverride {
+    #[schemars(range(min = 1, max = 64))]
+    pub sockets: i32,
+    #[schemars(range(min = 1, max = 256))]
+    pub cores: i32,
+}
+
+/// One source network and where its NICs are attached in the cluster.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("self.type == 'Pod' ? !has(self.networkName) : has(self.networkName)").message("networkName is required for type Multus and not allowed for type Pod"))]
+pub struct NetworkMapping {
+    /// Port group name as the source VM's `.vmx` and `get.guest` name it.
+    #[schemars(length(min = 1, max = 253))]
+    pub source: String,
+    /// `Pod` (the pod network, masquerade) or `Multus` (a NetworkAttachmentDefinition).
+    #[serde(rename = "type")]
+    pub kind: NetworkKind,
+    /// NetworkAttachmentDefinition as `name` or `namespace/name`, for type Multus.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 253))]
+    pub network_name: Option<String>,
+}
+
+/// Kind of destination network.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub enum NetworkKind {
+    Pod,
+    Multus,
+}
+
+/// How the source VM may be powered off. Power-off happens only after validation passed.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub enum PowerOffPolicy {
+    /// Ask the guest to shut down (needs VMware Tools); if it does not within the timeout,
+    /// stop in ManualInterventionRequired. The safe default.
+    #[default]
+    GracefulOnly,
+    /// Ask the guest to shut down; power off hard after `strategy.timeouts.shutdownSeconds`.
+    GracefulThenForce,
+    /// Power off hard at once.
+    Force,
+    /// Never touch power: the VM must already be off, otherwise ManualInterventionRequired.
+    RequireAlreadyOff,
+}
+
+/// Disk conversion settings.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct ConversionSpec {
+    /// Format of the staged artifact: `raw` (a flat VMDK extent already is one) or `qcow2`.
+    #[serde(default)]
+    pub format: DiskFormat,
+    /// Where conversion runs: `local` (in the controller) or `job` (a batch/v1 Job per disk).
+    #[serde(default)]
+    pub runner: ConversionRunner,
+    /// Run virt-v2v (guest driver injection) when it is installed; a clear status when it is not.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub virt_v2v: bool,
+}
+
+/// Format of a staged disk artifact.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum DiskFormat {
+    #[default]
+    Raw,
+    Qcow2,
+}
+
+impl DiskFormat {
+    /// File extension of an artifact in this format.
+    pub fn extension(self) -> &'static str {
+        match self {
+            DiskFormat::Raw => "raw",
+            DiskFormat::Qcow2 => "qcow2",
+        }
+    }
+}
+
+/// Where conversion runs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum ConversionRunner {
+    #[default]
+    Local,
+    Job,
+}
+
+/// Retry budget, backoff and per-phase timeouts.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct StrategySpec {
+    /// Retries allowed per phase before the migration fails (or waits for a human).
+    #[serde(default = "default_retry_limit")]
+    #[schemars(range(min = 0, max = 100))]
+    pub retry_limit: i32,
+    /// Exponential backoff between retries.
+    #[serde(default)]
+    pub backoff: BackoffSpec,
+    /// Timeouts of the phases that wait on something outside the controller.
+    #[serde(default)]
+    pub timeouts: TimeoutSpec,
+    /// When the retry budget is exhausted: `Fail` (terminal) or `ManualIntervention` (a human may fix and retry).
+    #[serde(default)]
+    pub on_retries_exhausted: RetriesExhausted,
+}
+
+impl Default for StrategySpec {
+    fn default() -> Self {
+        StrategySpec {
+            retry_limit: default_retry_limit(),
+            backoff: BackoffSpec::default(),
+            timeouts: TimeoutSpec::default(),
+            on_retries_exhausted: RetriesExhausted::default(),
+        }
+    }
+}
+
+fn default_retry_limit() -> i32 {
+    5
+}
+
+/// What happens when a phase has used its retries.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub enum RetriesExhausted {
+    #[default]
+    Fail,
+    ManualIntervention,
+}
+
+/// Exponential backoff with jitter: `initialSeconds * 2^(attempt-1)`, capped at `maxSeconds`.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("self.maxSeconds >= self.initialSeconds").message("backoff.maxSeconds must be at least initialSeconds"))]
+pub struct BackoffSpec {
+    #[serde(default = "default_backoff_initial")]
+    #[schemars(range(min = 1, max = 3600))]
+    pub initial_seconds: i32,
+    #[serde(default = "default_backoff_max")]
+    #[schemars(range(min = 1, max = 86400))]
+    pub max_seconds: i32,
+}
+
+impl Default for BackoffSpec {
+    fn default() -> Self {
+        BackoffSpec { initial_seconds: default_backoff_initial(), max_seconds: default_backoff_max() }
+    }
+}
+
+fn default_backoff_initial() -> i32 {
+    10
+}
+fn default_backoff_max() -> i32 {
+    600
+}
+
+/// Timeouts, in seconds, of the steps that wait on the outside world.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct TimeoutSpec {
+    /// Graceful guest shutdown before force (GracefulThenForce) or manual intervention (GracefulOnly).
+    #[serde(default = "default_shutdown_timeout")]
+    #[schemars(range(min = 1, max = 86400))]
+    pub shutdown_seconds: i32,
+    /// The VMI reaching Running after the runStrategy is set.
+    #[serde(default = "default_start_timeout")]
+    #[schemars(range(min = 1, max = 86400))]
+    pub starting_seconds: i32,
+    /// All validation checks passing.
+    #[serde(default = "default_validation_timeout")]
+    #[schemars(range(min = 1, max = 86400))]
+    pub validating_seconds: i32,
+    /// One SSH command or connection attempt.
+    #[serde(default = "default_ssh_timeout")]
+    #[schemars(range(min = 1, max = 3600))]
+    pub ssh_seconds: i32,
+}
+
+impl Default for TimeoutSpec {
+    fn default() -> Self {
+        TimeoutSpec {
+            shutdown_seconds: default_shutdown_timeout(),
+            starting_seconds: default_start_timeout(),
+            validating_seconds: default_validation_timeout(),
+            ssh_seconds: default_ssh_timeout(),
+        }
+    }
+}
+
+fn default_shutdown_timeout() -> i32 {
+    300
+}
+fn default_start_timeout() -> i32 {
+    600
+}
+fn default_validation_timeout() -> i32 {
+    900
+}
+fn default_ssh_timeout() -> i32 {
+    30
+}
+
+/// Checks that prove the migrated application works.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct ValidationSpec {
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["name"]))]
+    pub checks: Vec<ValidationCheck>,
+}
+
+/// One read-only check; exactly one of `http`, `guestAgent`, `ip` is set.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("(has(self.http) ? 1 : 0) + (has(self.guestAgent) ? 1 : 0) + (has(self.ip) ? 1 : 0) == 1").message("set exactly one of http, guestAgent or ip"))]
+pub struct ValidationCheck {
+    /// Name of the check, unique within the migration; reported in `status.validationResults`.
+    #[schemars(length(min = 1, max = 63), regex(pattern = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"))]
+    pub name: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub http: Option<HttpCheck>,
+    /// Passes when the VMI reports the guest agent connected.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub guest_agent: Option<EmptyCheck>,
+    /// Passes when the VMI reports an IP address.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ip: Option<EmptyCheck>,
+}
+
+/// A check with no parameters.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+pub struct EmptyCheck {}
+
+/// An HTTP GET through a Service in the destination namespace.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct HttpCheck {
+    /// Service in the destination namespace.
+    #[schemars(length(min = 1, max = 63))]
+    pub service: String,
+    #[schemars(range(min = 1, max = 65535))]
+    pub port: i32,
+    #[serde(default = "default_http_path")]
+    #[schemars(regex(pattern = r"^/"))]
+    pub path: String,
+    #[serde(default = "default_http_status")]
+    #[schemars(range(min = 100, max = 599))]
+    pub expected_status: i32,
+    /// The response body must contain this text.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub body_contains: Option<String>,
+}
+
+fn default_http_path() -> String {
+    "/".to_owned()
+}
+fn default_http_status() -> i32 {
+    200
+}
+
+/// What is removed when a migration ends or its resource is deleted. The source VM is never touched.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct CleanupSpec {
+    /// DataVolumes and the VirtualMachine this migration created, when it fails or is deleted
+    /// before Completed. `Retain` keeps them for inspection. A Completed migration's VM is never deleted.
+    #[serde(default)]
+    pub on_failure: CleanupAction,
+    /// Copied disks and staged artifacts once the migration is Completed or Failed.
+    #[serde(default = "delete_action")]
+    pub staging: CleanupAction,
+}
+
+impl Default for CleanupSpec {
+    fn default() -> Self {
+        CleanupSpec { on_failure: CleanupAction::Retain, staging: CleanupAction::Delete }
+    }
+}
+
+fn delete_action() -> CleanupAction {
+    CleanupAction::Delete
+}
+
+/// Keep or remove.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub enum CleanupAction {
+    #[default]
+    Retain,
+    Delete,
+}

@@ -1,0 +1,297 @@
+//! `status` of a VirtualMachineMigration: what the controller observed and recorded.
+//! Written only by the controller, through server-side apply on `/status`.
+
+use super::phase::Phase;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+/// Most entries kept in `status.errors`; older ones are dropped first.
+pub const MAX_ERRORS: usize = 10;
+/// Most entries kept in `status.history`.
+pub const MAX_HISTORY: usize = 64;
+
+/// Observed state of a migration.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct VirtualMachineMigrationStatus {
+    /// The checkpoint the controller is working on.
+    #[serde(default)]
+    pub phase: Phase,
+    /// The `metadata.generation` this status was computed from.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+    /// kstatus conditions (`Ready`, `Reconciling`, `Stalled`) and one per checkpoint.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
+    pub conditions: Vec<Condition>,
+    /// Milestones, each written once.
+    #[serde(default)]
+    pub timestamps: Timestamps,
+    /// Phase entries in order, for the audit timeline (bounded).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub history: Vec<PhaseTransition>,
+    /// The most recent errors, newest last (bounded).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub errors: Vec<MigrationError>,
+    /// Set while a failed phase waits for its next attempt.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub retry: Option<RetryStatus>,
+    /// Byte progress of the current phase.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub progress: Option<Progress>,
+    /// What discovery found on the ESXi host.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub source_inventory: Option<SourceInventory>,
+    /// Reasons validation did not pass; empty once it does.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub blockers: Vec<Blocker>,
+    /// Per-disk evidence: checksums, artifact locations, DataVolume names.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub disks: Vec<DiskStatus>,
+    /// The KubeVirt VirtualMachine this migration created.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(rename = "destinationVM")]
+    pub destination_vm: Option<DestinationVm>,
+    /// Result of each `spec.validation.checks` entry.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub validation_results: Vec<ValidationResult>,
+}
+
+/// A condition in the shape of Kubernetes `metav1.Condition`.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Condition {
+    /// CamelCase condition type, e.g. `Ready`.
+    #[serde(rename = "type")]
+    #[schemars(length(min = 1, max = 316))]
+    pub type_: String,
+    pub status: ConditionStatus,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+    pub last_transition_time: Time,
+    /// Stable CamelCase reason, also used for Events and metrics.
+    #[schemars(length(min = 1, max = 1024), regex(pattern = r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$"))]
+    pub reason: String,
+    #[serde(default)]
+    #[schemars(length(max = 32768))]
+    pub message: String,
+}
+
+/// `True`, `False` or `Unknown`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub enum ConditionStatus {
+    True,
+    False,
+    Unknown,
+}
+
+/// Milestones; each is written once and never re-decided.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Timestamps {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub created: Option<Time>,
+    /// When the source VM was observed powered off by (or for) this migration. Set once.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub source_powered_off: Option<Time>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vm_started: Option<Time>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub completed: Option<Time>,
+}
+
+/// One entry in the phase timeline.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+pub struct PhaseTransition {
+    pub phase: Phase,
+    pub time: Time,
+}
+
+/// A recorded failure.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct MigrationError {
+    pub time: Time,
+    pub phase: Phase,
+    /// Stable CamelCase reason.
+    pub reason: String,
+    pub message: String,
+    pub retryable: bool,
+}
+
+/// The retry in progress.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct RetryStatus {
+    /// The phase that failed and will be resumed.
+    pub phase: Phase,
+    /// 1 for the first retry.
+    pub attempt: i32,
+    pub next_attempt_at: Time,
+}
+
+/// Byte progress.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Progress {
+    pub bytes_done: i64,
+    pub bytes_total: i64,
+    #[schemars(range(min = 0, max = 100))]
+    pub percent: i32,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub disks: Vec<DiskProgress>,
+}
+
+/// Byte progress of one disk.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct DiskProgress {
+    pub index: i32,
+    pub bytes_done: i64,
+    pub bytes_total: i64,
+}
+
+/// The source VM as discovered over SSH.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct SourceInventory {
+    pub vmid: String,
+    pub name: String,
+    /// Datastore path of the .vmx, e.g. `[datastore1] web/web.vmx`.
+    pub vmx_path: String,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub guest_os: String,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub esxi_version: String,
+    pub firmware: Firmware,
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub secure_boot: bool,
+    pub cpu_sockets: i32,
+    pub cores_per_socket: i32,
+    #[serde(rename = "memoryMiB")]
+    pub memory_mib: i64,
+    pub power_state: SourcePowerState,
+    #[serde(default)]
+    pub snapshots: i32,
+    /// Text of a question the VM is waiting on, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pending_question: Option<String>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub disks: Vec<SourceDisk>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub nics: Vec<SourceNic>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub ip_addresses: Vec<String>,
+}
+
+/// `bios` or `efi`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum Firmware {
+    #[default]
+    Bios,
+    Efi,
+}
+
+/// Power state as `vim-cmd vmsvc/power.getstate` reports it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub enum SourcePowerState {
+    #[default]
+    Unknown,
+    PoweredOn,
+    PoweredOff,
+    Suspended,
+}
+
+/// One virtual disk of the source VM.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct SourceDisk {
+    /// Position in the migration (0-based, order of controller then unit).
+    pub index: i32,
+    /// The .vmx device key, e.g. `scsi0:0`, `sata0:1`, `nvme0:0`.
+    pub device: String,
+    /// `scsi`, `sata`, `ide` or `nvme`.
+    pub bus: String,
+    /// Controller model for SCSI (`pvscsi`, `lsilogic`, `lsisas1068`, `buslogic`).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub controller_model: String,
+    /// Descriptor path on the host, e.g. `/vmfs/volumes/datastore1/web/web.vmdk`.
+    pub descriptor_path: String,
+    /// Data extent path, e.g. `/vmfs/volumes/datastore1/web/web-flat.vmdk`.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub extent_path: String,
+    pub capacity_bytes: i64,
+    /// VMDK createType, e.g. `vmfs`, `vmfsSparse`, `vmfsRawDeviceMap`.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub create_type: String,
+    /// .vmx disk mode, e.g. `persistent`, `independent-persistent`.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub mode: String,
+}
+
+/// One NIC of the source VM.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct SourceNic {
+    /// The .vmx device key, e.g. `ethernet0`.
+    pub device: String,
+    /// `vmxnet3`, `e1000`, `e1000e`, ...
+    pub model: String,
+    /// Port group name.
+    pub network: String,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub mac_address: String,
+}
+
+/// A reason validation did not pass.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+pub struct Blocker {
+    /// Stable CamelCase rule name, e.g. `SnapshotsPresent`.
+    pub reason: String,
+    pub message: String,
+}
+
+/// Evidence recorded for one disk as it moves through the phases.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct DiskStatus {
+    pub index: i32,
+    pub source_path: String,
+    pub size_bytes: i64,
+    /// sha256 of the bytes read from the source, hex.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub source_sha256: Option<String>,
+    /// Whether the source host computed the same digest itself (end-to-end check).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub source_verified_remotely: Option<bool>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub artifact_url: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub artifact_sha256: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub artifact_format: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub data_volume_name: Option<String>,
+}
+
+/// The VirtualMachine created by this migration.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+pub struct DestinationVm {
+    pub namespace: String,
+    pub name: String,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub uid: String,
+}
+
+/// Result of one validation check.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ValidationResult {
+    pub name: String,
+    pub passed: bool,
+    #[serde(default)]
+    pub message: String,
+    pub last_checked: Time,
+}

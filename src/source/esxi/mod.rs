@@ -1,0 +1,2 @@
+//! ESXi over SSH (russh): host key pinning, vim-cmd and .vmx parsing, power
+//! control, streaming disk copy with sha256.

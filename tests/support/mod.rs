@@ -1,0 +1,29 @@
+//! Shared test support: the real Kubernetes control plane and helpers.
+//! Each integration test binary includes this with `mod support;`.
+#![allow(dead_code)]
+
+pub mod kube_env;
+pub mod process;
+
+pub use kube_env::KubeEnv;
+
+/// A namespace unique to one test, created in the cluster.
+pub async fn test_namespace(client: &kube::Client, prefix: &str) -> String {
+    use k8s_openapi::api::core::v1::Namespace;
+    use kube::api::{Api, PostParams};
+    let name = format!("{prefix}-{:08x}", rand_u32());
+    let ns: Namespace = serde_json::from_value(serde_json::json!({
+        "apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}
+    }))
+    .expect("namespace object");
+    Api::<Namespace>::all(client.clone())
+        .create(&PostParams::default(), &ns)
+        .await
+        .expect("create namespace");
+    name
+}
+
+fn rand_u32() -> u32 {
+    use std::hash::{BuildHasher, RandomState};
+    RandomState::new().hash_one(std::time::SystemTime::now()) as u32
+}

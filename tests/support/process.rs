@@ -1,0 +1,163 @@
+//! Starting real servers from tests without leaving any behind.
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+/// Owns a temporary directory and the processes started in it.
+///
+/// A janitor shell waits on a pipe whose write end only this process holds.
+/// When the test process exits for any reason (end of tests, panic, SIGKILL),
+/// the pipe closes and the janitor stops every recorded process (TERM, then
+/// KILL after five seconds) and removes the directory. `Drop` does the same
+/// synchronously. Set `VMMIGRATE_TEST_KEEP=1` to keep the directory and logs.
+pub struct Janitor {
+    dir: PathBuf,
+    pipe: Mutex<Option<ChildStdin>>,
+    janitor: Mutex<Child>,
+    children: Mutex<Vec<(String, Child)>>,
+}
+
+const JANITOR_SCRIPT: &str = r#"
+dir=$1; keep=$2
+cat >/dev/null
+pids=$(cat "$dir/pids" 2>/dev/null)
+for p in $pids; do kill -TERM "$p" 2>/dev/null; done
+i=0
+while [ $i -lt 50 ]; do
+  alive=0
+  for p in $pids; do kill -0 "$p" 2>/dev/null && alive=1; done
+  [ $alive = 0 ] && break
+  sleep 0.1; i=$((i+1))
+done
+for p in $pids; do kill -KILL "$p" 2>/dev/null; done
+[ "$keep" = 1 ] || rm -rf "$dir"
+"#;
+
+impl Janitor {
+    /// Creates a fresh temporary directory named after `prefix`.
+    pub fn new(prefix: &str) -> anyhow::Result<Janitor> {
+        let dir = tempfile::Builder::new().prefix(prefix).tempdir()?.keep();
+        let keep = if std::env::var_os("VMMIGRATE_TEST_KEEP").is_some() { "1" } else { "0" };
+        let mut janitor = Command::new("sh")
+            .args(["-c", JANITOR_SCRIPT, "janitor"])
+            .arg(&dir)
+            .arg(keep)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()?;
+        let pipe = janitor.stdin.take();
+        Ok(Janitor {
+            dir,
+            pipe: Mutex::new(pipe),
+            janitor: Mutex::new(janitor),
+            children: Mutex::new(Vec::new()),
+        })
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Starts `cmd` with its output in `<dir>/<name>.log` and records its pid.
+    pub fn spawn(&self, name: &str, cmd: &mut Command) -> anyhow::Result<u32> {
+        let log = std::fs::File::create(self.log_path(name))?;
+        let child = cmd
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            .spawn()
+            .map_err(|e| anyhow::anyhow!("cannot start {name} ({:?}): {e}", cmd.get_program()))?;
+        let pid = child.id();
+        let mut pids = std::fs::OpenOptions::new().create(true).append(true).open(self.dir.join("pids"))?;
+        writeln!(pids, "{pid}")?;
+        self.children.lock().expect("children lock").push((name.to_owned(), child));
+        Ok(pid)
+    }
+
+    pub fn log_path(&self, name: &str) -> PathBuf {
+        self.dir.join(format!("{name}.log"))
+    }
+
+    /// Fails with the process's log tail if any started process has exited.
+    pub fn check_alive(&self) -> anyhow::Result<()> {
+        let mut children = self.children.lock().expect("children lock");
+        for (name, child) in children.iter_mut() {
+            if let Some(status) = child.try_wait()? {
+                anyhow::bail!("{name} exited ({status}); last log lines:\n{}", self.log_tail(name));
+            }
+        }
+        Ok(())
+    }
+
+    /// The last 40 lines of a process's log.
+    pub fn log_tail(&self, name: &str) -> String {
+        let text = std::fs::read_to_string(self.log_path(name)).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().collect();
+        lines[lines.len().saturating_sub(40)..].join("\n")
+    }
+
+    /// Stops one process by name (TERM) and waits for it.
+    pub fn stop(&self, name: &str) -> anyhow::Result<()> {
+        let mut children = self.children.lock().expect("children lock");
+        if let Some(pos) = children.iter().position(|(n, _)| n == name) {
+            let (_, mut child) = children.remove(pos);
+            // The kill binary sends TERM (std only offers KILL), so servers shut down cleanly.
+            let _ = Command::new("kill").arg("-TERM").arg(child.id().to_string()).status();
+            child.wait()?;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Janitor {
+    fn drop(&mut self) {
+        // Closing the pipe starts the janitor; waiting makes cleanup synchronous.
+        if let Ok(mut pipe) = self.pipe.lock() {
+            pipe.take();
+        }
+        if let Ok(mut janitor) = self.janitor.lock() {
+            let _ = janitor.wait();
+        }
+        if let Ok(mut children) = self.children.lock() {
+            for (_, child) in children.iter_mut() {
+                let _ = child.wait();
+            }
+        }
+    }
+}
+
+/// A loopback port that was free a moment ago.
+pub fn free_port() -> std::io::Result<u16> {
+    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+/// Polls `check` every 50 ms until it returns true, fails, or `timeout` passes.
+pub fn wait_until(
+    timeout: Duration,
+    what: &str,
+    mut check: impl FnMut() -> anyhow::Result<bool>,
+) -> anyhow::Result<()> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if check()? {
+            return Ok(());
+        }
+        anyhow::ensure!(Instant::now() < deadline, "timed out after {timeout:?} waiting for {what}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// A plain-HTTP GET on loopback, returning the body.
+pub fn http_get_plain(port: u16, path: &str) -> std::io::Result<String> {
+    let mut stream = TcpStream::connect(("127.0.0.1", port))?;
+    stream.set_read_timeout(Some(Duration::from_secs(2)))?;
+    write!(stream, "GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response)?;
+    Ok(response.split_once("\r\n\r\n").map(|(_, body)| body.to_owned()).unwrap_or_default())
+}
