@@ -34,7 +34,12 @@ pub struct VirtualMachineMigrationStatus {
     /// The most recent errors, newest last (bounded).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub errors: Vec<MigrationError>,
-    /// Set while a failed phase waits for its next attempt.
+    /// The phase that failed last; Retryable returns to it, and so does the
+    /// retry annotation (or a spec change) from ManualInterventionRequired.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub failed_phase: Option<Phase>,
+    /// Set while a failed phase waits for its next attempt; kept while the phase
+    /// is retried so attempts are counted, cleared when the phase succeeds.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub retry: Option<RetryStatus>,
     /// Byte progress of the current phase.
@@ -95,8 +100,17 @@ pub struct Timestamps {
     /// When the source VM was observed powered off by (or for) this migration. Set once.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub source_powered_off: Option<Time>,
+    /// When a graceful guest shutdown was first requested (start of the shutdown timeout).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shutdown_requested: Option<Time>,
+    /// When the requested runStrategy was first set (start of the starting timeout).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub start_requested: Option<Time>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub vm_started: Option<Time>,
+    /// When the validation checks first ran (start of the validating timeout).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub validation_started: Option<Time>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub completed: Option<Time>,
 }

@@ -1,2 +1,990 @@
-//! The migration state machine: a pure `decide(spec, status, observed, now)`.
-//! No IO, no async, no clock.
+//! The migration state machine: a pure `decide`.
+//!
+//! Each phase is a checkpoint naming a desired state. On every reconcile the
+//! controller observes the world for the current checkpoint, calls `decide`
+//! with the spec, the recorded status, that observation and the time, then
+//! performs the returned actions (each idempotent) and records the returned
+//! status in one write. Evidence and the next phase travel in the same status
+//! ("record before you advance"): if the write is lost, the next reconcile
+//! repeats idempotent actions and reaches the same place.
+//!
+//! No IO, no async, no clock: `now` and `jitter` are inputs.
+//! The specification is shared/seeds/000_82a04c1365667313.txt; docs/state-machine.md
+//! explains it for operators.
+
+pub mod conditions;
+mod observe;
+pub mod preflight;
+
+pub use observe::*;
+
+use crate::api::{
+    CleanupAction, DiskProgress, DiskStatus, MAX_ERRORS, MAX_HISTORY, MigrationError, Phase, PhaseTransition,
+    PowerOffPolicy, Progress, RetriesExhausted, RetryStatus, RunStrategy, SourcePowerState, ValidationResult,
+    VirtualMachineMigrationSpec, VirtualMachineMigrationStatus, condition,
+};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use k8s_openapi::jiff::{SignedDuration, Timestamp};
+use std::time::Duration;
+
+/// How soon to look again while something outside is in progress.
+pub const POLL_IN_PROGRESS: Duration = Duration::from_secs(5);
+/// How soon to look again while waiting for a guest to shut down.
+pub const POLL_SHUTDOWN: Duration = Duration::from_secs(3);
+/// How soon to re-run validation checks that are not passing yet.
+pub const POLL_CHECKS: Duration = Duration::from_secs(10);
+
+/// Stable reasons of failures the machine itself decides.
+pub mod reason {
+    pub const RETRY_BUDGET_EXHAUSTED: &str = "RetryBudgetExhausted";
+    pub const VALIDATION_BLOCKED: &str = "ValidationBlocked";
+    pub const SOURCE_NOT_POWERED_OFF: &str = "SourceNotPoweredOff";
+    pub const SOURCE_SUSPENDED: &str = "SourceSuspended";
+    pub const SOURCE_POWERED_ON_AGAIN: &str = "SourcePoweredOnAgain";
+    pub const TOOLS_NOT_RUNNING: &str = "ToolsNotRunning";
+    pub const GUEST_SHUTDOWN_TIMEOUT: &str = "GuestShutdownTimeout";
+    pub const DESTINATION_VM_NOT_OWNED: &str = "DestinationVMNotOwned";
+    pub const START_TIMEOUT: &str = "StartTimeout";
+    pub const APPLICATION_CHECK_FAILED: &str = "ApplicationCheckFailed";
+    pub const VALIDATION_TIMEOUT: &str = "ValidationTimeout";
+    pub const INVENTORY_MISSING: &str = "InventoryMissing";
+    pub const OBSERVATION_MISMATCH: &str = "ObservationMismatch";
+}
+
+/// Everything `decide` looks at.
+#[derive(Clone, Debug)]
+pub struct Input<'a> {
+    pub spec: &'a VirtualMachineMigrationSpec,
+    pub status: &'a VirtualMachineMigrationStatus,
+    /// `metadata.name` of the migration.
+    pub name: &'a str,
+    /// `metadata.generation`.
+    pub generation: i64,
+    /// The retry annotation is present with value "true".
+    pub retry_requested: bool,
+    pub observed: Observed,
+    pub now: Timestamp,
+    /// Uniform in [0, 1): spreads retries of many migrations apart.
+    pub jitter: f64,
+}
+
+/// One idempotent external action. Performed in order, before the status write.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Action {
+    /// Remove `migration.platform.example/retry` from the object.
+    RemoveRetryAnnotation,
+    /// `power.shutdown`: ask the guest to shut down (needs VMware Tools).
+    RequestGuestShutdown,
+    /// `power.off`: hard power-off. Only when the policy allows it.
+    PowerOffHard,
+    /// Start or resume copying one disk; a no-op when it is running or complete.
+    StartDiskCopy { disk: usize },
+    /// Remove a failed or corrupt local copy.
+    DiscardDiskCopy { disk: usize },
+    /// Start converting one disk (a no-op for raw, where the copy is the artifact).
+    StartConversion { disk: usize },
+    /// Remove an invalid or partial artifact.
+    DiscardArtifact { disk: usize },
+    /// Publish a valid artifact where CDI can fetch it.
+    StageArtifact { disk: usize },
+    /// Create the DataVolume `<name>-disk-<n>` if absent.
+    CreateDataVolume { disk: usize },
+    /// Delete the DataVolume `<name>-disk-<n>` ("not found" is success).
+    DeleteDataVolume { disk: usize },
+    /// Create the VirtualMachine (runStrategy Halted) if absent.
+    CreateVm,
+    /// Update our drifted VirtualMachine to the rendered spec.
+    UpdateVm,
+    /// Set the requested runStrategy on the VirtualMachine.
+    SetRunStrategy,
+    /// Remove copied disks and staged artifacts.
+    CleanupStaging,
+    /// Delete the DataVolumes and VirtualMachine this migration created.
+    DeleteDestination,
+    /// Remove owner references from the VirtualMachine and DataVolumes so that
+    /// deleting the migration never deletes the migrated VM.
+    ReleaseDestination,
+}
+
+/// `Normal` or `Warning`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EventType {
+    Normal,
+    Warning,
+}
+
+/// A Kubernetes Event to publish with a stable reason.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Event {
+    pub type_: EventType,
+    pub reason: String,
+    pub message: String,
+}
+
+/// What `decide` asks for.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Decision {
+    /// Performed in order; the first failure stops the rest and goes to `fail`.
+    pub actions: Vec<Action>,
+    /// The complete status to record after the actions succeed.
+    pub status: VirtualMachineMigrationStatus,
+    /// Look again after this long; `None` waits for a change (watch event).
+    pub requeue: Option<Duration>,
+    pub events: Vec<Event>,
+}
+
+/// The destination VM name: `spec.destination.name`, else the migration's name.
+pub fn destination_name<'a>(spec: &'a VirtualMachineMigrationSpec, migration_name: &'a str) -> &'a str {
+    spec.destination.name.as_deref().unwrap_or(migration_name)
+}
+
+/// Deterministic DataVolume name of disk `n`.
+pub fn data_volume_name(destination: &str, disk: usize) -> String {
+    format!("{destination}-disk-{disk}")
+}
+
+/// Deterministic artifact key of disk `n`: `<migration-uid>/disk-<n>.<fmt>`.
+pub fn artifact_key(migration_uid: &str, disk: usize, extension: &str) -> String {
+    format!("{migration_uid}/disk-{disk}.{extension}")
+}
+
+/// Exponential backoff with equal jitter: half the delay fixed, half random.
+pub fn backoff(spec: &VirtualMachineMigrationSpec, attempt: i32, jitter: f64) -> Duration {
+    let initial = spec.strategy.backoff.initial_seconds.max(1) as f64;
+    let max = spec.strategy.backoff.max_seconds.max(1) as f64;
+    let exp = (attempt.max(1) - 1).min(30);
+    let delay = (initial * 2f64.powi(exp)).min(max);
+    let jitter = jitter.clamp(0.0, 1.0);
+    Duration::from_millis(((delay / 2.0 + delay / 2.0 * jitter) * 1000.0) as u64)
+}
+
+/// Second-precision API time (what the API server stores).
+pub fn api_time(now: Timestamp) -> Time {
+    Time(Timestamp::from_second(now.as_second()).unwrap_or(now))
+}
+
+fn elapsed_since(since: &Option<Time>, now: Timestamp) -> Option<Duration> {
+    since.as_ref().map(|t| {
+        let d: SignedDuration = now.duration_since(t.0);
+        Duration::from_secs(d.as_secs().max(0) as u64)
+    })
+}
+
+struct Ctx<'a> {
+    spec: &'a VirtualMachineMigrationSpec,
+    generation: i64,
+    now: Time,
+    now_ts: Timestamp,
+    jitter: f64,
+    destination: &'a str,
+    status: VirtualMachineMigrationStatus,
+    actions: Vec<Action>,
+    events: Vec<Event>,
+    requeue: Option<Duration>,
+}
+
+impl Ctx<'_> {
+    fn condition(&mut self, type_: &str, value: bool, reason: &str, message: impl Into<String>) {
+        conditions::set(&mut self.status, type_, value, reason, message, self.generation, &self.now);
+    }
+
+    fn event(&mut self, type_: EventType, reason: &str, message: impl Into<String>) {
+        self.events.push(Event { type_, reason: reason.to_owned(), message: message.into() });
+    }
+
+    /// Moves to `phase`, recording the transition in the timeline.
+    fn enter(&mut self, phase: Phase) {
+        if self.status.phase == phase {
+            return;
+        }
+        let from = self.status.phase;
+        self.status.phase = phase;
+        self.status.history.push(PhaseTransition { phase, time: self.now.clone() });
+        let overflow = self.status.history.len().saturating_sub(MAX_HISTORY);
+        self.status.history.drain(..overflow);
+        let type_ = if matches!(phase, Phase::Failed | Phase::ManualInterventionRequired | Phase::Retryable) {
+            EventType::Warning
+        } else {
+            EventType::Normal
+        };
+        self.event(type_, phase.as_str(), format!("{from} -> {phase}"));
+        if phase.is_active() || phase == Phase::Completed {
+            self.requeue = Some(Duration::ZERO);
+        }
+    }
+
+    /// Advances along the happy path after the checkpoint's goal was observed.
+    /// A successful phase clears its retry bookkeeping.
+    fn advance(&mut self, next: Phase) {
+        self.status.retry = None;
+        self.status.failed_phase = None;
+        self.status.progress = None;
+        self.enter(next);
+    }
+
+    fn record_error(&mut self, phase: Phase, failure: &Failure) {
+        self.status.errors.push(MigrationError {
+            time: self.now.clone(),
+            phase,
+            reason: failure.reason.clone(),
+            message: failure.message.clone(),
+            retryable: failure.class == FailureClass::Retryable,
+        });
+        let overflow = self.status.errors.len().saturating_sub(MAX_ERRORS);
+        self.status.errors.drain(..overflow);
+    }
+
+    /// Handles a classified failure of `phase` (observation or action).
+    fn fail(&mut self, phase: Phase, failure: Failure) {
+        self.record_error(phase, &failure);
+        self.event(EventType::Warning, &failure.reason, failure.message.clone());
+        self.status.failed_phase = Some(phase);
+        self.status.progress = None;
+        match failure.class {
+            FailureClass::Retryable => {
+                let attempt = match &self.status.retry {
+                    Some(r) if r.phase == phase => r.attempt + 1,
+                    _ => 1,
+                };
+                if attempt > self.spec.strategy.retry_limit {
+                    let exhausted = Failure {
+                        class: match self.spec.strategy.on_retries_exhausted {
+                            RetriesExhausted::Fail => FailureClass::Terminal,
+                            RetriesExhausted::ManualIntervention => FailureClass::NeedsHuman,
+                        },
+                        reason: reason::RETRY_BUDGET_EXHAUSTED.to_owned(),
+                        message: format!(
+                            "{phase} failed {attempt} times (retryLimit {}); last error {}: {}",
+                            self.spec.strategy.retry_limit, failure.reason, failure.message
+                        ),
+                    };
+                    self.status.retry = None;
+                    return self.fail(phase, exhausted);
+                }
+                let delay = backoff(self.spec, attempt, self.jitter);
+                let next = self.now_ts + SignedDuration::from_millis(delay.as_millis() as i64);
+                self.status.retry = Some(RetryStatus { phase, attempt, next_attempt_at: api_time(next) });
+                self.enter(Phase::Retryable);
+                self.requeue = Some(delay);
+            }
+            FailureClass::NeedsHuman => {
+                self.status.retry = None;
+                self.enter(Phase::ManualInterventionRequired);
+                self.requeue = None;
+            }
+            FailureClass::Terminal => {
+                self.status.retry = None;
+                self.enter(Phase::Failed);
+                self.requeue = None;
+                self.terminal_cleanup();
+            }
+        }
+    }
+
+    fn terminal_cleanup(&mut self) {
+        if self.spec.cleanup.staging == CleanupAction::Delete {
+            self.actions.push(Action::CleanupStaging);
+        }
+        match self.spec.cleanup.on_failure {
+            CleanupAction::Delete => self.actions.push(Action::DeleteDestination),
+            CleanupAction::Retain => self.actions.push(Action::ReleaseDestination),
+        }
+    }
+
+    fn wait(&mut self, after: Duration) {
+        self.requeue = Some(match self.requeue {
+            Some(current) => current.min(after),
+            None => after,
+        });
+    }
+}
+
+/// The decision for one reconcile.
+pub fn decide(input: Input<'_>) -> Decision {
+    let destination = destination_name(input.spec, input.name);
+    let mut ctx = Ctx {
+        spec: input.spec,
+        generation: input.generation,
+        now: api_time(input.now),
+        now_ts: input.now,
+        jitter: input.jitter,
+        destination,
+        status: input.status.clone(),
+        actions: Vec::new(),
+        events: Vec::new(),
+        requeue: None,
+    };
+    let spec_changed = input.status.observed_generation.is_some_and(|g| g < input.generation);
+    let phase = ctx.status.phase;
+    match phase {
+        Phase::Pending => {
+            if ctx.status.timestamps.created.is_none() {
+                ctx.status.timestamps.created = Some(ctx.now.clone());
+            }
+            ctx.status.history.push(PhaseTransition { phase: Phase::Pending, time: ctx.now.clone() });
+            ctx.advance(Phase::Discovering);
+        }
+        Phase::Discovering => discovering(&mut ctx, input.observed),
+        Phase::Validated => validated(&mut ctx, input.observed),
+        Phase::Preparing => preparing(&mut ctx, input.observed),
+        Phase::Converting => converting(&mut ctx, input.observed),
+        Phase::Importing => importing(&mut ctx, input.observed),
+        Phase::CreatingVm => creating_vm(&mut ctx, input.observed),
+        Phase::Starting => starting(&mut ctx, input.observed),
+        Phase::Validating => validating(&mut ctx, input.observed),
+        Phase::Retryable => match ctx.status.retry.clone() {
+            Some(retry) => {
+                let due = retry.next_attempt_at.0;
+                if input.now >= due {
+                    ctx.event(
+                        EventType::Normal,
+                        "RetryStarted",
+                        format!(
+                            "retry {} of {} for {}",
+                            retry.attempt, input.spec.strategy.retry_limit, retry.phase
+                        ),
+                    );
+                    ctx.enter(retry.phase);
+                } else {
+                    let d: SignedDuration = due.duration_since(input.now);
+                    ctx.wait(Duration::from_millis(d.as_millis().max(1) as u64));
+                }
+            }
+            // A Retryable status without bookkeeping cannot come from this
+            // machine; resume where the failure was recorded, or discover again.
+            None => {
+                let back = ctx.status.failed_phase.filter(|p| p.is_active()).unwrap_or(Phase::Discovering);
+                ctx.enter(back);
+            }
+        },
+        Phase::ManualInterventionRequired => {
+            if input.retry_requested || spec_changed {
+                let back = ctx.status.failed_phase.filter(|p| p.is_active()).unwrap_or(Phase::Discovering);
+                let why = if input.retry_requested { "retry annotation" } else { "spec change" };
+                ctx.event(EventType::Normal, "RetryRequested", format!("{why}: resuming {back}"));
+                ctx.status.retry = None;
+                ctx.enter(back);
+            }
+        }
+        Phase::Completed | Phase::Failed => {
+            if input.retry_requested {
+                ctx.event(
+                    EventType::Warning,
+                    "RetryIgnored",
+                    format!("{phase} is terminal; create a new VirtualMachineMigration to run again"),
+                );
+            }
+        }
+    }
+    // The annotation is consumed on every reconcile that sees it.
+    if input.retry_requested {
+        ctx.actions.insert(0, Action::RemoveRetryAnnotation);
+    }
+    conditions::summarize(&mut ctx.status, ctx.generation, &ctx.now);
+    Decision { actions: ctx.actions, status: ctx.status, requeue: ctx.requeue, events: ctx.events }
+}
+
+/// The decision after action `failed` of `decision` failed: the failure is
+/// recorded against the phase that asked for the action.
+pub fn action_failed(input: Input<'_>, decision_phase: Phase, failure: Failure) -> Decision {
+    let destination = destination_name(input.spec, input.name);
+    let mut ctx = Ctx {
+        spec: input.spec,
+        generation: input.generation,
+        now: api_time(input.now),
+        now_ts: input.now,
+        jitter: input.jitter,
+        destination,
+        status: input.status.clone(),
+        actions: Vec::new(),
+        events: Vec::new(),
+        requeue: None,
+    };
+    let phase = if decision_phase.is_active() { decision_phase } else { input.status.phase };
+    if phase.is_active() {
+        ctx.fail(phase, failure);
+    } else {
+        // Actions of waiting or terminal phases (annotation removal, cleanup)
+        // are retried by the controller's backoff without changing the phase.
+        ctx.record_error(phase, &failure);
+        ctx.event(EventType::Warning, &failure.reason, failure.message.clone());
+    }
+    conditions::summarize(&mut ctx.status, ctx.generation, &ctx.now);
+    Decision { actions: ctx.actions, status: ctx.status, requeue: ctx.requeue, events: ctx.events }
+}
+
+/// Actions of the finalizer when the migration is deleted. The source is never touched.
+pub fn cleanup_on_delete(
+    spec: &VirtualMachineMigrationSpec,
+    status: &VirtualMachineMigrationStatus,
+) -> Vec<Action> {
+    let mut actions = Vec::new();
+    if spec.cleanup.staging == CleanupAction::Delete || status.phase != Phase::Completed {
+        actions.push(Action::CleanupStaging);
+    }
+    if status.phase == Phase::Completed || spec.cleanup.on_failure == CleanupAction::Retain {
+        actions.push(Action::ReleaseDestination);
+    } else {
+        actions.push(Action::DeleteDestination);
+    }
+    actions
+}
+
+fn mismatch(ctx: &mut Ctx<'_>, phase: Phase, what: &str) {
+    // The controller observed something for another checkpoint; treat it as a
+    // transient inconsistency (e.g. the status changed under us) and look again.
+    ctx.fail(phase, Failure::retryable(reason::OBSERVATION_MISMATCH, format!("expected {what} observation")));
+}
+
+fn discovering(ctx: &mut Ctx<'_>, observed: Observed) {
+    match observed {
+        Observed::Discovery(Ok(inventory)) => {
+            let changed = ctx.status.source_inventory.as_ref().is_some_and(|old| old != &inventory);
+            if changed {
+                ctx.event(
+                    EventType::Normal,
+                    "InventoryChanged",
+                    "the source VM changed since the last discovery",
+                );
+            }
+            let summary = format!(
+                "{} (vmid {}): {} disk(s), {} NIC(s), {} MiB, {:?}",
+                inventory.name,
+                inventory.vmid,
+                inventory.disks.len(),
+                inventory.nics.len(),
+                inventory.memory_mib,
+                inventory.firmware
+            );
+            ctx.status.source_inventory = Some(inventory);
+            ctx.condition(condition::SOURCE_DISCOVERED, true, "Discovered", summary);
+            ctx.advance(Phase::Validated);
+        }
+        Observed::Discovery(Err(failure)) => {
+            ctx.condition(condition::SOURCE_DISCOVERED, false, &failure.reason, failure.message.clone());
+            ctx.fail(Phase::Discovering, failure);
+        }
+        _ => mismatch(ctx, Phase::Discovering, "discovery"),
+    }
+}
+
+fn validated(ctx: &mut Ctx<'_>, observed: Observed) {
+    let facts = match observed {
+        Observed::Preflight(Ok(facts)) => facts,
+        Observed::Preflight(Err(failure)) => return ctx.fail(Phase::Validated, failure),
+        _ => return mismatch(ctx, Phase::Validated, "pre-flight"),
+    };
+    let Some(inventory) = ctx.status.source_inventory.clone() else {
+        // Validation needs an inventory: discover again (never back to Pending).
+        let failure =
+            Failure::retryable(reason::INVENTORY_MISSING, "no source inventory recorded; discovering again");
+        ctx.status.retry = None;
+        ctx.record_error(Phase::Validated, &failure);
+        return ctx.enter(Phase::Discovering);
+    };
+    let blockers = preflight::blockers(ctx.spec, ctx.destination, &inventory, &facts);
+    if blockers.is_empty() {
+        ctx.status.blockers.clear();
+        ctx.condition(condition::VALIDATED, true, "ChecksPassed", "all pre-flight checks passed");
+        ctx.advance(Phase::Preparing);
+    } else {
+        let message =
+            blockers.iter().map(|b| format!("{}: {}", b.reason, b.message)).collect::<Vec<_>>().join("; ");
+        let first = blockers[0].reason.clone();
+        ctx.status.blockers = blockers;
+        ctx.condition(condition::VALIDATED, false, &first, message.clone());
+        // After a fix, the retry re-reads the source: resume at Discovering.
+        ctx.fail(Phase::Validated, Failure::needs_human(reason::VALIDATION_BLOCKED, message));
+        ctx.status.failed_phase = Some(Phase::Discovering);
+    }
+}
+
+fn preparing(ctx: &mut Ctx<'_>, observed: Observed) {
+    let facts = match observed {
+        Observed::Preparing(Ok(facts)) => facts,
+        Observed::Preparing(Err(failure)) => return ctx.fail(Phase::Preparing, failure),
+        _ => return mismatch(ctx, Phase::Preparing, "preparing"),
+    };
+    // The power-off guard: never act on power before validation passed.
+    if !conditions::is_true(&ctx.status, condition::VALIDATED) {
+        ctx.status.retry = None;
+        ctx.event(EventType::Warning, "NotValidated", "Preparing without Validated=True; validating first");
+        return ctx.enter(Phase::Validated);
+    }
+    let already_off = ctx.status.timestamps.source_powered_off.is_some();
+    match facts.power {
+        SourcePowerState::PoweredOff => {
+            if !already_off {
+                ctx.status.timestamps.source_powered_off = Some(ctx.now.clone());
+                ctx.status.timestamps.shutdown_requested.get_or_insert_with(|| ctx.now.clone());
+                ctx.condition(
+                    condition::SOURCE_POWERED_OFF,
+                    true,
+                    "PoweredOff",
+                    "the source VM is powered off",
+                );
+                ctx.event(EventType::Normal, "SourcePoweredOff", "the source VM is powered off");
+            }
+        }
+        SourcePowerState::PoweredOn | SourcePowerState::Unknown if already_off => {
+            return ctx.fail(
+                Phase::Preparing,
+                Failure::needs_human(
+                    reason::SOURCE_POWERED_ON_AGAIN,
+                    "the source VM was powered on again after vmmigrate recorded it off; its disks may have changed. Power it off and retry",
+                ),
+            );
+        }
+        SourcePowerState::Suspended => {
+            return ctx.fail(
+                Phase::Preparing,
+                Failure::needs_human(
+                    reason::SOURCE_SUSPENDED,
+                    "the source VM is suspended; resume and shut it down (or power it off) on the host, then retry",
+                ),
+            );
+        }
+        SourcePowerState::PoweredOn | SourcePowerState::Unknown => return power_down(ctx, &facts),
+    }
+    // Observed off: copy every disk.
+    let total = facts.copies.len();
+    let mut done = 0;
+    let mut progress = Progress::default();
+    for (disk, copy) in facts.copies.iter().enumerate() {
+        let (bytes_done, bytes_total) = match copy {
+            CopyState::Absent => {
+                ctx.actions.push(Action::StartDiskCopy { disk });
+                (0, 0)
+            }
+            CopyState::Partial { bytes_done, bytes_total } => {
+                ctx.actions.push(Action::StartDiskCopy { disk });
+                (*bytes_done, *bytes_total)
+            }
+            CopyState::InProgress { bytes_done, bytes_total } => (*bytes_done, *bytes_total),
+            CopyState::Complete { size, .. } => {
+                done += 1;
+                (*size, *size)
+            }
+            CopyState::Failed { failure, discard } => {
+                if *discard {
+                    ctx.actions.push(Action::DiscardDiskCopy { disk });
+                }
+                ctx.condition(condition::DISK_ACQUIRED, false, &failure.reason, failure.message.clone());
+                return ctx.fail(Phase::Preparing, failure.clone());
+            }
+        };
+        progress.disks.push(DiskProgress { index: disk as i32, bytes_done, bytes_total });
+    }
+    if done == total && total > 0 {
+        let inventory = ctx.status.source_inventory.clone().unwrap_or_default();
+        ctx.status.disks = facts
+            .copies
+            .iter()
+            .enumerate()
+            .map(|(i, copy)| {
+                let source = inventory.disks.get(i);
+                let (size, sha, remote) = match copy {
+                    CopyState::Complete { size, sha256, verified_remotely } => {
+                        (*size, Some(sha256.clone()), Some(*verified_remotely))
+                    }
+                    _ => (0, None, None),
+                };
+                DiskStatus {
+                    index: i as i32,
+                    source_path: source.map(|d| d.extent_path.clone()).unwrap_or_default(),
+                    size_bytes: size,
+                    source_sha256: sha,
+                    source_verified_remotely: remote,
+                    ..Default::default()
+                }
+            })
+            .collect();
+        ctx.condition(
+            condition::DISK_ACQUIRED,
+            true,
+            "Copied",
+            format!("{total} disk(s) copied and checksummed"),
+        );
+        ctx.advance(Phase::Converting);
+    } else {
+        set_progress(ctx, progress);
+        ctx.condition(
+            condition::DISK_ACQUIRED,
+            false,
+            "Copying",
+            format!("{done} of {total} disk(s) copied"),
+        );
+        ctx.wait(POLL_IN_PROGRESS);
+    }
+}
+
+/// Powers the source down as the policy allows. Only called with Validated=True
+/// and no recorded power-off.
+fn power_down(ctx: &mut Ctx<'_>, facts: &PreparingFacts) {
+    let policy = ctx.spec.power_off_policy;
+    let requested = ctx.status.timestamps.shutdown_requested.clone();
+    let timeout = Duration::from_secs(ctx.spec.strategy.timeouts.shutdown_seconds.max(1) as u64);
+    let timed_out = elapsed_since(&requested, ctx.now_ts).is_some_and(|e| e >= timeout);
+    match policy {
+        PowerOffPolicy::RequireAlreadyOff => ctx.fail(
+            Phase::Preparing,
+            Failure::needs_human(
+                reason::SOURCE_NOT_POWERED_OFF,
+                "powerOffPolicy is RequireAlreadyOff and the source VM is powered on; shut it down on the host, then retry",
+            ),
+        ),
+        PowerOffPolicy::Force => {
+            ctx.actions.push(Action::PowerOffHard);
+            ctx.condition(condition::SOURCE_POWERED_OFF, false, "PowerOffRequested", "hard power-off requested");
+            ctx.wait(POLL_SHUTDOWN);
+        }
+        PowerOffPolicy::GracefulOnly | PowerOffPolicy::GracefulThenForce => {
+            let may_force = policy == PowerOffPolicy::GracefulThenForce;
+            if requested.is_none() && !facts.tools_running {
+                if may_force {
+                    ctx.actions.push(Action::PowerOffHard);
+                    ctx.condition(
+                        condition::SOURCE_POWERED_OFF,
+                        false,
+                        "PowerOffRequested",
+                        "VMware Tools is not running; hard power-off requested",
+                    );
+                    ctx.wait(POLL_SHUTDOWN);
+                } else {
+                    ctx.fail(
+                        Phase::Preparing,
+                        Failure::needs_human(
+                            reason::TOOLS_NOT_RUNNING,
+                            "VMware Tools is not running, so a graceful shutdown is impossible and powerOffPolicy GracefulOnly forbids a hard power-off; shut the guest down yourself or change the policy",
+                        ),
+                    );
+                }
+            } else if requested.is_none() {
+                ctx.status.timestamps.shutdown_requested = Some(ctx.now.clone());
+                ctx.actions.push(Action::RequestGuestShutdown);
+                ctx.condition(
+                    condition::SOURCE_POWERED_OFF,
+                    false,
+                    "ShutdownRequested",
+                    "graceful guest shutdown requested",
+                );
+                ctx.wait(POLL_SHUTDOWN);
+            } else if timed_out && may_force {
+                ctx.actions.push(Action::PowerOffHard);
+                ctx.condition(
+                    condition::SOURCE_POWERED_OFF,
+                    false,
+                    "PowerOffRequested",
+                    "the guest did not shut down in time; hard power-off requested",
+                );
+                ctx.wait(POLL_SHUTDOWN);
+            } else if timed_out {
+                ctx.fail(
+                    Phase::Preparing,
+                    Failure::needs_human(
+                        reason::GUEST_SHUTDOWN_TIMEOUT,
+                        format!(
+                            "the guest did not shut down within {}s and powerOffPolicy GracefulOnly forbids a hard power-off",
+                            timeout.as_secs()
+                        ),
+                    ),
+                );
+                // A retry asks the guest again.
+                ctx.status.timestamps.shutdown_requested = None;
+            } else {
+                ctx.condition(condition::SOURCE_POWERED_OFF, false, "ShuttingDown", "waiting for the guest to shut down");
+                ctx.wait(POLL_SHUTDOWN);
+            }
+        }
+    }
+}
+
+fn converting(ctx: &mut Ctx<'_>, observed: Observed) {
+    let artifacts = match observed {
+        Observed::Converting(Ok(a)) => a,
+        Observed::Converting(Err(failure)) => return ctx.fail(Phase::Converting, failure),
+        _ => return mismatch(ctx, Phase::Converting, "converting"),
+    };
+    let mut ready = Vec::new();
+    let mut progress = Progress::default();
+    for (disk, artifact) in artifacts.iter().enumerate() {
+        match artifact {
+            ArtifactState::Absent => ctx.actions.push(Action::StartConversion { disk }),
+            ArtifactState::InProgress { bytes_done, bytes_total } => progress.disks.push(DiskProgress {
+                index: disk as i32,
+                bytes_done: *bytes_done,
+                bytes_total: *bytes_total,
+            }),
+            ArtifactState::Invalid { reason } => {
+                ctx.event(
+                    EventType::Warning,
+                    "InvalidArtifact",
+                    format!("disk {disk}: {reason}; converting again"),
+                );
+                ctx.actions.push(Action::DiscardArtifact { disk });
+                ctx.actions.push(Action::StartConversion { disk });
+            }
+            ArtifactState::Complete { staged_url: None, .. } => {
+                ctx.actions.push(Action::StageArtifact { disk })
+            }
+            ArtifactState::Complete { sha256, staged_url: Some(url) } => ready.push((disk, sha256, url)),
+            ArtifactState::Failed(failure) => {
+                ctx.condition(condition::DISK_CONVERTED, false, &failure.reason, failure.message.clone());
+                return ctx.fail(Phase::Converting, failure.clone());
+            }
+        }
+    }
+    if ready.len() == artifacts.len() && !artifacts.is_empty() {
+        let format = ctx.spec.conversion.format.extension().to_owned();
+        for (disk, sha, url) in ready {
+            if let Some(d) = ctx.status.disks.get_mut(disk) {
+                d.artifact_sha256 = Some(sha.clone());
+                d.artifact_url = Some(url.clone());
+                d.artifact_format = Some(format.clone());
+            }
+        }
+        ctx.condition(condition::DISK_CONVERTED, true, "Staged", "every artifact is valid and staged");
+        ctx.advance(Phase::Importing);
+    } else {
+        if !progress.disks.is_empty() {
+            set_progress(ctx, progress);
+        }
+        ctx.condition(condition::DISK_CONVERTED, false, "Converting", "converting and staging artifacts");
+        ctx.wait(POLL_IN_PROGRESS);
+    }
+}
+
+fn importing(ctx: &mut Ctx<'_>, observed: Observed) {
+    let volumes = match observed {
+        Observed::Importing(Ok(v)) => v,
+        Observed::Importing(Err(failure)) => return ctx.fail(Phase::Importing, failure),
+        _ => return mismatch(ctx, Phase::Importing, "importing"),
+    };
+    let mut succeeded = 0;
+    let mut progress = Progress::default();
+    for (disk, dv) in volumes.iter().enumerate() {
+        let name = data_volume_name(ctx.destination, disk);
+        if let Some(d) = ctx.status.disks.get_mut(disk) {
+            d.data_volume_name = Some(name);
+        }
+        let size = ctx.status.disks.get(disk).map(|d| d.size_bytes).unwrap_or(0);
+        let percent = match dv {
+            DataVolumeState::Absent => {
+                ctx.actions.push(Action::CreateDataVolume { disk });
+                0
+            }
+            DataVolumeState::InProgress { percent, .. } => *percent,
+            DataVolumeState::Succeeded => {
+                succeeded += 1;
+                100
+            }
+            DataVolumeState::Failed(failure) => {
+                if failure.class != FailureClass::Terminal {
+                    // Recreated when the phase is retried (by backoff or by a human).
+                    ctx.actions.push(Action::DeleteDataVolume { disk });
+                }
+                ctx.condition(condition::DISK_IMPORTED, false, &failure.reason, failure.message.clone());
+                return ctx.fail(Phase::Importing, failure.clone());
+            }
+        };
+        progress.disks.push(DiskProgress {
+            index: disk as i32,
+            bytes_done: size * i64::from(percent.clamp(0, 100)) / 100,
+            bytes_total: size,
+        });
+    }
+    if succeeded == volumes.len() && !volumes.is_empty() {
+        ctx.condition(
+            condition::DISK_IMPORTED,
+            true,
+            "Imported",
+            format!("{succeeded} DataVolume(s) succeeded"),
+        );
+        ctx.advance(Phase::CreatingVm);
+    } else {
+        set_progress(ctx, progress);
+        ctx.condition(
+            condition::DISK_IMPORTED,
+            false,
+            "Importing",
+            format!("{succeeded} of {} DataVolume(s) succeeded", volumes.len()),
+        );
+        ctx.wait(POLL_IN_PROGRESS);
+    }
+}
+
+fn creating_vm(ctx: &mut Ctx<'_>, observed: Observed) {
+    let vm = match observed {
+        Observed::CreatingVm(Ok(vm)) => vm,
+        Observed::CreatingVm(Err(failure)) => return ctx.fail(Phase::CreatingVm, failure),
+        _ => return mismatch(ctx, Phase::CreatingVm, "VM"),
+    };
+    let namespace = ctx.spec.destination.namespace.clone();
+    match vm {
+        VmState::Absent => {
+            ctx.actions.push(Action::CreateVm);
+            ctx.wait(Duration::from_secs(1));
+        }
+        VmState::Drifted { .. } => {
+            ctx.actions.push(Action::UpdateVm);
+            ctx.event(EventType::Normal, "VMDrifted", "the VirtualMachine drifted from the rendered spec; updating");
+            ctx.wait(Duration::from_secs(1));
+        }
+        VmState::Matching { uid } => {
+            ctx.status.destination_vm =
+                Some(crate::api::DestinationVm { namespace, name: ctx.destination.to_owned(), uid });
+            ctx.condition(condition::VM_CREATED, true, "Created", "the VirtualMachine matches the rendered spec");
+            if matches!(ctx.spec.destination.run_strategy, RunStrategy::Halted | RunStrategy::Manual) {
+                // Nothing to start or probe: the user asked for a stopped VM.
+                complete(ctx, "the VirtualMachine was created and left stopped as spec.destination.runStrategy asks");
+            } else {
+                ctx.advance(Phase::Starting);
+            }
+        }
+        VmState::NotOurs => ctx.fail(
+            Phase::CreatingVm,
+            Failure::needs_human(
+                reason::DESTINATION_VM_NOT_OWNED,
+                format!(
+                    "VirtualMachine {namespace}/{} exists and was not created by this migration; rename spec.destination.name or remove that VM",
+                    ctx.destination
+                ),
+            ),
+        ),
+    }
+}
+
+fn starting(ctx: &mut Ctx<'_>, observed: Observed) {
+    let facts = match observed {
+        Observed::Starting(Ok(f)) => f,
+        Observed::Starting(Err(failure)) => return ctx.fail(Phase::Starting, failure),
+        _ => return mismatch(ctx, Phase::Starting, "starting"),
+    };
+    if ctx.status.timestamps.start_requested.is_none() {
+        ctx.status.timestamps.start_requested = Some(ctx.now.clone());
+    }
+    if !facts.run_strategy_set {
+        ctx.actions.push(Action::SetRunStrategy);
+    }
+    match facts.vmi {
+        VmiState::Running => {
+            if ctx.status.timestamps.vm_started.is_none() {
+                ctx.status.timestamps.vm_started = Some(ctx.now.clone());
+            }
+            ctx.condition(condition::VM_STARTED, true, "Running", "the VirtualMachineInstance is Running");
+            ctx.advance(Phase::Validating);
+        }
+        VmiState::Failed(failure) => {
+            ctx.condition(condition::VM_STARTED, false, &failure.reason, failure.message.clone());
+            ctx.status.timestamps.start_requested = None;
+            ctx.fail(Phase::Starting, failure);
+        }
+        VmiState::Absent | VmiState::Waiting { .. } => {
+            let timeout = Duration::from_secs(ctx.spec.strategy.timeouts.starting_seconds.max(1) as u64);
+            let waited =
+                elapsed_since(&ctx.status.timestamps.start_requested, ctx.now_ts).unwrap_or_default();
+            if waited >= timeout {
+                ctx.status.timestamps.start_requested = None;
+                ctx.fail(
+                    Phase::Starting,
+                    Failure::retryable(
+                        reason::START_TIMEOUT,
+                        format!("the VirtualMachineInstance was not Running within {}s", timeout.as_secs()),
+                    ),
+                );
+            } else {
+                let phase = match &facts.vmi {
+                    VmiState::Waiting { phase } => phase.clone(),
+                    _ => "absent".to_owned(),
+                };
+                ctx.condition(condition::VM_STARTED, false, "Starting", format!("VMI is {phase}"));
+                ctx.wait(POLL_IN_PROGRESS);
+            }
+        }
+    }
+}
+
+fn validating(ctx: &mut Ctx<'_>, observed: Observed) {
+    let results = match observed {
+        Observed::Validating(Ok(r)) => r,
+        Observed::Validating(Err(failure)) => return ctx.fail(Phase::Validating, failure),
+        _ => return mismatch(ctx, Phase::Validating, "validation"),
+    };
+    if ctx.status.timestamps.validation_started.is_none() {
+        ctx.status.timestamps.validation_started = Some(ctx.now.clone());
+    }
+    let checks = &ctx.spec.validation.checks;
+    ctx.status.validation_results = checks
+        .iter()
+        .zip(results.iter())
+        .map(|(check, result)| {
+            let (passed, message) = match result {
+                CheckResult::Pass { message } => (true, message.clone()),
+                CheckResult::NotYet { message } | CheckResult::Wrong { message } => (false, message.clone()),
+            };
+            // Keep the old entry while nothing changed, so polling does not write status.
+            let previous = ctx.status.validation_results.iter().find(|r| r.name == check.name);
+            match previous {
+                Some(p) if p.passed == passed && p.message == message => p.clone(),
+                _ => ValidationResult {
+                    name: check.name.clone(),
+                    passed,
+                    message,
+                    last_checked: ctx.now.clone(),
+                },
+            }
+        })
+        .collect();
+    if let Some((check, CheckResult::Wrong { message })) =
+        checks.iter().zip(results.iter()).find(|(_, r)| matches!(r, CheckResult::Wrong { .. }))
+    {
+        let message = format!("check {:?}: {message}", check.name);
+        ctx.condition(condition::GUEST_READY, false, reason::APPLICATION_CHECK_FAILED, message.clone());
+        ctx.status.timestamps.validation_started = None;
+        return ctx.fail(Phase::Validating, Failure::needs_human(reason::APPLICATION_CHECK_FAILED, message));
+    }
+    let passing = results.iter().filter(|r| matches!(r, CheckResult::Pass { .. })).count();
+    if passing == checks.len() && results.len() == checks.len() {
+        ctx.condition(condition::GUEST_READY, true, "ChecksPassed", format!("{passing} check(s) passed"));
+        complete(ctx, "the VM runs and every validation check passed");
+        return;
+    }
+    let timeout = Duration::from_secs(ctx.spec.strategy.timeouts.validating_seconds.max(1) as u64);
+    let waited = elapsed_since(&ctx.status.timestamps.validation_started, ctx.now_ts).unwrap_or_default();
+    let message = format!("{passing} of {} check(s) passing", checks.len());
+    ctx.condition(condition::GUEST_READY, false, "Checking", message.clone());
+    if waited >= timeout {
+        ctx.status.timestamps.validation_started = None;
+        ctx.fail(
+            Phase::Validating,
+            Failure::retryable(reason::VALIDATION_TIMEOUT, format!("{message} after {}s", timeout.as_secs())),
+        );
+    } else {
+        ctx.wait(POLL_CHECKS);
+    }
+}
+
+fn complete(ctx: &mut Ctx<'_>, message: &str) {
+    ctx.status.timestamps.completed = Some(ctx.now.clone());
+    ctx.actions.push(Action::ReleaseDestination);
+    if ctx.spec.cleanup.staging == CleanupAction::Delete {
+        ctx.actions.push(Action::CleanupStaging);
+    }
+    ctx.event(EventType::Normal, "MigrationSucceeded", message);
+    ctx.advance(Phase::Completed);
+    ctx.requeue = None;
+}
+
+fn set_progress(ctx: &mut Ctx<'_>, mut progress: Progress) {
+    progress.bytes_done = progress.disks.iter().map(|d| d.bytes_done).sum();
+    progress.bytes_total = progress.disks.iter().map(|d| d.bytes_total).sum();
+    progress.percent = if progress.bytes_total > 0 {
+        (progress.bytes_done * 100 / progress.bytes_total).clamp(0, 100) as i32
+    } else {
+        0
+    };
+    ctx.status.progress = Some(progress);
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,197 @@
+//! What the controller saw when it looked at the world for the current
+//! checkpoint, and the classified failures adapters report. Plain data.
+
+use crate::api::{SourceInventory, SourcePowerState};
+
+/// How a failure should be handled. Every adapter error carries one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FailureClass {
+    /// May succeed on retry: Retryable, then back to the same phase, within the budget.
+    Retryable,
+    /// A human must decide or fix something: ManualInterventionRequired.
+    NeedsHuman,
+    /// Cannot succeed: Failed.
+    Terminal,
+}
+
+/// A classified failure with a stable CamelCase reason (condition reason,
+/// Event reason and metric label) and a human message.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Failure {
+    pub class: FailureClass,
+    pub reason: String,
+    pub message: String,
+}
+
+impl Failure {
+    pub fn retryable(reason: impl Into<String>, message: impl Into<String>) -> Failure {
+        Failure { class: FailureClass::Retryable, reason: reason.into(), message: message.into() }
+    }
+    pub fn needs_human(reason: impl Into<String>, message: impl Into<String>) -> Failure {
+        Failure { class: FailureClass::NeedsHuman, reason: reason.into(), message: message.into() }
+    }
+    pub fn terminal(reason: impl Into<String>, message: impl Into<String>) -> Failure {
+        Failure { class: FailureClass::Terminal, reason: reason.into(), message: message.into() }
+    }
+}
+
+impl std::fmt::Display for Failure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}: {}", self.reason, self.message)
+    }
+}
+
+impl std::error::Error for Failure {}
+
+/// The observation for the current phase. Phases that only wait (Pending,
+/// Retryable, ManualInterventionRequired, Completed, Failed) observe `Nothing`.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Observed {
+    Nothing,
+    /// Discovering: the inventory read from the host (read-only).
+    Discovery(Result<SourceInventory, Failure>),
+    /// Validated: cluster facts the pre-flight rules need.
+    Preflight(Result<PreflightFacts, Failure>),
+    /// Preparing: power state and the local copy of every disk.
+    Preparing(Result<PreparingFacts, Failure>),
+    /// Converting: the artifact of every disk.
+    Converting(Result<Vec<ArtifactState>, Failure>),
+    /// Importing: the DataVolume of every disk.
+    Importing(Result<Vec<DataVolumeState>, Failure>),
+    /// CreatingVM: the destination VirtualMachine.
+    CreatingVm(Result<VmState, Failure>),
+    /// Starting: runStrategy and the VMI.
+    Starting(Result<StartingFacts, Failure>),
+    /// Validating: one result per `spec.validation.checks` entry, in order.
+    Validating(Result<Vec<CheckResult>, Failure>),
+}
+
+/// Facts from the cluster for the pre-flight rules.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PreflightFacts {
+    pub storage_class_exists: bool,
+    pub destination_namespace_exists: bool,
+    pub destination_vm: DestinationOccupancy,
+}
+
+/// Whether the destination VM name is free.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DestinationOccupancy {
+    Free,
+    /// A VM with that name exists and belongs to this migration (a resumed run).
+    Ours,
+    /// A VM with that name exists and belongs to someone else.
+    Taken,
+}
+
+/// Power and copy state while preparing.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PreparingFacts {
+    pub power: SourcePowerState,
+    /// Whether VMware Tools runs in the guest (a graceful shutdown needs it).
+    pub tools_running: bool,
+    /// One entry per inventory disk, in index order.
+    pub copies: Vec<CopyState>,
+}
+
+/// The local copy of one source disk.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum CopyState {
+    /// Nothing copied yet.
+    Absent,
+    /// A copy is running now.
+    InProgress { bytes_done: i64, bytes_total: i64 },
+    /// Bytes are present but nothing is copying (interrupted); resumable.
+    Partial { bytes_done: i64, bytes_total: i64 },
+    /// Every byte is present and the size and sha256 match.
+    Complete { size: i64, sha256: String, verified_remotely: bool },
+    /// The last copy failed; partial data may need removing (`discard`).
+    Failed { failure: Failure, discard: bool },
+}
+
+/// The converted, staged artifact of one disk.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ArtifactState {
+    Absent,
+    InProgress {
+        bytes_done: i64,
+        bytes_total: i64,
+    },
+    /// Output exists but is incomplete or failed validation: remove and redo.
+    Invalid {
+        reason: String,
+    },
+    /// Valid artifact; `staged_url` is set once it is published for CDI.
+    Complete {
+        sha256: String,
+        staged_url: Option<String>,
+    },
+    Failed(Failure),
+}
+
+/// The DataVolume of one disk.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum DataVolumeState {
+    Absent,
+    /// Pending, WaitForFirstConsumer, ImportScheduled, ImportInProgress...
+    InProgress {
+        phase: String,
+        percent: i32,
+    },
+    Succeeded,
+    Failed(Failure),
+}
+
+/// The destination VirtualMachine.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum VmState {
+    Absent,
+    /// Ours and equal to the rendered spec.
+    Matching {
+        uid: String,
+    },
+    /// Ours but drifted from the rendered spec.
+    Drifted {
+        uid: String,
+    },
+    /// A VM with that name that this migration did not create.
+    NotOurs,
+}
+
+/// runStrategy and VMI while starting.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StartingFacts {
+    /// Whether the VM's runStrategy already equals the requested one.
+    pub run_strategy_set: bool,
+    pub vmi: VmiState,
+}
+
+/// The VirtualMachineInstance.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum VmiState {
+    Absent,
+    /// Pending, Scheduling, Scheduled.
+    Waiting {
+        phase: String,
+    },
+    Running,
+    /// Failed to schedule or to run; the failure is classified by the adapter
+    /// (temporary capacity: retryable; missing /dev/kvm: needs a human).
+    Failed(Failure),
+}
+
+/// Result of one validation check.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum CheckResult {
+    Pass {
+        message: String,
+    },
+    /// Not ready yet (connection refused, no IP yet): keep checking.
+    NotYet {
+        message: String,
+    },
+    /// Answered, but wrong (status or content): a human must look.
+    Wrong {
+        message: String,
+    },
+}

@@ -1,0 +1,139 @@
+//! Pre-flight rules evaluated in the `Validated` checkpoint. Pure: the
+//! inventory comes from discovery, the cluster facts from the observation.
+
+use super::observe::{DestinationOccupancy, PreflightFacts};
+use crate::api::{Blocker, NetworkKind, SourceInventory, VirtualMachineMigrationSpec};
+
+/// Stable blocker reasons.
+pub mod reason {
+    pub const SNAPSHOTS_PRESENT: &str = "SnapshotsPresent";
+    pub const PENDING_QUESTION: &str = "PendingQuestion";
+    pub const UNSUPPORTED_DISK_TYPE: &str = "UnsupportedDiskType";
+    pub const INDEPENDENT_DISK: &str = "IndependentDisk";
+    pub const NO_DISKS: &str = "NoDisks";
+    pub const NETWORK_NOT_MAPPED: &str = "NetworkNotMapped";
+    pub const INVALID_DESTINATION_NAME: &str = "InvalidDestinationName";
+    pub const DESTINATION_NAME_TAKEN: &str = "DestinationNameTaken";
+    pub const STORAGE_CLASS_NOT_FOUND: &str = "StorageClassNotFound";
+    pub const NAMESPACE_NOT_FOUND: &str = "DestinationNamespaceNotFound";
+}
+
+/// Longest destination name: `<name>-disk-NN` must stay a 63-character label.
+pub const MAX_DESTINATION_NAME: usize = 55;
+
+/// Every rule that does not pass, in a stable order.
+pub fn blockers(
+    spec: &VirtualMachineMigrationSpec,
+    destination_name: &str,
+    inventory: &SourceInventory,
+    facts: &PreflightFacts,
+) -> Vec<Blocker> {
+    let mut out = Vec::new();
+    let mut block = |reason: &str, message: String| out.push(Blocker { reason: reason.to_owned(), message });
+    if inventory.snapshots > 0 {
+        block(
+            reason::SNAPSHOTS_PRESENT,
+            format!(
+                "the source VM has {} snapshot(s); consolidate or delete them on the host, then retry",
+                inventory.snapshots
+            ),
+        );
+    }
+    if let Some(question) = &inventory.pending_question {
+        block(reason::PENDING_QUESTION, format!("the source VM is waiting on a question: {question}"));
+    }
+    if inventory.disks.is_empty() {
+        block(reason::NO_DISKS, "the source VM has no virtual disks".to_owned());
+    }
+    for disk in &inventory.disks {
+        if disk.create_type.contains("RawDeviceMap") {
+            block(
+                reason::UNSUPPORTED_DISK_TYPE,
+                format!(
+                    "disk {} ({}) is a raw device mapping, which cannot be copied",
+                    disk.device, disk.descriptor_path
+                ),
+            );
+        } else if !disk.create_type.is_empty()
+            && !matches!(disk.create_type.as_str(), "vmfs" | "monolithicFlat")
+        {
+            block(
+                reason::UNSUPPORTED_DISK_TYPE,
+                format!(
+                    "disk {} has type {}; only flat disks (vmfs, monolithicFlat) are supported",
+                    disk.device, disk.create_type
+                ),
+            );
+        }
+        if disk.mode.starts_with("independent") {
+            block(
+                reason::INDEPENDENT_DISK,
+                format!("disk {} is {}; independent disks are not supported", disk.device, disk.mode),
+            );
+        }
+    }
+    for nic in &inventory.nics {
+        let mapped = spec.network_map.iter().any(|m| m.source == nic.network);
+        if !mapped {
+            block(
+                reason::NETWORK_NOT_MAPPED,
+                format!(
+                    "NIC {} is on network {:?}, which spec.networkMap does not map (add an entry with type Pod or Multus)",
+                    nic.device, nic.network
+                ),
+            );
+        }
+    }
+    // Two NICs on the pod network cannot both be masquerade-bound.
+    let pod_nics = inventory
+        .nics
+        .iter()
+        .filter(|n| spec.network_map.iter().any(|m| m.source == n.network && m.kind == NetworkKind::Pod))
+        .count();
+    if pod_nics > 1 {
+        block(
+            reason::NETWORK_NOT_MAPPED,
+            format!("{pod_nics} NICs map to the pod network; at most one can (map the others to Multus)"),
+        );
+    }
+    if !is_dns_label(destination_name) || destination_name.len() > MAX_DESTINATION_NAME {
+        block(
+            reason::INVALID_DESTINATION_NAME,
+            format!(
+                "destination name {destination_name:?} must be a lowercase RFC 1123 label of at most {MAX_DESTINATION_NAME} characters (set spec.destination.name)"
+            ),
+        );
+    }
+    if !facts.destination_namespace_exists {
+        block(
+            reason::NAMESPACE_NOT_FOUND,
+            format!("namespace {:?} does not exist", spec.destination.namespace),
+        );
+    }
+    if facts.destination_vm == DestinationOccupancy::Taken {
+        block(
+            reason::DESTINATION_NAME_TAKEN,
+            format!(
+                "a VirtualMachine {}/{destination_name} already exists and was not created by this migration",
+                spec.destination.namespace
+            ),
+        );
+    }
+    if !facts.storage_class_exists {
+        block(
+            reason::STORAGE_CLASS_NOT_FOUND,
+            format!("StorageClass {:?} does not exist", spec.destination.storage_class_name),
+        );
+    }
+    out
+}
+
+/// RFC 1123 label: lowercase alphanumerics and '-', starting and ending alphanumeric, 1..=63.
+pub fn is_dns_label(s: &str) -> bool {
+    let bytes = s.as_bytes();
+    !bytes.is_empty()
+        && bytes.len() <= 63
+        && bytes.iter().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || *b == b'-')
+        && bytes[0] != b'-'
+        && bytes[bytes.len() - 1] != b'-'
+}
