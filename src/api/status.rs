@@ -113,6 +113,10 @@ pub struct Timestamps {
     pub validation_started: Option<Time>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub completed: Option<Time>,
+    /// When the finishing work of a terminal phase (releasing or deleting the
+    /// destination, removing staged data) was done. Set once.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cleaned_up: Option<Time>,
 }
 
 /// One entry in the phase timeline.

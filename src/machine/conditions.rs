@@ -47,7 +47,14 @@ pub fn is_true(status: &VirtualMachineMigrationStatus, type_: &str) -> bool {
 /// `observedGeneration` on every condition, and orders conditions stably.
 pub fn summarize(status: &mut VirtualMachineMigrationStatus, generation: i64, now: &Time) {
     let phase = status.phase;
-    let last_error = status.errors.last().map(|e| (e.reason.clone(), e.message.clone()));
+    // The cause is the last error of a working phase; errors of finishing work
+    // in a terminal phase (a cleanup that will be retried) do not replace it.
+    let last_error = status
+        .errors
+        .iter()
+        .rev()
+        .find(|e| e.phase.is_active())
+        .map(|e| (e.reason.clone(), e.message.clone()));
     let (error_reason, error_message) =
         last_error.unwrap_or_else(|| (phase.as_str().to_owned(), String::new()));
     match phase {

@@ -275,20 +275,29 @@ impl Ctx<'_> {
             FailureClass::Terminal => {
                 self.status.retry = None;
                 self.enter(Phase::Failed);
-                self.requeue = None;
-                self.terminal_cleanup();
+                // The finishing work runs in the Failed phase itself.
+                self.requeue = Some(Duration::ZERO);
             }
         }
     }
 
-    fn terminal_cleanup(&mut self) {
+    /// The finishing work of a terminal phase, done once and recorded with
+    /// `timestamps.cleanedUp`. Never touches the source.
+    fn finish(&mut self) {
+        if self.status.timestamps.cleaned_up.is_some() {
+            return;
+        }
+        let completed = self.status.phase == Phase::Completed;
+        if completed || self.spec.cleanup.on_failure == CleanupAction::Retain {
+            // The migrated (or kept) VM must outlive its migration object.
+            self.actions.push(Action::ReleaseDestination);
+        } else {
+            self.actions.push(Action::DeleteDestination);
+        }
         if self.spec.cleanup.staging == CleanupAction::Delete {
             self.actions.push(Action::CleanupStaging);
         }
-        match self.spec.cleanup.on_failure {
-            CleanupAction::Delete => self.actions.push(Action::DeleteDestination),
-            CleanupAction::Retain => self.actions.push(Action::ReleaseDestination),
-        }
+        self.status.timestamps.cleaned_up = Some(self.now.clone());
     }
 
     fn wait(&mut self, after: Duration) {
@@ -367,6 +376,7 @@ pub fn decide(input: Input<'_>) -> Decision {
             }
         }
         Phase::Completed | Phase::Failed => {
+            ctx.finish();
             if input.retry_requested {
                 ctx.event(
                     EventType::Warning,
@@ -966,13 +976,9 @@ fn validating(ctx: &mut Ctx<'_>, observed: Observed) {
 
 fn complete(ctx: &mut Ctx<'_>, message: &str) {
     ctx.status.timestamps.completed = Some(ctx.now.clone());
-    ctx.actions.push(Action::ReleaseDestination);
-    if ctx.spec.cleanup.staging == CleanupAction::Delete {
-        ctx.actions.push(Action::CleanupStaging);
-    }
     ctx.event(EventType::Normal, "MigrationSucceeded", message);
+    // The finishing work (release the VM, clean staging) runs in Completed itself.
     ctx.advance(Phase::Completed);
-    ctx.requeue = None;
 }
 
 fn set_progress(ctx: &mut Ctx<'_>, mut progress: Progress) {

@@ -616,12 +616,17 @@ fn all_checks_passing_completes_releases_the_vm_and_cleans_staging() {
     let d = Run::at(Phase::Validating)
         .decide_at(Observed::Validating(Ok(vec![CheckResult::Pass { message: "200".into() }])), t(0));
     assert_eq!(d.status.phase, Phase::Completed);
-    assert_eq!(d.actions, vec![Action::ReleaseDestination, Action::CleanupStaging]);
     assert_eq!(cond(&d.status, condition::READY).unwrap().0, ConditionStatus::True);
     assert_eq!(cond(&d.status, condition::GUEST_READY).unwrap().0, ConditionStatus::True);
     assert!(d.status.timestamps.completed.is_some());
     assert!(d.status.validation_results[0].passed);
-    assert_eq!(d.requeue, None);
+    // The finishing work happens in Completed, once, recorded by timestamps.cleanedUp.
+    let mut run = Run::at(Phase::Completed);
+    let finish = run.step(Observed::Nothing, t(1));
+    assert_eq!(finish.actions, vec![Action::ReleaseDestination, Action::CleanupStaging]);
+    assert_eq!(finish.status.timestamps.cleaned_up, Some(api_time(t(1))));
+    assert_eq!(finish.requeue, None);
+    assert!(run.decide_at(Observed::Nothing, t(2)).actions.is_empty(), "finishing runs once");
 }
 
 #[test]
@@ -691,8 +696,12 @@ fn exhausted_retry_budget_fails_with_the_reason_and_cleans_up() {
     let last = d.status.errors.last().unwrap();
     assert_eq!(last.reason, reason::RETRY_BUDGET_EXHAUSTED);
     assert!(last.message.contains("SSHTimeout"));
-    assert!(d.actions.contains(&Action::CleanupStaging));
-    assert!(d.actions.contains(&Action::ReleaseDestination), "Retain is the default on failure");
+    let finish = run.decide_at(Observed::Nothing, t(now + 1));
+    assert!(finish.actions.contains(&Action::CleanupStaging));
+    assert!(finish.actions.contains(&Action::ReleaseDestination), "Retain is the default on failure");
+    run.spec.cleanup.on_failure = CleanupAction::Delete;
+    let finish = run.decide_at(Observed::Nothing, t(now + 1));
+    assert!(finish.actions.contains(&Action::DeleteDestination));
 }
 
 #[test]
@@ -764,6 +773,7 @@ fn terminal_phases_are_never_left() {
         run.generation = 5;
         for observed in [Observed::Nothing, Observed::Discovery(Ok(inventory()))] {
             for retry in [false, true] {
+                run.status.timestamps.cleaned_up = Some(api_time(t(0)));
                 let d = run.decide_full(observed.clone(), t(1_000_000), retry);
                 assert_eq!(d.status.phase, terminal);
                 assert!(

@@ -1,0 +1,116 @@
+//! The ports through which the controller touches the world. Each has one
+//! real implementation (ESXi over SSH, qemu-img, the staging server, the
+//! Kubernetes API) and one in-memory simulation (`super::sim`).
+//!
+//! Every operation is idempotent and every error is a classified
+//! `machine::Failure` with a stable reason. Adapters receive the migration
+//! object as read from the API server; names they derive are deterministic
+//! (`machine::data_volume_name`, `machine::artifact_key`).
+
+use crate::api::{SourceInventory, SourcePowerState, ValidationCheck, VirtualMachineMigration};
+use crate::machine::{
+    ArtifactState, CheckResult, CopyState, DataVolumeState, Failure, PreflightFacts, StartingFacts, VmState,
+};
+use async_trait::async_trait;
+use std::sync::Arc;
+
+/// Power as `power.getstate` and `get.guest` report it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PowerObservation {
+    pub state: SourcePowerState,
+    pub tools_running: bool,
+}
+
+/// The source ESXi host. Discovery and power reads are read-only.
+#[async_trait]
+pub trait EsxiHost: Send + Sync {
+    /// Finds the VM and reads its inventory (vim-cmd, .vmx, descriptors).
+    async fn discover(&self, vmm: &VirtualMachineMigration) -> Result<SourceInventory, Failure>;
+    /// `power.getstate` plus whether VMware Tools runs.
+    async fn power(&self, vmm: &VirtualMachineMigration) -> Result<PowerObservation, Failure>;
+    /// `power.shutdown`: asks the guest to shut down; returns at once.
+    async fn request_shutdown(&self, vmm: &VirtualMachineMigration) -> Result<(), Failure>;
+    /// `power.off`: hard power-off. "Already off" is success.
+    async fn power_off(&self, vmm: &VirtualMachineMigration) -> Result<(), Failure>;
+}
+
+/// Local copies of the source disks (deterministic paths per migration and disk).
+#[async_trait]
+pub trait DiskStore: Send + Sync {
+    /// The state of disk `disk`'s copy. A failure of a finished copy is
+    /// reported once; afterwards the partial data shows as `Partial` or `Absent`.
+    async fn copy_state(&self, vmm: &VirtualMachineMigration, disk: usize) -> CopyState;
+    /// Starts or resumes the copy; a no-op while it runs or once it is complete.
+    async fn start_copy(&self, vmm: &VirtualMachineMigration, disk: usize) -> Result<(), Failure>;
+    /// Removes a failed or corrupt copy of one disk.
+    async fn discard_copy(&self, vmm: &VirtualMachineMigration, disk: usize) -> Result<(), Failure>;
+    /// Removes every copy of this migration. "Not found" is success.
+    async fn remove_all(&self, vmm: &VirtualMachineMigration) -> Result<(), Failure>;
+}
+
+/// Turns an acquired disk into the artifact CDI imports.
+#[async_trait]
+pub trait Converter: Send + Sync {
+    /// The artifact of disk `disk` (`staged_url` is left to `Staging`).
+    async fn artifact_state(&self, vmm: &VirtualMachineMigration, disk: usize) -> ArtifactState;
+    async fn start_conversion(&self, vmm: &VirtualMachineMigration, disk: usize) -> Result<(), Failure>;
+    async fn discard_artifact(&self, vmm: &VirtualMachineMigration, disk: usize) -> Result<(), Failure>;
+}
+
+/// Where CDI fetches artifacts from.
+#[async_trait]
+pub trait Staging: Send + Sync {
+    /// The URL when the artifact with this checksum is published, else `None`.
+    async fn staged_url(
+        &self,
+        vmm: &VirtualMachineMigration,
+        disk: usize,
+        sha256: &str,
+    ) -> Result<Option<String>, Failure>;
+    async fn stage(&self, vmm: &VirtualMachineMigration, disk: usize) -> Result<(), Failure>;
+    /// Removes everything staged for this migration. "Not found" is success.
+    async fn remove_all(&self, vmm: &VirtualMachineMigration) -> Result<(), Failure>;
+}
+
+/// The destination cluster: DataVolumes, the VirtualMachine and its VMI.
+#[async_trait]
+pub trait Cluster: Send + Sync {
+    async fn preflight(&self, vmm: &VirtualMachineMigration) -> Result<PreflightFacts, Failure>;
+    async fn data_volume(
+        &self,
+        vmm: &VirtualMachineMigration,
+        disk: usize,
+    ) -> Result<DataVolumeState, Failure>;
+    /// Creates `<name>-disk-<n>` if absent ("already exists" is success).
+    async fn create_data_volume(&self, vmm: &VirtualMachineMigration, disk: usize) -> Result<(), Failure>;
+    /// "Not found" is success.
+    async fn delete_data_volume(&self, vmm: &VirtualMachineMigration, disk: usize) -> Result<(), Failure>;
+    async fn vm(&self, vmm: &VirtualMachineMigration) -> Result<VmState, Failure>;
+    /// Creates the VirtualMachine with runStrategy Halted if absent.
+    async fn create_vm(&self, vmm: &VirtualMachineMigration) -> Result<(), Failure>;
+    /// Updates our VirtualMachine to the rendered spec.
+    async fn update_vm(&self, vmm: &VirtualMachineMigration) -> Result<(), Failure>;
+    async fn starting(&self, vmm: &VirtualMachineMigration) -> Result<StartingFacts, Failure>;
+    async fn set_run_strategy(&self, vmm: &VirtualMachineMigration) -> Result<(), Failure>;
+    /// Deletes the DataVolumes and the VirtualMachine this migration created.
+    async fn delete_destination(&self, vmm: &VirtualMachineMigration) -> Result<(), Failure>;
+    /// Removes this migration's owner references from them.
+    async fn release_destination(&self, vmm: &VirtualMachineMigration) -> Result<(), Failure>;
+}
+
+/// Read-only application checks.
+#[async_trait]
+pub trait Prober: Send + Sync {
+    async fn check(&self, vmm: &VirtualMachineMigration, check: &ValidationCheck) -> CheckResult;
+}
+
+/// The set of adapters one controller uses.
+#[derive(Clone)]
+pub struct Adapters {
+    pub esxi: Arc<dyn EsxiHost>,
+    pub disks: Arc<dyn DiskStore>,
+    pub converter: Arc<dyn Converter>,
+    pub staging: Arc<dyn Staging>,
+    pub cluster: Arc<dyn Cluster>,
+    pub prober: Arc<dyn Prober>,
+}

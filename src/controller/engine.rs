@@ -1,0 +1,255 @@
+//! One reconcile of one migration, independent of kube-runtime:
+//! observe (through adapters) → decide (pure) → act (idempotent) → the
+//! status to record. The kube-runtime glue and the simulation tests both run
+//! exactly this code.
+
+use super::adapters::Adapters;
+use crate::api::{Phase, VirtualMachineMigration};
+use crate::machine::{self, Action, ArtifactState, CopyState, Decision, Failure, Input, Observed};
+use k8s_openapi::jiff::Timestamp;
+use std::future::Future;
+use std::time::Duration;
+
+/// Longest any single adapter call may take before it counts as hung.
+pub const CALL_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// Where a reconcile can be interrupted; the simulation crashes the
+/// controller at each of these.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Checkpoint {
+    /// Observed, nothing done yet.
+    Observed,
+    /// This action was just performed (before the next one and before the status write).
+    Performed(Action),
+}
+
+/// What one reconcile produced.
+#[derive(Clone, Debug)]
+pub struct Step {
+    /// The decision whose status must be recorded.
+    pub decision: Decision,
+    /// Actions that were performed, in order.
+    pub performed: Vec<Action>,
+    /// The action that failed, if any (already folded into `decision`).
+    pub failed: Option<(Action, Failure)>,
+}
+
+async fn bounded<T>(
+    what: &str,
+    limit: Duration,
+    fut: impl Future<Output = Result<T, Failure>>,
+) -> Result<T, Failure> {
+    match tokio::time::timeout(limit, fut).await {
+        Ok(result) => result,
+        Err(_) => {
+            Err(Failure::retryable("Timeout", format!("{what} did not answer within {}s", limit.as_secs())))
+        }
+    }
+}
+
+fn ssh_timeout(vmm: &VirtualMachineMigration) -> Duration {
+    Duration::from_secs(vmm.spec.strategy.timeouts.ssh_seconds.max(1) as u64 * 2)
+}
+
+fn disk_count(vmm: &VirtualMachineMigration) -> usize {
+    let status = vmm.status.as_ref();
+    let recorded = status.map(|s| s.disks.len()).unwrap_or(0);
+    if recorded > 0 {
+        return recorded;
+    }
+    status.and_then(|s| s.source_inventory.as_ref()).map(|i| i.disks.len()).unwrap_or(0)
+}
+
+/// Looks at the world for the migration's current checkpoint.
+pub async fn observe(adapters: &Adapters, vmm: &VirtualMachineMigration) -> Observed {
+    let phase = vmm.status.as_ref().map(|s| s.phase).unwrap_or_default();
+    let disks = disk_count(vmm);
+    match phase {
+        Phase::Discovering => Observed::Discovery(
+            bounded("ESXi discovery", ssh_timeout(vmm) * 4, adapters.esxi.discover(vmm)).await,
+        ),
+        Phase::Validated => {
+            Observed::Preflight(bounded("pre-flight", CALL_TIMEOUT, adapters.cluster.preflight(vmm)).await)
+        }
+        Phase::Preparing => {
+            let power = match bounded("ESXi power state", ssh_timeout(vmm), adapters.esxi.power(vmm)).await {
+                Ok(p) => p,
+                Err(failure) => return Observed::Preparing(Err(failure)),
+            };
+            let mut copies = Vec::with_capacity(disks);
+            for disk in 0..disks {
+                let state = tokio::time::timeout(CALL_TIMEOUT, adapters.disks.copy_state(vmm, disk)).await;
+                copies.push(state.unwrap_or_else(|_| CopyState::Failed {
+                    failure: Failure::retryable("Timeout", "the disk store did not answer"),
+                    discard: false,
+                }));
+            }
+            Observed::Preparing(Ok(machine::PreparingFacts {
+                power: power.state,
+                tools_running: power.tools_running,
+                copies,
+            }))
+        }
+        Phase::Converting => {
+            let mut artifacts = Vec::with_capacity(disks);
+            for disk in 0..disks {
+                let state = tokio::time::timeout(CALL_TIMEOUT, adapters.converter.artifact_state(vmm, disk))
+                    .await
+                    .unwrap_or_else(|_| {
+                        ArtifactState::Failed(Failure::retryable("Timeout", "converter hung"))
+                    });
+                let state = match state {
+                    ArtifactState::Complete { sha256, staged_url: None } => {
+                        match bounded(
+                            "staging",
+                            CALL_TIMEOUT,
+                            adapters.staging.staged_url(vmm, disk, &sha256),
+                        )
+                        .await
+                        {
+                            Ok(url) => ArtifactState::Complete { sha256, staged_url: url },
+                            Err(failure) => return Observed::Converting(Err(failure)),
+                        }
+                    }
+                    other => other,
+                };
+                artifacts.push(state);
+            }
+            Observed::Converting(Ok(artifacts))
+        }
+        Phase::Importing => {
+            let mut volumes = Vec::with_capacity(disks);
+            for disk in 0..disks {
+                match bounded("DataVolume read", CALL_TIMEOUT, adapters.cluster.data_volume(vmm, disk)).await
+                {
+                    Ok(dv) => volumes.push(dv),
+                    Err(failure) => return Observed::Importing(Err(failure)),
+                }
+            }
+            Observed::Importing(Ok(volumes))
+        }
+        Phase::CreatingVm => {
+            Observed::CreatingVm(bounded("VM read", CALL_TIMEOUT, adapters.cluster.vm(vmm)).await)
+        }
+        Phase::Starting => {
+            Observed::Starting(bounded("VMI read", CALL_TIMEOUT, adapters.cluster.starting(vmm)).await)
+        }
+        Phase::Validating => {
+            let mut results = Vec::new();
+            for check in &vmm.spec.validation.checks {
+                let result = tokio::time::timeout(CALL_TIMEOUT, adapters.prober.check(vmm, check)).await;
+                results.push(result.unwrap_or_else(|_| machine::CheckResult::NotYet {
+                    message: format!("check {:?} did not answer in time", check.name),
+                }));
+            }
+            Observed::Validating(Ok(results))
+        }
+        Phase::Pending
+        | Phase::Retryable
+        | Phase::ManualInterventionRequired
+        | Phase::Completed
+        | Phase::Failed => Observed::Nothing,
+    }
+}
+
+/// Performs one action. Annotation removal is done by the caller (it needs the API).
+pub async fn perform(
+    adapters: &Adapters,
+    vmm: &VirtualMachineMigration,
+    action: &Action,
+) -> Result<(), Failure> {
+    let esxi = ssh_timeout(vmm);
+    match action {
+        Action::RemoveRetryAnnotation => Ok(()),
+        Action::RequestGuestShutdown => {
+            bounded("ESXi shutdown", esxi, adapters.esxi.request_shutdown(vmm)).await
+        }
+        Action::PowerOffHard => bounded("ESXi power-off", esxi, adapters.esxi.power_off(vmm)).await,
+        Action::StartDiskCopy { disk } => {
+            bounded("disk copy", CALL_TIMEOUT, adapters.disks.start_copy(vmm, *disk)).await
+        }
+        Action::DiscardDiskCopy { disk } => {
+            bounded("disk discard", CALL_TIMEOUT, adapters.disks.discard_copy(vmm, *disk)).await
+        }
+        Action::StartConversion { disk } => {
+            bounded("conversion", CALL_TIMEOUT, adapters.converter.start_conversion(vmm, *disk)).await
+        }
+        Action::DiscardArtifact { disk } => {
+            bounded("artifact discard", CALL_TIMEOUT, adapters.converter.discard_artifact(vmm, *disk)).await
+        }
+        Action::StageArtifact { disk } => {
+            bounded("staging", CALL_TIMEOUT, adapters.staging.stage(vmm, *disk)).await
+        }
+        Action::CreateDataVolume { disk } => {
+            bounded("DataVolume create", CALL_TIMEOUT, adapters.cluster.create_data_volume(vmm, *disk)).await
+        }
+        Action::DeleteDataVolume { disk } => {
+            bounded("DataVolume delete", CALL_TIMEOUT, adapters.cluster.delete_data_volume(vmm, *disk)).await
+        }
+        Action::CreateVm => bounded("VM create", CALL_TIMEOUT, adapters.cluster.create_vm(vmm)).await,
+        Action::UpdateVm => bounded("VM update", CALL_TIMEOUT, adapters.cluster.update_vm(vmm)).await,
+        Action::SetRunStrategy => {
+            bounded("runStrategy", CALL_TIMEOUT, adapters.cluster.set_run_strategy(vmm)).await
+        }
+        Action::CleanupStaging => {
+            bounded("staging cleanup", CALL_TIMEOUT, adapters.staging.remove_all(vmm)).await?;
+            bounded("disk cleanup", CALL_TIMEOUT, adapters.disks.remove_all(vmm)).await
+        }
+        Action::DeleteDestination => {
+            bounded("destination delete", CALL_TIMEOUT, adapters.cluster.delete_destination(vmm)).await
+        }
+        Action::ReleaseDestination => {
+            bounded("destination release", CALL_TIMEOUT, adapters.cluster.release_destination(vmm)).await
+        }
+    }
+}
+
+/// Inputs of one reconcile besides the adapters and the object.
+pub struct StepInput {
+    pub now: Timestamp,
+    pub jitter: f64,
+    pub retry_requested: bool,
+}
+
+/// One reconcile. `interrupt` is asked at every checkpoint and returns true to
+/// stop there as if the process died (the simulation's crash); production
+/// passes `|_| false`. Returns `None` when interrupted: nothing is recorded.
+pub async fn step(
+    adapters: &Adapters,
+    vmm: &VirtualMachineMigration,
+    input: StepInput,
+    mut interrupt: impl FnMut(&Checkpoint) -> bool,
+) -> Option<Step> {
+    let status = vmm.status.clone().unwrap_or_default();
+    let name = vmm.metadata.name.clone().unwrap_or_default();
+    let generation = vmm.metadata.generation.unwrap_or(1);
+    let observed = observe(adapters, vmm).await;
+    if interrupt(&Checkpoint::Observed) {
+        return None;
+    }
+    let make_input = |observed: Observed| Input {
+        spec: &vmm.spec,
+        status: &status,
+        name: &name,
+        generation,
+        retry_requested: input.retry_requested,
+        observed,
+        now: input.now,
+        jitter: input.jitter,
+    };
+    let decision = machine::decide(make_input(observed));
+    let mut performed = Vec::new();
+    for action in &decision.actions {
+        if let Err(failure) = perform(adapters, vmm, action).await {
+            // Nothing of this decision is recorded: the failure is recorded
+            // against the recorded status and phase (record before you advance).
+            let failed = machine::action_failed(make_input(Observed::Nothing), status.phase, failure.clone());
+            return Some(Step { decision: failed, performed, failed: Some((action.clone(), failure)) });
+        }
+        performed.push(action.clone());
+        if interrupt(&Checkpoint::Performed(action.clone())) {
+            return None;
+        }
+    }
+    Some(Step { decision, performed, failed: None })
+}

@@ -1,0 +1,810 @@
+//! Simulation: an in-memory world that stands in for the ESXi host, the local
+//! disk store, the converter, the staging server, the destination cluster
+//! (CDI DataVolumes, KubeVirt VirtualMachine/VMI) and the application prober.
+//!
+//! It exists so that tests can drive the real controller code (`engine::step`)
+//! through thousands of seeded schedules of faults and crashes in seconds. The
+//! real adapters are proven against real parts elsewhere (sshd, qemu-img, the
+//! API server). Background work (a copy, a conversion, an import, a boot)
+//! advances one tick each time it is observed. Faults: fail the Nth call,
+//! transient failures, a cut connection mid-copy, a corrupted copy, a killed
+//! conversion, an evicted importer, a VMI without capacity, a call that hangs
+//! until the engine's timeout, a create whose response is lost, and the
+//! needs-a-human cases (guest ignores shutdown, snapshots, wrong app content).
+//! `crash()` drops what a controller process would lose when it dies.
+
+use super::adapters::{Cluster, Converter, DiskStore, EsxiHost, PowerObservation, Prober, Staging};
+use crate::api::{
+    Firmware, SourceDisk, SourceInventory, SourceNic, SourcePowerState, ValidationCheck,
+    VirtualMachineMigration,
+};
+use crate::machine::{
+    ArtifactState, CheckResult, CopyState, DataVolumeState, DestinationOccupancy, Failure, PreflightFacts,
+    StartingFacts, VmState, VmiState,
+};
+use async_trait::async_trait;
+use sha2::{Digest, Sha256};
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+/// Bytes a running copy advances per tick.
+const COPY_CHUNK: usize = 4096;
+
+/// A small deterministic PRNG (SplitMix64).
+#[derive(Clone, Debug)]
+pub struct SplitMix(pub u64);
+
+impl SplitMix {
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    /// Uniform in [0, 1).
+    pub fn unit(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+    }
+    pub fn chance(&mut self, p: f64) -> bool {
+        p > 0.0 && self.unit() < p
+    }
+    pub fn below(&mut self, n: u64) -> u64 {
+        if n == 0 { 0 } else { self.next_u64() % n }
+    }
+}
+
+/// Which faults to inject, and how often.
+#[derive(Clone, Debug, Default)]
+pub struct FaultPlan {
+    /// Probability that any adapter call fails with a retryable error.
+    pub transient: f64,
+    /// Probability that a call hangs until the engine's timeout.
+    pub hang: f64,
+    /// Probability per copy tick that the SSH connection is cut.
+    pub cut_copy: f64,
+    /// Probability that a finished copy's checksum does not match.
+    pub corrupt_copy: f64,
+    /// Probability per conversion tick that qemu-img is killed.
+    pub kill_conversion: f64,
+    /// Probability per import tick that the importer pod is evicted.
+    pub evict_importer: f64,
+    /// Probability per boot tick that the VMI fails to schedule (capacity).
+    pub no_capacity: f64,
+    /// Probability that a create succeeds but its response is lost.
+    pub lost_response: f64,
+    /// Fail exactly the Nth adapter call (1-based) with a retryable error.
+    pub fail_nth_call: Option<u64>,
+    /// Discovery fails every time (the budget runs out).
+    pub discovery_always_fails: bool,
+    /// The guest ignores graceful shutdown requests.
+    pub guest_ignores_shutdown: bool,
+    /// VMware Tools is not running in the guest.
+    pub tools_not_running: bool,
+    /// The VM has a snapshot (validation blocks).
+    pub snapshot: bool,
+    /// The application answers with the wrong content.
+    pub wrong_content: bool,
+    /// A foreign VM already has the destination name.
+    pub foreign_vm: bool,
+}
+
+#[derive(Debug, Default)]
+struct LocalCopy {
+    data: Vec<u8>,
+    running: bool,
+    pending_failure: Option<(Failure, bool)>,
+}
+
+#[derive(Debug, Default)]
+struct Artifact {
+    /// Ticks left while running.
+    running: Option<u32>,
+    partial: bool,
+    done: Option<String>,
+    pending_failure: Option<Failure>,
+}
+
+#[derive(Debug)]
+struct SimDv {
+    ticks: u32,
+    failed: Option<Failure>,
+    owned: bool,
+}
+
+#[derive(Debug)]
+struct SimVm {
+    ours: bool,
+    owned: bool,
+    drifted: bool,
+    run_strategy: String,
+    uid: String,
+}
+
+/// Counters and the invariant violations the world saw itself.
+#[derive(Clone, Debug, Default)]
+pub struct Ledger {
+    pub calls: u64,
+    pub power_off_transitions: u32,
+    pub shutdown_requests: u32,
+    pub hard_power_offs: u32,
+    pub dv_creates: BTreeMap<usize, u32>,
+    pub dv_deletes: BTreeMap<usize, u32>,
+    pub vm_creates: u32,
+    pub vm_updates: u32,
+    pub violations: Vec<String>,
+}
+
+struct World {
+    rng: SplitMix,
+    faults: FaultPlan,
+    ledger: Ledger,
+    power: SourcePowerState,
+    shutdown_ticks: Option<u32>,
+    source_disks: Vec<Vec<u8>>,
+    source_sha: Vec<String>,
+    copies: Vec<LocalCopy>,
+    artifacts: Vec<Artifact>,
+    staged: BTreeMap<usize, String>,
+    dvs: BTreeMap<usize, SimDv>,
+    vm: Option<SimVm>,
+    vmi_ticks: Option<u32>,
+    app_ticks: u32,
+}
+
+/// The simulated world; clone the `Arc` into every adapter slot.
+pub struct SimWorld {
+    world: Mutex<World>,
+}
+
+fn sha_hex(data: &[u8]) -> String {
+    Sha256::digest(data).iter().map(|b| format!("{b:02x}")).collect()
+}
+
+impl SimWorld {
+    /// A powered-on VM with two disks (24 KiB and 8 KiB of patterned data).
+    pub fn new(seed: u64, faults: FaultPlan) -> Arc<SimWorld> {
+        let disks: Vec<Vec<u8>> = [24 * 1024, 8 * 1024]
+            .iter()
+            .enumerate()
+            .map(|(d, len)| (0..*len).map(|i| ((i * 31 + d * 7 + 1) % 251) as u8).collect())
+            .collect();
+        let source_sha = disks.iter().map(|d| sha_hex(d)).collect();
+        let n = disks.len();
+        let vm = faults.foreign_vm.then(|| SimVm {
+            ours: false,
+            owned: false,
+            drifted: false,
+            run_strategy: "Always".into(),
+            uid: "foreign".into(),
+        });
+        Arc::new(SimWorld {
+            world: Mutex::new(World {
+                rng: SplitMix(seed ^ 0x5EED),
+                faults,
+                ledger: Ledger::default(),
+                power: SourcePowerState::PoweredOn,
+                shutdown_ticks: None,
+                source_disks: disks,
+                source_sha,
+                copies: (0..n).map(|_| LocalCopy::default()).collect(),
+                artifacts: (0..n).map(|_| Artifact::default()).collect(),
+                staged: BTreeMap::new(),
+                dvs: BTreeMap::new(),
+                vm,
+                vmi_ticks: None,
+                app_ticks: 3,
+            }),
+        })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, World> {
+        // A poisoned lock only means another test thread panicked; the data is still usable.
+        self.world.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// What a controller process loses when it dies: running background work
+    /// stops (partial data stays), and unreported task results are gone.
+    pub fn crash(&self) {
+        let mut w = self.lock();
+        for copy in &mut w.copies {
+            copy.running = false;
+            copy.pending_failure = None;
+        }
+        for artifact in &mut w.artifacts {
+            if artifact.running.take().is_some() {
+                artifact.partial = true;
+            }
+            artifact.pending_failure = None;
+        }
+    }
+
+    /// A human fixes what the needs-a-human faults broke.
+    pub fn human_fixes(&self) {
+        let mut w = self.lock();
+        w.faults.guest_ignores_shutdown = false;
+        w.faults.tools_not_running = false;
+        w.faults.snapshot = false;
+        w.faults.wrong_content = false;
+        if w.vm.as_ref().is_some_and(|vm| !vm.ours) {
+            w.vm = None;
+        }
+    }
+
+    /// A human shuts the guest down on the host (outside vmmigrate).
+    pub fn human_shuts_down(&self) {
+        self.lock().power = SourcePowerState::PoweredOff;
+    }
+
+    pub fn ledger(&self) -> Ledger {
+        self.lock().ledger.clone()
+    }
+
+    pub fn source_sha(&self) -> Vec<String> {
+        let w = self.lock();
+        w.source_disks.iter().map(|d| sha_hex(d)).collect()
+    }
+
+    pub fn recorded_source_sha(&self) -> Vec<String> {
+        self.lock().source_sha.clone()
+    }
+
+    pub fn source_power(&self) -> SourcePowerState {
+        self.lock().power
+    }
+
+    /// (DataVolumes present, VM present, VM still owned, anything staged or copied).
+    pub fn destination_summary(&self) -> (usize, bool, bool, bool) {
+        let w = self.lock();
+        let leftovers = !w.staged.is_empty() || w.copies.iter().any(|c| !c.data.is_empty());
+        let owned = w.vm.as_ref().is_some_and(|vm| vm.owned) || w.dvs.values().any(|dv| dv.owned);
+        (w.dvs.len(), w.vm.as_ref().is_some_and(|vm| vm.ours), owned, leftovers)
+    }
+}
+
+impl World {
+    /// Common entry of every call: counts it and rolls the generic faults.
+    /// Returns `Err` for an injected failure, `Ok(true)` when the call must hang.
+    fn enter(&mut self, what: &str) -> Result<bool, Failure> {
+        self.ledger.calls += 1;
+        if self.faults.fail_nth_call == Some(self.ledger.calls) {
+            return Err(Failure::retryable(
+                "InjectedFault",
+                format!("{what}: injected failure of call {}", self.ledger.calls),
+            ));
+        }
+        if self.rng.chance(self.faults.transient) {
+            return Err(Failure::retryable("TransientError", format!("{what}: transient failure")));
+        }
+        Ok(self.rng.chance(self.faults.hang))
+    }
+}
+
+macro_rules! call {
+    ($self:ident, $what:expr) => {{
+        let hang = {
+            let mut w = $self.lock();
+            w.enter($what)?
+        };
+        if hang {
+            std::future::pending::<()>().await;
+        }
+    }};
+}
+
+#[async_trait]
+impl EsxiHost for SimWorld {
+    async fn discover(&self, _vmm: &VirtualMachineMigration) -> Result<SourceInventory, Failure> {
+        call!(self, "discover");
+        let w = self.lock();
+        if w.faults.discovery_always_fails {
+            return Err(Failure::retryable("SSHConnectionRefused", "connection refused by the ESXi host"));
+        }
+        let disks = w
+            .source_disks
+            .iter()
+            .enumerate()
+            .map(|(i, d)| SourceDisk {
+                index: i as i32,
+                device: format!("scsi0:{i}"),
+                bus: "scsi".into(),
+                controller_model: "pvscsi".into(),
+                descriptor_path: format!("/vmfs/volumes/ds1/web/web_{i}.vmdk"),
+                extent_path: format!("/vmfs/volumes/ds1/web/web_{i}-flat.vmdk"),
+                capacity_bytes: d.len() as i64,
+                create_type: "vmfs".into(),
+                mode: "persistent".into(),
+            })
+            .collect();
+        Ok(SourceInventory {
+            vmid: "7".into(),
+            name: "web 01".into(),
+            vmx_path: "[ds1] web/web.vmx".into(),
+            guest_os: "debian12_64Guest".into(),
+            esxi_version: "VMware ESXi 8.0.3 build-24022510".into(),
+            firmware: Firmware::Efi,
+            secure_boot: false,
+            cpu_sockets: 1,
+            cores_per_socket: 2,
+            memory_mib: 2048,
+            power_state: w.power,
+            snapshots: i32::from(w.faults.snapshot),
+            pending_question: None,
+            disks,
+            nics: vec![SourceNic {
+                device: "ethernet0".into(),
+                model: "vmxnet3".into(),
+                network: "VM Network".into(),
+                mac_address: "00:50:56:01:02:03".into(),
+            }],
+            ip_addresses: vec![],
+        })
+    }
+
+    async fn power(&self, _vmm: &VirtualMachineMigration) -> Result<PowerObservation, Failure> {
+        call!(self, "power.getstate");
+        let mut w = self.lock();
+        if let Some(ticks) = w.shutdown_ticks {
+            if ticks == 0 {
+                w.shutdown_ticks = None;
+                if w.power == SourcePowerState::PoweredOn {
+                    w.power = SourcePowerState::PoweredOff;
+                    w.ledger.power_off_transitions += 1;
+                }
+            } else {
+                w.shutdown_ticks = Some(ticks - 1);
+            }
+        }
+        Ok(PowerObservation { state: w.power, tools_running: !w.faults.tools_not_running })
+    }
+
+    async fn request_shutdown(&self, _vmm: &VirtualMachineMigration) -> Result<(), Failure> {
+        call!(self, "power.shutdown");
+        let mut w = self.lock();
+        w.ledger.shutdown_requests += 1;
+        if w.faults.tools_not_running {
+            return Err(Failure::needs_human(
+                "ToolsNotRunning",
+                "Cannot complete operation because VMware Tools is not running in this virtual machine.",
+            ));
+        }
+        if w.power == SourcePowerState::PoweredOn
+            && !w.faults.guest_ignores_shutdown
+            && w.shutdown_ticks.is_none()
+        {
+            w.shutdown_ticks = Some(2);
+        }
+        Ok(())
+    }
+
+    async fn power_off(&self, _vmm: &VirtualMachineMigration) -> Result<(), Failure> {
+        call!(self, "power.off");
+        let mut w = self.lock();
+        w.ledger.hard_power_offs += 1;
+        if w.power == SourcePowerState::PoweredOn {
+            w.power = SourcePowerState::PoweredOff;
+            w.ledger.power_off_transitions += 1;
+        }
+        Ok(())
+    }
+}
+
+#[async_trait]
+impl DiskStore for SimWorld {
+    async fn copy_state(&self, _vmm: &VirtualMachineMigration, disk: usize) -> CopyState {
+        let mut w = self.lock();
+        w.ledger.calls += 1;
+        let total = w.source_disks.get(disk).map(|d| d.len()).unwrap_or(0);
+        let cut = w.faults.cut_copy;
+        let corrupt = w.faults.corrupt_copy;
+        let roll_cut = w.rng.chance(cut);
+        let roll_corrupt = w.rng.chance(corrupt);
+        let World { copies, source_disks, .. } = &mut *w;
+        let Some(copy) = copies.get_mut(disk) else {
+            return CopyState::Failed {
+                failure: Failure::terminal("NoSuchDisk", format!("disk {disk}")),
+                discard: false,
+            };
+        };
+        if let Some((failure, discard)) = copy.pending_failure.take() {
+            return CopyState::Failed { failure, discard };
+        }
+        if copy.running {
+            if roll_cut {
+                copy.running = false;
+                return CopyState::Failed {
+                    failure: Failure::retryable("ConnectionLost", "the SSH connection was lost mid-copy"),
+                    discard: false,
+                };
+            }
+            // Only reads from the source, never writes.
+            let start = copy.data.len();
+            let end = (start + COPY_CHUNK).min(total);
+            copy.data.extend_from_slice(&source_disks[disk][start..end]);
+            if copy.data.len() == total {
+                copy.running = false;
+                if roll_corrupt && !copy.data.is_empty() {
+                    copy.data[0] ^= 0xff;
+                }
+            } else {
+                return CopyState::InProgress {
+                    bytes_done: copy.data.len() as i64,
+                    bytes_total: total as i64,
+                };
+            }
+        }
+        if copy.data.is_empty() {
+            return CopyState::Absent;
+        }
+        if copy.data.len() < total {
+            return CopyState::Partial { bytes_done: copy.data.len() as i64, bytes_total: total as i64 };
+        }
+        let sha = sha_hex(&copy.data);
+        if sha != sha_hex(&source_disks[disk]) {
+            return CopyState::Failed {
+                failure: Failure::retryable(
+                    "ChecksumMismatch",
+                    "the copy's sha256 differs from the source's",
+                ),
+                discard: true,
+            };
+        }
+        CopyState::Complete { size: total as i64, sha256: sha, verified_remotely: true }
+    }
+
+    async fn start_copy(&self, _vmm: &VirtualMachineMigration, disk: usize) -> Result<(), Failure> {
+        call!(self, "start copy");
+        let mut w = self.lock();
+        let power = w.power;
+        if power != SourcePowerState::PoweredOff {
+            w.ledger.violations.push(format!("disk {disk} copy started while the source was {power:?}"));
+        }
+        if let Some(copy) = w.copies.get_mut(disk) {
+            copy.running = true;
+        }
+        Ok(())
+    }
+
+    async fn discard_copy(&self, _vmm: &VirtualMachineMigration, disk: usize) -> Result<(), Failure> {
+        call!(self, "discard copy");
+        let mut w = self.lock();
+        if let Some(copy) = w.copies.get_mut(disk) {
+            *copy = LocalCopy::default();
+        }
+        if let Some(a) = w.artifacts.get_mut(disk) {
+            *a = Artifact::default();
+        }
+        Ok(())
+    }
+
+    async fn remove_all(&self, _vmm: &VirtualMachineMigration) -> Result<(), Failure> {
+        call!(self, "remove copies");
+        let mut w = self.lock();
+        for copy in &mut w.copies {
+            *copy = LocalCopy::default();
+        }
+        for artifact in &mut w.artifacts {
+            *artifact = Artifact::default();
+        }
+        Ok(())
+    }
+}
+
+#[async_trait]
+impl Converter for SimWorld {
+    async fn artifact_state(&self, _vmm: &VirtualMachineMigration, disk: usize) -> ArtifactState {
+        let mut w = self.lock();
+        w.ledger.calls += 1;
+        let kill = w.faults.kill_conversion;
+        let killed = w.rng.chance(kill);
+        let World { artifacts, copies, .. } = &mut *w;
+        let Some(artifact) = artifacts.get_mut(disk) else {
+            return ArtifactState::Failed(Failure::terminal("NoSuchDisk", format!("disk {disk}")));
+        };
+        if let Some(failure) = artifact.pending_failure.take() {
+            return ArtifactState::Failed(failure);
+        }
+        if let Some(ticks) = artifact.running {
+            if killed {
+                artifact.running = None;
+                artifact.partial = true;
+                return ArtifactState::Failed(Failure::retryable("ConversionKilled", "qemu-img was killed"));
+            }
+            if ticks == 0 {
+                artifact.running = None;
+                artifact.done = Some(sha_hex(&copies[disk].data));
+            } else {
+                artifact.running = Some(ticks - 1);
+                return ArtifactState::InProgress { bytes_done: 1, bytes_total: 2 };
+            }
+        }
+        if artifact.partial {
+            return ArtifactState::Invalid { reason: "output is incomplete".into() };
+        }
+        match &artifact.done {
+            Some(sha) => ArtifactState::Complete { sha256: sha.clone(), staged_url: None },
+            None => ArtifactState::Absent,
+        }
+    }
+
+    async fn start_conversion(&self, _vmm: &VirtualMachineMigration, disk: usize) -> Result<(), Failure> {
+        call!(self, "start conversion");
+        let mut w = self.lock();
+        if let Some(a) = w.artifacts.get_mut(disk)
+            && a.running.is_none()
+            && a.done.is_none()
+        {
+            a.running = Some(1);
+            a.partial = false;
+        }
+        Ok(())
+    }
+
+    async fn discard_artifact(&self, _vmm: &VirtualMachineMigration, disk: usize) -> Result<(), Failure> {
+        call!(self, "discard artifact");
+        let mut w = self.lock();
+        if let Some(a) = w.artifacts.get_mut(disk) {
+            *a = Artifact::default();
+        }
+        w.staged.remove(&disk);
+        Ok(())
+    }
+}
+
+#[async_trait]
+impl Staging for SimWorld {
+    async fn staged_url(
+        &self,
+        _vmm: &VirtualMachineMigration,
+        disk: usize,
+        sha256: &str,
+    ) -> Result<Option<String>, Failure> {
+        call!(self, "staging lookup");
+        let w = self.lock();
+        Ok(w.staged
+            .get(&disk)
+            .filter(|s| *s == sha256)
+            .map(|_| format!("http://staging.sim/artifacts/uid/disk-{disk}.raw")))
+    }
+
+    async fn stage(&self, _vmm: &VirtualMachineMigration, disk: usize) -> Result<(), Failure> {
+        call!(self, "stage");
+        let mut w = self.lock();
+        match w.artifacts.get(disk).and_then(|a| a.done.clone()) {
+            Some(sha) => {
+                w.staged.insert(disk, sha);
+                Ok(())
+            }
+            None => {
+                Err(Failure::retryable("ArtifactMissing", format!("no artifact for disk {disk} to stage")))
+            }
+        }
+    }
+
+    async fn remove_all(&self, _vmm: &VirtualMachineMigration) -> Result<(), Failure> {
+        call!(self, "unstage");
+        self.lock().staged.clear();
+        Ok(())
+    }
+}
+
+#[async_trait]
+impl Cluster for SimWorld {
+    async fn preflight(&self, _vmm: &VirtualMachineMigration) -> Result<PreflightFacts, Failure> {
+        call!(self, "preflight");
+        let w = self.lock();
+        let destination_vm = match &w.vm {
+            None => DestinationOccupancy::Free,
+            Some(vm) if vm.ours => DestinationOccupancy::Ours,
+            Some(_) => DestinationOccupancy::Taken,
+        };
+        Ok(PreflightFacts { storage_class_exists: true, destination_namespace_exists: true, destination_vm })
+    }
+
+    async fn data_volume(
+        &self,
+        _vmm: &VirtualMachineMigration,
+        disk: usize,
+    ) -> Result<DataVolumeState, Failure> {
+        call!(self, "get DataVolume");
+        let mut w = self.lock();
+        let evict = w.faults.evict_importer;
+        let evicted = w.rng.chance(evict);
+        let Some(dv) = w.dvs.get_mut(&disk) else { return Ok(DataVolumeState::Absent) };
+        if let Some(failure) = &dv.failed {
+            return Ok(DataVolumeState::Failed(failure.clone()));
+        }
+        if dv.ticks == 0 {
+            return Ok(DataVolumeState::Succeeded);
+        }
+        if evicted {
+            dv.failed = Some(Failure::retryable("ImporterEvicted", "the importer pod was evicted"));
+            return Ok(DataVolumeState::Failed(Failure::retryable(
+                "ImporterEvicted",
+                "the importer pod was evicted",
+            )));
+        }
+        dv.ticks -= 1;
+        Ok(DataVolumeState::InProgress { phase: "ImportInProgress".into(), percent: 50 })
+    }
+
+    async fn create_data_volume(&self, _vmm: &VirtualMachineMigration, disk: usize) -> Result<(), Failure> {
+        call!(self, "create DataVolume");
+        let mut w = self.lock();
+        if w.dvs.contains_key(&disk) {
+            return Ok(());
+        }
+        if !w.staged.contains_key(&disk) {
+            w.ledger
+                .violations
+                .push(format!("DataVolume for disk {disk} created before its artifact was staged"));
+        }
+        w.dvs.insert(disk, SimDv { ticks: 2, failed: None, owned: true });
+        *w.ledger.dv_creates.entry(disk).or_default() += 1;
+        let lost = w.faults.lost_response;
+        if w.rng.chance(lost) {
+            return Err(Failure::retryable("Timeout", "the create's response was lost"));
+        }
+        Ok(())
+    }
+
+    async fn delete_data_volume(&self, _vmm: &VirtualMachineMigration, disk: usize) -> Result<(), Failure> {
+        call!(self, "delete DataVolume");
+        let mut w = self.lock();
+        if w.dvs.remove(&disk).is_some() {
+            *w.ledger.dv_deletes.entry(disk).or_default() += 1;
+        }
+        Ok(())
+    }
+
+    async fn vm(&self, _vmm: &VirtualMachineMigration) -> Result<VmState, Failure> {
+        call!(self, "get VM");
+        let w = self.lock();
+        Ok(match &w.vm {
+            None => VmState::Absent,
+            Some(vm) if !vm.ours => VmState::NotOurs,
+            Some(vm) if vm.drifted => VmState::Drifted { uid: vm.uid.clone() },
+            Some(vm) => VmState::Matching { uid: vm.uid.clone() },
+        })
+    }
+
+    async fn create_vm(&self, _vmm: &VirtualMachineMigration) -> Result<(), Failure> {
+        call!(self, "create VM");
+        let mut w = self.lock();
+        if w.vm.is_some() {
+            return Ok(());
+        }
+        if w.dvs.len() != w.source_disks.len() {
+            w.ledger.violations.push("VM created before every DataVolume existed".into());
+        }
+        // Sometimes someone edits the VM right after we create it.
+        let drifted = w.rng.chance(0.2);
+        w.vm = Some(SimVm {
+            ours: true,
+            owned: true,
+            drifted,
+            run_strategy: "Halted".into(),
+            uid: "vm-uid-1".into(),
+        });
+        w.ledger.vm_creates += 1;
+        let lost = w.faults.lost_response;
+        if w.rng.chance(lost) {
+            return Err(Failure::retryable("Timeout", "the create's response was lost"));
+        }
+        Ok(())
+    }
+
+    async fn update_vm(&self, _vmm: &VirtualMachineMigration) -> Result<(), Failure> {
+        call!(self, "update VM");
+        let mut w = self.lock();
+        w.ledger.vm_updates += 1;
+        match w.vm.as_mut() {
+            Some(vm) if vm.ours => {
+                vm.drifted = false;
+                Ok(())
+            }
+            _ => Err(Failure::retryable("NotFound", "the VM is gone")),
+        }
+    }
+
+    async fn starting(&self, vmm: &VirtualMachineMigration) -> Result<StartingFacts, Failure> {
+        call!(self, "get VMI");
+        let mut w = self.lock();
+        let wanted = format!("{:?}", vmm.spec.destination.run_strategy);
+        let set = w.vm.as_ref().is_some_and(|vm| vm.run_strategy == wanted);
+        let no_capacity = w.faults.no_capacity;
+        let unschedulable = w.rng.chance(no_capacity);
+        let vmi = match w.vmi_ticks {
+            None => VmiState::Absent,
+            Some(_) if unschedulable => {
+                w.vmi_ticks = Some(2);
+                VmiState::Failed(Failure::retryable(
+                    "Unschedulable",
+                    "0/3 nodes are available: insufficient memory",
+                ))
+            }
+            Some(0) => VmiState::Running,
+            Some(t) => {
+                w.vmi_ticks = Some(t - 1);
+                VmiState::Waiting { phase: "Scheduling".into() }
+            }
+        };
+        Ok(StartingFacts { run_strategy_set: set, vmi })
+    }
+
+    async fn set_run_strategy(&self, vmm: &VirtualMachineMigration) -> Result<(), Failure> {
+        call!(self, "set runStrategy");
+        let mut w = self.lock();
+        let wanted = format!("{:?}", vmm.spec.destination.run_strategy);
+        match w.vm.as_mut() {
+            Some(vm) if vm.ours => {
+                vm.run_strategy = wanted;
+                if w.vmi_ticks.is_none() {
+                    w.vmi_ticks = Some(2);
+                }
+                Ok(())
+            }
+            _ => Err(Failure::retryable("NotFound", "the VM is gone")),
+        }
+    }
+
+    async fn delete_destination(&self, _vmm: &VirtualMachineMigration) -> Result<(), Failure> {
+        call!(self, "delete destination");
+        let mut w = self.lock();
+        let disks: Vec<usize> = w.dvs.keys().copied().collect();
+        for disk in disks {
+            w.dvs.remove(&disk);
+            *w.ledger.dv_deletes.entry(disk).or_default() += 1;
+        }
+        if w.vm.as_ref().is_some_and(|vm| vm.ours) {
+            w.vm = None;
+            w.vmi_ticks = None;
+        }
+        Ok(())
+    }
+
+    async fn release_destination(&self, _vmm: &VirtualMachineMigration) -> Result<(), Failure> {
+        call!(self, "release destination");
+        let mut w = self.lock();
+        for dv in w.dvs.values_mut() {
+            dv.owned = false;
+        }
+        if let Some(vm) = w.vm.as_mut().filter(|vm| vm.ours) {
+            vm.owned = false;
+        }
+        Ok(())
+    }
+}
+
+#[async_trait]
+impl Prober for SimWorld {
+    async fn check(&self, _vmm: &VirtualMachineMigration, check: &ValidationCheck) -> CheckResult {
+        let mut w = self.lock();
+        w.ledger.calls += 1;
+        if w.vmi_ticks != Some(0) {
+            return CheckResult::NotYet { message: format!("{}: the VM is not running", check.name) };
+        }
+        if w.app_ticks > 0 {
+            w.app_ticks -= 1;
+            return CheckResult::NotYet { message: format!("{}: connection refused", check.name) };
+        }
+        if w.faults.wrong_content {
+            return CheckResult::Wrong {
+                message: format!("{}: body does not contain the expected text", check.name),
+            };
+        }
+        CheckResult::Pass { message: format!("{}: 200 OK", check.name) }
+    }
+}
+
+/// All adapter slots filled with the same simulated world.
+pub fn adapters(world: &Arc<SimWorld>) -> super::adapters::Adapters {
+    super::adapters::Adapters {
+        esxi: world.clone(),
+        disks: world.clone(),
+        converter: world.clone(),
+        staging: world.clone(),
+        cluster: world.clone(),
+        prober: world.clone(),
+    }
+}
