@@ -454,3 +454,23 @@ pub enum CleanupAction {
     Retain,
     Delete,
 }
+
+/// Which kind of check a `ValidationCheck` is.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum CheckKindRef<'a> {
+    Http(&'a HttpCheck),
+    GuestAgent,
+    Ip,
+}
+
+impl ValidationCheck {
+    /// The one member that is set (the CRD's CEL rule enforces exactly one).
+    pub fn kind(&self) -> Option<CheckKindRef<'_>> {
+        match (&self.http, &self.guest_agent, &self.ip) {
+            (Some(http), None, None) => Some(CheckKindRef::Http(http)),
+            (None, Some(_), None) => Some(CheckKindRef::GuestAgent),
+            (None, None, Some(_)) => Some(CheckKindRef::Ip),
+            _ => None,
+        }
+    }
+}

@@ -7,4 +7,5 @@
 
 pub mod adapters;
 pub mod engine;
+pub mod reconciler;
 pub mod sim;

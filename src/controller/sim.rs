@@ -87,6 +87,8 @@ pub struct FaultPlan {
     pub wrong_content: bool,
     /// A foreign VM already has the destination name.
     pub foreign_vm: bool,
+    /// Copies make no progress while set (tests use it to catch a migration mid-copy).
+    pub hold_copies: bool,
 }
 
 #[derive(Debug, Default)]
@@ -150,6 +152,7 @@ struct World {
     vm: Option<SimVm>,
     vmi_ticks: Option<u32>,
     app_ticks: u32,
+    staging_base: String,
 }
 
 /// The simulated world; clone the `Arc` into every adapter slot.
@@ -194,6 +197,7 @@ impl SimWorld {
                 vm,
                 vmi_ticks: None,
                 app_ticks: 3,
+                staging_base: "http://staging.sim".into(),
             }),
         })
     }
@@ -229,6 +233,23 @@ impl SimWorld {
         if w.vm.as_ref().is_some_and(|vm| !vm.ours) {
             w.vm = None;
         }
+    }
+
+    /// Where staged URLs point (a test may serve `artifact_bytes` there over HTTP).
+    pub fn set_staging_base(&self, base: &str) {
+        self.lock().staging_base = base.trim_end_matches('/').to_owned();
+    }
+
+    /// The bytes of a staged artifact, as an HTTP server would serve them.
+    pub fn artifact_bytes(&self, disk: usize) -> Option<Vec<u8>> {
+        let w = self.lock();
+        w.staged.get(&disk)?;
+        w.copies.get(disk).map(|c| c.data.clone())
+    }
+
+    /// Lets held copies progress again.
+    pub fn release_copies(&self) {
+        self.lock().faults.hold_copies = false;
     }
 
     /// A human shuts the guest down on the host (outside vmmigrate).
@@ -399,6 +420,7 @@ impl DiskStore for SimWorld {
         let corrupt = w.faults.corrupt_copy;
         let roll_cut = w.rng.chance(cut);
         let roll_corrupt = w.rng.chance(corrupt);
+        let hold = w.faults.hold_copies;
         let World { copies, source_disks, .. } = &mut *w;
         let Some(copy) = copies.get_mut(disk) else {
             return CopyState::Failed {
@@ -409,7 +431,7 @@ impl DiskStore for SimWorld {
         if let Some((failure, discard)) = copy.pending_failure.take() {
             return CopyState::Failed { failure, discard };
         }
-        if copy.running {
+        if copy.running && !hold {
             if roll_cut {
                 copy.running = false;
                 return CopyState::Failed {
@@ -432,6 +454,9 @@ impl DiskStore for SimWorld {
                     bytes_total: total as i64,
                 };
             }
+        }
+        if copy.running {
+            return CopyState::InProgress { bytes_done: copy.data.len() as i64, bytes_total: total as i64 };
         }
         if copy.data.is_empty() {
             return CopyState::Absent;
@@ -555,16 +580,17 @@ impl Converter for SimWorld {
 impl Staging for SimWorld {
     async fn staged_url(
         &self,
-        _vmm: &VirtualMachineMigration,
+        vmm: &VirtualMachineMigration,
         disk: usize,
         sha256: &str,
     ) -> Result<Option<String>, Failure> {
         call!(self, "staging lookup");
         let w = self.lock();
+        let key = crate::machine::artifact_key(vmm.metadata.uid.as_deref().unwrap_or("uid"), disk, "raw");
         Ok(w.staged
             .get(&disk)
             .filter(|s| *s == sha256)
-            .map(|_| format!("http://staging.sim/artifacts/uid/disk-{disk}.raw")))
+            .map(|_| format!("{}/artifacts/{key}", w.staging_base)))
     }
 
     async fn stage(&self, _vmm: &VirtualMachineMigration, disk: usize) -> Result<(), Failure> {

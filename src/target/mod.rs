@@ -1,2 +1,5 @@
-//! Rendering of CDI DataVolumes and KubeVirt VirtualMachines, VMI observation
-//! and application validation probes.
+//! The destination: rendering of CDI DataVolumes and KubeVirt
+//! VirtualMachines, observation of VMIs, and application probes.
+
+pub mod cluster;
+pub mod render;

@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub mod kube_env;
+pub mod kubevirt_sim;
 pub mod process;
 
 pub use kube_env::KubeEnv;

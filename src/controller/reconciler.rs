@@ -1,0 +1,347 @@
+//! The kube-runtime glue: watch VirtualMachineMigrations (and the
+//! DataVolumes, VirtualMachines and VMIs they created), run one
+//! `engine::step` per reconcile, record the status with server-side apply on
+//! `/status`, publish Events, back off per object.
+//!
+//! Migrations are watched untyped and converted per reconcile, so one object
+//! that does not deserialize is reported on itself and skipped instead of
+//! breaking the watch for every other migration.
+
+use super::adapters::Adapters;
+use super::engine::{self, StepInput};
+use super::sim::SplitMix;
+use crate::api::{Phase, RETRY_ANNOTATION, VirtualMachineMigration, VirtualMachineMigrationStatus};
+use crate::machine::{self, Action as MachineAction, EventType, Failure};
+use crate::target::cluster::{
+    FIELD_MANAGER, data_volume_resource, virtual_machine_instance_resource, virtual_machine_resource,
+};
+use crate::target::render::{LABEL_MIGRATION, LABEL_MIGRATION_NAMESPACE};
+use futures::StreamExt;
+use k8s_openapi::jiff::Timestamp;
+use kube::api::{Api, DynamicObject, Patch, PatchParams};
+use kube::core::ApiResource;
+use kube::runtime::controller::{Action, Controller};
+use kube::runtime::events::{Event, EventType as KubeEventType, Recorder, Reporter};
+use kube::runtime::finalizer::{Event as FinalizerEvent, finalizer};
+use kube::runtime::reflector::ObjectRef;
+use kube::runtime::watcher;
+use kube::{Client, Resource, ResourceExt};
+use serde_json::json;
+use std::collections::HashMap;
+use std::future::Future;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tracing::Instrument;
+
+/// Finalizer that runs cleanup before a migration disappears.
+pub const FINALIZER: &str = "migration.platform.example/cleanup";
+/// Longest per-object backoff after reconcile errors.
+pub const MAX_ERROR_BACKOFF: Duration = Duration::from_secs(300);
+
+/// Asked at every checkpoint of a reconcile with the phase it started in;
+/// returning true abandons the reconcile there, as if the process died.
+pub type Interrupt = Arc<dyn Fn(Phase, &engine::Checkpoint) -> bool + Send + Sync>;
+
+/// Controller settings.
+#[derive(Clone, Default)]
+pub struct ControllerConfig {
+    /// Watch only this namespace's migrations (all when `None`).
+    pub namespace: Option<String>,
+    /// Upper bound on every requeue and backoff (tests shorten the machine's polls).
+    pub max_requeue: Option<Duration>,
+    /// Reporting instance name for Events (the pod name).
+    pub instance: String,
+    /// Crash injection for tests; `None` in production.
+    pub interrupt: Option<Interrupt>,
+}
+
+impl std::fmt::Debug for ControllerConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ControllerConfig")
+            .field("namespace", &self.namespace)
+            .field("max_requeue", &self.max_requeue)
+            .field("instance", &self.instance)
+            .field("interrupt", &self.interrupt.is_some())
+            .finish()
+    }
+}
+
+/// Errors of one reconcile; each has a stable reason for Events and metrics.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("Kubernetes API error while {0}: {1}")]
+    Kube(&'static str, #[source] kube::Error),
+    #[error("{0}")]
+    Step(Failure),
+    #[error("finalizer: {0}")]
+    Finalizer(#[source] Box<kube::runtime::finalizer::Error<Error>>),
+}
+
+impl Error {
+    pub fn reason(&self) -> String {
+        match self {
+            Error::Kube(..) => "KubeAPIError".into(),
+            Error::Step(f) => f.reason.clone(),
+            Error::Finalizer(_) => "FinalizerError".into(),
+        }
+    }
+}
+
+/// Shared state of the controller.
+pub struct Context {
+    client: Client,
+    adapters: Adapters,
+    recorder: Recorder,
+    config: ControllerConfig,
+    failures: Mutex<HashMap<String, u32>>,
+    rng: Mutex<SplitMix>,
+}
+
+impl Context {
+    pub fn new(client: Client, adapters: Adapters, config: ControllerConfig) -> Context {
+        let reporter = Reporter { controller: FIELD_MANAGER.into(), instance: Some(config.instance.clone()) };
+        let seed = Timestamp::now().as_nanosecond() as u64;
+        Context {
+            recorder: Recorder::new(client.clone(), reporter),
+            client,
+            adapters,
+            config,
+            failures: Mutex::new(HashMap::new()),
+            rng: Mutex::new(SplitMix(seed)),
+        }
+    }
+
+    fn jitter(&self) -> f64 {
+        self.rng.lock().map(|mut r| r.unit()).unwrap_or(0.5)
+    }
+
+    fn cap(&self, d: Duration) -> Duration {
+        match self.config.max_requeue {
+            Some(max) => d.min(max),
+            None => d,
+        }
+    }
+}
+
+fn migration_resource() -> ApiResource {
+    ApiResource::erase::<VirtualMachineMigration>(&())
+}
+
+/// Maps a DataVolume, VirtualMachine or VMI back to the migration named in its labels.
+fn owner_of(obj: DynamicObject) -> Option<ObjectRef<DynamicObject>> {
+    let labels = obj.labels();
+    let name = labels.get(LABEL_MIGRATION)?;
+    let namespace = labels.get(LABEL_MIGRATION_NAMESPACE)?;
+    Some(ObjectRef::new_with(name, migration_resource()).within(namespace))
+}
+
+/// Runs the controller until `shutdown` resolves.
+pub async fn run(
+    client: Client,
+    adapters: Adapters,
+    config: ControllerConfig,
+    shutdown: impl Future<Output = ()> + Send + Sync + 'static,
+) {
+    let ar = migration_resource();
+    let migrations: Api<DynamicObject> = match &config.namespace {
+        Some(ns) => Api::namespaced_with(client.clone(), ns, &ar),
+        None => Api::all_with(client.clone(), &ar),
+    };
+    let managed = watcher::Config::default().labels("app.kubernetes.io/managed-by=vmmigrate");
+    let ctx = Arc::new(Context::new(client.clone(), adapters, config));
+    let mut controller = Controller::new_with(migrations, watcher::Config::default(), ar);
+    for child in [data_volume_resource(), virtual_machine_resource(), virtual_machine_instance_resource()] {
+        let api: Api<DynamicObject> = Api::all_with(client.clone(), &child);
+        controller = controller.watches_with(api, child, managed.clone(), owner_of);
+    }
+    controller
+        .graceful_shutdown_on(shutdown)
+        .run(reconcile, error_policy, ctx)
+        .for_each(|result| async move {
+            match result {
+                Ok((obj, action)) => tracing::debug!(migration = %obj, ?action, "reconciled"),
+                Err(err) => tracing::warn!(error = %err, "reconcile failed"),
+            }
+        })
+        .await;
+}
+
+fn key(obj: &DynamicObject) -> String {
+    format!("{}/{}", obj.namespace().unwrap_or_default(), obj.name_any())
+}
+
+async fn reconcile(obj: Arc<DynamicObject>, ctx: Arc<Context>) -> Result<Action, Error> {
+    // Every log line of a reconcile carries the migration key.
+    let span = tracing::info_span!("reconcile", migration = %key(&obj));
+    reconcile_one(obj, ctx).instrument(span).await
+}
+
+async fn reconcile_one(obj: Arc<DynamicObject>, ctx: Arc<Context>) -> Result<Action, Error> {
+    let key = key(&obj);
+    let vmm: VirtualMachineMigration = match serde_json::to_value(&*obj).and_then(serde_json::from_value) {
+        Ok(vmm) => vmm,
+        Err(err) => {
+            // Report on the object itself and wait for it to change.
+            tracing::warn!(error = %err, "migration does not deserialize; skipped");
+            let reference = obj.object_ref(&migration_resource());
+            let event = Event {
+                type_: KubeEventType::Warning,
+                reason: "InvalidObject".into(),
+                note: Some(format!("vmmigrate cannot read this object: {err}")),
+                action: "Reconcile".into(),
+                secondary: None,
+            };
+            let _ = ctx.recorder.publish(&event, &reference).await;
+            return Ok(Action::await_change());
+        }
+    };
+    let ns = vmm.namespace().unwrap_or_default();
+    let api: Api<VirtualMachineMigration> = Api::namespaced(ctx.client.clone(), &ns);
+    // Decide on a fresh read, not the watch cache: a stale status could repeat
+    // a decision that was already recorded.
+    let Some(fresh) =
+        api.get_opt(&vmm.name_any()).await.map_err(|e| Error::Kube("reading the migration", e))?
+    else {
+        return Ok(Action::await_change());
+    };
+    let result = finalizer(&api, FINALIZER, Arc::new(fresh), |event| async {
+        match event {
+            FinalizerEvent::Apply(vmm) => apply(&vmm, &api, &ctx).await,
+            FinalizerEvent::Cleanup(vmm) => cleanup(&vmm, &ctx).await,
+        }
+    })
+    .await
+    .map_err(|e| Error::Finalizer(Box::new(e)));
+    if result.is_ok()
+        && let Ok(mut failures) = ctx.failures.lock()
+    {
+        failures.remove(&key);
+    }
+    result
+}
+
+async fn publish(ctx: &Context, vmm: &VirtualMachineMigration, events: &[machine::Event]) {
+    let reference = vmm.object_ref(&());
+    for ev in events {
+        let event = Event {
+            type_: match ev.type_ {
+                EventType::Normal => KubeEventType::Normal,
+                EventType::Warning => KubeEventType::Warning,
+            },
+            reason: ev.reason.clone(),
+            note: Some(ev.message.chars().take(1000).collect()),
+            action: "Reconcile".into(),
+            secondary: None,
+        };
+        if let Err(err) = ctx.recorder.publish(&event, &reference).await {
+            tracing::warn!(error = %err, reason = %ev.reason, "cannot publish event");
+        }
+    }
+}
+
+async fn apply(
+    vmm: &VirtualMachineMigration,
+    api: &Api<VirtualMachineMigration>,
+    ctx: &Context,
+) -> Result<Action, Error> {
+    let phase = vmm.status.as_ref().map(|s| s.phase).unwrap_or_default();
+    tracing::info!(phase = %phase, "reconciling");
+    let retry_requested = vmm.annotations().get(RETRY_ANNOTATION).is_some_and(|v| v == "true");
+    let input = StepInput { now: Timestamp::now(), jitter: ctx.jitter(), retry_requested };
+    let interrupt = ctx.config.interrupt.clone();
+    let stop = |cp: &engine::Checkpoint| interrupt.as_ref().is_some_and(|f| f(phase, cp));
+    let Some(step) = engine::step(&ctx.adapters, vmm, input, stop).await else {
+        tracing::warn!(phase = %phase, "reconcile interrupted before recording");
+        return Ok(Action::await_change());
+    };
+    let mut resource_version = vmm.resource_version();
+    if step.performed.contains(&MachineAction::RemoveRetryAnnotation) {
+        let patch = json!({ "metadata": { "annotations": { RETRY_ANNOTATION: null } } });
+        let patched = api
+            .patch(&vmm.name_any(), &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+            .map_err(|e| Error::Kube("removing the retry annotation", e))?;
+        resource_version = patched.resource_version();
+    }
+    publish(ctx, vmm, &step.decision.events).await;
+    record(api, vmm, &step.decision.status, resource_version).await?;
+    if let Some((action, failure)) = &step.failed {
+        tracing::warn!(?action, reason = %failure.reason, "action failed: {}", failure.message);
+        if step.decision.requeue.is_none() {
+            // Finishing work of a waiting or terminal phase: retry with backoff.
+            return Err(Error::Step(failure.clone()));
+        }
+    }
+    Ok(match step.decision.requeue {
+        Some(d) => Action::requeue(ctx.cap(d.max(Duration::from_millis(100)))),
+        None => Action::await_change(),
+    })
+}
+
+/// One status write per reconcile, skipped when nothing changed. The
+/// resourceVersion makes a write based on a stale read fail with 409.
+async fn record(
+    api: &Api<VirtualMachineMigration>,
+    vmm: &VirtualMachineMigration,
+    status: &VirtualMachineMigrationStatus,
+    resource_version: Option<String>,
+) -> Result<(), Error> {
+    if vmm.status.as_ref() == Some(status) {
+        return Ok(());
+    }
+    let patch = json!({
+        "apiVersion": "migration.platform.example/v1alpha1",
+        "kind": "VirtualMachineMigration",
+        "metadata": { "name": vmm.name_any(), "namespace": vmm.namespace(), "resourceVersion": resource_version },
+        "status": status,
+    });
+    api.patch_status(&vmm.name_any(), &PatchParams::apply(FIELD_MANAGER).force(), &Patch::Apply(&patch))
+        .await
+        .map(|_| ())
+        .map_err(|e| Error::Kube("writing status", e))
+}
+
+async fn cleanup(vmm: &VirtualMachineMigration, ctx: &Context) -> Result<Action, Error> {
+    let status = vmm.status.clone().unwrap_or_default();
+    let actions = machine::cleanup_on_delete(&vmm.spec, &status);
+    tracing::info!(phase = %status.phase, ?actions, "migration deleted; cleaning up");
+    for action in &actions {
+        engine::perform(&ctx.adapters, vmm, action).await.map_err(Error::Step)?;
+    }
+    let kept = if actions.contains(&MachineAction::DeleteDestination) {
+        "deleted the destination objects"
+    } else {
+        "kept the destination objects"
+    };
+    let note = if status.phase == Phase::Completed { "the migrated VM stays" } else { kept };
+    publish(
+        ctx,
+        vmm,
+        &[machine::Event {
+            type_: EventType::Normal,
+            reason: "CleanedUp".into(),
+            message: format!(
+                "migration deleted in phase {}: {note}; the source VM was not touched",
+                status.phase
+            ),
+        }],
+    )
+    .await;
+    Ok(Action::await_change())
+}
+
+fn error_policy(obj: Arc<DynamicObject>, err: &Error, ctx: Arc<Context>) -> Action {
+    let attempts = ctx
+        .failures
+        .lock()
+        .map(|mut f| {
+            let n = f.entry(key(&obj)).or_insert(0);
+            *n += 1;
+            *n
+        })
+        .unwrap_or(1);
+    let base = Duration::from_secs(1u64 << attempts.min(9)).min(MAX_ERROR_BACKOFF);
+    let delay = base.mul_f64(0.5 + ctx.jitter() / 2.0);
+    tracing::warn!(migration = %key(&obj), reason = %err.reason(), attempts, ?delay, "reconcile error: {err}");
+    Action::requeue(ctx.cap(delay))
+}

@@ -1,0 +1,198 @@
+//! Pure rendering of the destination objects: one CDI DataVolume per disk and
+//! the KubeVirt VirtualMachine. Deterministic: the same migration renders the
+//! same bytes.
+//!
+//! Bus mapping (documented in docs/state-machine.md): SCSI and SATA disks
+//! become `virtio` unless the guest may lack virtio drivers (IDE/SATA kept as
+//! `sata`); NVMe becomes `virtio`. NICs: vmxnet3 → virtio, e1000/e1000e kept;
+//! the MAC address is preserved.
+
+use crate::api::{Firmware, NetworkKind, VirtualMachineMigration};
+use crate::machine::{data_volume_name, destination_name};
+use serde_json::{Value, json};
+
+/// Label with the migration's name on every object vmmigrate creates.
+pub const LABEL_MIGRATION: &str = "migration.platform.example/migration";
+/// Label with the migration's namespace.
+pub const LABEL_MIGRATION_NAMESPACE: &str = "migration.platform.example/migration-namespace";
+/// Label with the migration's uid: the proof an object is ours.
+pub const LABEL_MIGRATION_UID: &str = "migration.platform.example/migration-uid";
+/// Label with the disk index on DataVolumes.
+pub const LABEL_DISK: &str = "migration.platform.example/disk";
+
+/// Labels linking an object back to its migration.
+pub fn labels(vmm: &VirtualMachineMigration) -> serde_json::Map<String, Value> {
+    let mut labels = serde_json::Map::new();
+    labels.insert("app.kubernetes.io/managed-by".into(), json!("vmmigrate"));
+    labels.insert(LABEL_MIGRATION.into(), json!(vmm.metadata.name.clone().unwrap_or_default()));
+    labels
+        .insert(LABEL_MIGRATION_NAMESPACE.into(), json!(vmm.metadata.namespace.clone().unwrap_or_default()));
+    labels.insert(LABEL_MIGRATION_UID.into(), json!(vmm.metadata.uid.clone().unwrap_or_default()));
+    labels
+}
+
+/// An owner reference to the migration, only when the object lives in the
+/// migration's namespace: Kubernetes does not allow cross-namespace owners,
+/// and the garbage collector would delete such a dependent at once.
+pub fn owner_references(vmm: &VirtualMachineMigration) -> Value {
+    if vmm.metadata.namespace.as_deref() != Some(vmm.spec.destination.namespace.as_str()) {
+        return json!([]);
+    }
+    json!([{
+        "apiVersion": "migration.platform.example/v1alpha1",
+        "kind": "VirtualMachineMigration",
+        "name": vmm.metadata.name.clone().unwrap_or_default(),
+        "uid": vmm.metadata.uid.clone().unwrap_or_default(),
+        "controller": true,
+        "blockOwnerDeletion": true,
+    }])
+}
+
+/// The DataVolume of disk `disk`, importing the staged artifact over HTTP.
+pub fn data_volume(vmm: &VirtualMachineMigration, disk: usize) -> Value {
+    let status = vmm.status.clone().unwrap_or_default();
+    let name =
+        data_volume_name(destination_name(&vmm.spec, vmm.metadata.name.as_deref().unwrap_or_default()), disk);
+    let evidence = status.disks.get(disk).cloned().unwrap_or_default();
+    let size = evidence.size_bytes.max(1);
+    // Whole MiB, rounded up: CDI sizes the PVC from this.
+    let request = format!("{}Mi", (size + (1 << 20) - 1) >> 20);
+    let mut labels = labels(vmm);
+    labels.insert(LABEL_DISK.into(), json!(disk.to_string()));
+    let mut http = json!({ "url": evidence.artifact_url.unwrap_or_default() });
+    if let Some(sha) = evidence.artifact_sha256 {
+        http["checksum"] = json!(format!("sha256:{sha}"));
+    }
+    json!({
+        "apiVersion": "cdi.kubevirt.io/v1beta1",
+        "kind": "DataVolume",
+        "metadata": {
+            "name": name,
+            "namespace": vmm.spec.destination.namespace,
+            "labels": labels,
+            "ownerReferences": owner_references(vmm),
+        },
+        "spec": {
+            "source": { "http": http },
+            "storage": {
+                "storageClassName": vmm.spec.destination.storage_class_name,
+                "resources": { "requests": { "storage": request } },
+            },
+        },
+    })
+}
+
+/// The VirtualMachine, created with runStrategy Halted.
+pub fn virtual_machine(vmm: &VirtualMachineMigration) -> Value {
+    let status = vmm.status.clone().unwrap_or_default();
+    let inventory = status.source_inventory.clone().unwrap_or_default();
+    let name = destination_name(&vmm.spec, vmm.metadata.name.as_deref().unwrap_or_default()).to_owned();
+    let (sockets, cores) = match &vmm.spec.destination.cpu {
+        Some(cpu) => (cpu.sockets, cpu.cores),
+        None => (inventory.cpu_sockets.max(1), inventory.cores_per_socket.max(1)),
+    };
+    let memory =
+        vmm.spec.destination.memory.clone().unwrap_or_else(|| format!("{}Mi", inventory.memory_mib.max(64)));
+    let firmware = match inventory.firmware {
+        Firmware::Efi => json!({ "bootloader": { "efi": { "secureBoot": inventory.secure_boot } } }),
+        Firmware::Bios => json!({ "bootloader": { "bios": {} } }),
+    };
+    let mut disks = Vec::new();
+    let mut volumes = Vec::new();
+    for (i, disk) in inventory.disks.iter().enumerate() {
+        let bus = match disk.bus.as_str() {
+            "ide" | "sata" => "sata",
+            _ => "virtio",
+        };
+        let mut entry = json!({ "name": format!("disk-{i}"), "disk": { "bus": bus } });
+        if i == 0 {
+            entry["bootOrder"] = json!(1);
+        }
+        disks.push(entry);
+        volumes.push(
+            json!({ "name": format!("disk-{i}"), "dataVolume": { "name": data_volume_name(&name, i) } }),
+        );
+    }
+    let mut interfaces = Vec::new();
+    let mut networks = Vec::new();
+    for (i, nic) in inventory.nics.iter().enumerate() {
+        let mapping = vmm.spec.network_map.iter().find(|m| m.source == nic.network);
+        let model = match nic.model.as_str() {
+            "e1000" | "e1000e" => nic.model.as_str(),
+            _ => "virtio",
+        };
+        let mut iface = json!({ "name": format!("nic-{i}"), "model": model });
+        if !nic.mac_address.is_empty() {
+            iface["macAddress"] = json!(nic.mac_address);
+        }
+        match mapping.map(|m| m.kind) {
+            Some(NetworkKind::Multus) => {
+                iface["bridge"] = json!({});
+                let target = mapping.and_then(|m| m.network_name.clone()).unwrap_or_default();
+                networks.push(json!({ "name": format!("nic-{i}"), "multus": { "networkName": target } }));
+            }
+            _ => {
+                iface["masquerade"] = json!({});
+                networks.push(json!({ "name": format!("nic-{i}"), "pod": {} }));
+            }
+        }
+        interfaces.push(iface);
+    }
+    let mut template_labels = labels(vmm);
+    template_labels.insert("kubevirt.io/domain".into(), json!(name));
+    json!({
+        "apiVersion": "kubevirt.io/v1",
+        "kind": "VirtualMachine",
+        "metadata": {
+            "name": name,
+            "namespace": vmm.spec.destination.namespace,
+            "labels": labels(vmm),
+            "ownerReferences": owner_references(vmm),
+        },
+        "spec": {
+            "runStrategy": "Halted",
+            "template": {
+                "metadata": { "labels": template_labels },
+                "spec": {
+                    "domain": {
+                        "cpu": { "sockets": sockets, "cores": cores, "threads": 1 },
+                        "memory": { "guest": memory },
+                        "resources": { "requests": { "memory": memory } },
+                        "firmware": firmware,
+                        "devices": { "disks": disks, "interfaces": interfaces },
+                    },
+                    "networks": networks,
+                    "volumes": volumes,
+                },
+            },
+        },
+    })
+}
+
+/// Whether `live` contains everything in `wanted` (extra fields in `live`,
+/// such as server defaults, are fine). Arrays must match element by element.
+pub fn contains(live: &Value, wanted: &Value) -> bool {
+    match (live, wanted) {
+        (Value::Object(l), Value::Object(w)) => {
+            w.iter().all(|(k, v)| l.get(k).is_some_and(|lv| contains(lv, v)))
+        }
+        (Value::Array(l), Value::Array(w)) => {
+            l.len() == w.len() && l.iter().zip(w).all(|(a, b)| contains(a, b))
+        }
+        (l, w) => l == w,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn contains_tolerates_server_defaults_but_not_changes() {
+        let wanted = json!({"a": 1, "b": [{"x": 1}]});
+        assert!(contains(&json!({"a": 1, "b": [{"x": 1, "y": 2}], "c": 3}), &wanted));
+        assert!(!contains(&json!({"a": 2, "b": [{"x": 1}]}), &wanted));
+        assert!(!contains(&json!({"a": 1, "b": [{"x": 1}, {"x": 2}]}), &wanted));
+        assert!(!contains(&json!({"a": 1}), &wanted));
+    }
+}

@@ -1,0 +1,369 @@
+//! The controller end to end against the real kube-apiserver: the real
+//! kube-runtime glue, the real Kubernetes `Cluster` adapter (DataVolumes and
+//! VirtualMachines are real objects in the API server), the CDI/KubeVirt
+//! simulators of tests/support, and the in-memory ESXi/disk/staging world.
+
+mod support;
+
+use k8s_openapi::api::storage::v1::StorageClass;
+use kube::api::{Api, DeleteParams, DynamicObject, ListParams, Patch, PatchParams, PostParams};
+use kube::{Client, ResourceExt};
+use serde_json::json;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+use support::{KubeEnv, kubevirt_sim, test_namespace};
+use vmmigrate::api::{Phase, RETRY_ANNOTATION, VirtualMachineMigration, condition};
+use vmmigrate::controller::adapters::Adapters;
+use vmmigrate::controller::reconciler::{self, ControllerConfig, FINALIZER};
+use vmmigrate::controller::sim::{FaultPlan, SimWorld};
+use vmmigrate::target::cluster::{KubeCluster, KubeProber, data_volume_resource, virtual_machine_resource};
+
+const WAIT: Duration = Duration::from_secs(90);
+
+struct Harness {
+    client: Client,
+    ns: String,
+    world: Arc<SimWorld>,
+    api: Api<VirtualMachineMigration>,
+    sims: kubevirt_sim::Simulators,
+    controller: Option<tokio::task::JoinHandle<()>>,
+    interrupt: Option<reconciler::Interrupt>,
+}
+
+impl Harness {
+    async fn new(prefix: &str, faults: FaultPlan) -> Harness {
+        let client = KubeEnv::shared().client().await;
+        ensure_storage_class(&client).await;
+        let ns = test_namespace(&client, prefix).await;
+        let world = SimWorld::new(7, faults);
+        // Publish the world's staged artifacts over real HTTP for the CDI simulator.
+        let served = world.clone();
+        let base = kubevirt_sim::serve_http(move |path| {
+            let disk: usize = path.rsplit("/disk-").next()?.split('.').next()?.parse().ok()?;
+            served.artifact_bytes(disk)
+        });
+        world.set_staging_base(&base);
+        let sims = kubevirt_sim::start(client.clone(), &ns);
+        let api = Api::namespaced(client.clone(), &ns);
+        let mut h = Harness { client, ns, world, api, sims, controller: None, interrupt: None };
+        h.start_controller();
+        h
+    }
+
+    fn adapters(&self) -> Adapters {
+        Adapters {
+            esxi: self.world.clone(),
+            disks: self.world.clone(),
+            converter: self.world.clone(),
+            staging: self.world.clone(),
+            cluster: Arc::new(KubeCluster::new(self.client.clone())),
+            prober: Arc::new(KubeProber::new(self.client.clone())),
+        }
+    }
+
+    fn start_controller(&mut self) {
+        let config = ControllerConfig {
+            namespace: Some(self.ns.clone()),
+            max_requeue: Some(Duration::from_millis(200)),
+            instance: "test".into(),
+            interrupt: self.interrupt.clone(),
+        };
+        let task = reconciler::run(self.client.clone(), self.adapters(), config, std::future::pending());
+        self.controller = Some(tokio::spawn(task));
+    }
+
+    /// Kills the controller task the way a crash would, and drops the
+    /// in-memory work it held; then starts a fresh one.
+    async fn kill_and_restart_controller(&mut self) {
+        if let Some(task) = self.controller.take() {
+            task.abort();
+            let _ = task.await;
+        }
+        self.world.crash();
+        self.start_controller();
+    }
+
+    async fn create(&self, mutate: impl FnOnce(&mut serde_json::Value)) {
+        let mut body = json!({
+            "apiVersion": "migration.platform.example/v1alpha1",
+            "kind": "VirtualMachineMigration",
+            "metadata": {"name": "web-01", "namespace": self.ns},
+            "spec": {
+                "source": {
+                    "host": "esxi01.example.internal",
+                    "hostKey": "SHA256:uNiVztksCsDhcc0u9e8BujQXVUpKZIDTMczCvj3tD2s",
+                    "credentialsSecretRef": {"name": "esxi01"},
+                    "vm": {"name": "web 01"}
+                },
+                "destination": {"namespace": self.ns, "storageClassName": "standard"},
+                "networkMap": [{"source": "VM Network", "type": "Pod"}],
+                "powerOffPolicy": "GracefulThenForce",
+                "strategy": {"backoff": {"initialSeconds": 1, "maxSeconds": 1}},
+                "validation": {"checks": [{"name": "agent", "guestAgent": {}}, {"name": "address", "ip": {}}]}
+            }
+        });
+        mutate(&mut body);
+        let vmm: VirtualMachineMigration = serde_json::from_value(body).expect("manifest");
+        self.api.create(&PostParams::default(), &vmm).await.expect("create migration");
+    }
+
+    async fn get(&self) -> VirtualMachineMigration {
+        self.api.get("web-01").await.expect("get migration")
+    }
+
+    async fn wait_for(
+        &self,
+        what: &str,
+        pred: impl Fn(&VirtualMachineMigration) -> bool,
+    ) -> VirtualMachineMigration {
+        let deadline = tokio::time::Instant::now() + WAIT;
+        loop {
+            let vmm = self.get().await;
+            if pred(&vmm) {
+                return vmm;
+            }
+            if tokio::time::Instant::now() > deadline {
+                panic!("timed out waiting for {what}; status: {:#?}", vmm.status);
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// Waits for `phase`; for a terminal phase also for its finishing work.
+    async fn wait_phase(&self, phase: Phase) -> VirtualMachineMigration {
+        self.wait_for(&format!("phase {phase}"), |v| {
+            phase_of(v) == phase
+                && (!phase.is_terminal()
+                    || v.status.as_ref().is_some_and(|s| s.timestamps.cleaned_up.is_some()))
+        })
+        .await
+    }
+
+    async fn count(&self, ar: &kube::core::ApiResource) -> Vec<DynamicObject> {
+        let api: Api<DynamicObject> = Api::namespaced_with(self.client.clone(), &self.ns, ar);
+        api.list(&ListParams::default().labels("migration.platform.example/migration=web-01"))
+            .await
+            .unwrap()
+            .items
+    }
+}
+
+fn phase_of(vmm: &VirtualMachineMigration) -> Phase {
+    vmm.status.as_ref().map(|s| s.phase).unwrap_or_default()
+}
+
+async fn ensure_storage_class(client: &Client) {
+    let classes: Api<StorageClass> = Api::all(client.clone());
+    let sc: StorageClass = serde_json::from_value(json!({
+        "apiVersion": "storage.k8s.io/v1", "kind": "StorageClass",
+        "metadata": {"name": "standard"}, "provisioner": "kubernetes.io/no-provisioner"
+    }))
+    .unwrap();
+    let _ = classes.create(&PostParams::default(), &sc).await;
+}
+
+/// The API server's table view, as `kubectl get vmm` prints it: (column names, first row cells).
+async fn table(client: &Client, ns: &str) -> (Vec<String>, Vec<serde_json::Value>) {
+    let req = http::Request::get(format!(
+        "/apis/migration.platform.example/v1alpha1/namespaces/{ns}/virtualmachinemigrations"
+    ))
+    .header("Accept", "application/json;as=Table;v=v1;g=meta.k8s.io")
+    .body(Vec::new())
+    .unwrap();
+    let text = client.request_text(req).await.expect("table");
+    let table: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let columns = table["columnDefinitions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["name"].as_str().unwrap().to_owned())
+        .collect();
+    let cells = table["rows"][0]["cells"].as_array().cloned().unwrap_or_default();
+    (columns, cells)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migration_reaches_completed_and_kubectl_shows_phase_and_progress() {
+    let h = Harness::new("e2e-happy", FaultPlan { hold_copies: true, ..Default::default() }).await;
+    h.create(|_| {}).await;
+    // Caught mid-copy: the printer columns show the phase and the progress.
+    let running = h
+        .wait_for("copy progress", |v| {
+            phase_of(v) == Phase::Preparing && v.status.as_ref().and_then(|s| s.progress.as_ref()).is_some()
+        })
+        .await;
+    let (columns, cells) = table(&h.client, &h.ns).await;
+    let col = |name: &str| columns.iter().position(|c| c == name).unwrap_or_else(|| panic!("column {name}"));
+    assert_eq!(cells[col("Phase")], "Preparing");
+    let percent = running.status.unwrap().progress.unwrap().percent;
+    assert_eq!(cells[col("Progress")], json!(percent));
+    eprintln!("kubectl get vmm (mid-copy): {columns:?} {cells:?}");
+    h.world.release_copies();
+
+    let done = h.wait_phase(Phase::Completed).await;
+    let status = done.status.clone().unwrap();
+    assert!(done.finalizers().contains(&FINALIZER.to_owned()));
+    // Every disk went end to end with one checksum: source, artifact, import.
+    let source = h.world.source_sha();
+    for (i, disk) in status.disks.iter().enumerate() {
+        assert_eq!(disk.source_sha256.as_deref(), Some(source[i].as_str()));
+        assert_eq!(disk.artifact_sha256, disk.source_sha256);
+        assert_eq!(disk.data_volume_name.as_deref(), Some(format!("web-01-disk-{i}").as_str()));
+    }
+    assert_eq!(h.sims.control.verified_imports.load(Ordering::SeqCst), 2, "CDI verified both downloads");
+    for c in [condition::READY, condition::GUEST_READY, condition::VM_STARTED, condition::DISK_IMPORTED] {
+        let cond = status.conditions.iter().find(|x| x.type_ == c).unwrap();
+        assert_eq!(format!("{:?}", cond.status), "True", "{c}");
+        assert_eq!(cond.observed_generation, Some(1));
+    }
+    assert!(status.validation_results.iter().all(|r| r.passed));
+    // Real objects: two DataVolumes and one VM, released from the migration.
+    let dvs = h.count(&data_volume_resource()).await;
+    let vms = h.count(&virtual_machine_resource()).await;
+    assert_eq!((dvs.len(), vms.len()), (2, 1));
+    assert_eq!(vms[0].data["spec"]["runStrategy"], "Always");
+    for obj in dvs.iter().chain(vms.iter()) {
+        let owned = obj.owner_references().iter().any(|r| Some(&r.uid) == done.metadata.uid.as_ref());
+        assert!(!owned, "{} still owned by the migration", obj.name_any());
+    }
+    let (_, cells) = table(&h.client, &h.ns).await;
+    assert_eq!(cells[1], "Completed");
+    let (.., leftovers) = h.world.destination_summary();
+    assert!(!leftovers, "staging cleaned after Completed");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn controller_killed_at_the_start_of_every_phase_still_completes_without_duplicates() {
+    let mut h = Harness::new("e2e-kill", FaultPlan::default()).await;
+    // The first reconcile of every phase dies right after observing; the test
+    // then kills the controller task and starts a new one.
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let killed = Arc::new(std::sync::Mutex::new(Vec::<Phase>::new()));
+    let seen = killed.clone();
+    h.interrupt = Some(Arc::new(move |phase, _checkpoint| {
+        let mut seen = seen.lock().unwrap();
+        if seen.contains(&phase) {
+            return false;
+        }
+        seen.push(phase);
+        let _ = tx.send(phase);
+        true
+    }));
+    h.kill_and_restart_controller().await;
+    h.create(|_| {}).await;
+    let mut dv_uids = std::collections::BTreeMap::new();
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        while let Ok(_phase) = rx.try_recv() {
+            h.kill_and_restart_controller().await;
+        }
+        let vmm = h.get().await;
+        for dv in h.count(&data_volume_resource()).await {
+            let uid = dv.uid().unwrap();
+            let first = dv_uids.entry(dv.name_any()).or_insert_with(|| uid.clone());
+            assert_eq!(*first, uid, "DataVolume {} was recreated", dv.name_any());
+        }
+        if phase_of(&vmm) == Phase::Completed && vmm.status.as_ref().unwrap().timestamps.cleaned_up.is_some()
+        {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "stuck in {}; killed at {killed:?}", phase_of(&vmm));
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let seen = killed.lock().unwrap().clone();
+    eprintln!("killed the controller at the start of: {seen:?}");
+    let happy_path = [
+        Phase::Pending,
+        Phase::Discovering,
+        Phase::Validated,
+        Phase::Preparing,
+        Phase::Converting,
+        Phase::Importing,
+        Phase::CreatingVm,
+        Phase::Starting,
+        Phase::Validating,
+        Phase::Completed,
+    ];
+    for phase in happy_path {
+        assert!(seen.contains(&phase), "never killed at {phase}: {seen:?}");
+    }
+    assert_eq!(h.count(&data_volume_resource()).await.len(), 2);
+    assert_eq!(h.count(&virtual_machine_resource()).await.len(), 1);
+    assert!(h.world.ledger().power_off_transitions <= 1);
+    let status = h.get().await.status.unwrap();
+    let source = h.world.source_sha();
+    assert_eq!(status.disks[0].source_sha256.as_deref(), Some(source[0].as_str()));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retryable_faults_recover_within_the_budget() {
+    let h = Harness::new("e2e-retry", FaultPlan { fail_nth_call: Some(2), ..Default::default() }).await;
+    h.sims.control.fail_imports.store(1, Ordering::SeqCst);
+    h.create(|_| {}).await;
+    let done = h.wait_phase(Phase::Completed).await;
+    let errors = done.status.unwrap().errors;
+    let reasons: Vec<_> = errors.iter().map(|e| e.reason.as_str()).collect();
+    assert!(reasons.contains(&"InjectedFault"), "{reasons:?}");
+    assert!(reasons.contains(&"ImportFailed"), "{reasons:?}");
+    assert!(errors.iter().all(|e| e.retryable));
+    // The failed DataVolume was deleted and recreated: still exactly two.
+    assert_eq!(h.count(&data_volume_resource()).await.len(), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exhausted_retry_budget_ends_in_failed_with_the_reason() {
+    let h =
+        Harness::new("e2e-budget", FaultPlan { discovery_always_fails: true, ..Default::default() }).await;
+    h.create(|m| m["spec"]["strategy"]["retryLimit"] = json!(1)).await;
+    let failed = h
+        .wait_for("Failed and cleaned up", |v| {
+            phase_of(v) == Phase::Failed && v.status.as_ref().unwrap().timestamps.cleaned_up.is_some()
+        })
+        .await;
+    let status = failed.status.unwrap();
+    let stalled = status.conditions.iter().find(|c| c.type_ == condition::STALLED).unwrap();
+    assert_eq!(stalled.reason, "RetryBudgetExhausted");
+    assert!(stalled.message.contains("SSHConnectionRefused"), "{}", stalled.message);
+    assert_eq!(h.world.ledger().power_off_transitions, 0, "never validated, never powered off");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn manual_intervention_is_left_through_the_retry_annotation_which_is_removed() {
+    let h = Harness::new("e2e-human", FaultPlan { snapshot: true, ..Default::default() }).await;
+    h.create(|_| {}).await;
+    let blocked = h.wait_phase(Phase::ManualInterventionRequired).await;
+    let status = blocked.status.unwrap();
+    assert!(status.blockers.iter().any(|b| b.reason == "SnapshotsPresent"), "{:?}", status.blockers);
+    assert_eq!(h.world.ledger().power_off_transitions, 0);
+    // The human deletes the snapshot on the host and asks for a retry.
+    h.world.human_fixes();
+    let patch = json!({"metadata": {"annotations": {RETRY_ANNOTATION: "true"}}});
+    h.api.patch("web-01", &PatchParams::default(), &Patch::Merge(&patch)).await.unwrap();
+    let done = h.wait_phase(Phase::Completed).await;
+    assert!(!done.annotations().contains_key(RETRY_ANNOTATION), "the annotation is consumed");
+    assert!(done.status.unwrap().blockers.is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deleting_a_migration_mid_way_runs_cleanup_and_removes_the_finalizer() {
+    let h = Harness::new("e2e-delete", FaultPlan::default()).await;
+    h.sims.control.hold_imports.store(true, Ordering::SeqCst);
+    h.create(|m| m["spec"]["cleanup"] = json!({"onFailure": "Delete"})).await;
+    h.wait_for("DataVolumes importing", |v| phase_of(v) == Phase::Importing).await;
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while h.count(&data_volume_resource()).await.len() < 2 {
+        assert!(tokio::time::Instant::now() < deadline, "DataVolumes never appeared");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    h.api.delete("web-01", &DeleteParams::default()).await.unwrap();
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while h.api.get_opt("web-01").await.unwrap().is_some() {
+        assert!(tokio::time::Instant::now() < deadline, "the finalizer was never removed");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(h.count(&data_volume_resource()).await.is_empty(), "DataVolumes deleted per cleanup.onFailure");
+    let (.., leftovers) = h.world.destination_summary();
+    assert!(!leftovers, "copied and staged data removed");
+    assert_eq!(h.world.source_sha(), h.world.recorded_source_sha(), "the source was not touched");
+}
