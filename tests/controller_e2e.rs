@@ -231,6 +231,19 @@ async fn migration_reaches_completed_and_kubectl_shows_phase_and_progress() {
     assert_eq!(cells[1], "Completed");
     let (.., leftovers) = h.world.destination_summary();
     assert!(!leftovers, "staging cleaned after Completed");
+    // Events with stable reasons were published on the migration.
+    let events: Api<k8s_openapi::api::events::v1::Event> = Api::namespaced(h.client.clone(), &h.ns);
+    let reasons: Vec<String> = events
+        .list(&ListParams::default())
+        .await
+        .unwrap()
+        .items
+        .into_iter()
+        .filter_map(|e| e.reason)
+        .collect();
+    for reason in ["Discovering", "SourcePoweredOff", "Importing", "MigrationSucceeded"] {
+        assert!(reasons.iter().any(|r| r == reason), "no {reason} event in {reasons:?}");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

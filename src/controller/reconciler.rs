@@ -166,6 +166,11 @@ pub async fn run(
         .await;
 }
 
+/// The typed migration, or why this object cannot be read.
+pub fn parse(obj: &DynamicObject) -> Result<VirtualMachineMigration, serde_json::Error> {
+    serde_json::to_value(obj).and_then(serde_json::from_value)
+}
+
 fn key(obj: &DynamicObject) -> String {
     format!("{}/{}", obj.namespace().unwrap_or_default(), obj.name_any())
 }
@@ -178,7 +183,7 @@ async fn reconcile(obj: Arc<DynamicObject>, ctx: Arc<Context>) -> Result<Action,
 
 async fn reconcile_one(obj: Arc<DynamicObject>, ctx: Arc<Context>) -> Result<Action, Error> {
     let key = key(&obj);
-    let vmm: VirtualMachineMigration = match serde_json::to_value(&*obj).and_then(serde_json::from_value) {
+    let vmm = match parse(&obj) {
         Ok(vmm) => vmm,
         Err(err) => {
             // Report on the object itself and wait for it to change.
@@ -340,8 +345,40 @@ fn error_policy(obj: Arc<DynamicObject>, err: &Error, ctx: Arc<Context>) -> Acti
             *n
         })
         .unwrap_or(1);
-    let base = Duration::from_secs(1u64 << attempts.min(9)).min(MAX_ERROR_BACKOFF);
-    let delay = base.mul_f64(0.5 + ctx.jitter() / 2.0);
+    let delay = error_backoff(attempts, ctx.jitter());
     tracing::warn!(migration = %key(&obj), reason = %err.reason(), attempts, ?delay, "reconcile error: {err}");
     Action::requeue(ctx.cap(delay))
+}
+
+/// Per-object backoff after reconcile errors: 2^attempts seconds with equal
+/// jitter, capped at `MAX_ERROR_BACKOFF`.
+pub fn error_backoff(attempts: u32, jitter: f64) -> Duration {
+    let base = Duration::from_secs(1u64 << attempts.min(9)).min(MAX_ERROR_BACKOFF);
+    base.mul_f64(0.5 + jitter.clamp(0.0, 1.0) / 2.0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn error_backoff_grows_exponentially_and_is_capped() {
+        assert_eq!(error_backoff(1, 1.0), Duration::from_secs(2));
+        assert_eq!(error_backoff(3, 1.0), Duration::from_secs(8));
+        assert_eq!(error_backoff(3, 0.0), Duration::from_secs(4));
+        assert_eq!(error_backoff(30, 1.0), MAX_ERROR_BACKOFF);
+    }
+
+    #[test]
+    fn an_object_that_does_not_deserialize_is_reported_not_fatal() {
+        let bad: DynamicObject = serde_json::from_value(json!({
+            "apiVersion": "migration.platform.example/v1alpha1",
+            "kind": "VirtualMachineMigration",
+            "metadata": {"name": "broken", "namespace": "x"},
+            "spec": {"source": 5}
+        }))
+        .unwrap();
+        let err = parse(&bad).unwrap_err();
+        assert!(err.to_string().contains("invalid type"), "{err}");
+    }
 }
