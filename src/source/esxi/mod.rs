@@ -1,2 +1,6 @@
 //! ESXi over SSH (russh): host key pinning, vim-cmd and .vmx parsing, power
 //! control, streaming disk copy with sha256.
+pub mod adapter;
+pub mod copy;
+pub mod parse;
+pub mod ssh;

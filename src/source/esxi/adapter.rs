@@ -1,0 +1,474 @@
+//! The real `EsxiHost` and `DiskStore` adapters: discovery and power over
+//! SSH, and disk copies into a local store (one background task per disk).
+
+use super::copy::{self, CopyError, CopyPlan, CopyResult};
+use super::parse;
+use super::ssh::{Credentials, Output, RemoteCommand, Secret, Session, SshError, Target};
+use crate::api::{SourceDisk, SourceInventory, SourcePowerState, VirtualMachineMigration};
+use crate::controller::adapters::{DiskStore, EsxiHost, PowerObservation};
+use crate::machine::{CopyState, Failure};
+use async_trait::async_trait;
+use k8s_openapi::api::core::v1::Secret as KubeSecret;
+use kube::api::Api;
+use kube::{Client, ResourceExt};
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+/// Where credentials come from: a Kubernetes Secret, or fixed (tests, the demo).
+#[derive(Clone)]
+pub enum CredentialSource {
+    Kubernetes(Client),
+    Fixed(Credentials),
+}
+
+struct CopyTask {
+    progress: Arc<AtomicU64>,
+    total: u64,
+    handle: tokio::task::JoinHandle<Result<CopyResult, CopyError>>,
+}
+
+/// Settings of the disk store.
+#[derive(Clone, Debug)]
+pub struct StoreConfig {
+    pub root: PathBuf,
+    pub streams: usize,
+    pub chunk_size: u64,
+}
+
+/// ESXi hosts over SSH plus the local disk store.
+pub struct EsxiSource {
+    credentials: CredentialSource,
+    store: StoreConfig,
+    sessions: tokio::sync::Mutex<HashMap<String, Arc<Session>>>,
+    copies: Mutex<HashMap<(String, usize), CopyTask>>,
+}
+
+fn timeout_of(vmm: &VirtualMachineMigration) -> Duration {
+    Duration::from_secs(vmm.spec.strategy.timeouts.ssh_seconds.max(1) as u64)
+}
+
+fn vim_fault(what: &str, out: &Output) -> Option<Failure> {
+    let fault = parse::parse_fault(&out.text())?;
+    Some(match fault.kind.as_str() {
+        "vim.fault.NotFound" => Failure::needs_human("SourceVMNotFound", format!("{what}: {}", fault.msg)),
+        "vim.fault.ToolsUnavailable" => {
+            Failure::needs_human("ToolsNotRunning", format!("{what}: {}", fault.msg))
+        }
+        "vim.fault.InvalidPowerState" => {
+            Failure::retryable("InvalidPowerState", format!("{what}: {}", fault.msg))
+        }
+        kind => Failure::retryable("HostFault", format!("{what}: {kind}: {}", fault.msg)),
+    })
+}
+
+impl EsxiSource {
+    pub fn new(credentials: CredentialSource, store: StoreConfig) -> EsxiSource {
+        EsxiSource {
+            credentials,
+            store,
+            sessions: tokio::sync::Mutex::new(HashMap::new()),
+            copies: Mutex::new(HashMap::new()),
+        }
+    }
+
+    async fn credentials(&self, vmm: &VirtualMachineMigration) -> Result<Credentials, Failure> {
+        let client = match &self.credentials {
+            CredentialSource::Fixed(c) => return Ok(c.clone()),
+            CredentialSource::Kubernetes(client) => client.clone(),
+        };
+        let name = &vmm.spec.source.credentials_secret_ref.name;
+        let ns = vmm.namespace().unwrap_or_default();
+        let secrets: Api<KubeSecret> = Api::namespaced(client, &ns);
+        let secret = secrets
+            .get_opt(name)
+            .await
+            .map_err(|e| Failure::retryable("APIUnavailable", format!("reading Secret {ns}/{name}: {e}")))?
+            .ok_or_else(|| {
+                Failure::needs_human("CredentialsSecretMissing", format!("Secret {ns}/{name} does not exist"))
+            })?;
+        let data = secret.data.unwrap_or_default();
+        let field = |k: &str| data.get(k).map(|v| String::from_utf8_lossy(&v.0).into_owned());
+        let username = field("username").unwrap_or_else(|| "root".into());
+        let secret = match (field("password"), field("privateKey").or_else(|| field("ssh-privatekey"))) {
+            (_, Some(key)) => Secret::PrivateKey(key),
+            (Some(password), None) => Secret::Password(password),
+            (None, None) => {
+                return Err(Failure::needs_human(
+                    "CredentialsSecretInvalid",
+                    format!("Secret {ns}/{name} has neither `password` nor `privateKey`"),
+                ));
+            }
+        };
+        Ok(Credentials { username, secret })
+    }
+
+    /// A live session to the migration's host, reused across calls.
+    async fn session(&self, vmm: &VirtualMachineMigration) -> Result<Arc<Session>, Failure> {
+        let credentials = self.credentials(vmm).await?;
+        let source = &vmm.spec.source;
+        let key = format!("{}:{}:{}:{}", source.host, source.port, credentials.username, source.host_key);
+        let mut sessions = self.sessions.lock().await;
+        if let Some(session) = sessions.get(&key)
+            && !session.is_closed()
+        {
+            return Ok(session.clone());
+        }
+        let target = Target {
+            host: source.host.clone(),
+            port: u16::try_from(source.port).unwrap_or(22),
+            host_key: source.host_key.clone(),
+            timeout: timeout_of(vmm),
+        };
+        let session = Arc::new(Session::connect(&target, &credentials).await.map_err(|e| e.failure())?);
+        sessions.insert(key, session.clone());
+        Ok(session)
+    }
+
+    async fn run(
+        &self,
+        vmm: &VirtualMachineMigration,
+        cmd: Result<RemoteCommand, SshError>,
+    ) -> Result<Output, Failure> {
+        let cmd = cmd.map_err(|e| e.failure())?;
+        let session = self.session(vmm).await?;
+        session.run(&cmd).await.map_err(|e| e.failure())
+    }
+
+    fn vim_cmd(op: &str, vmid: &str) -> Result<RemoteCommand, SshError> {
+        if vmid.is_empty() || !vmid.bytes().all(|b| b.is_ascii_digit()) {
+            return Err(SshError::InvalidArgument(format!("vmid {vmid:?}")));
+        }
+        RemoteCommand::new("vim-cmd")?.arg(op)?.arg(vmid)
+    }
+
+    async fn find_vm(&self, vmm: &VirtualMachineMigration) -> Result<parse::VmListEntry, Failure> {
+        let out = self.run(vmm, RemoteCommand::new("vim-cmd").and_then(|c| c.arg("vmsvc/getallvms"))).await?;
+        let vms = parse::parse_getallvms(&out.stdout_text());
+        let wanted = &vmm.spec.source.vm;
+        let matches: Vec<_> = vms
+            .iter()
+            .filter(|v| match (&wanted.name, &wanted.id) {
+                (Some(name), _) => v.name == *name,
+                (None, Some(id)) => v.vmid == *id,
+                (None, None) => false,
+            })
+            .collect();
+        match matches.as_slice() {
+            [one] => Ok((*one).clone()),
+            [] => {
+                let known: Vec<_> =
+                    vms.iter().take(20).map(|v| format!("{:?} (vmid {})", v.name, v.vmid)).collect();
+                Err(Failure::needs_human(
+                    "SourceVMNotFound",
+                    format!(
+                        "no VM {:?} on {}; the host has: {}",
+                        wanted,
+                        vmm.spec.source.host,
+                        known.join(", ")
+                    ),
+                ))
+            }
+            many => Err(Failure::needs_human(
+                "AmbiguousVMName",
+                format!("{} VMs are named {:?}; select one by spec.source.vm.id", many.len(), wanted.name),
+            )),
+        }
+    }
+
+    fn vmid(vmm: &VirtualMachineMigration) -> Option<String> {
+        vmm.status.as_ref()?.source_inventory.as_ref().map(|i| i.vmid.clone())
+    }
+
+    async fn vmid_or_find(&self, vmm: &VirtualMachineMigration) -> Result<String, Failure> {
+        match Self::vmid(vmm) {
+            Some(id) => Ok(id),
+            None => Ok(self.find_vm(vmm).await?.vmid),
+        }
+    }
+
+    async fn power_state(
+        &self,
+        vmm: &VirtualMachineMigration,
+        vmid: &str,
+    ) -> Result<SourcePowerState, Failure> {
+        let out = self.run(vmm, Self::vim_cmd("vmsvc/power.getstate", vmid)).await?;
+        if let Some(fault) = vim_fault("power.getstate", &out) {
+            return Err(fault);
+        }
+        parse::parse_power_state(&out.text()).ok_or_else(|| {
+            Failure::retryable("UnparsableOutput", format!("power.getstate printed {:?}", out.text()))
+        })
+    }
+
+    fn local_path(&self, vmm: &VirtualMachineMigration, disk: usize) -> PathBuf {
+        self.migration_dir(vmm).join(format!("disk-{disk}.raw"))
+    }
+
+    fn migration_dir(&self, vmm: &VirtualMachineMigration) -> PathBuf {
+        let safe = |s: String| s.replace(['/', '.'], "_");
+        self.store
+            .root
+            .join(safe(vmm.namespace().unwrap_or_default()))
+            .join(safe(vmm.name_any()))
+            .join(safe(vmm.metadata.uid.clone().unwrap_or_default()))
+    }
+
+    fn disk_of(vmm: &VirtualMachineMigration, disk: usize) -> Option<SourceDisk> {
+        vmm.status.as_ref()?.source_inventory.as_ref()?.disks.get(disk).cloned()
+    }
+
+    fn task_key(vmm: &VirtualMachineMigration, disk: usize) -> (String, usize) {
+        (vmm.metadata.uid.clone().unwrap_or_default(), disk)
+    }
+}
+
+fn join(dir: &str, file: &str) -> String {
+    if file.starts_with('/') { file.to_owned() } else { format!("{}/{file}", dir.trim_end_matches('/')) }
+}
+
+fn parent(path: &str) -> &str {
+    path.rsplit_once('/').map(|(d, _)| d).unwrap_or("")
+}
+
+#[async_trait]
+impl EsxiHost for EsxiSource {
+    async fn discover(&self, vmm: &VirtualMachineMigration) -> Result<SourceInventory, Failure> {
+        let entry = self.find_vm(vmm).await?;
+        let vmid = entry.vmid.clone();
+        let power = self.power_state(vmm, &vmid).await?;
+        let snapshots = self.run(vmm, Self::vim_cmd("vmsvc/snapshot.get", &vmid)).await?;
+        let message = self.run(vmm, Self::vim_cmd("vmsvc/message", &vmid)).await?;
+        let guest = self.run(vmm, Self::vim_cmd("vmsvc/get.guest", &vmid)).await?;
+        let guest = parse::parse_guest_info(&guest.text());
+        let version = self.run(vmm, RemoteCommand::new("vmware").and_then(|c| c.arg("-v"))).await?;
+        let vmx_path = if entry.datastore.is_empty() {
+            entry.vmx_path.clone()
+        } else {
+            format!("/vmfs/volumes/{}/{}", entry.datastore, entry.vmx_path)
+        };
+        let head =
+            |path: &str| RemoteCommand::new("head").and_then(|c| c.arg("-c")?.arg("1048576")?.arg(path));
+        let vmx = self.run(vmm, head(&vmx_path)).await?;
+        if vmx.exit_status != Some(0) {
+            return Err(Failure::retryable(
+                "VmxUnreadable",
+                format!("cannot read {vmx_path}: {}", vmx.text().trim()),
+            ));
+        }
+        let facts = parse::vmx_facts(&parse::parse_vmx(&vmx.stdout_text()));
+        let vm_dir = parent(&vmx_path).to_owned();
+        let mut disks = Vec::new();
+        for (index, disk) in facts.disks.iter().enumerate() {
+            let descriptor_path = join(&vm_dir, &disk.file_name);
+            let text = self.run(vmm, head(&descriptor_path)).await?;
+            let descriptor = parse::parse_descriptor(&text.stdout_text());
+            let (extent_path, capacity, create_type) = match &descriptor {
+                Some(d) => {
+                    let extent = d
+                        .extents
+                        .first()
+                        .map(|e| join(parent(&descriptor_path), &e.file))
+                        .unwrap_or_default();
+                    (extent, d.capacity_bytes() as i64, d.create_type.clone())
+                }
+                None => (descriptor_path.clone(), 0, String::new()),
+            };
+            disks.push(SourceDisk {
+                index: index as i32,
+                device: disk.device.clone(),
+                bus: disk.bus.clone(),
+                controller_model: disk.controller_model.clone(),
+                descriptor_path,
+                extent_path,
+                capacity_bytes: capacity,
+                create_type,
+                mode: disk.mode.clone(),
+            });
+        }
+        let cores = facts.cores_per_socket.max(1);
+        Ok(SourceInventory {
+            vmid,
+            name: entry.name.clone(),
+            vmx_path: if entry.datastore.is_empty() {
+                entry.vmx_path.clone()
+            } else {
+                format!("[{}] {}", entry.datastore, entry.vmx_path)
+            },
+            guest_os: if entry.guest_id.is_empty() { facts.guest_os.clone() } else { entry.guest_id.clone() },
+            esxi_version: parse::parse_version(&version.text()).unwrap_or_default(),
+            firmware: facts.firmware,
+            secure_boot: facts.secure_boot,
+            cpu_sockets: (facts.num_cpus.max(1) / cores).max(1),
+            cores_per_socket: cores,
+            memory_mib: facts.memory_mib,
+            power_state: power,
+            snapshots: parse::parse_snapshots(&snapshots.text()).len() as i32,
+            pending_question: parse::parse_message(&message.text()),
+            disks,
+            nics: facts
+                .nics
+                .iter()
+                .map(|n| crate::api::SourceNic {
+                    device: n.device.clone(),
+                    model: n.model.clone(),
+                    network: n.network.clone(),
+                    mac_address: n.mac_address.clone(),
+                })
+                .collect(),
+            ip_addresses: guest
+                .map(|g| g.nics.iter().flat_map(|n| n.ip_addresses.clone()).collect())
+                .unwrap_or_default(),
+        })
+    }
+
+    async fn power(&self, vmm: &VirtualMachineMigration) -> Result<PowerObservation, Failure> {
+        let vmid = self.vmid_or_find(vmm).await?;
+        let state = self.power_state(vmm, &vmid).await?;
+        let guest = self.run(vmm, Self::vim_cmd("vmsvc/get.guest", &vmid)).await?;
+        let tools_running = parse::parse_guest_info(&guest.text()).is_some_and(|g| g.tools_running());
+        Ok(PowerObservation { state, tools_running })
+    }
+
+    async fn request_shutdown(&self, vmm: &VirtualMachineMigration) -> Result<(), Failure> {
+        let vmid = self.vmid_or_find(vmm).await?;
+        if self.power_state(vmm, &vmid).await? == SourcePowerState::PoweredOff {
+            return Ok(());
+        }
+        let out = self.run(vmm, Self::vim_cmd("vmsvc/power.shutdown", &vmid)).await?;
+        match vim_fault("power.shutdown", &out) {
+            Some(f) if f.reason == "InvalidPowerState" => Ok(()),
+            Some(f) => Err(f),
+            None => Ok(()),
+        }
+    }
+
+    async fn power_off(&self, vmm: &VirtualMachineMigration) -> Result<(), Failure> {
+        let vmid = self.vmid_or_find(vmm).await?;
+        if self.power_state(vmm, &vmid).await? == SourcePowerState::PoweredOff {
+            return Ok(());
+        }
+        let out = self.run(vmm, Self::vim_cmd("vmsvc/power.off", &vmid)).await?;
+        if let Some(f) = vim_fault("power.off", &out)
+            && f.reason != "InvalidPowerState"
+        {
+            return Err(f);
+        }
+        match self.power_state(vmm, &vmid).await? {
+            SourcePowerState::PoweredOff => Ok(()),
+            other => {
+                Err(Failure::retryable("PowerOffNotObserved", format!("after power.off the VM is {other:?}")))
+            }
+        }
+    }
+}
+
+#[async_trait]
+impl DiskStore for EsxiSource {
+    async fn copy_state(&self, vmm: &VirtualMachineMigration, disk: usize) -> CopyState {
+        let key = Self::task_key(vmm, disk);
+        let finished = {
+            let mut copies = match self.copies.lock() {
+                Ok(c) => c,
+                Err(p) => p.into_inner(),
+            };
+            match copies.get(&key) {
+                Some(task) if !task.handle.is_finished() => {
+                    return CopyState::InProgress {
+                        bytes_done: task.progress.load(Ordering::Relaxed) as i64,
+                        bytes_total: task.total as i64,
+                    };
+                }
+                Some(_) => copies.remove(&key),
+                None => None,
+            }
+        };
+        if let Some(task) = finished {
+            // A finished task's failure is reported once; afterwards the files speak.
+            match task.handle.await {
+                Ok(Err(err)) => {
+                    let (failure, discard) = err.failure();
+                    return CopyState::Failed { failure, discard };
+                }
+                Err(join) if join.is_panic() => {
+                    return CopyState::Failed {
+                        failure: Failure::retryable("CopyTaskPanicked", "the copy task panicked"),
+                        discard: true,
+                    };
+                }
+                _ => {}
+            }
+        }
+        let local = self.local_path(vmm, disk);
+        if let Some((size, sha256, verified_remotely)) = copy::is_complete(&local) {
+            return CopyState::Complete { size: size as i64, sha256, verified_remotely };
+        }
+        let present = copy::bytes_present(&local);
+        let total = Self::disk_of(vmm, disk).map(|d| d.capacity_bytes).unwrap_or(0);
+        if present > 0 {
+            CopyState::Partial { bytes_done: present as i64, bytes_total: total }
+        } else {
+            CopyState::Absent
+        }
+    }
+
+    async fn start_copy(&self, vmm: &VirtualMachineMigration, disk: usize) -> Result<(), Failure> {
+        let key = Self::task_key(vmm, disk);
+        if self.copies.lock().map(|c| c.contains_key(&key)).unwrap_or(false) {
+            return Ok(());
+        }
+        let local = self.local_path(vmm, disk);
+        if copy::is_complete(&local).is_some() {
+            return Ok(());
+        }
+        let source = Self::disk_of(vmm, disk).ok_or_else(|| {
+            Failure::retryable("InventoryMissing", format!("no disk {disk} in the inventory"))
+        })?;
+        let session = self.session(vmm).await?;
+        let plan = CopyPlan {
+            chunk_size: self.store.chunk_size,
+            streams: self.store.streams,
+            ..CopyPlan::new(source.extent_path.clone(), local)
+        };
+        let progress = Arc::new(AtomicU64::new(0));
+        let task_progress = progress.clone();
+        let handle = tokio::spawn(async move { copy::copy_disk(session, &plan, task_progress).await });
+        let task = CopyTask { progress, total: source.capacity_bytes.max(0) as u64, handle };
+        if let Ok(mut copies) = self.copies.lock() {
+            copies.insert(key, task);
+        }
+        Ok(())
+    }
+
+    async fn discard_copy(&self, vmm: &VirtualMachineMigration, disk: usize) -> Result<(), Failure> {
+        if let Some(task) = self.copies.lock().ok().and_then(|mut c| c.remove(&Self::task_key(vmm, disk))) {
+            task.handle.abort();
+        }
+        copy::discard(&self.local_path(vmm, disk)).map_err(|e| {
+            Failure::retryable("LocalDiskError", format!("removing the copy of disk {disk}: {e}"))
+        })
+    }
+
+    async fn remove_all(&self, vmm: &VirtualMachineMigration) -> Result<(), Failure> {
+        let uid = vmm.metadata.uid.clone().unwrap_or_default();
+        if let Ok(mut copies) = self.copies.lock() {
+            copies.retain(|(u, _), task| {
+                if *u == uid {
+                    task.handle.abort();
+                }
+                *u != uid
+            });
+        }
+        remove_dir(&self.migration_dir(vmm))
+    }
+}
+
+fn remove_dir(dir: &Path) -> Result<(), Failure> {
+    match std::fs::remove_dir_all(dir) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(Failure::retryable("LocalDiskError", format!("removing {}: {e}", dir.display()))),
+    }
+}

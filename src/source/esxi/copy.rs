@@ -1,0 +1,455 @@
+//! Resumable, checksummed copy of one disk extent from an ESXi host.
+//!
+//! The extent is split into fixed chunks read with `dd` over several SSH
+//! channels at once (one ESXi stream is slow). Received bytes go through a
+//! bounded queue to one writer thread (positional writes; all-zero blocks are
+//! skipped, so a thin disk stays sparse locally), and a hasher thread hashes
+//! the file in order as the contiguous prefix grows, so neither hashing nor
+//! writing sits on the receive path. A sidecar file records finished chunks
+//! and the source's identity (size and mtime): after an interruption only
+//! missing chunks are read again, and only if the source is unchanged. The
+//! source is only ever read. Where the host has `sha256sum` (or `openssl`),
+//! its digest is compared with ours, so the checksum is end to end.
+
+use super::ssh::{RemoteCommand, Session, SshError};
+use crate::machine::Failure;
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use std::collections::BTreeSet;
+use std::fs::File;
+use std::io::Read;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc;
+
+/// `dd` block size; chunk sizes are multiples of it.
+pub const BLOCK: u64 = 1 << 20;
+/// Granularity of hole detection.
+const ZERO_BLOCK: usize = 64 * 1024;
+/// Bytes handed to the writer at a time.
+const WRITE_BATCH: usize = 4 << 20;
+
+/// How to copy.
+#[derive(Clone, Debug)]
+pub struct CopyPlan {
+    /// Extent path on the host, e.g. `/vmfs/volumes/ds1/web/web-flat.vmdk`.
+    pub source_path: String,
+    /// Where the copy goes.
+    pub local_path: PathBuf,
+    /// Bytes per chunk (a multiple of `BLOCK`).
+    pub chunk_size: u64,
+    /// Parallel SSH channels.
+    pub streams: usize,
+    /// Ask the host for its own sha256 of the extent.
+    pub remote_digest: bool,
+}
+
+impl CopyPlan {
+    pub fn new(source_path: impl Into<String>, local_path: impl Into<PathBuf>) -> CopyPlan {
+        CopyPlan {
+            source_path: source_path.into(),
+            local_path: local_path.into(),
+            chunk_size: 16 * BLOCK,
+            streams: 4,
+            remote_digest: true,
+        }
+    }
+}
+
+/// The finished copy.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CopyResult {
+    pub size: u64,
+    pub sha256: String,
+    /// The host computed the same digest itself.
+    pub verified_remotely: bool,
+    /// Bytes read from the host in this run (less than `size` after a resume).
+    pub bytes_read: u64,
+}
+
+/// Copy errors.
+#[derive(Debug, thiserror::Error)]
+pub enum CopyError {
+    #[error(transparent)]
+    Ssh(#[from] SshError),
+    #[error("the connection ended {got} bytes into a {want}-byte read of chunk {chunk}")]
+    ShortRead { chunk: u64, got: u64, want: u64 },
+    #[error("the source changed during the copy ({before} → {after})")]
+    SourceChanged { before: String, after: String },
+    #[error("sha256 mismatch: the host computed {remote}, the copy is {local}")]
+    ChecksumMismatch { remote: String, local: String },
+    #[error("cannot read the source's size: {0}")]
+    Stat(String),
+    #[error("local disk: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+impl CopyError {
+    /// The controller's view; `discard` says whether the partial copy must go.
+    pub fn failure(&self) -> (Failure, bool) {
+        let message = self.to_string();
+        match self {
+            CopyError::Ssh(e) => (e.failure(), false),
+            CopyError::ShortRead { .. } => (Failure::retryable("ConnectionLost", message), false),
+            CopyError::SourceChanged { .. } => (Failure::retryable("SourceChanged", message), true),
+            CopyError::ChecksumMismatch { .. } => (Failure::retryable("ChecksumMismatch", message), true),
+            CopyError::Stat(_) => (Failure::retryable("SourceUnreadable", message), false),
+            CopyError::Io(_) => (Failure::retryable("LocalDiskError", message), false),
+        }
+    }
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+struct Sidecar {
+    source_path: String,
+    identity: String,
+    size: u64,
+    chunk_size: u64,
+    done: BTreeSet<u64>,
+}
+
+fn sidecar_path(local: &Path) -> PathBuf {
+    let mut name = local.file_name().map(|n| n.to_os_string()).unwrap_or_default();
+    name.push(".progress.json");
+    local.with_file_name(name)
+}
+
+fn read_sidecar(local: &Path) -> Option<Sidecar> {
+    let text = std::fs::read_to_string(sidecar_path(local)).ok()?;
+    serde_json::from_str(&text).ok()
+}
+
+fn write_sidecar(local: &Path, sidecar: &Sidecar) -> std::io::Result<()> {
+    let path = sidecar_path(local);
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, serde_json::to_vec(sidecar).map_err(std::io::Error::other)?)?;
+    std::fs::rename(tmp, path)
+}
+
+/// Bytes already copied according to the sidecar (for progress after a restart).
+pub fn bytes_present(local: &Path) -> u64 {
+    read_sidecar(local).map(|s| (s.done.len() as u64 * s.chunk_size).min(s.size)).unwrap_or(0)
+}
+
+/// A finished copy, as its marker records it: (size, sha256, verified by the host).
+pub fn is_complete(local: &Path) -> Option<(u64, String, bool)> {
+    let marker = std::fs::read_to_string(local.with_extension("sha256")).ok()?;
+    let mut parts = marker.split_whitespace();
+    let size = parts.next()?.parse().ok()?;
+    let sha = parts.next()?.to_owned();
+    let verified = parts.next() == Some("verified");
+    local.exists().then_some((size, sha, verified))
+}
+
+/// Removes a copy and its bookkeeping. "Not found" is success.
+pub fn discard(local: &Path) -> std::io::Result<()> {
+    for path in [local.to_path_buf(), sidecar_path(local), local.with_extension("sha256")] {
+        match std::fs::remove_file(&path) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// `size mtime` of the source, as the host reports it.
+pub async fn source_identity(session: &Session, path: &str) -> Result<(u64, String), CopyError> {
+    let cmd = RemoteCommand::new("stat")?.arg("-c")?.arg("%s %Y")?.arg(path)?;
+    let out = session.run(&cmd).await?;
+    let text = out.stdout_text();
+    let line = text.trim();
+    let size = line.split_whitespace().next().and_then(|s| s.parse().ok());
+    match (out.exit_status, size) {
+        (Some(0), Some(size)) => Ok((size, line.to_owned())),
+        _ => Err(CopyError::Stat(format!("{}: {}", path, out.text().trim()))),
+    }
+}
+
+/// The host's own sha256 of `path`, if it has a tool for it.
+pub async fn remote_sha256(session: &Session, path: &str) -> Result<Option<String>, CopyError> {
+    let quoted = super::ssh::quote(path)?;
+    let script = format!(
+        "if command -v sha256sum >/dev/null 2>&1; then sha256sum {quoted}; elif command -v openssl >/dev/null 2>&1; then openssl dgst -sha256 -r {quoted}; else echo NOHASHTOOL; fi"
+    );
+    let cmd = RemoteCommand::new("sh")?.arg("-c")?.arg(&script)?;
+    // Hashing a large disk on the host takes a while: no command timeout here.
+    let mut out = super::ssh::Output::default();
+    let status = session
+        .stream(
+            &cmd,
+            |c| {
+                out.stdout.extend_from_slice(c);
+                Ok(())
+            },
+            &mut out.stderr,
+        )
+        .await?;
+    let text = out.stdout_text();
+    if status != Some(0) || text.contains("NOHASHTOOL") {
+        return Ok(None);
+    }
+    let hex = text.split_whitespace().next().unwrap_or_default().to_ascii_lowercase();
+    Ok((hex.len() == 64 && hex.bytes().all(|b| b.is_ascii_hexdigit())).then_some(hex))
+}
+
+enum WriterMsg {
+    Data { offset: u64, bytes: Vec<u8> },
+    ChunkDone(u64),
+}
+
+fn is_zero(buf: &[u8]) -> bool {
+    buf.iter().all(|b| *b == 0)
+}
+
+/// Copies the extent; resumes from a previous run's finished chunks when the
+/// source is unchanged. `progress` counts bytes present locally.
+pub async fn copy_disk(
+    session: Arc<Session>,
+    plan: &CopyPlan,
+    progress: Arc<AtomicU64>,
+) -> Result<CopyResult, CopyError> {
+    let chunk_size = (plan.chunk_size / BLOCK).max(1) * BLOCK;
+    let (size, identity) = source_identity(&session, &plan.source_path).await?;
+    if let Some(parent) = plan.local_path.parent() {
+        std::fs::create_dir_all(parent)?;
+    }
+    let sidecar = match read_sidecar(&plan.local_path) {
+        Some(s)
+            if s.identity == identity
+                && s.size == size
+                && s.chunk_size == chunk_size
+                && plan.local_path.exists() =>
+        {
+            s
+        }
+        _ => {
+            // Nothing usable: start over (never append to unknown data).
+            discard(&plan.local_path)?;
+            Sidecar {
+                source_path: plan.source_path.clone(),
+                identity: identity.clone(),
+                size,
+                chunk_size,
+                done: BTreeSet::new(),
+            }
+        }
+    };
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .read(true)
+        .write(true)
+        .open(&plan.local_path)?;
+    file.set_len(size)?;
+    let file = Arc::new(file);
+    let chunks = size.div_ceil(chunk_size);
+    let missing: Vec<u64> = (0..chunks).filter(|c| !sidecar.done.contains(c)).collect();
+    progress.store((sidecar.done.len() as u64 * chunk_size).min(size), Ordering::Relaxed);
+    write_sidecar(&plan.local_path, &sidecar)?;
+
+    // Hasher: follows the contiguous prefix of finished chunks, reading back from the file.
+    let (hash_tx, hash_rx) = mpsc::channel::<u64>();
+    let hash_file = file.clone();
+    let already: Vec<u64> = sidecar.done.iter().copied().collect();
+    let hasher = std::thread::spawn(move || -> std::io::Result<String> {
+        let mut hasher = Sha256::new();
+        let mut ready = BTreeSet::new();
+        ready.extend(already);
+        let mut next = 0u64;
+        let mut buf = vec![0u8; 4 << 20];
+        loop {
+            while ready.remove(&next) {
+                let start = next * chunk_size;
+                let end = (start + chunk_size).min(size);
+                let mut pos = start;
+                while pos < end {
+                    let n = ((end - pos) as usize).min(buf.len());
+                    hash_file.read_exact_at(&mut buf[..n], pos)?;
+                    hasher.update(&buf[..n]);
+                    pos += n as u64;
+                }
+                next += 1;
+            }
+            if next >= chunks {
+                break;
+            }
+            match hash_rx.recv() {
+                Ok(chunk) => {
+                    ready.insert(chunk);
+                }
+                Err(_) => return Ok(String::new()),
+            }
+        }
+        Ok(hasher.finalize().iter().map(|b| format!("{b:02x}")).collect())
+    });
+
+    // Writer: positional writes, holes for zero blocks, sidecar after each chunk.
+    let (write_tx, mut write_rx) = tokio::sync::mpsc::channel::<WriterMsg>(16);
+    let write_file = file.clone();
+    let local = plan.local_path.clone();
+    let writer_progress = progress.clone();
+    let mut writer_sidecar = sidecar.clone();
+    let writer = std::thread::spawn(move || -> std::io::Result<()> {
+        while let Some(msg) = write_rx.blocking_recv() {
+            match msg {
+                WriterMsg::Data { offset, bytes } => {
+                    for (i, block) in bytes.chunks(ZERO_BLOCK).enumerate() {
+                        if !is_zero(block) {
+                            write_file.write_all_at(block, offset + (i * ZERO_BLOCK) as u64)?;
+                        }
+                    }
+                    writer_progress.fetch_add(bytes.len() as u64, Ordering::Relaxed);
+                }
+                WriterMsg::ChunkDone(chunk) => {
+                    write_file.sync_data()?;
+                    writer_sidecar.done.insert(chunk);
+                    write_sidecar(&local, &writer_sidecar)?;
+                    let _ = hash_tx.send(chunk);
+                }
+            }
+        }
+        Ok(())
+    });
+
+    let remote = if plan.remote_digest {
+        let session = session.clone();
+        let path = plan.source_path.clone();
+        Some(tokio::spawn(async move { remote_sha256(&session, &path).await }))
+    } else {
+        None
+    };
+
+    // Readers: N channels pulling chunk numbers from a shared queue.
+    let queue = Arc::new(std::sync::Mutex::new(missing.into_iter()));
+    let bytes_read = Arc::new(AtomicU64::new(0));
+    let mut readers = Vec::new();
+    for _ in 0..plan.streams.max(1) {
+        let session = session.clone();
+        let queue = queue.clone();
+        let tx = write_tx.clone();
+        let path = plan.source_path.clone();
+        let bytes_read = bytes_read.clone();
+        readers.push(tokio::spawn(async move {
+            loop {
+                let next = queue.lock().ok().and_then(|mut q| q.next());
+                let Some(chunk) = next else { return Ok::<(), CopyError>(()) };
+                let want = chunk_size.min(size - chunk * chunk_size);
+                read_chunk(&session, &path, chunk, chunk_size, want, &tx, &bytes_read).await?;
+            }
+        }));
+    }
+    drop(write_tx);
+    let mut first_error = None;
+    for reader in readers {
+        let result = match reader.await {
+            Ok(r) => r,
+            Err(e) => Err(CopyError::Io(std::io::Error::other(e.to_string()))),
+        };
+        if let Err(e) = result {
+            first_error.get_or_insert(e);
+        }
+    }
+    let written = writer.join().map_err(|_| std::io::Error::other("writer thread panicked"))?;
+    let local_sha = hasher.join().map_err(|_| std::io::Error::other("hasher thread panicked"))?;
+    if let Some(e) = first_error {
+        if let Some(task) = remote {
+            task.abort();
+        }
+        return Err(e);
+    }
+    written?;
+    let local_sha = local_sha?;
+    let (_, after) = source_identity(&session, &plan.source_path).await?;
+    if after != identity {
+        return Err(CopyError::SourceChanged { before: identity, after });
+    }
+    let remote_sha = match remote {
+        Some(task) => task.await.map_err(|e| std::io::Error::other(e.to_string()))??,
+        None => None,
+    };
+    if let Some(remote) = &remote_sha
+        && *remote != local_sha
+    {
+        return Err(CopyError::ChecksumMismatch { remote: remote.clone(), local: local_sha });
+    }
+    let how = if remote_sha.is_some() { "verified" } else { "local" };
+    std::fs::write(plan.local_path.with_extension("sha256"), format!("{size} {local_sha} {how}\n"))?;
+    Ok(CopyResult {
+        size,
+        sha256: local_sha,
+        verified_remotely: remote_sha.is_some(),
+        bytes_read: bytes_read.load(Ordering::Relaxed),
+    })
+}
+
+async fn read_chunk(
+    session: &Session,
+    path: &str,
+    chunk: u64,
+    chunk_size: u64,
+    want: u64,
+    tx: &tokio::sync::mpsc::Sender<WriterMsg>,
+    bytes_read: &AtomicU64,
+) -> Result<(), CopyError> {
+    let blocks = chunk_size / BLOCK;
+    let cmd = RemoteCommand::new("dd")?
+        .arg(&format!("if={path}"))?
+        .arg(&format!("bs={BLOCK}"))?
+        .arg(&format!("skip={}", chunk * blocks))?
+        .arg(&format!("count={blocks}"))?
+        .raw("2>/dev/null");
+    let stopped = || CopyError::Ssh(SshError::Protocol("the writer stopped".into()));
+    let mut channel = session.exec_channel(&cmd).await?;
+    let start = chunk * chunk_size;
+    let mut got = 0u64;
+    let mut batch = Vec::with_capacity(WRITE_BATCH);
+    let mut batch_offset = start;
+    let mut status = None;
+    while let Some(msg) = channel.wait().await {
+        match msg {
+            russh::ChannelMsg::Data { data } => {
+                let room = (want - got.min(want)) as usize;
+                let data = &data[..data.len().min(room)];
+                got += data.len() as u64;
+                batch.extend_from_slice(data);
+                if batch.len() >= WRITE_BATCH {
+                    let bytes = std::mem::replace(&mut batch, Vec::with_capacity(WRITE_BATCH));
+                    let offset = batch_offset;
+                    batch_offset += bytes.len() as u64;
+                    // Awaiting here is the backpressure when the disk is slower than the network.
+                    tx.send(WriterMsg::Data { offset, bytes }).await.map_err(|_| stopped())?;
+                }
+            }
+            russh::ChannelMsg::ExitStatus { exit_status } => status = Some(exit_status),
+            russh::ChannelMsg::Close => break,
+            _ => {}
+        }
+    }
+    bytes_read.fetch_add(got, Ordering::Relaxed);
+    if !batch.is_empty() {
+        tx.send(WriterMsg::Data { offset: batch_offset, bytes: batch }).await.map_err(|_| stopped())?;
+    }
+    if got < want || status != Some(0) {
+        return Err(CopyError::ShortRead { chunk, got, want });
+    }
+    tx.send(WriterMsg::ChunkDone(chunk)).await.map_err(|_| stopped())?;
+    Ok(())
+}
+
+/// sha256 of a local file (used to verify finished copies).
+pub fn sha256_file(path: &Path) -> std::io::Result<String> {
+    let mut file = File::open(path)?;
+    let mut hasher = Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = file.read(&mut buf)?;
+        if n == 0 {
+            break;
+        }
+        hasher.update(&buf[..n]);
+    }
+    Ok(hasher.finalize().iter().map(|b| format!("{b:02x}")).collect())
+}
