@@ -2,10 +2,12 @@
 //! Each integration test binary includes this with `mod support;`.
 #![allow(dead_code)]
 
+pub mod esxi_emulator;
 pub mod kube_env;
 pub mod kubevirt_sim;
 pub mod process;
 
+#[allow(unused_imports)]
 pub use kube_env::KubeEnv;
 
 /// A namespace unique to one test, created in the cluster.

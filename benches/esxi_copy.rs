@@ -1,0 +1,139 @@
+//! Benchmark (not a test): disk copy throughput from the ESXi emulator over
+//! real SSH on loopback, ours against three baselines in the same run.
+//!
+//!   cargo bench --bench esxi_copy                  # 1024 MiB disk
+//!   VMMIGRATE_BENCH_MIB=256 cargo bench --bench esxi_copy
+//!
+//! Rows: `ssh cat > /dev/null` (the transport's ceiling), `scp`, the shell way
+//! of doing our work (`ssh cat | tee copy | sha256sum`), and vmmigrate's copy
+//! (sha256 and write included) with 1 and 4 streams. Client CPU is the
+//! client's own user+system time (for the shell rows: ssh, tee, sha256sum).
+#![allow(dead_code)]
+
+#[path = "../tests/support/esxi_emulator.rs"]
+mod esxi_emulator;
+#[path = "../tests/support/process.rs"]
+mod process;
+
+use esxi_emulator::{EsxiEmulator, EsxiOptions};
+use std::path::Path;
+use std::process::Command;
+use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
+use std::time::{Duration, Instant};
+use vmmigrate::source::esxi::copy::{self, CopyPlan};
+use vmmigrate::source::esxi::ssh::{Credentials, Secret, Session, Target};
+
+struct Row {
+    name: String,
+    seconds: f64,
+    cpu_seconds: f64,
+}
+
+/// user+system CPU seconds of this process so far.
+fn own_cpu() -> f64 {
+    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
+    let after = stat.rsplit_once(')').map(|(_, rest)| rest).unwrap_or("");
+    let fields: Vec<&str> = after.split_whitespace().collect();
+    let ticks = |i: usize| fields.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
+    // Fields 14 and 15 of /proc/pid/stat (utime, stime) are 11 and 12 after the comm.
+    (ticks(11) + ticks(12)) / 100.0
+}
+
+/// Runs a shell pipeline under bash's `time`, returning (wall, children CPU).
+/// The timing report and the pipeline's stderr both land in `errors`.
+fn shell(script: &str, errors: &Path) -> (f64, f64) {
+    let wrapped = format!("TIMEFORMAT='TIMING %R %U %S'; time ( {script} ) 2>{}", errors.display());
+    let status = Command::new("bash").arg("-c").arg(&wrapped).status().expect("bash");
+    let report = std::fs::read_to_string(errors).unwrap_or_default();
+    let timing = report.lines().rev().find_map(|l| l.strip_prefix("TIMING ")).unwrap_or("");
+    let nums: Vec<f64> = timing.split_whitespace().filter_map(|v| v.parse().ok()).collect();
+    assert!(status.success() && nums.len() == 3, "`{script}` failed ({status}): {report}");
+    (nums[0], nums[1] + nums[2])
+}
+
+fn main() {
+    let mib: u64 = std::env::var("VMMIGRATE_BENCH_MIB").ok().and_then(|v| v.parse().ok()).unwrap_or(1024);
+    let emu =
+        EsxiEmulator::start(EsxiOptions { big_disk_mib: Some(mib), ..Default::default() }).expect("emulator");
+    let (path, _, sha, size) = emu.disk_files("7").into_iter().next().expect("big disk");
+    let work = tempfile::tempdir().expect("tempdir");
+    let errors = work.path().join("stderr");
+    let ssh_opts = format!(
+        "-F /dev/null -p {} -i {} -o UserKnownHostsFile={} -o StrictHostKeyChecking=yes -o BatchMode=yes",
+        emu.port,
+        emu.rsa_key_path().display(),
+        emu.known_hosts_path().display()
+    );
+    let remote = format!("{}@127.0.0.1", emu.username);
+    let quoted = format!("'{}'", path.replace('\'', r#"'"'"'"#));
+    let mut rows = Vec::new();
+
+    let (s, c) = shell(&format!("ssh {ssh_opts} {remote} cat {quoted} > /dev/null"), &errors);
+    rows.push(Row { name: "ssh cat > /dev/null (ceiling)".into(), seconds: s, cpu_seconds: c });
+    let scp_target = work.path().join("scp.raw");
+    let scp_opts = ssh_opts.replace("-p ", "-P ");
+    let (s, c) = shell(&format!("scp -q {scp_opts} {remote}:{quoted} {}", scp_target.display()), &errors);
+    rows.push(Row { name: "scp".into(), seconds: s, cpu_seconds: c });
+    let _ = std::fs::remove_file(&scp_target);
+    let tee_target = work.path().join("tee.raw");
+    let (s, c) = shell(
+        &format!(
+            "ssh {ssh_opts} {remote} cat {quoted} | tee {} | sha256sum > /dev/null",
+            tee_target.display()
+        ),
+        &errors,
+    );
+    rows.push(Row { name: "ssh cat, tee, sha256sum (shell way)".into(), seconds: s, cpu_seconds: c });
+    let _ = std::fs::remove_file(&tee_target);
+
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    for streams in [1usize, 4] {
+        let local = work.path().join(format!("ours-{streams}.raw"));
+        let cpu0 = own_cpu();
+        let start = Instant::now();
+        let result = rt.block_on(async {
+            let target = Target {
+                host: "127.0.0.1".into(),
+                port: emu.port,
+                host_key: emu.host_key_fingerprint(),
+                timeout: Duration::from_secs(60),
+            };
+            let creds = Credentials {
+                username: emu.username.clone(),
+                secret: Secret::Password(emu.password.clone()),
+            };
+            let session = Arc::new(Session::connect(&target, &creds).await.expect("connect"));
+            let plan = CopyPlan { streams, remote_digest: false, ..CopyPlan::new(path.clone(), &local) };
+            copy::copy_disk(session, &plan, Arc::new(AtomicU64::new(0))).await.expect("copy")
+        });
+        let seconds = start.elapsed().as_secs_f64();
+        assert_eq!(result.sha256, sha, "our copy must be exact");
+        rows.push(Row {
+            name: format!("vmmigrate copy, {streams} stream(s), sha256 + write"),
+            seconds,
+            cpu_seconds: own_cpu() - cpu0,
+        });
+        let _ = std::fs::remove_file(&local);
+    }
+
+    let gib = size as f64 / (1u64 << 30) as f64;
+    let shell_way = rows[2].seconds;
+    println!(
+        "\ndisk: {mib} MiB from the ESXi emulator over SSH on loopback ({} cores)",
+        std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
+    );
+    println!("| method | seconds | MB/s | vs shell way | client CPU s/GiB |");
+    println!("|---|---:|---:|---:|---:|");
+    for row in &rows {
+        let mbps = size as f64 / 1e6 / row.seconds;
+        println!(
+            "| {} | {:.2} | {:.0} | {:.2}x | {:.2} |",
+            row.name,
+            row.seconds,
+            mbps,
+            shell_way / row.seconds,
+            row.cpu_seconds / gib
+        );
+    }
+}

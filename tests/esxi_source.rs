@@ -1,0 +1,265 @@
+//! The real ESXi adapter (russh client, parsers, power, disk copy) against the
+//! ESXi emulator: a real OpenSSH sshd with ESXi's algorithms, BusyBox ash and
+//! an emulated vim-cmd (tests/support/esxi_emulator.rs).
+
+mod support;
+
+use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
+use std::time::Duration;
+use support::esxi_emulator::{EsxiEmulator, EsxiOptions};
+use vmmigrate::api::{Firmware, SourcePowerState, VirtualMachineMigration};
+use vmmigrate::controller::adapters::{EsxiHost, PowerObservation};
+use vmmigrate::source::esxi::adapter::{CredentialSource, EsxiSource, StoreConfig};
+use vmmigrate::source::esxi::copy::{self, CopyPlan};
+use vmmigrate::source::esxi::ssh::{Credentials, RemoteCommand, Secret, Session, Target};
+
+fn migration(emu: &EsxiEmulator, vm_name: &str) -> VirtualMachineMigration {
+    let mut vmm: VirtualMachineMigration = serde_json::from_value(serde_json::json!({
+        "apiVersion": "migration.platform.example/v1alpha1",
+        "kind": "VirtualMachineMigration",
+        "metadata": {"name": "m", "namespace": "ns", "uid": "uid-1"},
+        "spec": {
+            "source": {
+                "host": "127.0.0.1", "port": emu.port, "hostKey": emu.host_key_fingerprint(),
+                "credentialsSecretRef": {"name": "unused"}, "vm": {"name": vm_name}
+            },
+            "destination": {"namespace": "apps", "storageClassName": "standard"}
+        }
+    }))
+    .expect("migration");
+    vmm.spec.strategy.timeouts.ssh_seconds = 20;
+    vmm
+}
+
+fn password(emu: &EsxiEmulator) -> Credentials {
+    Credentials { username: emu.username.clone(), secret: Secret::Password(emu.password.clone()) }
+}
+
+fn source(_emu: &EsxiEmulator, credentials: Credentials) -> (EsxiSource, tempfile::TempDir) {
+    let store = tempfile::tempdir().expect("store");
+    let config = StoreConfig { root: store.path().to_path_buf(), streams: 4, chunk_size: 4 << 20 };
+    (EsxiSource::new(CredentialSource::Fixed(credentials), config), store)
+}
+
+fn target(emu: &EsxiEmulator) -> Target {
+    Target {
+        host: "127.0.0.1".into(),
+        port: emu.port,
+        host_key: emu.host_key_fingerprint(),
+        timeout: Duration::from_secs(20),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn discovery_reads_exact_inventories_of_the_emulator_vms() {
+    let emu = EsxiEmulator::start(EsxiOptions::default()).expect("emulator");
+    let (esxi, _store) = source(&emu, password(&emu));
+
+    let web = esxi.discover(&migration(&emu, "web 01")).await.expect("web 01");
+    assert_eq!(web.vmid, "1");
+    assert_eq!(web.firmware, Firmware::Bios);
+    assert_eq!(web.power_state, SourcePowerState::PoweredOn);
+    assert_eq!(web.snapshots, 0);
+    assert!(web.esxi_version.starts_with("VMware ESXi 8"), "{}", web.esxi_version);
+    assert_eq!(web.disks.len(), 1);
+    let disk = &web.disks[0];
+    assert_eq!(
+        (disk.device.as_str(), disk.bus.as_str(), disk.controller_model.as_str()),
+        ("scsi0:0", "scsi", "pvscsi")
+    );
+    assert_eq!(disk.capacity_bytes, 64 << 20);
+    assert_eq!(disk.create_type, "vmfs");
+    let (path, _, _, size) = emu.disk_files("1").into_iter().next().expect("disk file");
+    assert_eq!(disk.extent_path, path);
+    assert_eq!(disk.capacity_bytes as u64, size);
+    assert_eq!(web.nics.len(), 1);
+    assert_eq!((web.nics[0].model.as_str(), web.nics[0].network.as_str()), ("vmxnet3", "VM Network"));
+    assert!(!web.nics[0].mac_address.is_empty());
+
+    let db = esxi.discover(&migration(&emu, "db-02")).await.expect("db-02");
+    assert_eq!(db.firmware, Firmware::Efi);
+    assert_eq!(db.disks.len(), 2);
+    assert_eq!(db.nics.len(), 2);
+    assert!(db.nics.iter().any(|n| n.model == "e1000" && n.network == "DMZ"));
+
+    let snap = esxi.discover(&migration(&emu, "snap-vm")).await.expect("snap-vm");
+    assert!(snap.snapshots >= 1);
+    assert!(snap.disks[0].create_type.contains("Sparse"), "{}", snap.disks[0].create_type);
+
+    let question = esxi.discover(&migration(&emu, "question-vm")).await.expect("question-vm");
+    assert!(question.pending_question.is_some());
+
+    let hostile_name = "x'; rm -rf /; '";
+    let hostile = esxi.discover(&migration(&emu, hostile_name)).await.expect("hostile");
+    assert_eq!(hostile.name, hostile_name);
+    assert_eq!(hostile.power_state, SourcePowerState::PoweredOff);
+    // The datastore is intact: nothing was executed.
+    assert!(emu.disk_files("1").iter().all(|(_, p, _, _)| p.exists()));
+
+    let missing = esxi.discover(&migration(&emu, "no such vm")).await.expect_err("missing VM");
+    assert_eq!(missing.reason, "SourceVMNotFound");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hostile_vm_name_reaches_vim_cmd_as_one_literal_argument() {
+    let emu = EsxiEmulator::start(EsxiOptions::default()).expect("emulator");
+    let session = Session::connect(&target(&emu), &password(&emu)).await.expect("connect");
+    let hostile = "x'; rm -rf /; '";
+    let cmd = RemoteCommand::new("vim-cmd").unwrap().arg("vmsvc/get.summary").unwrap().arg(hostile).unwrap();
+    session.run(&cmd).await.expect("run");
+    let calls = emu.vimcmd_invocations();
+    assert!(
+        calls.iter().any(|argv| argv == &vec!["vmsvc/get.summary".to_owned(), hostile.to_owned()]),
+        "{calls:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wrong_host_key_is_refused_naming_both_fingerprints() {
+    let emu = EsxiEmulator::start(EsxiOptions::default()).expect("emulator");
+    let (esxi, _store) = source(&emu, password(&emu));
+    let mut vmm = migration(&emu, "web 01");
+    let pinned = "SHA256:AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA".to_owned();
+    vmm.spec.source.host_key = pinned.clone();
+    let failure = esxi.discover(&vmm).await.expect_err("refused");
+    assert_eq!(failure.reason, "HostKeyMismatch");
+    assert_eq!(failure.class, vmmigrate::machine::FailureClass::NeedsHuman);
+    assert!(failure.message.contains(&pinned), "{}", failure.message);
+    assert!(failure.message.contains(&emu.host_key_fingerprint()), "{}", failure.message);
+    assert!(emu.vimcmd_invocations().is_empty(), "nothing ran on a host we do not trust");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn changed_host_key_is_refused_after_a_reinstall() {
+    let mut emu = EsxiEmulator::start(EsxiOptions::default()).expect("emulator");
+    let vmm = migration(&emu, "web 01");
+    emu.change_host_key().expect("new host key");
+    let (esxi, _store) = source(&emu, password(&emu));
+    let failure = esxi.discover(&vmm).await.expect_err("refused");
+    assert_eq!(failure.reason, "HostKeyMismatch");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn logins_by_password_and_rsa_key_work_and_bad_ones_are_clear_errors() {
+    let emu = EsxiEmulator::start(EsxiOptions::default()).expect("emulator");
+    let vmm = migration(&emu, "web 01");
+    let (by_password, _s1) = source(&emu, password(&emu));
+    by_password.discover(&vmm).await.expect("password (keyboard-interactive) login");
+    let rsa = Credentials {
+        username: emu.username.clone(),
+        secret: Secret::PrivateKey(emu.rsa_key_openssh.clone()),
+    };
+    let (by_key, _s2) = source(&emu, rsa);
+    by_key.discover(&vmm).await.expect("RSA key login");
+
+    let wrong =
+        Credentials { username: emu.username.clone(), secret: Secret::Password("not-the-password".into()) };
+    let (bad, _s3) = source(&emu, wrong);
+    let failure = bad.discover(&vmm).await.expect_err("wrong password");
+    assert_eq!(failure.reason, "SSHAuthenticationFailed");
+    assert!(!failure.message.contains("not-the-password"), "the secret never reaches messages");
+
+    let ed25519 = Credentials {
+        username: emu.username.clone(),
+        secret: Secret::PrivateKey(emu.ed25519_key_openssh.clone()),
+    };
+    let (fips, _s4) = source(&emu, ed25519);
+    assert_eq!(fips.discover(&vmm).await.expect_err("ed25519 refused").reason, "SSHAuthenticationFailed");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn power_off_happens_once_even_when_repeated_after_a_crash() {
+    let emu = EsxiEmulator::start(EsxiOptions::default()).expect("emulator");
+    let vmm = {
+        let mut vmm = migration(&emu, "web 01");
+        let (esxi, _store) = source(&emu, password(&emu));
+        let inventory = esxi.discover(&vmm).await.unwrap();
+        vmm.status = Some(vmmigrate::api::VirtualMachineMigrationStatus {
+            source_inventory: Some(inventory),
+            ..Default::default()
+        });
+        vmm
+    };
+    {
+        // The first controller powers off, then dies before recording it.
+        let (esxi, _store) = source(&emu, password(&emu));
+        esxi.power_off(&vmm).await.expect("power off");
+    }
+    // The next one repeats the idempotent step: already off is success.
+    let (esxi, _store) = source(&emu, password(&emu));
+    esxi.power_off(&vmm).await.expect("repeat");
+    esxi.request_shutdown(&vmm).await.expect("shutdown of an off VM is a no-op");
+    assert_eq!(emu.power_off_transitions("1"), 1);
+    assert_eq!(
+        esxi.power(&vmm).await.unwrap(),
+        PowerObservation { state: SourcePowerState::PoweredOff, tools_running: false }
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn graceful_shutdown_without_tools_is_a_clear_needs_human_error() {
+    let emu = EsxiEmulator::start(EsxiOptions::default()).expect("emulator");
+    let (esxi, _store) = source(&emu, password(&emu));
+    let mut vmm = migration(&emu, "no-tools");
+    let inventory = esxi.discover(&vmm).await.unwrap();
+    vmm.status = Some(vmmigrate::api::VirtualMachineMigrationStatus {
+        source_inventory: Some(inventory),
+        ..Default::default()
+    });
+    assert!(!esxi.power(&vmm).await.unwrap().tools_running);
+    let failure = esxi.request_shutdown(&vmm).await.expect_err("tools missing");
+    assert_eq!(failure.reason, "ToolsNotRunning");
+}
+
+async fn copy_once(
+    emu: &EsxiEmulator,
+    path: &str,
+    local: &std::path::Path,
+    streams: usize,
+) -> Result<copy::CopyResult, copy::CopyError> {
+    let session = Arc::new(Session::connect(&target(emu), &password(emu)).await.expect("connect"));
+    let plan = CopyPlan { streams, chunk_size: 16 << 20, ..CopyPlan::new(path, local) };
+    copy::copy_disk(session, &plan, Arc::new(AtomicU64::new(0))).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_1_gib_disk_is_copied_with_the_sources_sha256_and_stays_sparse() {
+    let emu = EsxiEmulator::start(EsxiOptions { big_disk_mib: Some(1024), ..Default::default() })
+        .expect("emulator");
+    let (path, real, sha, size) = emu.disk_files("7").into_iter().next().expect("big disk");
+    let dir = tempfile::tempdir().unwrap();
+    let local = dir.path().join("disk-0.raw");
+    let result = copy_once(&emu, &path, &local, 4).await.expect("copy");
+    assert_eq!(result.size, size);
+    assert_eq!(result.sha256, sha);
+    assert!(result.verified_remotely, "the host's sha256sum agreed");
+    assert_eq!(copy::sha256_file(&local).unwrap(), sha);
+    // The source was only read.
+    assert_eq!(copy::sha256_file(&real).unwrap(), sha);
+    use std::os::unix::fs::MetadataExt;
+    let allocated = std::fs::metadata(&local).unwrap().blocks() * 512;
+    assert!(allocated < size, "zero regions stay holes ({allocated} of {size} bytes allocated)");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cut_connection_resumes_without_rereading_more_than_one_chunk() {
+    let emu =
+        EsxiEmulator::start(EsxiOptions { big_disk_mib: Some(256), ..Default::default() }).expect("emulator");
+    let (path, _, sha, size) = emu.disk_files("7").into_iter().next().expect("big disk");
+    let chunk = 16u64 << 20;
+    for fraction in [0.3, 0.9] {
+        let dir = tempfile::tempdir().unwrap();
+        let local = dir.path().join("disk-0.raw");
+        let served_before = emu.bytes_served();
+        // One stream, so "the chunk in flight" is exactly one chunk.
+        emu.set_cut_after_bytes(Some((size as f64 * fraction) as u64));
+        let err = copy_once(&emu, &path, &local, 1).await.expect_err("cut");
+        assert!(matches!(err, copy::CopyError::ShortRead { .. } | copy::CopyError::Ssh(_)), "{err:?}");
+        let result = copy_once(&emu, &path, &local, 1).await.expect("resumed copy");
+        assert_eq!(result.sha256, sha);
+        let served = emu.bytes_served() - served_before;
+        assert!(served <= size + chunk, "cut at {fraction}: read {served} bytes for a {size}-byte disk");
+        assert!(result.bytes_read < size, "the resumed run read only what was missing");
+    }
+}
