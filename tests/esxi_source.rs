@@ -263,3 +263,30 @@ async fn a_cut_connection_resumes_without_rereading_more_than_one_chunk() {
         assert!(result.bytes_read < size, "the resumed run read only what was missing");
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn credentials_come_from_the_kubernetes_secret_and_a_missing_one_needs_a_human() {
+    use k8s_openapi::api::core::v1::Secret as KubeSecret;
+    use kube::api::{Api, PostParams};
+    let emu = EsxiEmulator::start(EsxiOptions::default()).expect("emulator");
+    let client = support::KubeEnv::shared().client().await;
+    let ns = support::test_namespace(&client, "esxi-creds").await;
+    let secret: KubeSecret = serde_json::from_value(serde_json::json!({
+        "apiVersion": "v1", "kind": "Secret",
+        "metadata": {"name": "esxi01", "namespace": ns},
+        "stringData": {"username": emu.username, "password": emu.password}
+    }))
+    .unwrap();
+    Api::<KubeSecret>::namespaced(client.clone(), &ns).create(&PostParams::default(), &secret).await.unwrap();
+    let store = tempfile::tempdir().unwrap();
+    let config = StoreConfig { root: store.path().to_path_buf(), streams: 2, chunk_size: 4 << 20 };
+    let esxi = EsxiSource::new(CredentialSource::Kubernetes(client), config);
+    let mut vmm = migration(&emu, "web 01");
+    vmm.metadata.namespace = Some(ns.clone());
+    vmm.spec.source.credentials_secret_ref.name = "esxi01".into();
+    assert_eq!(esxi.discover(&vmm).await.expect("login with the Secret's password").vmid, "1");
+    vmm.spec.source.credentials_secret_ref.name = "absent".into();
+    let failure = esxi.discover(&vmm).await.expect_err("no Secret");
+    assert_eq!(failure.reason, "CredentialsSecretMissing");
+    assert!(!failure.message.contains(&emu.password));
+}
