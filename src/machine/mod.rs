@@ -183,7 +183,28 @@ struct Ctx<'a> {
     requeue: Option<Duration>,
 }
 
-impl Ctx<'_> {
+impl<'a> Ctx<'a> {
+    fn new(input: &Input<'a>) -> Ctx<'a> {
+        Ctx {
+            spec: input.spec,
+            generation: input.generation,
+            now: api_time(input.now),
+            now_ts: input.now,
+            jitter: input.jitter,
+            destination: destination_name(input.spec, input.name),
+            status: input.status.clone(),
+            actions: Vec::new(),
+            events: Vec::new(),
+            requeue: None,
+        }
+    }
+
+    /// Derives the kstatus conditions and hands out the decision.
+    fn into_decision(mut self) -> Decision {
+        conditions::summarize(&mut self.status, self.generation, &self.now);
+        Decision { actions: self.actions, status: self.status, requeue: self.requeue, events: self.events }
+    }
+
     fn condition(&mut self, type_: &str, value: bool, reason: &str, message: impl Into<String>) {
         conditions::set(&mut self.status, type_, value, reason, message, self.generation, &self.now);
     }
@@ -310,19 +331,7 @@ impl Ctx<'_> {
 
 /// The decision for one reconcile.
 pub fn decide(input: Input<'_>) -> Decision {
-    let destination = destination_name(input.spec, input.name);
-    let mut ctx = Ctx {
-        spec: input.spec,
-        generation: input.generation,
-        now: api_time(input.now),
-        now_ts: input.now,
-        jitter: input.jitter,
-        destination,
-        status: input.status.clone(),
-        actions: Vec::new(),
-        events: Vec::new(),
-        requeue: None,
-    };
+    let mut ctx = Ctx::new(&input);
     let spec_changed = input.status.observed_generation.is_some_and(|g| g < input.generation);
     let phase = ctx.status.phase;
     match phase {
@@ -390,26 +399,13 @@ pub fn decide(input: Input<'_>) -> Decision {
     if input.retry_requested {
         ctx.actions.insert(0, Action::RemoveRetryAnnotation);
     }
-    conditions::summarize(&mut ctx.status, ctx.generation, &ctx.now);
-    Decision { actions: ctx.actions, status: ctx.status, requeue: ctx.requeue, events: ctx.events }
+    ctx.into_decision()
 }
 
 /// The decision after action `failed` of `decision` failed: the failure is
 /// recorded against the phase that asked for the action.
 pub fn action_failed(input: Input<'_>, decision_phase: Phase, failure: Failure) -> Decision {
-    let destination = destination_name(input.spec, input.name);
-    let mut ctx = Ctx {
-        spec: input.spec,
-        generation: input.generation,
-        now: api_time(input.now),
-        now_ts: input.now,
-        jitter: input.jitter,
-        destination,
-        status: input.status.clone(),
-        actions: Vec::new(),
-        events: Vec::new(),
-        requeue: None,
-    };
+    let mut ctx = Ctx::new(&input);
     let phase = if decision_phase.is_active() { decision_phase } else { input.status.phase };
     if phase.is_active() {
         ctx.fail(phase, failure);
@@ -419,8 +415,7 @@ pub fn action_failed(input: Input<'_>, decision_phase: Phase, failure: Failure) 
         ctx.record_error(phase, &failure);
         ctx.event(EventType::Warning, &failure.reason, failure.message.clone());
     }
-    conditions::summarize(&mut ctx.status, ctx.generation, &ctx.now);
-    Decision { actions: ctx.actions, status: ctx.status, requeue: ctx.requeue, events: ctx.events }
+    ctx.into_decision()
 }
 
 /// Actions of the finalizer when the migration is deleted. The source is never touched.
