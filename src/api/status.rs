@@ -157,6 +157,12 @@ pub struct Progress {
     pub bytes_total: i64,
     #[schemars(range(min = 0, max = 100))]
     pub percent: i32,
+    /// Rate between the last two observations, all disks together.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub bytes_per_second: i64,
+    /// When these numbers were observed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub updated: Option<Time>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub disks: Vec<DiskProgress>,
 }
@@ -168,6 +174,12 @@ pub struct DiskProgress {
     pub index: i32,
     pub bytes_done: i64,
     pub bytes_total: i64,
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub bytes_per_second: i64,
+}
+
+fn is_zero(n: &i64) -> bool {
+    *n == 0
 }
 
 /// The source VM as discovered over SSH.

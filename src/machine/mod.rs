@@ -578,7 +578,12 @@ fn preparing(ctx: &mut Ctx<'_>, observed: Observed) {
                 return ctx.fail(Phase::Preparing, failure.clone());
             }
         };
-        progress.disks.push(DiskProgress { index: disk as i32, bytes_done, bytes_total });
+        progress.disks.push(DiskProgress {
+            index: disk as i32,
+            bytes_done,
+            bytes_total,
+            ..Default::default()
+        });
     }
     if done == total && total > 0 {
         let inventory = ctx.status.source_inventory.clone().unwrap_or_default();
@@ -719,6 +724,7 @@ fn converting(ctx: &mut Ctx<'_>, observed: Observed) {
                 index: disk as i32,
                 bytes_done: *bytes_done,
                 bytes_total: *bytes_total,
+                ..Default::default()
             }),
             ArtifactState::Invalid { reason } => {
                 ctx.event(
@@ -796,6 +802,7 @@ fn importing(ctx: &mut Ctx<'_>, observed: Observed) {
             index: disk as i32,
             bytes_done: size * i64::from(percent.clamp(0, 100)) / 100,
             bytes_total: size,
+            ..Default::default()
         });
     }
     if succeeded == volumes.len() && !volumes.is_empty() {
@@ -977,6 +984,30 @@ fn complete(ctx: &mut Ctx<'_>, message: &str) {
 }
 
 fn set_progress(ctx: &mut Ctx<'_>, mut progress: Progress) {
+    // Rates from the previous observation of the same disks; kept when no
+    // whole second has passed (API times have second precision).
+    let previous = ctx.status.progress.clone().unwrap_or_default();
+    let moved = progress.disks.len() != previous.disks.len()
+        || progress.disks.iter().any(|d| {
+            previous.disks.iter().find(|b| b.index == d.index).map(|b| b.bytes_done) != Some(d.bytes_done)
+        });
+    // Nothing moved and the rate already says so: leave the status as it is.
+    let elapsed = match &previous.updated {
+        _ if !moved && previous.bytes_per_second == 0 && previous.updated.is_some() => 0,
+        Some(t) => ctx.now.0.duration_since(t.0).as_secs(),
+        None => 0,
+    };
+    for disk in &mut progress.disks {
+        let before = previous.disks.iter().find(|d| d.index == disk.index);
+        disk.bytes_per_second = match before {
+            Some(b) if elapsed > 0 => ((disk.bytes_done - b.bytes_done) / elapsed).max(0),
+            Some(b) => b.bytes_per_second,
+            None => 0,
+        };
+    }
+    progress.bytes_per_second = progress.disks.iter().map(|d| d.bytes_per_second).sum();
+    progress.updated =
+        if elapsed > 0 || previous.updated.is_none() { Some(ctx.now.clone()) } else { previous.updated };
     progress.bytes_done = progress.disks.iter().map(|d| d.bytes_done).sum();
     progress.bytes_total = progress.disks.iter().map(|d| d.bytes_total).sum();
     progress.percent = if progress.bytes_total > 0 {

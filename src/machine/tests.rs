@@ -829,3 +829,26 @@ fn observation_for_another_checkpoint_is_not_mistaken_for_success() {
     assert_ne!(d.status.phase, Phase::CreatingVm);
     assert_eq!(d.status.errors.last().unwrap().reason, reason::OBSERVATION_MISMATCH);
 }
+
+#[test]
+fn copy_progress_reports_the_rate_between_observations() {
+    let mut run = Run::at(Phase::Preparing);
+    run.status.timestamps.source_powered_off = Some(api_time(t(0)));
+    let copying = |done| {
+        preparing(
+            SourcePowerState::PoweredOff,
+            vec![CopyState::InProgress { bytes_done: done, bytes_total: 1 << 30 }],
+        )
+    };
+    run.step(copying(0), t(10));
+    let d = run.step(copying(250 << 20), t(20));
+    let progress = d.status.progress.unwrap();
+    assert_eq!(progress.bytes_per_second, 25 << 20);
+    assert_eq!(progress.disks[0].bytes_per_second, 25 << 20);
+    assert_eq!(progress.updated, Some(api_time(t(20))));
+    // A stalled copy reports 0 once, then the status stops changing.
+    let stalled = run.step(copying(250 << 20), t(30));
+    assert_eq!(stalled.status.progress.as_ref().unwrap().bytes_per_second, 0);
+    let again = run.decide_at(copying(250 << 20), t(40));
+    assert_eq!(again.status, stalled.status);
+}
