@@ -3,6 +3,7 @@
 //!
 //!   cargo bench --bench esxi_copy                  # 1024 MiB disk
 //!   VMMIGRATE_BENCH_MIB=256 cargo bench --bench esxi_copy
+//!   VMMIGRATE_BENCH_CHUNK_MIB=64 ...               # chunk size of our copy
 //!
 //! Rows: `ssh cat > /dev/null` (the transport's ceiling), `scp`, the shell way
 //! of doing our work (`ssh cat | tee copy | sha256sum`), and vmmigrate's copy
@@ -104,7 +105,12 @@ fn main() {
                 secret: Secret::Password(emu.password.clone()),
             };
             let session = Arc::new(Session::connect(&target, &creds).await.expect("connect"));
-            let plan = CopyPlan { streams, remote_digest: false, ..CopyPlan::new(path.clone(), &local) };
+            let mut plan = CopyPlan { streams, remote_digest: false, ..CopyPlan::new(path.clone(), &local) };
+            if let Some(mib) =
+                std::env::var("VMMIGRATE_BENCH_CHUNK_MIB").ok().and_then(|v| v.parse::<u64>().ok())
+            {
+                plan.chunk_size = mib << 20;
+            }
             copy::copy_disk(session, &plan, Arc::new(AtomicU64::new(0))).await.expect("copy")
         });
         let seconds = start.elapsed().as_secs_f64();
