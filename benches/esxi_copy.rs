@@ -4,6 +4,7 @@
 //!   cargo bench --bench esxi_copy                  # 1024 MiB disk
 //!   VMMIGRATE_BENCH_MIB=256 cargo bench --bench esxi_copy
 //!   VMMIGRATE_BENCH_CHUNK_MIB=64 ...               # chunk size of our copy
+//!   VMMIGRATE_BENCH_REPEAT=5 ...                   # runs per row (the median is shown)
 //!
 //! Rows: `ssh cat > /dev/null` (the transport's ceiling), `scp`, the shell way
 //! of doing our work (`ssh cat | tee copy | sha256sum`), and vmmigrate's copy
@@ -70,63 +71,78 @@ fn main() {
     let quoted = format!("'{}'", path.replace('\'', r#"'"'"'"#));
     let mut rows = Vec::new();
 
-    let (s, c) = shell(&format!("ssh {ssh_opts} {remote} cat {quoted} > /dev/null"), &errors);
+    let repeat: usize =
+        std::env::var("VMMIGRATE_BENCH_REPEAT").ok().and_then(|v| v.parse().ok()).unwrap_or(3).max(1);
+    // Each row is the median of `repeat` runs: the two cores are shared with the emulator.
+    let median = |measure: &mut dyn FnMut() -> (f64, f64)| {
+        let mut runs: Vec<(f64, f64)> = (0..repeat).map(|_| measure()).collect();
+        runs.sort_by(|a, b| a.0.total_cmp(&b.0));
+        runs[runs.len() / 2]
+    };
+
+    let (s, c) = median(&mut || shell(&format!("ssh {ssh_opts} {remote} cat {quoted} > /dev/null"), &errors));
     rows.push(Row { name: "ssh cat > /dev/null (ceiling)".into(), seconds: s, cpu_seconds: c });
     let scp_target = work.path().join("scp.raw");
     let scp_opts = ssh_opts.replace("-p ", "-P ");
-    let (s, c) = shell(&format!("scp -q {scp_opts} {remote}:{quoted} {}", scp_target.display()), &errors);
+    let scp = format!("scp -q {scp_opts} {remote}:{quoted} {}", scp_target.display());
+    let (s, c) = median(&mut || shell(&scp, &errors));
     rows.push(Row { name: "scp".into(), seconds: s, cpu_seconds: c });
     let _ = std::fs::remove_file(&scp_target);
     let tee_target = work.path().join("tee.raw");
-    let (s, c) = shell(
-        &format!(
-            "ssh {ssh_opts} {remote} cat {quoted} | tee {} | sha256sum > /dev/null",
-            tee_target.display()
-        ),
-        &errors,
+    let tee = format!(
+        "ssh {ssh_opts} {remote} cat {quoted} | tee {} | sha256sum > /dev/null",
+        tee_target.display()
     );
+    let (s, c) = median(&mut || shell(&tee, &errors));
     rows.push(Row { name: "ssh cat, tee, sha256sum (shell way)".into(), seconds: s, cpu_seconds: c });
     let _ = std::fs::remove_file(&tee_target);
 
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let chunk_mib = std::env::var("VMMIGRATE_BENCH_CHUNK_MIB").ok().and_then(|v| v.parse::<u64>().ok());
     for streams in [1usize, 4] {
         let local = work.path().join(format!("ours-{streams}.raw"));
-        let cpu0 = own_cpu();
-        let start = Instant::now();
-        let result = rt.block_on(async {
-            let target = Target {
-                host: "127.0.0.1".into(),
-                port: emu.port,
-                host_key: emu.host_key_fingerprint(),
-                timeout: Duration::from_secs(60),
-            };
-            let creds = Credentials {
-                username: emu.username.clone(),
-                secret: Secret::Password(emu.password.clone()),
-            };
-            let session = Arc::new(Session::connect(&target, &creds).await.expect("connect"));
-            let mut plan = CopyPlan { streams, remote_digest: false, ..CopyPlan::new(path.clone(), &local) };
-            if let Some(mib) =
-                std::env::var("VMMIGRATE_BENCH_CHUNK_MIB").ok().and_then(|v| v.parse::<u64>().ok())
-            {
-                plan.chunk_size = mib << 20;
-            }
-            copy::copy_disk(session, &plan, Arc::new(AtomicU64::new(0))).await.expect("copy")
+        let (seconds, cpu_seconds) = median(&mut || {
+            // A fresh copy every run (a leftover sidecar would make it a no-op resume).
+            copy::discard(&local).expect("discard");
+            let cpu0 = own_cpu();
+            let start = Instant::now();
+            let result = rt.block_on(async {
+                let target = Target {
+                    host: "127.0.0.1".into(),
+                    port: emu.port,
+                    host_key: emu.host_key_fingerprint(),
+                    timeout: Duration::from_secs(60),
+                };
+                let creds = Credentials {
+                    username: emu.username.clone(),
+                    secret: Secret::Password(emu.password.clone()),
+                };
+                let session = Arc::new(Session::connect(&target, &creds).await.expect("connect"));
+                let mut plan =
+                    CopyPlan { streams, remote_digest: false, ..CopyPlan::new(path.clone(), &local) };
+                if let Some(mib) = chunk_mib {
+                    plan.chunk_size = mib << 20;
+                }
+                copy::copy_disk(session, &plan, Arc::new(AtomicU64::new(0))).await.expect("copy")
+            });
+            let seconds = start.elapsed().as_secs_f64();
+            assert_eq!(result.sha256, sha, "our copy must be exact");
+            assert_eq!(result.bytes_read, size, "a fresh copy reads every byte");
+            (seconds, own_cpu() - cpu0)
         });
-        let seconds = start.elapsed().as_secs_f64();
-        assert_eq!(result.sha256, sha, "our copy must be exact");
         rows.push(Row {
             name: format!("vmmigrate copy, {streams} stream(s), sha256 + write"),
             seconds,
-            cpu_seconds: own_cpu() - cpu0,
+            cpu_seconds,
         });
-        let _ = std::fs::remove_file(&local);
+        copy::discard(&local).expect("discard");
     }
 
     let gib = size as f64 / (1u64 << 30) as f64;
     let shell_way = rows[2].seconds;
+    println!("\nmedian of {repeat} runs per row");
     println!(
-        "\ndisk: {mib} MiB from the ESXi emulator over SSH on loopback ({} cores)",
+        "disk: {mib} MiB from the ESXi emulator over SSH on loopback ({} cores)",
         std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
     );
     println!("| method | seconds | MB/s | vs shell way | client CPU s/GiB |");

@@ -290,3 +290,37 @@ async fn credentials_come_from_the_kubernetes_secret_and_a_missing_one_needs_a_h
     assert_eq!(failure.reason, "CredentialsSecretMissing");
     assert!(!failure.message.contains(&emu.password));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn graceful_shutdown_is_requested_once_and_observed_by_polling() {
+    let emu = EsxiEmulator::start(EsxiOptions::default()).expect("emulator");
+    let (esxi, _store) = source(&emu, password(&emu));
+    let mut vmm = migration(&emu, "web 01");
+    let inventory = esxi.discover(&vmm).await.unwrap();
+    vmm.status = Some(vmmigrate::api::VirtualMachineMigrationStatus {
+        source_inventory: Some(inventory),
+        ..Default::default()
+    });
+    let before = esxi.power(&vmm).await.unwrap();
+    assert_eq!(before, PowerObservation { state: SourcePowerState::PoweredOn, tools_running: true });
+    esxi.request_shutdown(&vmm).await.expect("shutdown requested");
+    // The guest takes a few polls to go down; the controller polls power.getstate.
+    let mut polls = 0;
+    while esxi.power(&vmm).await.unwrap().state != SourcePowerState::PoweredOff {
+        polls += 1;
+        assert!(polls < 20, "the guest never shut down");
+    }
+    assert_eq!(emu.power_off_transitions("1"), 1);
+    let shutdowns = emu
+        .vimcmd_invocations()
+        .iter()
+        .filter(|a| a.first().map(String::as_str) == Some("vmsvc/power.shutdown"))
+        .count();
+    assert_eq!(shutdowns, 1);
+    let offs = emu
+        .vimcmd_invocations()
+        .iter()
+        .filter(|a| a.first().map(String::as_str) == Some("vmsvc/power.off"))
+        .count();
+    assert_eq!(offs, 0, "a graceful shutdown never forces");
+}

@@ -74,7 +74,7 @@ pub struct CopyResult {
 pub enum CopyError {
     #[error(transparent)]
     Ssh(#[from] SshError),
-    #[error("the connection ended {got} bytes into a {want}-byte read of chunk {chunk}")]
+    #[error("the connection ended {got} bytes into a {want}-byte read, in chunk {chunk}")]
     ShortRead { chunk: u64, got: u64, want: u64 },
     #[error("the source changed during the copy ({before} → {after})")]
     SourceChanged { before: String, after: String },
@@ -322,8 +322,9 @@ pub async fn copy_disk(
         None
     };
 
-    // Readers: N channels pulling chunk numbers from a shared queue.
-    let queue = Arc::new(std::sync::Mutex::new(missing.into_iter()));
+    // Readers: N channels pulling runs of consecutive chunks from a shared
+    // queue; one `dd` per run, chunks recorded as the stream crosses them.
+    let queue = Arc::new(std::sync::Mutex::new(plan_runs(&missing, plan.streams.max(1)).into_iter()));
     let bytes_read = Arc::new(AtomicU64::new(0));
     let mut readers = Vec::new();
     for _ in 0..plan.streams.max(1) {
@@ -335,9 +336,8 @@ pub async fn copy_disk(
         readers.push(tokio::spawn(async move {
             loop {
                 let next = queue.lock().ok().and_then(|mut q| q.next());
-                let Some(chunk) = next else { return Ok::<(), CopyError>(()) };
-                let want = chunk_size.min(size - chunk * chunk_size);
-                read_chunk(&session, &path, chunk, chunk_size, want, &tx, &bytes_read).await?;
+                let Some((first, count)) = next else { return Ok::<(), CopyError>(()) };
+                read_run(&session, &path, first, count, chunk_size, size, &tx, &bytes_read).await?;
             }
         }));
     }
@@ -385,12 +385,38 @@ pub async fn copy_disk(
     })
 }
 
-async fn read_chunk(
+/// Groups missing chunks into runs of consecutive chunks `(first, count)`,
+/// splitting the longest until there is work for every stream.
+pub fn plan_runs(missing: &[u64], streams: usize) -> Vec<(u64, u64)> {
+    let mut runs: Vec<(u64, u64)> = Vec::new();
+    for &chunk in missing {
+        match runs.last_mut() {
+            Some((first, count)) if *first + *count == chunk => *count += 1,
+            _ => runs.push((chunk, 1)),
+        }
+    }
+    while runs.len() < streams {
+        let Some((i, &(first, count))) = runs.iter().enumerate().max_by_key(|(_, r)| r.1) else { break };
+        if count < 2 {
+            break;
+        }
+        let half = count / 2;
+        runs[i] = (first, half);
+        runs.insert(i + 1, (first + half, count - half));
+    }
+    runs
+}
+
+/// Reads chunks `first..first+count` with one `dd`, handing bytes to the
+/// writer and marking each chunk done as the stream passes its end.
+#[allow(clippy::too_many_arguments)]
+async fn read_run(
     session: &Session,
     path: &str,
-    chunk: u64,
+    first: u64,
+    count: u64,
     chunk_size: u64,
-    want: u64,
+    size: u64,
     tx: &tokio::sync::mpsc::Sender<WriterMsg>,
     bytes_read: &AtomicU64,
 ) -> Result<(), CopyError> {
@@ -398,29 +424,39 @@ async fn read_chunk(
     let cmd = RemoteCommand::new("dd")?
         .arg(&format!("if={path}"))?
         .arg(&format!("bs={BLOCK}"))?
-        .arg(&format!("skip={}", chunk * blocks))?
-        .arg(&format!("count={blocks}"))?
+        .arg(&format!("skip={}", first * blocks))?
+        .arg(&format!("count={}", count * blocks))?
         .raw("2>/dev/null");
     let stopped = || CopyError::Ssh(SshError::Protocol("the writer stopped".into()));
+    let start = first * chunk_size;
+    let end = ((first + count) * chunk_size).min(size);
+    let want = end - start;
     let mut channel = session.exec_channel(&cmd).await?;
-    let start = chunk * chunk_size;
     let mut got = 0u64;
     let mut batch = Vec::with_capacity(WRITE_BATCH);
-    let mut batch_offset = start;
     let mut status = None;
     while let Some(msg) = channel.wait().await {
         match msg {
             russh::ChannelMsg::Data { data } => {
-                let room = (want - got.min(want)) as usize;
-                let data = &data[..data.len().min(room)];
-                got += data.len() as u64;
-                batch.extend_from_slice(data);
-                if batch.len() >= WRITE_BATCH {
-                    let bytes = std::mem::replace(&mut batch, Vec::with_capacity(WRITE_BATCH));
-                    let offset = batch_offset;
-                    batch_offset += bytes.len() as u64;
-                    // Awaiting here is the backpressure when the disk is slower than the network.
-                    tx.send(WriterMsg::Data { offset, bytes }).await.map_err(|_| stopped())?;
+                let mut piece = &data[..data.len().min((want - got) as usize)];
+                while !piece.is_empty() {
+                    let pos = start + got;
+                    let chunk = pos / chunk_size;
+                    let chunk_end = ((chunk + 1) * chunk_size).min(end);
+                    let n = piece.len().min((chunk_end - pos) as usize);
+                    batch.extend_from_slice(&piece[..n]);
+                    piece = &piece[n..];
+                    got += n as u64;
+                    let crossed = start + got == chunk_end;
+                    if batch.len() >= WRITE_BATCH || crossed {
+                        let bytes = std::mem::replace(&mut batch, Vec::with_capacity(WRITE_BATCH));
+                        let offset = start + got - bytes.len() as u64;
+                        // Awaiting here is the backpressure when the disk is slower than the network.
+                        tx.send(WriterMsg::Data { offset, bytes }).await.map_err(|_| stopped())?;
+                    }
+                    if crossed {
+                        tx.send(WriterMsg::ChunkDone(chunk)).await.map_err(|_| stopped())?;
+                    }
                 }
             }
             russh::ChannelMsg::ExitStatus { exit_status } => status = Some(exit_status),
@@ -430,12 +466,12 @@ async fn read_chunk(
     }
     bytes_read.fetch_add(got, Ordering::Relaxed);
     if !batch.is_empty() {
-        tx.send(WriterMsg::Data { offset: batch_offset, bytes: batch }).await.map_err(|_| stopped())?;
+        let offset = start + got - batch.len() as u64;
+        tx.send(WriterMsg::Data { offset, bytes: batch }).await.map_err(|_| stopped())?;
     }
     if got < want || status != Some(0) {
-        return Err(CopyError::ShortRead { chunk, got, want });
+        return Err(CopyError::ShortRead { chunk: (start + got) / chunk_size, got, want });
     }
-    tx.send(WriterMsg::ChunkDone(chunk)).await.map_err(|_| stopped())?;
     Ok(())
 }
 
@@ -452,4 +488,18 @@ pub fn sha256_file(path: &Path) -> std::io::Result<String> {
         hasher.update(&buf[..n]);
     }
     Ok(hasher.finalize().iter().map(|b| format!("{b:02x}")).collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::plan_runs;
+
+    #[test]
+    fn runs_group_consecutive_chunks_and_split_for_every_stream() {
+        assert_eq!(plan_runs(&[0, 1, 2, 3, 4, 5, 6, 7], 1), vec![(0, 8)]);
+        assert_eq!(plan_runs(&[0, 1, 2, 3, 4, 5, 6, 7], 4), vec![(0, 2), (2, 2), (4, 2), (6, 2)]);
+        assert_eq!(plan_runs(&[3, 4, 9], 1), vec![(3, 2), (9, 1)]);
+        assert_eq!(plan_runs(&[5], 4), vec![(5, 1)]);
+        assert!(plan_runs(&[], 4).is_empty());
+    }
 }
