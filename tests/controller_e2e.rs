@@ -275,7 +275,7 @@ async fn controller_killed_at_the_start_of_every_phase_still_completes_without_d
         for dv in h.count(&data_volume_resource()).await {
             let uid = dv.uid().unwrap();
             let first = dv_uids.entry(dv.name_any()).or_insert_with(|| uid.clone());
-            assert_eq!(*first, uid, "DataVolume {} was recreated", dv.name_any());
+            assert_eq!(*first, uid, "DataVolume {} was recreated; status: {:#?}", dv.name_any(), vmm.status);
         }
         if phase_of(&vmm) == Phase::Completed && vmm.status.as_ref().unwrap().timestamps.cleaned_up.is_some()
         {

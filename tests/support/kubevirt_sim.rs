@@ -69,7 +69,8 @@ fn http_get(url: &str) -> Result<(u16, Vec<u8>), String> {
     }
     let mut stream = TcpStream::connect(host).map_err(|e| format!("connect {host}: {e}"))?;
     stream.set_read_timeout(Some(Duration::from_secs(10))).map_err(|e| e.to_string())?;
-    write!(stream, "GET {path} HTTP/1.0\r\nHost: {host}\r\n\r\n").map_err(|e| e.to_string())?;
+    let request = format!("GET {path} HTTP/1.0\r\nHost: {host}\r\n\r\n");
+    stream.write_all(request.as_bytes()).map_err(|e| e.to_string())?;
     let mut raw = Vec::new();
     stream.read_to_end(&mut raw).map_err(|e| e.to_string())?;
     let split = raw.windows(4).position(|w| w == b"\r\n\r\n").ok_or("malformed HTTP response")?;
@@ -221,13 +222,21 @@ pub fn serve_http(serve: impl Fn(&str) -> Option<Vec<u8>> + Send + Sync + 'stati
             let serve = serve.clone();
             std::thread::spawn(move || {
                 let mut stream = stream;
-                let mut buf = [0u8; 4096];
-                let n = stream.read(&mut buf).unwrap_or(0);
-                let request = String::from_utf8_lossy(&buf[..n]).to_string();
+                // Read the whole request head: it may arrive in several segments.
+                let mut head = Vec::new();
+                let mut buf = [0u8; 1024];
+                while !head.windows(4).any(|w| w == b"\r\n\r\n") && head.len() < 16 * 1024 {
+                    match stream.read(&mut buf) {
+                        Ok(0) | Err(_) => break,
+                        Ok(n) => head.extend_from_slice(&buf[..n]),
+                    }
+                }
+                let request = String::from_utf8_lossy(&head).to_string();
                 let path = request.split_whitespace().nth(1).unwrap_or("/").to_owned();
                 match serve(&path) {
                     Some(body) => {
-                        let _ = write!(stream, "HTTP/1.0 200 OK\r\nContent-Length: {}\r\n\r\n", body.len());
+                        let head = format!("HTTP/1.0 200 OK\r\nContent-Length: {}\r\n\r\n", body.len());
+                        let _ = stream.write_all(head.as_bytes());
                         let _ = stream.write_all(&body);
                     }
                     None => {
