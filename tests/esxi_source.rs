@@ -42,6 +42,18 @@ fn source(_emu: &EsxiEmulator, credentials: Credentials) -> (EsxiSource, tempfil
     (EsxiSource::new(CredentialSource::Fixed(credentials), config), store)
 }
 
+/// The migration of `vm_name` with its discovered inventory recorded, as the
+/// controller has it once Discovering is done.
+async fn discovered(esxi: &EsxiSource, emu: &EsxiEmulator, vm_name: &str) -> VirtualMachineMigration {
+    let mut vmm = migration(emu, vm_name);
+    let inventory = esxi.discover(&vmm).await.expect("discovery");
+    vmm.status = Some(vmmigrate::api::VirtualMachineMigrationStatus {
+        source_inventory: Some(inventory),
+        ..Default::default()
+    });
+    vmm
+}
+
 fn target(emu: &EsxiEmulator) -> Target {
     Target {
         host: "127.0.0.1".into(),
@@ -172,14 +184,8 @@ async fn logins_by_password_and_rsa_key_work_and_bad_ones_are_clear_errors() {
 async fn power_off_happens_once_even_when_repeated_after_a_crash() {
     let emu = EsxiEmulator::start(EsxiOptions::default()).expect("emulator");
     let vmm = {
-        let mut vmm = migration(&emu, "web 01");
         let (esxi, _store) = source(&emu, password(&emu));
-        let inventory = esxi.discover(&vmm).await.unwrap();
-        vmm.status = Some(vmmigrate::api::VirtualMachineMigrationStatus {
-            source_inventory: Some(inventory),
-            ..Default::default()
-        });
-        vmm
+        discovered(&esxi, &emu, "web 01").await
     };
     {
         // The first controller powers off, then dies before recording it.
@@ -201,12 +207,7 @@ async fn power_off_happens_once_even_when_repeated_after_a_crash() {
 async fn graceful_shutdown_without_tools_is_a_clear_needs_human_error() {
     let emu = EsxiEmulator::start(EsxiOptions::default()).expect("emulator");
     let (esxi, _store) = source(&emu, password(&emu));
-    let mut vmm = migration(&emu, "no-tools");
-    let inventory = esxi.discover(&vmm).await.unwrap();
-    vmm.status = Some(vmmigrate::api::VirtualMachineMigrationStatus {
-        source_inventory: Some(inventory),
-        ..Default::default()
-    });
+    let vmm = discovered(&esxi, &emu, "no-tools").await;
     assert!(!esxi.power(&vmm).await.unwrap().tools_running);
     let failure = esxi.request_shutdown(&vmm).await.expect_err("tools missing");
     assert_eq!(failure.reason, "ToolsNotRunning");
@@ -295,12 +296,7 @@ async fn credentials_come_from_the_kubernetes_secret_and_a_missing_one_needs_a_h
 async fn graceful_shutdown_is_requested_once_and_observed_by_polling() {
     let emu = EsxiEmulator::start(EsxiOptions::default()).expect("emulator");
     let (esxi, _store) = source(&emu, password(&emu));
-    let mut vmm = migration(&emu, "web 01");
-    let inventory = esxi.discover(&vmm).await.unwrap();
-    vmm.status = Some(vmmigrate::api::VirtualMachineMigrationStatus {
-        source_inventory: Some(inventory),
-        ..Default::default()
-    });
+    let vmm = discovered(&esxi, &emu, "web 01").await;
     let before = esxi.power(&vmm).await.unwrap();
     assert_eq!(before, PowerObservation { state: SourcePowerState::PoweredOn, tools_running: true });
     esxi.request_shutdown(&vmm).await.expect("shutdown requested");

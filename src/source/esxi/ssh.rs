@@ -4,9 +4,9 @@
 //! every remote command is built from validated, single-quoted arguments.
 
 use crate::machine::Failure;
+use russh::ChannelMsg;
 use russh::client::{self, Handle, KeyboardInteractiveAuthResponse};
 use russh::keys::{HashAlg, PrivateKeyWithHashAlg, PublicKey};
-use russh::{ChannelMsg, Disconnect};
 use std::fmt;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -338,10 +338,6 @@ impl Session {
         let channel = self.handle.channel_open_session().await?;
         channel.exec(true, cmd.line()).await?;
         Ok(channel)
-    }
-
-    pub async fn close(self) {
-        let _ = self.handle.disconnect(Disconnect::ByApplication, "", "en").await;
     }
 }
 
