@@ -142,9 +142,14 @@ pub struct MigrationError {
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct RetryStatus {
-    /// The phase that failed and will be resumed.
+    /// The phase that failed. Its attempts are counted until it succeeds.
     pub phase: Phase,
-    /// 1 for the first retry.
+    /// An earlier phase to resume from when the failure's cause lies there
+    /// (a failed import re-checks the artifact in Converting; a corrupt copy
+    /// is copied again in Preparing). Absent: `phase` itself is resumed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resume: Option<Phase>,
+    /// 1 for the first retry; counts consecutive failures until `phase` succeeds.
     pub attempt: i32,
     pub next_attempt_at: Time,
 }

@@ -49,6 +49,10 @@ pub mod reason {
     pub const VALIDATION_TIMEOUT: &str = "ValidationTimeout";
     pub const INVENTORY_MISSING: &str = "InventoryMissing";
     pub const OBSERVATION_MISMATCH: &str = "ObservationMismatch";
+    /// The acquired copy no longer matches the checksum taken while copying.
+    pub const ACQUIRED_COPY_CORRUPT: &str = "AcquiredCopyCorrupt";
+    /// The acquired copy disappeared before it was converted.
+    pub const ACQUIRED_COPY_MISSING: &str = "AcquiredCopyMissing";
 }
 
 /// Everything `decide` looks at.
@@ -237,8 +241,12 @@ impl<'a> Ctx<'a> {
     /// Advances along the happy path after the checkpoint's goal was observed.
     /// A successful phase clears its retry bookkeeping.
     fn advance(&mut self, next: Phase) {
-        self.status.retry = None;
-        self.status.failed_phase = None;
+        // Rework in an earlier phase (`RetryStatus::resume`) keeps counting
+        // against the budget of the phase that failed, until that one succeeds.
+        if self.status.retry.as_ref().is_none_or(|r| r.phase == self.status.phase) {
+            self.status.retry = None;
+            self.status.failed_phase = None;
+        }
         self.status.progress = None;
         self.enter(next);
     }
@@ -257,16 +265,20 @@ impl<'a> Ctx<'a> {
 
     /// Handles a classified failure of `phase` (observation or action).
     fn fail(&mut self, phase: Phase, failure: Failure) {
+        self.fail_resuming(phase, None, failure)
+    }
+
+    /// Like `fail`, but a retry resumes from the earlier phase `resume`.
+    fn fail_resuming(&mut self, phase: Phase, resume: Option<Phase>, failure: Failure) {
         self.record_error(phase, &failure);
         self.event(EventType::Warning, &failure.reason, failure.message.clone());
         self.status.failed_phase = Some(phase);
         self.status.progress = None;
         match failure.class {
             FailureClass::Retryable => {
-                let attempt = match &self.status.retry {
-                    Some(r) if r.phase == phase => r.attempt + 1,
-                    _ => 1,
-                };
+                // Consecutive failures count together, also across rework in
+                // an earlier phase, so a loop between phases stays bounded.
+                let attempt = self.status.retry.as_ref().map_or(1, |r| r.attempt + 1);
                 if attempt > self.spec.strategy.retry_limit {
                     let exhausted = Failure {
                         class: match self.spec.strategy.on_retries_exhausted {
@@ -284,7 +296,7 @@ impl<'a> Ctx<'a> {
                 }
                 let delay = backoff(self.spec, attempt, self.jitter);
                 let next = self.now_ts + SignedDuration::from_millis(delay.as_millis() as i64);
-                self.status.retry = Some(RetryStatus { phase, attempt, next_attempt_at: api_time(next) });
+                self.status.retry = Some(RetryStatus { phase, resume, attempt, next_attempt_at: api_time(next) });
                 self.enter(Phase::Retryable);
                 self.requeue = Some(delay);
             }
@@ -362,7 +374,7 @@ pub fn decide(input: Input<'_>) -> Decision {
                             retry.attempt, input.spec.strategy.retry_limit, retry.phase
                         ),
                     );
-                    ctx.enter(retry.phase);
+                    ctx.enter(retry.resume.unwrap_or(retry.phase));
                 } else {
                     let d: SignedDuration = due.duration_since(input.now);
                     ctx.wait(Duration::from_millis(d.as_millis().max(1) as u64));
@@ -741,6 +753,17 @@ fn converting(ctx: &mut Ctx<'_>, observed: Observed) {
             ArtifactState::Complete { sha256, staged_url: Some(url) } => ready.push((disk, sha256, url)),
             ArtifactState::Failed(failure) => {
                 ctx.condition(condition::DISK_CONVERTED, false, &failure.reason, failure.message.clone());
+                if [reason::ACQUIRED_COPY_CORRUPT, reason::ACQUIRED_COPY_MISSING].contains(&failure.reason.as_str())
+                    && failure.class == FailureClass::Retryable
+                {
+                    // The source is off and its disks untouched: copy this disk again.
+                    ctx.actions.push(Action::DiscardDiskCopy { disk });
+                    return ctx.fail_resuming(Phase::Converting, Some(Phase::Preparing), failure.clone());
+                }
+                if failure.class == FailureClass::Retryable {
+                    // Partial output and a failed conversion Job go; the retry starts afresh.
+                    ctx.actions.push(Action::DiscardArtifact { disk });
+                }
                 return ctx.fail(Phase::Converting, failure.clone());
             }
         }
@@ -790,12 +813,16 @@ fn importing(ctx: &mut Ctx<'_>, observed: Observed) {
                 100
             }
             DataVolumeState::Failed(failure) => {
-                if failure.class != FailureClass::Terminal {
-                    // Recreated when the phase is retried (by backoff or by a human).
-                    ctx.actions.push(Action::DeleteDataVolume { disk });
-                }
                 ctx.condition(condition::DISK_IMPORTED, false, &failure.reason, failure.message.clone());
-                return ctx.fail(Phase::Importing, failure.clone());
+                if failure.class == FailureClass::Terminal {
+                    return ctx.fail(Phase::Importing, failure.clone());
+                }
+                // Recreated when the phase is retried (by backoff or by a human),
+                // after Converting has checked the artifact again: a failed
+                // import may mean the staged bytes are bad, and a DataVolume
+                // must never be recreated on an artifact known to be corrupt.
+                ctx.actions.push(Action::DeleteDataVolume { disk });
+                return ctx.fail_resuming(Phase::Importing, Some(Phase::Converting), failure.clone());
             }
         };
         progress.disks.push(DiskProgress {

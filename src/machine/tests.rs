@@ -479,6 +479,7 @@ fn converting_starts_resumes_cleans_and_stages_per_disk() {
     );
     let killed = conv(ArtifactState::Failed(Failure::retryable("ConversionKilled", "qemu-img was killed")));
     assert_eq!(killed.status.phase, Phase::Retryable);
+    assert_eq!(killed.actions, vec![Action::DiscardArtifact { disk: 0 }], "the retry starts afresh");
 }
 
 #[test]
@@ -525,6 +526,78 @@ fn transient_data_volume_failure_deletes_it_for_recreation_within_the_budget() {
     );
     assert_eq!(d.actions, vec![Action::DeleteDataVolume { disk: 0 }]);
     assert_eq!(d.status.phase, Phase::Retryable);
+}
+
+#[test]
+fn failed_import_rechecks_the_artifact_in_converting_and_counts_against_the_importing_budget() {
+    let failed_import = || {
+        Observed::Importing(Ok(vec![DataVolumeState::Failed(Failure::retryable(
+            "ImportFailed",
+            "unexpected EOF: got 1000 of 1048576 bytes",
+        ))]))
+    };
+    let staged = || {
+        Observed::Converting(Ok(vec![ArtifactState::Complete {
+            sha256: "cd".repeat(32),
+            staged_url: Some("http://stage/artifacts/u/disk-0.raw".into()),
+        }]))
+    };
+    let mut run = Run::at(Phase::Importing);
+    let mut now = 0;
+    for attempt in 1..=run.spec.strategy.retry_limit {
+        let d = run.step(failed_import(), t(now));
+        assert_eq!(d.status.phase, Phase::Retryable);
+        let retry = d.status.retry.clone().unwrap();
+        assert_eq!((retry.phase, retry.resume, retry.attempt), (Phase::Importing, Some(Phase::Converting), attempt));
+        now += 3600;
+        // The retry resumes Converting, which finds the artifact still valid and staged...
+        assert_eq!(run.step(Observed::Nothing, t(now)).status.phase, Phase::Converting);
+        let d = run.step(staged(), t(now));
+        assert_eq!(d.status.phase, Phase::Importing);
+        // ...and the attempt count survives that rework.
+        assert_eq!(d.status.retry.as_ref().map(|r| r.attempt), Some(attempt));
+    }
+    let d = run.step(failed_import(), t(now));
+    assert_eq!(d.status.phase, Phase::Failed, "a loop between phases stays within the budget");
+    assert_eq!(d.status.errors.last().unwrap().reason, reason::RETRY_BUDGET_EXHAUSTED);
+}
+
+#[test]
+fn import_success_after_rework_clears_the_retry_bookkeeping() {
+    let mut run = Run::at(Phase::Importing);
+    run.status.retry = Some(RetryStatus {
+        phase: Phase::Importing,
+        resume: Some(Phase::Converting),
+        attempt: 2,
+        next_attempt_at: api_time(t(0)),
+    });
+    run.status.failed_phase = Some(Phase::Importing);
+    let d = run.step(Observed::Importing(Ok(vec![DataVolumeState::Succeeded])), t(10));
+    assert_eq!(d.status.phase, Phase::CreatingVm);
+    assert_eq!((d.status.retry, d.status.failed_phase), (None, None));
+}
+
+#[test]
+fn corrupt_acquired_copy_is_discarded_and_copied_again_without_touching_power() {
+    let mut run = Run::at(Phase::Converting);
+    let d = run.step(
+        Observed::Converting(Ok(vec![ArtifactState::Failed(Failure::retryable(
+            reason::ACQUIRED_COPY_CORRUPT,
+            "disk-0.raw no longer matches the sha256 taken while copying",
+        ))])),
+        t(0),
+    );
+    assert_eq!(d.actions, vec![Action::DiscardDiskCopy { disk: 0 }]);
+    assert_eq!(d.status.phase, Phase::Retryable);
+    assert_eq!(d.status.retry.as_ref().and_then(|r| r.resume), Some(Phase::Preparing));
+    assert_eq!(run.step(Observed::Nothing, t(3600)).status.phase, Phase::Preparing);
+    // The source was recorded off: the copy starts again, power is not touched.
+    let d = run.step(preparing(SourcePowerState::PoweredOff, vec![CopyState::Absent]), t(3601));
+    assert_eq!(d.actions, vec![Action::StartDiskCopy { disk: 0 }]);
+    assert!(!has_power_action(&d));
+    let d = run.step(preparing(SourcePowerState::PoweredOff, vec![complete_copy()]), t(3602));
+    assert_eq!(d.status.phase, Phase::Converting);
+    assert_eq!(d.status.retry.as_ref().map(|r| r.attempt), Some(1), "counted until Converting succeeds");
 }
 
 #[test]
