@@ -1,8 +1,11 @@
 //! Command-line interface. `main.rs` only parses and dispatches here.
 
+use crate::convert::artifact::is_sha256_hex;
+use crate::convert::produce::{ConversionRequest, produce};
 use clap::{Parser, Subcommand};
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::sync::atomic::AtomicU64;
 
 /// Moves virtual machines from standalone VMware ESXi hosts into KubeVirt,
 /// driven by pull requests to a Git repository.
@@ -16,7 +19,7 @@ pub struct Cli {
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Reconcile VirtualMachineMigration resources in the cluster.
-    Controller,
+    Controller(crate::controller::service::ControllerOptions),
     /// Watch a Git repository, apply its migrations and write status back.
     Gitops,
     /// Run the gitops loop and the controller in one process.
@@ -46,6 +49,33 @@ pub enum Command {
     Demo,
     /// Show the status of the migrations in the cluster.
     Status,
+    /// Convert one acquired raw disk into its artifact (what the conversion Job runs).
+    ///
+    /// Prints `{"size":..,"sha256":".."}` on success; on failure prints
+    /// `error: <Reason>: <message>` and exits 1.
+    Convert {
+        /// The acquired copy (raw).
+        #[arg(long)]
+        input: PathBuf,
+        /// The sha256 recorded while copying (64 hex digits).
+        #[arg(long, value_parser = parse_sha256)]
+        input_sha256: String,
+        /// The copy's marker file: when the input is newer, it is hashed again first.
+        #[arg(long)]
+        input_marker: Option<PathBuf>,
+        /// The source disk's capacity in bytes.
+        #[arg(long)]
+        expected_size: u64,
+        /// The artifact to write.
+        #[arg(long)]
+        output: PathBuf,
+        /// The artifact's format.
+        #[arg(long, value_parser = ["raw", "qcow2"])]
+        format: String,
+        /// Convert the guest with virt-v2v.
+        #[arg(long)]
+        virt_v2v: bool,
+    },
 }
 
 /// A subcommand that exists in the plan but not yet in the code.
@@ -58,7 +88,7 @@ pub struct NotImplemented(pub &'static str);
 pub fn run(cli: Cli) -> ExitCode {
     let result = match cli.command {
         Command::Crd { output } => write_crd(output),
-        Command::Controller => Err(NotImplemented("controller").into()),
+        Command::Controller(opts) => controller(opts),
         Command::Gitops => Err(NotImplemented("gitops").into()),
         Command::Run => Err(NotImplemented("run").into()),
         Command::Render { .. } => Err(NotImplemented("render").into()),
@@ -66,6 +96,19 @@ pub fn run(cli: Cli) -> ExitCode {
         Command::Validate { .. } => Err(NotImplemented("validate").into()),
         Command::Demo => Err(NotImplemented("demo").into()),
         Command::Status => Err(NotImplemented("status").into()),
+        Command::Convert { input, input_sha256, input_marker, expected_size, output, format, virt_v2v } => {
+            format.parse().map_err(anyhow::Error::from).and_then(|format| {
+                convert(ConversionRequest {
+                    input,
+                    input_sha256,
+                    input_marker,
+                    expected_virtual_size: expected_size,
+                    output,
+                    format,
+                    virt_v2v,
+                })
+            })
+        }
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -74,6 +117,35 @@ pub fn run(cli: Cli) -> ExitCode {
             if err.is::<NotImplemented>() { ExitCode::from(2) } else { ExitCode::FAILURE }
         }
     }
+}
+
+/// Runs the controller with the real adapters until Ctrl-C or SIGTERM.
+fn controller(opts: crate::controller::service::ControllerOptions) -> anyhow::Result<()> {
+    init_logging();
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    runtime.block_on(crate::controller::service::run(opts))
+}
+
+/// Logs to standard error; `RUST_LOG` filters (default `info`).
+fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
+}
+
+/// Runs one conversion and prints its marker as a JSON line. A failure
+/// becomes `<Reason>: <message>`, the reason the Job runner reports.
+fn convert(req: ConversionRequest) -> anyhow::Result<()> {
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let progress = AtomicU64::new(0);
+    let marker = runtime.block_on(produce(&req, &progress)).map_err(|e| e.failure())?;
+    println!("{}", serde_json::json!({ "size": marker.size, "sha256": marker.sha256 }));
+    Ok(())
+}
+
+fn parse_sha256(s: &str) -> Result<String, String> {
+    let lower = s.to_ascii_lowercase();
+    if is_sha256_hex(&lower) { Ok(lower) } else { Err("expected 64 hexadecimal digits".to_owned()) }
 }
 
 fn write_crd(output: Option<PathBuf>) -> anyhow::Result<()> {

@@ -4,8 +4,10 @@
 //! - `adapters`: the ports (ESXi, disks, conversion, staging, cluster, probes)
 //! - `engine`: one reconcile, independent of kube-runtime
 //! - `sim`: an in-memory world implementing every adapter, for tests
+//! - `service`: the real adapters assembled for `vmmigrate controller`
 
 pub mod adapters;
 pub mod engine;
 pub mod reconciler;
+pub mod service;
 pub mod sim;

@@ -141,8 +141,8 @@ mod tests {
         write_marker(&file, &Marker { size: 3, sha256: "0".repeat(64) }).unwrap();
         assert!(marker_is_fresh(&file, &marker_path(&file)));
         // Make the data visibly newer than the marker, whatever the clock's granularity.
-        let later = fs::metadata(marker_path(&file)).unwrap().modified().unwrap()
-            + std::time::Duration::from_secs(1);
+        let later =
+            fs::metadata(marker_path(&file)).unwrap().modified().unwrap() + std::time::Duration::from_secs(1);
         File::options().write(true).open(&file).unwrap().set_modified(later).unwrap();
         assert!(!marker_is_fresh(&file, &marker_path(&file)));
     }

@@ -13,5 +13,8 @@
 //! ```
 
 pub mod artifact;
+pub mod job;
+pub mod produce;
 pub mod qemu;
 pub mod staging;
+pub mod store;

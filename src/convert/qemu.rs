@@ -128,7 +128,6 @@ pub async fn convert(
     if !status.success() {
         return Err(failed(format!("qemu-img convert of {}", input.display()), &stderr_text));
     }
-    progress.fetch_max(1000, Ordering::Relaxed);
     Ok(())
 }
 
@@ -138,9 +137,10 @@ pub fn virt_v2v_path() -> Option<PathBuf> {
 }
 
 fn find_executable(name: &str, path_var: &OsStr) -> Option<PathBuf> {
-    std::env::split_paths(path_var).filter(|dir| dir.is_absolute()).map(|dir| dir.join(name)).find(|p| {
-        std::fs::metadata(p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
-    })
+    std::env::split_paths(path_var)
+        .filter(|dir| dir.is_absolute())
+        .map(|dir| dir.join(name))
+        .find(|p| std::fs::metadata(p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0))
 }
 
 fn qemu_img() -> Command {

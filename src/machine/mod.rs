@@ -296,7 +296,8 @@ impl<'a> Ctx<'a> {
                 }
                 let delay = backoff(self.spec, attempt, self.jitter);
                 let next = self.now_ts + SignedDuration::from_millis(delay.as_millis() as i64);
-                self.status.retry = Some(RetryStatus { phase, resume, attempt, next_attempt_at: api_time(next) });
+                self.status.retry =
+                    Some(RetryStatus { phase, resume, attempt, next_attempt_at: api_time(next) });
                 self.enter(Phase::Retryable);
                 self.requeue = Some(delay);
             }
@@ -753,7 +754,8 @@ fn converting(ctx: &mut Ctx<'_>, observed: Observed) {
             ArtifactState::Complete { sha256, staged_url: Some(url) } => ready.push((disk, sha256, url)),
             ArtifactState::Failed(failure) => {
                 ctx.condition(condition::DISK_CONVERTED, false, &failure.reason, failure.message.clone());
-                if [reason::ACQUIRED_COPY_CORRUPT, reason::ACQUIRED_COPY_MISSING].contains(&failure.reason.as_str())
+                if [reason::ACQUIRED_COPY_CORRUPT, reason::ACQUIRED_COPY_MISSING]
+                    .contains(&failure.reason.as_str())
                     && failure.class == FailureClass::Retryable
                 {
                     // The source is off and its disks untouched: copy this disk again.

@@ -548,7 +548,10 @@ fn failed_import_rechecks_the_artifact_in_converting_and_counts_against_the_impo
         let d = run.step(failed_import(), t(now));
         assert_eq!(d.status.phase, Phase::Retryable);
         let retry = d.status.retry.clone().unwrap();
-        assert_eq!((retry.phase, retry.resume, retry.attempt), (Phase::Importing, Some(Phase::Converting), attempt));
+        assert_eq!(
+            (retry.phase, retry.resume, retry.attempt),
+            (Phase::Importing, Some(Phase::Converting), attempt)
+        );
         now += 3600;
         // The retry resumes Converting, which finds the artifact still valid and staged...
         assert_eq!(run.step(Observed::Nothing, t(now)).status.phase, Phase::Converting);

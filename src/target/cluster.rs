@@ -1,6 +1,7 @@
 //! The real `Cluster` and `Prober` adapters: CDI DataVolumes, the KubeVirt
 //! VirtualMachine and its VMI, through the Kubernetes API.
 
+use super::http_check::{HttpTarget, run_http_check};
 use super::render::{self, LABEL_MIGRATION_UID};
 use crate::api::{CheckKindRef, ValidationCheck, VirtualMachineMigration};
 use crate::controller::adapters::{Cluster, Prober};
@@ -214,10 +215,15 @@ impl Cluster for KubeCluster {
         Ok(match phase.as_str() {
             "Succeeded" => DataVolumeState::Succeeded,
             "Failed" => {
-                let message = status
-                    .get("conditions")
-                    .and_then(Value::as_array)
-                    .and_then(|cs| cs.iter().find_map(|c| c.get("message").and_then(Value::as_str)))
+                // CDI puts the importer's error on the Running condition.
+                let conditions =
+                    status.get("conditions").and_then(Value::as_array).cloned().unwrap_or_default();
+                let message = conditions
+                    .iter()
+                    .find(|c| c["type"] == "Running")
+                    .into_iter()
+                    .chain(conditions.iter())
+                    .find_map(|c| c.get("message").and_then(Value::as_str).filter(|m| !m.is_empty()))
                     .unwrap_or("the import failed")
                     .to_owned();
                 DataVolumeState::Failed(Failure::retryable(
@@ -392,9 +398,10 @@ impl Prober for KubeProber {
                     None => CheckResult::NotYet { message: "the VMI reports no IP address yet".into() },
                 }
             }
-            Some(CheckKindRef::Http(_)) => CheckResult::NotYet {
-                message: "HTTP checks through a Service are not implemented yet".into(),
-            },
+            Some(CheckKindRef::Http(http)) => {
+                run_http_check(&self.client, &vmm.spec.destination.namespace, http, HttpTarget::default())
+                    .await
+            }
             None => CheckResult::Wrong { message: "the check sets none of http, guestAgent, ip".into() },
         }
     }

@@ -2,4 +2,5 @@
 //! VirtualMachines, observation of VMIs, and application probes.
 
 pub mod cluster;
+pub mod http_check;
 pub mod render;

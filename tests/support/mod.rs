@@ -3,8 +3,10 @@
 #![allow(dead_code)]
 
 pub mod esxi_emulator;
+pub mod job_sim;
 pub mod kube_env;
 pub mod kubevirt_sim;
+pub mod netns;
 pub mod process;
 
 #[allow(unused_imports)]

@@ -46,6 +46,18 @@ pub struct EsxiSource {
     copies: Mutex<HashMap<(String, usize), CopyTask>>,
 }
 
+impl Drop for EsxiSource {
+    /// Copies belong to the controller process: they stop with it (and resume
+    /// from their sidecar in the next one).
+    fn drop(&mut self) {
+        if let Ok(copies) = self.copies.lock() {
+            for task in copies.values() {
+                task.handle.abort();
+            }
+        }
+    }
+}
+
 fn timeout_of(vmm: &VirtualMachineMigration) -> Duration {
     Duration::from_secs(vmm.spec.strategy.timeouts.ssh_seconds.max(1) as u64)
 }
@@ -204,16 +216,11 @@ impl EsxiSource {
     }
 
     fn local_path(&self, vmm: &VirtualMachineMigration, disk: usize) -> PathBuf {
-        self.migration_dir(vmm).join(format!("disk-{disk}.raw"))
+        copy_path(&self.store.root, vmm, disk)
     }
 
     fn migration_dir(&self, vmm: &VirtualMachineMigration) -> PathBuf {
-        let safe = |s: String| s.replace(['/', '.'], "_");
-        self.store
-            .root
-            .join(safe(vmm.namespace().unwrap_or_default()))
-            .join(safe(vmm.name_any()))
-            .join(safe(vmm.metadata.uid.clone().unwrap_or_default()))
+        migration_copies_dir(&self.store.root, vmm)
     }
 
     fn disk_of(vmm: &VirtualMachineMigration, disk: usize) -> Option<SourceDisk> {
@@ -223,6 +230,21 @@ impl EsxiSource {
     fn task_key(vmm: &VirtualMachineMigration, disk: usize) -> (String, usize) {
         (vmm.metadata.uid.clone().unwrap_or_default(), disk)
     }
+}
+
+/// Where the copies of one migration live under the store's root:
+/// `<root>/<namespace>/<name>/<uid>`.
+pub fn migration_copies_dir(root: &Path, vmm: &VirtualMachineMigration) -> PathBuf {
+    let safe = |s: String| s.replace(['/', '.'], "_");
+    root.join(safe(vmm.namespace().unwrap_or_default()))
+        .join(safe(vmm.name_any()))
+        .join(safe(vmm.metadata.uid.clone().unwrap_or_default()))
+}
+
+/// The local copy of disk `disk`: `<root>/<namespace>/<name>/<uid>/disk-<n>.raw`.
+/// Its marker (`size sha256 [verified]`) is the same path with extension `sha256`.
+pub fn copy_path(root: &Path, vmm: &VirtualMachineMigration, disk: usize) -> PathBuf {
+    migration_copies_dir(root, vmm).join(format!("disk-{disk}.raw"))
 }
 
 fn join(dir: &str, file: &str) -> String {

@@ -26,6 +26,8 @@ use std::sync::mpsc;
 
 /// `dd` block size; chunk sizes are multiples of it.
 pub const BLOCK: u64 = 1 << 20;
+/// Bytes per chunk (the unit of resume and of one `dd` read): 16 MiB.
+pub const DEFAULT_CHUNK_SIZE: u64 = 16 << 20;
 /// Granularity of hole detection.
 const ZERO_BLOCK: usize = 64 * 1024;
 /// Bytes handed to the writer at a time.

@@ -1,0 +1,142 @@
+//! `vmmigrate controller`: the real adapters assembled around the reconciler.
+//! ESXi over SSH (credentials from the migration's Secret), copies and
+//! artifacts in the work directory, the staging server CDI imports from, and
+//! the Kubernetes API for DataVolumes, VirtualMachines and checks.
+
+use super::adapters::Adapters;
+use super::reconciler::{self, ControllerConfig};
+use crate::convert::job::JobSettings;
+use crate::convert::staging::StagingServer;
+use crate::convert::store::{ArtifactStore, StoreSettings};
+use crate::source::esxi::adapter::{CredentialSource, EsxiSource, StoreConfig};
+use crate::target::cluster::{KubeCluster, KubeProber};
+use anyhow::Context as _;
+use kube::Client;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+/// Settings of the controller process (flags and `VMMIGRATE_*` environment).
+#[derive(Clone, Debug, clap::Args)]
+pub struct ControllerOptions {
+    /// Watch only this namespace's migrations (default: all namespaces).
+    #[arg(long, env = "VMMIGRATE_NAMESPACE")]
+    pub namespace: Option<String>,
+    /// Work directory for disk copies, artifacts and staged files (a volume
+    /// large enough for the disks in flight).
+    #[arg(long, env = "VMMIGRATE_WORK_DIR", default_value = "/var/lib/vmmigrate")]
+    pub work_dir: PathBuf,
+    /// Address the staging server listens on.
+    #[arg(long, env = "VMMIGRATE_STAGING_LISTEN", default_value = "0.0.0.0:8080")]
+    pub staging_listen: SocketAddr,
+    /// Base URL CDI reaches the staging server at (the Service in front of
+    /// this pod). Default: `http://<staging-listen>`.
+    #[arg(long, env = "VMMIGRATE_STAGING_URL")]
+    pub staging_url: Option<String>,
+    /// Conversions at once in this process (runner `local`).
+    #[arg(long, env = "VMMIGRATE_CONVERSIONS", default_value_t = 2)]
+    pub conversions: usize,
+    /// Parallel SSH streams per disk copy.
+    #[arg(long, env = "VMMIGRATE_COPY_STREAMS", default_value_t = 1)]
+    pub copy_streams: usize,
+    /// Image for conversion Jobs (runner `job`); without it, `job` is refused.
+    #[arg(long, env = "VMMIGRATE_JOB_IMAGE")]
+    pub job_image: Option<String>,
+    /// Namespace of conversion Jobs (default: the migration's namespace).
+    #[arg(long, env = "VMMIGRATE_JOB_NAMESPACE")]
+    pub job_namespace: Option<String>,
+    /// PersistentVolumeClaim holding the work directory, mounted by conversion Jobs.
+    #[arg(long, env = "VMMIGRATE_WORK_CLAIM")]
+    pub work_claim: Option<String>,
+    /// Reporting instance for Events (the pod name).
+    #[arg(long, env = "POD_NAME", default_value = "vmmigrate-controller")]
+    pub instance: String,
+}
+
+/// Starts the staging server on the work directory's `staging/`.
+pub async fn start_staging(opts: &ControllerOptions) -> anyhow::Result<StagingServer> {
+    let staging_root = ArtifactStore::staging_root(&opts.work_dir);
+    std::fs::create_dir_all(&staging_root)
+        .with_context(|| format!("creating the staging directory {}", staging_root.display()))?;
+    let listener = tokio::net::TcpListener::bind(opts.staging_listen)
+        .await
+        .with_context(|| format!("binding the staging server to {}", opts.staging_listen))?;
+    StagingServer::start(listener, staging_root).await.context("starting the staging server")
+}
+
+/// The real adapters; `staging_url` is where CDI reaches the staging server.
+pub fn adapters(client: Client, opts: &ControllerOptions, staging_url: String) -> Adapters {
+    let jobs = opts.job_image.clone().map(|image| JobSettings {
+        namespace: opts.job_namespace.clone(),
+        image,
+        work_claim: opts.work_claim.clone(),
+        work_dir: opts.work_dir.clone(),
+        service_account: None,
+    });
+    let store = Arc::new(ArtifactStore::new(
+        StoreSettings {
+            work_dir: opts.work_dir.clone(),
+            staging_url,
+            local_concurrency: opts.conversions,
+            jobs,
+        },
+        Some(client.clone()),
+    ));
+    let source = Arc::new(EsxiSource::new(
+        CredentialSource::Kubernetes(client.clone()),
+        StoreConfig {
+            root: ArtifactStore::copies_root(&opts.work_dir),
+            streams: opts.copy_streams.max(1),
+            chunk_size: crate::source::esxi::copy::DEFAULT_CHUNK_SIZE,
+        },
+    ));
+    Adapters {
+        esxi: source.clone(),
+        disks: source,
+        converter: store.clone(),
+        staging: store,
+        cluster: Arc::new(KubeCluster::new(client.clone())),
+        prober: Arc::new(KubeProber::new(client)),
+    }
+}
+
+/// Runs the controller until Ctrl-C or SIGTERM.
+pub async fn run(opts: ControllerOptions) -> anyhow::Result<()> {
+    let client = Client::try_default().await.context("connecting to the Kubernetes API")?;
+    let staging = start_staging(&opts).await?;
+    let staging_url = opts.staging_url.clone().unwrap_or_else(|| format!("http://{}", staging.local_addr()));
+    let adapters = adapters(client.clone(), &opts, staging_url);
+    tracing::info!(
+        staging = %staging.local_addr(),
+        work_dir = %opts.work_dir.display(),
+        "controller starting"
+    );
+    let config = ControllerConfig {
+        namespace: opts.namespace.clone(),
+        max_requeue: None,
+        instance: opts.instance.clone(),
+        interrupt: None,
+    };
+    reconciler::run(client, adapters, config, shutdown_signal()).await;
+    drop(staging);
+    Ok(())
+}
+
+/// Resolves on Ctrl-C or SIGTERM.
+pub async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        if let Ok(mut s) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            s.recv().await;
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => {}
+        _ = term => {}
+    }
+}

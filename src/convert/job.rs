@@ -1,0 +1,233 @@
+//! The `job` conversion runner's Kubernetes Job: one `batch/v1` Job per disk
+//! running `vmmigrate convert` from the controller image on the shared work
+//! volume. Pure rendering; `store` creates, reads and deletes the Jobs.
+//!
+//! The name is deterministic (`<migration>-convert-<n>`, shortened with a
+//! hash when the migration name is long), so a restarted controller finds the
+//! Job it created instead of starting a second one. `backoffLimit: 0`: the
+//! controller's own retry budget decides about retries, not the Job controller.
+
+use crate::api::VirtualMachineMigration;
+use crate::target::render::{labels, owner_references};
+use serde_json::{Value, json};
+use sha2::{Digest, Sha256};
+use std::path::{Path, PathBuf};
+
+/// Label with the role of a helper object (`convert`).
+pub const LABEL_ROLE: &str = "migration.platform.example/role";
+/// Label with the disk index.
+pub const LABEL_DISK: &str = "migration.platform.example/disk";
+
+/// How conversion Jobs are run.
+#[derive(Clone, Debug)]
+pub struct JobSettings {
+    /// Namespace of the Jobs; `None`: the migration's own namespace (then the
+    /// Job is owned by the migration). The work volume must exist there.
+    pub namespace: Option<String>,
+    /// The controller image (it contains `vmmigrate`, qemu-img and virt-v2v when installed).
+    pub image: String,
+    /// PersistentVolumeClaim holding the work directory; `None`: an
+    /// `emptyDir` (only useful on single-node clusters and in tests).
+    pub work_claim: Option<String>,
+    /// Where the work directory is mounted, the same path as in the controller.
+    pub work_dir: PathBuf,
+    pub service_account: Option<String>,
+}
+
+/// Everything one conversion needs, as paths on the work volume.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct JobInput {
+    pub input: PathBuf,
+    pub input_sha256: String,
+    pub input_marker: PathBuf,
+    pub expected_size: u64,
+    pub output: PathBuf,
+    pub format: String,
+    pub virt_v2v: bool,
+}
+
+/// The Job's name: `<migration>-convert-<n>`, at most 63 characters.
+pub fn job_name(vmm: &VirtualMachineMigration, disk: usize) -> String {
+    let name = vmm.metadata.name.clone().unwrap_or_default();
+    let suffix = format!("-convert-{disk}");
+    if name.len() + suffix.len() <= 63 {
+        return format!("{name}{suffix}");
+    }
+    let hash: String = Sha256::digest(name.as_bytes()).iter().take(4).map(|b| format!("{b:02x}")).collect();
+    let keep = 63 - suffix.len() - hash.len() - 1;
+    let head = name[..keep].trim_end_matches(['-', '.']);
+    format!("{head}-{hash}{suffix}")
+}
+
+/// The namespace the Job runs in.
+pub fn job_namespace(settings: &JobSettings, vmm: &VirtualMachineMigration) -> String {
+    settings.namespace.clone().unwrap_or_else(|| vmm.metadata.namespace.clone().unwrap_or_default())
+}
+
+fn path_arg(p: &Path) -> String {
+    p.to_string_lossy().into_owned()
+}
+
+/// The `vmmigrate convert` argument list (after the command name).
+pub fn convert_args(input: &JobInput) -> Vec<String> {
+    let mut args = vec![
+        "convert".to_owned(),
+        "--input".to_owned(),
+        path_arg(&input.input),
+        "--input-sha256".to_owned(),
+        input.input_sha256.clone(),
+        "--input-marker".to_owned(),
+        path_arg(&input.input_marker),
+        "--expected-size".to_owned(),
+        input.expected_size.to_string(),
+        "--output".to_owned(),
+        path_arg(&input.output),
+        "--format".to_owned(),
+        input.format.clone(),
+    ];
+    if input.virt_v2v {
+        args.push("--virt-v2v".to_owned());
+    }
+    args
+}
+
+/// The Job converting disk `disk`.
+pub fn conversion_job(
+    settings: &JobSettings,
+    vmm: &VirtualMachineMigration,
+    disk: usize,
+    input: &JobInput,
+) -> Value {
+    let namespace = job_namespace(settings, vmm);
+    let mut labels = labels(vmm);
+    labels.insert(LABEL_ROLE.into(), json!("convert"));
+    labels.insert(LABEL_DISK.into(), json!(disk.to_string()));
+    let owners = if vmm.metadata.namespace.as_deref() == Some(namespace.as_str()) {
+        // Same rule as the destination objects: owners only within one namespace.
+        let mut vmm_here = vmm.clone();
+        vmm_here.spec.destination.namespace = namespace.clone();
+        owner_references(&vmm_here)
+    } else {
+        json!([])
+    };
+    let volume = match &settings.work_claim {
+        Some(claim) => json!({ "name": "work", "persistentVolumeClaim": { "claimName": claim } }),
+        None => json!({ "name": "work", "emptyDir": {} }),
+    };
+    let mut pod_spec = json!({
+        "restartPolicy": "Never",
+        "containers": [{
+            "name": "convert",
+            "image": settings.image,
+            "command": ["vmmigrate"],
+            "args": convert_args(input),
+            "resources": {
+                "requests": { "cpu": "500m", "memory": "256Mi" },
+                "limits": { "memory": "1Gi" },
+            },
+            "securityContext": {
+                "allowPrivilegeEscalation": false,
+                "capabilities": { "drop": ["ALL"] },
+            },
+            "volumeMounts": [{ "name": "work", "mountPath": path_arg(&settings.work_dir) }],
+        }],
+        "volumes": [volume],
+    });
+    if let Some(sa) = &settings.service_account {
+        pod_spec["serviceAccountName"] = json!(sa);
+    }
+    json!({
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {
+            "name": job_name(vmm, disk),
+            "namespace": namespace,
+            "labels": labels.clone(),
+            "ownerReferences": owners,
+        },
+        "spec": {
+            "backoffLimit": 0,
+            "template": {
+                "metadata": { "labels": labels },
+                "spec": pod_spec,
+            },
+        },
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn vmm(name: &str) -> VirtualMachineMigration {
+        let mut vmm: VirtualMachineMigration = serde_json::from_value(json!({
+            "apiVersion": "migration.platform.example/v1alpha1",
+            "kind": "VirtualMachineMigration",
+            "metadata": { "name": name, "namespace": "apps", "uid": "u-1" },
+            "spec": {
+                "source": { "host": "esxi", "hostKey": format!("SHA256:{}", "A".repeat(43)),
+                            "credentialsSecretRef": { "name": "s" }, "vm": { "name": "web" } },
+                "destination": { "namespace": "apps", "storageClassName": "fast" },
+            },
+        }))
+        .unwrap();
+        vmm.metadata.uid = Some("u-1".into());
+        vmm
+    }
+
+    fn input() -> JobInput {
+        JobInput {
+            input: "/work/copies/apps/web/u-1/disk-0.raw".into(),
+            input_sha256: "ab".repeat(32),
+            input_marker: "/work/copies/apps/web/u-1/disk-0.sha256".into(),
+            expected_size: 1 << 30,
+            output: "/work/artifacts/u-1/disk-0.qcow2".into(),
+            format: "qcow2".into(),
+            virt_v2v: false,
+        }
+    }
+
+    fn settings(namespace: Option<&str>) -> JobSettings {
+        JobSettings {
+            namespace: namespace.map(str::to_owned),
+            image: "vmmigrate:dev".into(),
+            work_claim: Some("vmmigrate-work".into()),
+            work_dir: "/work".into(),
+            service_account: None,
+        }
+    }
+
+    #[test]
+    fn job_names_are_deterministic_and_fit_kubernetes_limits() {
+        assert_eq!(job_name(&vmm("web"), 1), "web-convert-1");
+        let long = "a".repeat(70);
+        let name = job_name(&vmm(&long), 12);
+        assert!(name.len() <= 63, "{name}");
+        assert_eq!(name, job_name(&vmm(&long), 12));
+        assert_ne!(name, job_name(&vmm(&format!("{long}b")), 12), "different migrations, different Jobs");
+    }
+
+    #[test]
+    fn job_runs_vmmigrate_convert_on_the_work_volume_without_retries_of_its_own() {
+        let job = conversion_job(&settings(None), &vmm("web"), 0, &input());
+        assert_eq!(job["spec"]["backoffLimit"], 0);
+        let container = &job["spec"]["template"]["spec"]["containers"][0];
+        assert_eq!(container["command"], json!(["vmmigrate"]));
+        assert_eq!(container["args"][0], "convert");
+        assert_eq!(container["volumeMounts"][0]["mountPath"], "/work");
+        assert_eq!(
+            job["spec"]["template"]["spec"]["volumes"][0]["persistentVolumeClaim"]["claimName"],
+            "vmmigrate-work"
+        );
+        assert_eq!(job["metadata"]["ownerReferences"][0]["uid"], "u-1");
+        assert_eq!(job["metadata"]["labels"][LABEL_ROLE], "convert");
+        assert!(container["resources"]["requests"]["cpu"].is_string());
+    }
+
+    #[test]
+    fn a_job_in_another_namespace_has_no_owner_reference() {
+        let job = conversion_job(&settings(Some("vmmigrate-system")), &vmm("web"), 0, &input());
+        assert_eq!(job["metadata"]["namespace"], "vmmigrate-system");
+        assert_eq!(job["metadata"]["ownerReferences"], json!([]));
+    }
+}

@@ -1,0 +1,379 @@
+//! Turns one acquired raw disk into the artifact CDI imports. The in-process
+//! runner and `vmmigrate convert` (what the Kubernetes Job runs) both call
+//! [`produce`], so the two runners cannot drift apart.
+//!
+//! The artifact is complete only once its `.sha256` marker exists: every
+//! attempt first removes what an earlier one left, writes through
+//! `<output>.partial` (or a work directory for virt-v2v), validates, renames,
+//! and writes the marker last.
+
+use super::artifact::{self, Marker};
+use super::qemu::{self, QemuError};
+use crate::machine::Failure;
+use std::fmt;
+use std::future::Future;
+use std::io;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::str::FromStr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+/// Stable reasons of conversion failures.
+pub mod reason {
+    // The machine routes these two back to Preparing: one definition.
+    pub use crate::machine::reason::{ACQUIRED_COPY_CORRUPT, ACQUIRED_COPY_MISSING};
+    pub const VIRTUAL_SIZE_MISMATCH: &str = "VirtualSizeMismatch";
+    pub const INVALID_ARTIFACT: &str = "InvalidArtifact";
+    pub const VIRT_V2V_NOT_INSTALLED: &str = "VirtV2vNotInstalled";
+    pub const VIRT_V2V_FAILED: &str = "VirtV2vFailed";
+    pub const QEMU_IMG_FAILED: &str = "QemuImgFailed";
+    pub const QEMU_IMG_NOT_INSTALLED: &str = "QemuImgNotInstalled";
+    pub const CONVERSION_IO_ERROR: &str = "ConversionIoError";
+}
+
+/// Artifacts are disk contents: readable by the owner's group (the staging
+/// server), never by everyone.
+const FILE_MODE: u32 = 0o640;
+const DIR_MODE: u32 = 0o750;
+
+/// How often the caller's progress counter is refreshed during a conversion.
+const PROGRESS_INTERVAL: Duration = Duration::from_millis(250);
+
+/// The artifact's disk format.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OutputFormat {
+    Raw,
+    Qcow2,
+}
+
+impl OutputFormat {
+    /// The qemu-img format name, also the artifact's file extension.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            OutputFormat::Raw => "raw",
+            OutputFormat::Qcow2 => "qcow2",
+        }
+    }
+}
+
+impl fmt::Display for OutputFormat {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error("unknown output format {0:?} (expected raw or qcow2)")]
+pub struct UnknownFormat(pub String);
+
+impl FromStr for OutputFormat {
+    type Err = UnknownFormat;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "raw" => Ok(OutputFormat::Raw),
+            "qcow2" => Ok(OutputFormat::Qcow2),
+            other => Err(UnknownFormat(other.to_owned())),
+        }
+    }
+}
+
+/// One disk to convert.
+#[derive(Clone, Debug)]
+pub struct ConversionRequest {
+    /// The acquired copy, raw.
+    pub input: PathBuf,
+    /// Recorded while copying (lowercase hex).
+    pub input_sha256: String,
+    /// The copy's own marker file. When the input was modified after it, the
+    /// input is hashed again and compared with `input_sha256` first.
+    pub input_marker: Option<PathBuf>,
+    /// The source disk's capacity in bytes.
+    pub expected_virtual_size: u64,
+    /// The artifact, e.g. `.../artifacts/<uid>/disk-0.qcow2`.
+    pub output: PathBuf,
+    pub format: OutputFormat,
+    /// Convert the guest with virt-v2v instead of copying the image as is.
+    pub virt_v2v: bool,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConvertError {
+    #[error(
+        "the acquired copy changed after its checksum was recorded: expected sha256 {expected}, found {actual}"
+    )]
+    InputCorrupt { expected: String, actual: String },
+    #[error("the acquired copy {} does not exist", .0.display())]
+    InputMissing(PathBuf),
+    #[error(
+        "the disk image's virtual size is {actual} bytes but the source disk's capacity is {expected} bytes"
+    )]
+    SizeMismatch { expected: u64, actual: u64 },
+    #[error("the converted image is not valid: {0}")]
+    InvalidOutput(String),
+    #[error(
+        "spec.conversion.virtV2v is true but virt-v2v is not installed in the controller image; install it or set virtV2v: false"
+    )]
+    VirtV2vMissing,
+    #[error("virt-v2v failed: {0}")]
+    VirtV2vFailed(String),
+    #[error(transparent)]
+    Qemu(#[from] QemuError),
+    #[error("conversion I/O error: {0}")]
+    Io(#[from] io::Error),
+}
+
+impl ConvertError {
+    /// The class and stable reason the state machine acts on.
+    pub fn failure(&self) -> Failure {
+        let message = self.to_string();
+        match self {
+            ConvertError::InputCorrupt { .. } => Failure::retryable(reason::ACQUIRED_COPY_CORRUPT, message),
+            ConvertError::InputMissing(_) => Failure::retryable(reason::ACQUIRED_COPY_MISSING, message),
+            ConvertError::SizeMismatch { .. } => Failure::needs_human(reason::VIRTUAL_SIZE_MISMATCH, message),
+            ConvertError::InvalidOutput(_) => Failure::retryable(reason::INVALID_ARTIFACT, message),
+            ConvertError::VirtV2vMissing => Failure::needs_human(reason::VIRT_V2V_NOT_INSTALLED, message),
+            // Its usual failures (guest not recognised, no drivers for it) do not go away on retry.
+            ConvertError::VirtV2vFailed(_) => Failure::needs_human(reason::VIRT_V2V_FAILED, message),
+            ConvertError::Qemu(QemuError::NotInstalled) => {
+                Failure::needs_human(reason::QEMU_IMG_NOT_INSTALLED, message)
+            }
+            ConvertError::Qemu(_) => Failure::retryable(reason::QEMU_IMG_FAILED, message),
+            ConvertError::Io(_) => Failure::retryable(reason::CONVERSION_IO_ERROR, message),
+        }
+    }
+}
+
+/// Produces the artifact for `req` and returns its marker (already written).
+/// `progress` receives the bytes of the input done so far.
+pub async fn produce(req: &ConversionRequest, progress: &AtomicU64) -> Result<Marker, ConvertError> {
+    // A configuration problem: fail before touching anything.
+    let virt_v2v =
+        if req.virt_v2v { Some(qemu::virt_v2v_path().ok_or(ConvertError::VirtV2vMissing)?) } else { None };
+    if req.output == req.input {
+        return Err(ConvertError::InvalidOutput(format!(
+            "the output {} is the acquired copy itself",
+            req.output.display()
+        )));
+    }
+    let input_size = match tokio::fs::metadata(&req.input).await {
+        Ok(meta) if meta.is_file() => meta.len(),
+        Ok(_) => return Err(ConvertError::InputMissing(req.input.clone())),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {
+            return Err(ConvertError::InputMissing(req.input.clone()));
+        }
+        Err(e) => return Err(e.into()),
+    };
+
+    artifact::remove_with_markers(&req.output)?;
+    remove_dir_if_present(&v2v_work_dir(&req.output)).await?;
+    if let Some(parent) = req.output.parent().filter(|p| !p.as_os_str().is_empty()) {
+        tokio::fs::DirBuilder::new().recursive(true).mode(DIR_MODE).create(parent).await?;
+    }
+
+    verify_input(req).await?;
+    let input = qemu::info(&req.input, Some("raw")).await?;
+    if input.virtual_size != req.expected_virtual_size {
+        return Err(ConvertError::SizeMismatch {
+            expected: req.expected_virtual_size,
+            actual: input.virtual_size,
+        });
+    }
+
+    let marker = match (virt_v2v, req.format) {
+        (Some(virt_v2v), format) => {
+            let marker = via_virt_v2v(&virt_v2v, req, format).await?;
+            progress.store(input_size, Ordering::Relaxed);
+            marker
+        }
+        (None, OutputFormat::Raw) => {
+            let marker = link_raw(req, input_size).await?;
+            progress.store(input_size, Ordering::Relaxed);
+            marker
+        }
+        // Progress comes from qemu-img's own report.
+        (None, OutputFormat::Qcow2) => convert_qcow2(req, input_size, progress).await?,
+    };
+    artifact::write_marker(&req.output, &marker)?;
+    tracing::info!(output = %req.output.display(), format = %req.format, size = marker.size, "artifact produced");
+    Ok(marker)
+}
+
+/// Hashes the input again when it was written after its marker: the recorded
+/// checksum no longer vouches for it. (Progress is not reported for this pass.)
+async fn verify_input(req: &ConversionRequest) -> Result<(), ConvertError> {
+    let Some(marker) = &req.input_marker else { return Ok(()) };
+    if artifact::marker_is_fresh(&req.input, marker) {
+        return Ok(());
+    }
+    let (_, actual) = hash(&req.input).await?;
+    let expected = req.input_sha256.to_ascii_lowercase();
+    if actual != expected {
+        return Err(ConvertError::InputCorrupt { expected, actual });
+    }
+    Ok(())
+}
+
+/// Raw: the acquired copy already is the artifact, so it is linked, not
+/// rewritten or hashed again. The link shares the copy's inode and mode.
+async fn link_raw(req: &ConversionRequest, input_size: u64) -> Result<Marker, ConvertError> {
+    match tokio::fs::hard_link(&req.input, &req.output).await {
+        Ok(()) => {}
+        // Another file system, or a hard link the kernel refuses
+        // (fs.protected_hardlinks when the copy has another owner): copy instead.
+        Err(e) if matches!(e.kind(), io::ErrorKind::CrossesDevices | io::ErrorKind::PermissionDenied) => {
+            let partial = artifact::partial_path(&req.output);
+            let copied = async {
+                tokio::fs::copy(&req.input, &partial).await?;
+                seal(&partial, &req.output).await
+            }
+            .await;
+            if copied.is_err() {
+                let _ = artifact::remove_if_present(&partial);
+            }
+            copied?;
+        }
+        Err(e) => return Err(e.into()),
+    }
+    Ok(Marker { size: input_size, sha256: req.input_sha256.to_ascii_lowercase() })
+}
+
+async fn convert_qcow2(
+    req: &ConversionRequest,
+    input_size: u64,
+    progress: &AtomicU64,
+) -> Result<Marker, ConvertError> {
+    let partial = artifact::partial_path(&req.output);
+    let result = async {
+        let per_mille = AtomicU64::new(0);
+        let conversion = qemu::convert(&req.input, "raw", &partial, "qcow2", &per_mille);
+        mirrored(conversion, &per_mille, progress, |pm| {
+            (u128::from(pm.min(1000)) * u128::from(input_size) / 1000) as u64
+        })
+        .await?;
+        finish(&partial, OutputFormat::Qcow2, req).await
+    }
+    .await;
+    if result.is_err() {
+        let _ = artifact::remove_if_present(&partial);
+    }
+    result
+}
+
+/// virt-v2v rewrites the guest (drivers, boot configuration), so its output is
+/// validated and hashed like a qemu-img conversion. Not tested here: virt-v2v
+/// is not installed in the development environment.
+async fn via_virt_v2v(
+    virt_v2v: &Path,
+    req: &ConversionRequest,
+    format: OutputFormat,
+) -> Result<Marker, ConvertError> {
+    let work = v2v_work_dir(&req.output);
+    let result = async {
+        tokio::fs::DirBuilder::new().recursive(true).mode(DIR_MODE).create(&work).await?;
+        let name = req.output.file_stem().map(|s| s.to_os_string()).unwrap_or_else(|| "disk".into());
+        let mut cmd = tokio::process::Command::new(virt_v2v);
+        cmd.args(["-i", "disk", "-if", "raw"])
+            .arg(&req.input)
+            .args(["-o", "local", "-os"])
+            .arg(&work)
+            .args(["-of", format.as_str(), "-on"])
+            .arg(&name)
+            .stdin(Stdio::null())
+            .kill_on_drop(true);
+        // In a container there is no libvirtd to launch the appliance through.
+        if std::env::var_os("LIBGUESTFS_BACKEND").is_none() {
+            cmd.env("LIBGUESTFS_BACKEND", "direct");
+        }
+        let out = cmd.output().await?;
+        if !out.status.success() {
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            return Err(ConvertError::VirtV2vFailed(tail(stderr.trim(), 2000).to_owned()));
+        }
+        // `-o local` names the first disk `<name>-sda`.
+        let mut produced = name;
+        produced.push("-sda");
+        finish(&work.join(produced), format, req).await
+    }
+    .await;
+    let _ = remove_dir_if_present(&work).await;
+    result
+}
+
+/// Validates a freshly written image, hashes it and renames it to the output.
+async fn finish(
+    produced: &Path,
+    format: OutputFormat,
+    req: &ConversionRequest,
+) -> Result<Marker, ConvertError> {
+    qemu::check(produced, format.as_str()).await.map_err(|e| match e {
+        QemuError::Failed { .. } => ConvertError::InvalidOutput(e.to_string()),
+        other => other.into(),
+    })?;
+    let info = qemu::info(produced, Some(format.as_str())).await?;
+    if info.virtual_size != req.expected_virtual_size {
+        return Err(ConvertError::SizeMismatch {
+            expected: req.expected_virtual_size,
+            actual: info.virtual_size,
+        });
+    }
+    let (size, sha256) = hash(produced).await?;
+    seal(produced, &req.output).await?;
+    Ok(Marker { size, sha256 })
+}
+
+/// Restricts, flushes and renames a finished file into place.
+async fn seal(file: &Path, to: &Path) -> io::Result<()> {
+    tokio::fs::set_permissions(file, std::fs::Permissions::from_mode(FILE_MODE)).await?;
+    tokio::fs::File::open(file).await?.sync_all().await?;
+    tokio::fs::rename(file, to).await
+}
+
+async fn hash(path: &Path) -> io::Result<(u64, String)> {
+    let path = path.to_path_buf();
+    tokio::task::spawn_blocking(move || artifact::sha256_file(&path, None)).await.map_err(io::Error::other)?
+}
+
+/// Runs `work`, copying `local` through `scale` into `progress` as it goes.
+async fn mirrored<T>(
+    work: impl Future<Output = T>,
+    local: &AtomicU64,
+    progress: &AtomicU64,
+    scale: impl Fn(u64) -> u64,
+) -> T {
+    let publish = || progress.store(scale(local.load(Ordering::Relaxed)), Ordering::Relaxed);
+    let mut tick = tokio::time::interval(PROGRESS_INTERVAL);
+    let mut work = std::pin::pin!(work);
+    let out = loop {
+        tokio::select! {
+            out = &mut work => break out,
+            _ = tick.tick() => publish(),
+        }
+    };
+    publish();
+    out
+}
+
+/// `<output>.v2v/`: where virt-v2v writes before the result is renamed.
+fn v2v_work_dir(output: &Path) -> PathBuf {
+    let mut name = output.file_name().map(|n| n.to_os_string()).unwrap_or_default();
+    name.push(".v2v");
+    output.with_file_name(name)
+}
+
+async fn remove_dir_if_present(dir: &Path) -> io::Result<()> {
+    match tokio::fs::remove_dir_all(dir).await {
+        Err(e) if e.kind() != io::ErrorKind::NotFound => Err(e),
+        _ => Ok(()),
+    }
+}
+
+/// The last `max` bytes of `text`, on a character boundary.
+fn tail(text: &str, max: usize) -> &str {
+    let mut start = text.len().saturating_sub(max);
+    while !text.is_char_boundary(start) {
+        start += 1;
+    }
+    &text[start..]
+}

@@ -1,0 +1,404 @@
+//! The real `Converter` and `Staging` adapters: artifacts and their
+//! publication under the controller's work directory (layout in `super`).
+//!
+//! One type implements both because the two share the evidence that decides
+//! whether an artifact can be trusted: the `.sha256` marker written last, its
+//! freshness against the data, and the `.corrupt` marker the staging server
+//! leaves when served bytes differ from it.
+//!
+//! Runners: `local` converts in the controller process (bounded concurrency;
+//! the task dies with the process and its `.partial` output is removed on the
+//! next attempt); `job` creates one Kubernetes Job per disk running
+//! `vmmigrate convert` (see `job`) and reads its status.
+
+use super::artifact::{self, corrupt_path, marker_path, partial_path, read_marker};
+use super::job::{self, JobInput, JobSettings};
+use super::produce::{self, ConversionRequest, OutputFormat};
+use crate::api::{ConversionRunner, DiskFormat, VirtualMachineMigration};
+use crate::controller::adapters::{Converter, Staging};
+use crate::machine::{ArtifactState, Failure, reason};
+use crate::source::esxi::adapter::copy_path;
+use crate::target::cluster::classify;
+use async_trait::async_trait;
+use k8s_openapi::api::batch::v1::Job;
+use kube::api::{Api, DeleteParams, ListParams, PostParams, PropagationPolicy};
+use kube::{Client, ResourceExt};
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use tokio::sync::Semaphore;
+
+/// Settings of the artifact store.
+#[derive(Clone, Debug)]
+pub struct StoreSettings {
+    /// The work directory (`copies/`, `artifacts/`, `staging/` below it).
+    pub work_dir: PathBuf,
+    /// Base URL CDI reaches the staging server at, e.g.
+    /// `http://vmmigrate-staging.vmmigrate-system.svc:8080`.
+    pub staging_url: String,
+    /// Conversions running at once in the controller process.
+    pub local_concurrency: usize,
+    /// The `job` runner; `None` refuses migrations that ask for it.
+    pub jobs: Option<JobSettings>,
+}
+
+struct LocalTask {
+    progress: Arc<AtomicU64>,
+    total: u64,
+    handle: tokio::task::JoinHandle<Result<artifact::Marker, produce::ConvertError>>,
+}
+
+/// Converter + Staging over the work directory.
+pub struct ArtifactStore {
+    settings: StoreSettings,
+    client: Option<Client>,
+    permits: Arc<Semaphore>,
+    tasks: Mutex<HashMap<(String, usize), LocalTask>>,
+}
+
+fn uid_of(vmm: &VirtualMachineMigration) -> String {
+    vmm.metadata.uid.clone().unwrap_or_default()
+}
+
+fn io_failure(what: &str, err: std::io::Error) -> Failure {
+    Failure::retryable("WorkDirError", format!("{what}: {err}"))
+}
+
+impl ArtifactStore {
+    /// `client` is needed for the `job` runner only.
+    pub fn new(settings: StoreSettings, client: Option<Client>) -> ArtifactStore {
+        let permits = Arc::new(Semaphore::new(settings.local_concurrency.max(1)));
+        ArtifactStore { settings, client, permits, tasks: Mutex::new(HashMap::new()) }
+    }
+
+    /// `<work>/copies`: the root to give the ESXi disk store.
+    pub fn copies_root(work_dir: &Path) -> PathBuf {
+        work_dir.join("copies")
+    }
+
+    /// `<work>/staging`: the root the staging server serves.
+    pub fn staging_root(work_dir: &Path) -> PathBuf {
+        work_dir.join("staging")
+    }
+
+    fn file_name(vmm: &VirtualMachineMigration, disk: usize) -> String {
+        format!("disk-{disk}.{}", vmm.spec.conversion.format.extension())
+    }
+
+    /// `<work>/artifacts/<uid>/disk-<n>.<fmt>`.
+    pub fn artifact_path(&self, vmm: &VirtualMachineMigration, disk: usize) -> PathBuf {
+        self.settings.work_dir.join("artifacts").join(uid_of(vmm)).join(Self::file_name(vmm, disk))
+    }
+
+    /// `<work>/staging/<uid>/disk-<n>.<fmt>`.
+    pub fn staged_path(&self, vmm: &VirtualMachineMigration, disk: usize) -> PathBuf {
+        Self::staging_root(&self.settings.work_dir).join(uid_of(vmm)).join(Self::file_name(vmm, disk))
+    }
+
+    fn copy(&self, vmm: &VirtualMachineMigration, disk: usize) -> PathBuf {
+        copy_path(&Self::copies_root(&self.settings.work_dir), vmm, disk)
+    }
+
+    fn lock_tasks(&self) -> std::sync::MutexGuard<'_, HashMap<(String, usize), LocalTask>> {
+        self.tasks.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn request(&self, vmm: &VirtualMachineMigration, disk: usize) -> Result<ConversionRequest, Failure> {
+        let status = vmm.status.clone().unwrap_or_default();
+        let evidence = status.disks.get(disk).cloned().unwrap_or_default();
+        let capacity = status
+            .source_inventory
+            .as_ref()
+            .and_then(|inv| inv.disks.get(disk))
+            .map(|d| d.capacity_bytes)
+            .unwrap_or(evidence.size_bytes);
+        let input_sha256 = evidence.source_sha256.clone().ok_or_else(|| {
+            Failure::retryable(
+                reason::ACQUIRED_COPY_MISSING,
+                format!("disk {disk}: no checksum of the acquired copy is recorded"),
+            )
+        })?;
+        let input = self.copy(vmm, disk);
+        Ok(ConversionRequest {
+            input_marker: Some(input.with_extension("sha256")),
+            input,
+            input_sha256,
+            expected_virtual_size: capacity.max(0) as u64,
+            output: self.artifact_path(vmm, disk),
+            format: match vmm.spec.conversion.format {
+                DiskFormat::Raw => OutputFormat::Raw,
+                DiskFormat::Qcow2 => OutputFormat::Qcow2,
+            },
+            virt_v2v: vmm.spec.conversion.virt_v2v,
+        })
+    }
+
+    fn jobs(&self, vmm: &VirtualMachineMigration) -> Result<(Api<Job>, &JobSettings), Failure> {
+        let (Some(settings), Some(client)) = (&self.settings.jobs, &self.client) else {
+            return Err(Failure::needs_human(
+                "JobRunnerNotConfigured",
+                "spec.conversion.runner is job but this controller runs without --job-image; \
+                 use runner: local or configure the job runner",
+            ));
+        };
+        Ok((Api::namespaced(client.clone(), &job::job_namespace(settings, vmm)), settings))
+    }
+
+    /// What the files say about the artifact when no conversion runs.
+    fn artifact_from_files(&self, vmm: &VirtualMachineMigration, disk: usize) -> ArtifactState {
+        let artifact = self.artifact_path(vmm, disk);
+        let staged = self.staged_path(vmm, disk);
+        if corrupt_path(&staged).exists() || corrupt_path(&artifact).exists() {
+            return ArtifactState::Invalid {
+                reason: "the staging server served bytes that differ from the recorded sha256".into(),
+            };
+        }
+        if artifact.exists() {
+            let len = std::fs::metadata(&artifact).map(|m| m.len()).unwrap_or(0);
+            return match read_marker(&artifact) {
+                None => ArtifactState::Invalid { reason: "artifact without a checksum marker".into() },
+                Some(m) if m.size != len => ArtifactState::Invalid {
+                    reason: format!("artifact is {len} bytes, its marker says {}", m.size),
+                },
+                Some(_) if !artifact::marker_is_fresh(&artifact, &marker_path(&artifact)) => {
+                    ArtifactState::Invalid {
+                        reason: "artifact was modified after its checksum was taken".into(),
+                    }
+                }
+                Some(m) => ArtifactState::Complete { sha256: m.sha256, staged_url: None },
+            };
+        }
+        if partial_path(&artifact).exists() {
+            return ArtifactState::Invalid { reason: "partial output of an interrupted conversion".into() };
+        }
+        if !self.copy(vmm, disk).exists() {
+            return ArtifactState::Failed(Failure::retryable(
+                reason::ACQUIRED_COPY_MISSING,
+                format!("disk {disk}: the acquired copy is gone; copying it again"),
+            ));
+        }
+        ArtifactState::Absent
+    }
+
+    async fn job_state(&self, vmm: &VirtualMachineMigration, disk: usize) -> Option<ArtifactState> {
+        let (api, _) = match self.jobs(vmm) {
+            Ok(j) => j,
+            Err(failure) => return Some(ArtifactState::Failed(failure)),
+        };
+        let job = match api.get_opt(&job::job_name(vmm, disk)).await {
+            Ok(job) => job?,
+            Err(e) => return Some(ArtifactState::Failed(classify("reading the conversion Job", e))),
+        };
+        let status = job.status.unwrap_or_default();
+        let condition = |t: &str| {
+            status.conditions.iter().flatten().find(|c| c.type_ == t && c.status == "True").cloned()
+        };
+        if let Some(failed) = condition("Failed") {
+            return Some(ArtifactState::Failed(Failure::retryable(
+                "ConversionJobFailed",
+                format!(
+                    "Job {}: {}",
+                    job.metadata.name.unwrap_or_default(),
+                    failed.message.unwrap_or_else(|| failed.reason.unwrap_or_default())
+                ),
+            )));
+        }
+        if condition("Complete").is_some() {
+            return None; // the files speak
+        }
+        let total = self.request(vmm, disk).map(|r| r.expected_virtual_size).unwrap_or(0);
+        let done =
+            std::fs::metadata(partial_path(&self.artifact_path(vmm, disk))).map(|m| m.len()).unwrap_or(0);
+        Some(ArtifactState::InProgress { bytes_done: done.min(total) as i64, bytes_total: total as i64 })
+    }
+}
+
+impl Drop for ArtifactStore {
+    /// Conversions belong to the controller process: they stop with it.
+    fn drop(&mut self) {
+        for task in self.lock_tasks().values() {
+            task.handle.abort();
+        }
+    }
+}
+
+#[async_trait]
+impl Converter for ArtifactStore {
+    async fn artifact_state(&self, vmm: &VirtualMachineMigration, disk: usize) -> ArtifactState {
+        let key = (uid_of(vmm), disk);
+        let finished = {
+            let mut tasks = self.lock_tasks();
+            match tasks.get(&key) {
+                Some(task) if !task.handle.is_finished() => {
+                    return ArtifactState::InProgress {
+                        bytes_done: task.progress.load(Ordering::Relaxed).min(task.total) as i64,
+                        bytes_total: task.total as i64,
+                    };
+                }
+                Some(_) => tasks.remove(&key),
+                None => None,
+            }
+        };
+        if let Some(task) = finished {
+            // A finished task's failure is reported once; afterwards the files speak.
+            match task.handle.await {
+                Ok(Err(err)) => return ArtifactState::Failed(err.failure()),
+                Err(join) if join.is_panic() => {
+                    return ArtifactState::Failed(Failure::retryable(
+                        "ConversionPanicked",
+                        "the conversion task panicked",
+                    ));
+                }
+                _ => {}
+            }
+        }
+        if vmm.spec.conversion.runner == ConversionRunner::Job
+            && let Some(state) = self.job_state(vmm, disk).await
+        {
+            return state;
+        }
+        self.artifact_from_files(vmm, disk)
+    }
+
+    async fn start_conversion(&self, vmm: &VirtualMachineMigration, disk: usize) -> Result<(), Failure> {
+        let request = self.request(vmm, disk)?;
+        if vmm.spec.conversion.runner == ConversionRunner::Job {
+            let (api, settings) = self.jobs(vmm)?;
+            let input = JobInput {
+                input: request.input.clone(),
+                input_sha256: request.input_sha256.clone(),
+                input_marker: request.input_marker.clone().unwrap_or_default(),
+                expected_size: request.expected_virtual_size,
+                output: request.output.clone(),
+                format: request.format.as_str().to_owned(),
+                virt_v2v: request.virt_v2v,
+            };
+            let body = job::conversion_job(settings, vmm, disk, &input);
+            let job: Job = serde_json::from_value(body)
+                .map_err(|e| Failure::terminal("JobRenderError", format!("rendering the Job: {e}")))?;
+            return match api.create(&PostParams::default(), &job).await {
+                Ok(_) => Ok(()),
+                Err(kube::Error::Api(s)) if s.code == 409 => Ok(()),
+                Err(e) => Err(classify("creating the conversion Job", e)),
+            };
+        }
+        let key = (uid_of(vmm), disk);
+        let mut tasks = self.lock_tasks();
+        if tasks.contains_key(&key) {
+            return Ok(());
+        }
+        let progress = Arc::new(AtomicU64::new(0));
+        let permits = self.permits.clone();
+        let task_progress = progress.clone();
+        let total = request.expected_virtual_size;
+        let handle = tokio::spawn(async move {
+            let _permit = permits.acquire_owned().await;
+            produce::produce(&request, &task_progress).await
+        });
+        tasks.insert(key, LocalTask { progress, total, handle });
+        Ok(())
+    }
+
+    async fn discard_artifact(&self, vmm: &VirtualMachineMigration, disk: usize) -> Result<(), Failure> {
+        if let Some(task) = self.lock_tasks().remove(&(uid_of(vmm), disk)) {
+            task.handle.abort();
+        }
+        if vmm.spec.conversion.runner == ConversionRunner::Job
+            && let Ok((api, _)) = self.jobs(vmm)
+        {
+            let dp = DeleteParams {
+                propagation_policy: Some(PropagationPolicy::Background),
+                ..Default::default()
+            };
+            match api.delete(&job::job_name(vmm, disk), &dp).await {
+                Ok(_) => {}
+                Err(kube::Error::Api(s)) if s.code == 404 => {}
+                Err(e) => return Err(classify("deleting the conversion Job", e)),
+            }
+        }
+        for file in [self.staged_path(vmm, disk), self.artifact_path(vmm, disk)] {
+            artifact::remove_with_markers(&file).map_err(|e| io_failure("removing the artifact", e))?;
+        }
+        Ok(())
+    }
+}
+
+#[async_trait]
+impl Staging for ArtifactStore {
+    async fn staged_url(
+        &self,
+        vmm: &VirtualMachineMigration,
+        disk: usize,
+        sha256: &str,
+    ) -> Result<Option<String>, Failure> {
+        let staged = self.staged_path(vmm, disk);
+        let published = staged.exists()
+            && !corrupt_path(&staged).exists()
+            && read_marker(&staged).is_some_and(|m| m.sha256 == sha256)
+            && artifact::marker_is_fresh(&staged, &marker_path(&staged));
+        Ok(published.then(|| {
+            format!(
+                "{}{}",
+                self.settings.staging_url.trim_end_matches('/'),
+                super::staging::artifact_path(&uid_of(vmm), disk, vmm.spec.conversion.format.extension())
+            )
+        }))
+    }
+
+    async fn stage(&self, vmm: &VirtualMachineMigration, disk: usize) -> Result<(), Failure> {
+        let artifact = self.artifact_path(vmm, disk);
+        let staged = self.staged_path(vmm, disk);
+        let marker = read_marker(&artifact).ok_or_else(|| {
+            Failure::retryable("ArtifactMissing", format!("{} has no checksum marker", artifact.display()))
+        })?;
+        let io = |e| io_failure("staging the artifact", e);
+        artifact::remove_with_markers(&staged).map_err(io)?;
+        if let Some(dir) = staged.parent() {
+            std::fs::create_dir_all(dir).map_err(io)?;
+        }
+        // A hard link: publishing costs no copy; the marker is written last.
+        std::fs::hard_link(&artifact, &staged).map_err(io)?;
+        artifact::write_marker(&staged, &marker).map_err(io)
+    }
+
+    async fn remove_all(&self, vmm: &VirtualMachineMigration) -> Result<(), Failure> {
+        let uid = uid_of(vmm);
+        self.lock_tasks().retain(|(u, _), task| {
+            if *u == uid {
+                task.handle.abort();
+            }
+            *u != uid
+        });
+        if vmm.spec.conversion.runner == ConversionRunner::Job
+            && let Ok((api, _)) = self.jobs(vmm)
+        {
+            let selector =
+                format!("{}={uid},{}=convert", crate::target::render::LABEL_MIGRATION_UID, job::LABEL_ROLE);
+            let dp = DeleteParams {
+                propagation_policy: Some(PropagationPolicy::Background),
+                ..Default::default()
+            };
+            if let Ok(list) = api.list(&ListParams::default().labels(&selector)).await {
+                for j in list {
+                    match api.delete(&j.name_any(), &dp).await {
+                        Ok(_) => {}
+                        Err(kube::Error::Api(s)) if s.code == 404 => {}
+                        Err(e) => return Err(classify("deleting a conversion Job", e)),
+                    }
+                }
+            }
+        }
+        for dir in [
+            Self::staging_root(&self.settings.work_dir).join(&uid),
+            self.settings.work_dir.join("artifacts").join(&uid),
+        ] {
+            match std::fs::remove_dir_all(&dir) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(io_failure("removing staged data", e)),
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,796 @@
+//! The `http` validation check: a GET to the application through its Service
+//! in the destination namespace, passing when the status and the body are the
+//! expected ones.
+//!
+//! In the cluster the URL would be `http://<service>.<namespace>.svc:<port><path>`.
+//! By default the target is resolved through the Kubernetes API instead
+//! (Service → EndpointSlices → a ready address), so the check needs no cluster
+//! DNS and can be tested against a bare API server; `HttpTarget::ClusterDns`
+//! keeps the DNS form for operators who prefer it.
+//!
+//! The client is a small HTTP/1.1 GET on a tokio `TcpStream` (`Connection:
+//! close`; Content-Length, chunked or read-to-EOF bodies; at most 1 MiB kept):
+//! the check needs a status and a substring, not a full HTTP stack.
+//!
+//! Whatever may still change while the guest boots (no Service, no ready
+//! endpoint, refused, reset or timed-out connections) is `NotYet`; an answer
+//! with the wrong status or body is `Wrong`.
+
+use crate::api::HttpCheck;
+use crate::machine::CheckResult;
+use k8s_openapi::api::core::v1::{Service, ServicePort};
+use k8s_openapi::api::discovery::v1::{Endpoint, EndpointSlice};
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+use kube::Client;
+use kube::api::{Api, ListParams};
+use std::net::IpAddr;
+use std::time::Duration;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// Connect, request and response together.
+pub const TOTAL_TIMEOUT: Duration = Duration::from_secs(10);
+/// Body bytes kept for the `bodyContains` test; the rest is not read.
+pub const BODY_LIMIT: usize = 1024 * 1024;
+/// Label that ties an EndpointSlice to its Service.
+pub const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
+const HEAD_LIMIT: usize = 64 * 1024;
+/// Chunk framing can outweigh the data; past this the answer is not worth parsing.
+const RAW_LIMIT: usize = 4 * BODY_LIMIT;
+const EXCERPT_CHARS: usize = 200;
+
+/// How the check finds the application behind the Service.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum HttpTarget {
+    /// A ready address from the Service's EndpointSlices, read through the API.
+    #[default]
+    Endpoints,
+    /// `<service>.<namespace>.svc:<port>`, resolved by cluster DNS.
+    ClusterDns,
+}
+
+/// Where the GET goes: an IP address or DNS name, and a port.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HttpEndpoint {
+    pub host: String,
+    pub port: u16,
+}
+
+impl HttpEndpoint {
+    /// `host:port` with IPv6 addresses in brackets: the URL authority and the Host header.
+    pub fn authority(&self) -> String {
+        match self.host.parse::<IpAddr>() {
+            Ok(IpAddr::V6(ip)) => format!("[{ip}]:{}", self.port),
+            _ => format!("{}:{}", self.host, self.port),
+        }
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("http://{}{}", self.authority(), request_target(path))
+    }
+}
+
+/// A response, its body cut at `BODY_LIMIT`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HttpResponse {
+    pub status: u16,
+    pub body: Vec<u8>,
+    /// The body was longer than `BODY_LIMIT` and only its start was read.
+    pub truncated: bool,
+}
+
+/// Why a GET produced no usable response.
+#[derive(Debug, thiserror::Error)]
+pub enum HttpError {
+    #[error("cannot connect: {0}")]
+    Connect(std::io::Error),
+    #[error("no connection within {}s", .0.as_secs())]
+    ConnectTimeout(Duration),
+    #[error("no complete response within {}s", .0.as_secs())]
+    Timeout(Duration),
+    #[error("connection broken: {0}")]
+    Io(std::io::Error),
+    #[error("the connection closed before the response was complete")]
+    Closed,
+    #[error("the answer is not valid HTTP/1.x: {0}")]
+    Malformed(String),
+}
+
+impl HttpError {
+    /// Something answered, just not in HTTP: waiting will not fix that.
+    pub fn is_answer(&self) -> bool {
+        matches!(self, HttpError::Malformed(_))
+    }
+}
+
+/// Runs one `http` check against the Service `check.service` in `namespace`.
+pub async fn run_http_check(
+    client: &Client,
+    namespace: &str,
+    check: &HttpCheck,
+    target: HttpTarget,
+) -> CheckResult {
+    let endpoint = match target {
+        HttpTarget::Endpoints => resolve_endpoint(client, namespace, check).await,
+        HttpTarget::ClusterDns => cluster_dns_endpoint(namespace, check),
+    };
+    let endpoint = match endpoint {
+        Ok(endpoint) => endpoint,
+        Err(message) => return CheckResult::NotYet { message },
+    };
+    let url = endpoint.url(&check.path);
+    let result = match http_get(&endpoint, &check.path).await {
+        Ok(response) => judge(&url, check, &response),
+        Err(err) if err.is_answer() => CheckResult::Wrong { message: format!("GET {url}: {err}") },
+        Err(err) => CheckResult::NotYet { message: format!("GET {url}: {err}") },
+    };
+    tracing::debug!(service = %check.service, %namespace, ?result, "http check");
+    result
+}
+
+/// The Service's DNS name in the cluster, for `HttpTarget::ClusterDns`.
+pub fn cluster_dns_endpoint(namespace: &str, check: &HttpCheck) -> Result<HttpEndpoint, String> {
+    let port = u16::try_from(check.port).map_err(|_| format!("port {} is out of range", check.port))?;
+    Ok(HttpEndpoint { host: format!("{}.{namespace}.svc", check.service), port })
+}
+
+/// Service → its port `check.port` → a ready endpoint of its EndpointSlices.
+async fn resolve_endpoint(
+    client: &Client,
+    namespace: &str,
+    check: &HttpCheck,
+) -> Result<HttpEndpoint, String> {
+    let key = format!("{namespace}/{}", check.service);
+    let service = match Api::<Service>::namespaced(client.clone(), namespace).get_opt(&check.service).await {
+        Ok(Some(service)) => service,
+        Ok(None) => return Err(format!("Service {key} does not exist yet")),
+        Err(e) => return Err(format!("reading Service {key}: {e}")),
+    };
+    let port = service_port(&service, check.port).map_err(|e| format!("Service {key} {e}"))?;
+    let selector = format!("{SERVICE_NAME_LABEL}={}", check.service);
+    let slices = Api::<EndpointSlice>::namespaced(client.clone(), namespace)
+        .list(&ListParams::default().labels(&selector))
+        .await
+        .map_err(|e| format!("listing EndpointSlices of Service {key}: {e}"))?;
+    select_endpoint(port, &slices.items).map_err(|e| format!("Service {key} {e}"))
+}
+
+/// The Service's TCP port numbered `port`. Errors complete "Service ns/name …".
+pub fn service_port(service: &Service, port: i32) -> Result<&ServicePort, String> {
+    let ports = service.spec.as_ref().and_then(|s| s.ports.as_deref()).unwrap_or_default();
+    ports.iter().find(|p| p.port == port && is_tcp(p.protocol.as_deref())).ok_or_else(|| {
+        let known: Vec<String> = ports
+            .iter()
+            .map(|p| match p.name.as_deref() {
+                Some(name) if !name.is_empty() => format!("{}/{name}", p.port),
+                _ => p.port.to_string(),
+            })
+            .collect();
+        if known.is_empty() {
+            "has no ports".to_owned()
+        } else {
+            format!("has no TCP port {port} (it has {})", known.join(", "))
+        }
+    })
+}
+
+/// The first ready address (slices in name order) and the port it serves
+/// `port` on: the slice's port with the same name as the Service port, else
+/// the Service's numeric targetPort. Errors complete "Service ns/name …".
+pub fn select_endpoint(port: &ServicePort, slices: &[EndpointSlice]) -> Result<HttpEndpoint, String> {
+    let mut ordered: Vec<&EndpointSlice> = slices.iter().collect();
+    ordered.sort_by(|a, b| a.metadata.name.cmp(&b.metadata.name));
+    let mut not_ready = 0;
+    let mut without_port = 0;
+    for slice in ordered {
+        if !matches!(slice.address_type.as_str(), "IPv4" | "IPv6") {
+            continue;
+        }
+        let Some(target) = endpoint_port(port, slice) else {
+            without_port += slice.endpoints.len();
+            continue;
+        };
+        for endpoint in &slice.endpoints {
+            if !is_ready(endpoint) {
+                not_ready += 1;
+                continue;
+            }
+            if let Some(address) = endpoint.addresses.iter().find(|a| a.parse::<IpAddr>().is_ok()) {
+                return Ok(HttpEndpoint { host: address.clone(), port: target });
+            }
+        }
+    }
+    let port_name = port.name.as_deref().filter(|n| !n.is_empty());
+    let described = match port_name {
+        Some(name) => format!("port {} ({name})", port.port),
+        None => format!("port {}", port.port),
+    };
+    Err(if not_ready > 0 {
+        format!("has no ready endpoint yet ({not_ready} not ready)")
+    } else if without_port > 0 {
+        format!("has {without_port} endpoint(s), none with a port for {described}")
+    } else {
+        "has no endpoints yet".to_owned()
+    })
+}
+
+fn endpoint_port(port: &ServicePort, slice: &EndpointSlice) -> Option<u16> {
+    let wanted = port.name.as_deref().unwrap_or("");
+    let named = slice
+        .ports
+        .iter()
+        .flatten()
+        .find(|p| p.name.as_deref().unwrap_or("") == wanted && is_tcp(p.protocol.as_deref()));
+    let number = match (named.and_then(|p| p.port), &port.target_port) {
+        (Some(number), _) => number,
+        (None, None) => port.port,
+        (None, Some(IntOrString::Int(number))) => *number,
+        // A named container port is only known from the slice.
+        (None, Some(IntOrString::String(_))) => return None,
+    };
+    u16::try_from(number).ok().filter(|n| *n != 0)
+}
+
+/// An unset `ready` is unknown, which consumers should treat as ready (EndpointConditions docs).
+fn is_ready(endpoint: &Endpoint) -> bool {
+    endpoint.conditions.as_ref().and_then(|c| c.ready).unwrap_or(true)
+}
+
+fn is_tcp(protocol: Option<&str>) -> bool {
+    protocol.is_none_or(|p| p == "TCP")
+}
+
+/// One GET with `Connection: close`, bounded by `CONNECT_TIMEOUT` and `TOTAL_TIMEOUT`.
+pub async fn http_get(endpoint: &HttpEndpoint, path: &str) -> Result<HttpResponse, HttpError> {
+    match tokio::time::timeout(TOTAL_TIMEOUT, exchange(endpoint, path)).await {
+        Ok(result) => result,
+        Err(_) => Err(HttpError::Timeout(TOTAL_TIMEOUT)),
+    }
+}
+
+async fn exchange(endpoint: &HttpEndpoint, path: &str) -> Result<HttpResponse, HttpError> {
+    let connect = TcpStream::connect((endpoint.host.as_str(), endpoint.port));
+    let mut stream = match tokio::time::timeout(CONNECT_TIMEOUT, connect).await {
+        Ok(Ok(stream)) => stream,
+        Ok(Err(e)) => return Err(HttpError::Connect(e)),
+        Err(_) => return Err(HttpError::ConnectTimeout(CONNECT_TIMEOUT)),
+    };
+    stream.write_all(request(endpoint, path).as_bytes()).await.map_err(HttpError::Io)?;
+    let mut raw = Vec::with_capacity(16 * 1024);
+    let mut chunk = vec![0u8; 16 * 1024];
+    loop {
+        let n = stream.read(&mut chunk).await.map_err(HttpError::Io)?;
+        raw.extend_from_slice(&chunk[..n]);
+        // Stop as soon as the response is complete, even if the server keeps the connection open.
+        if let Some(response) = parse_response(&raw, n == 0)? {
+            return Ok(response);
+        }
+        if n == 0 {
+            return Err(HttpError::Closed);
+        }
+        if raw.len() > RAW_LIMIT {
+            return Err(HttpError::Malformed(format!(
+                "more than {RAW_LIMIT} bytes without a complete response"
+            )));
+        }
+    }
+}
+
+/// The request bytes: GET, Host, Connection: close.
+pub fn request(endpoint: &HttpEndpoint, path: &str) -> String {
+    format!(
+        "GET {} HTTP/1.1\r\nHost: {}\r\nUser-Agent: vmmigrate/{}\r\nAccept: */*\r\nConnection: close\r\n\r\n",
+        request_target(path),
+        endpoint.authority(),
+        env!("CARGO_PKG_VERSION"),
+    )
+}
+
+/// The path as a request target: leading `/`, and every byte outside visible
+/// ASCII percent-encoded, so a path from the spec can never break the request line.
+pub fn request_target(path: &str) -> String {
+    let mut out = String::with_capacity(path.len() + 1);
+    if !path.starts_with('/') {
+        out.push('/');
+    }
+    for byte in path.bytes() {
+        if (0x21..=0x7e).contains(&byte) {
+            out.push(char::from(byte));
+        } else {
+            out.push_str(&format!("%{byte:02X}"));
+        }
+    }
+    out
+}
+
+/// Parses what has arrived so far. `Ok(None)` means "read more"; with `eof`
+/// set, an incomplete response is `Err(Closed)`.
+pub fn parse_response(raw: &[u8], eof: bool) -> Result<Option<HttpResponse>, HttpError> {
+    let Some(head_end) = find(raw, b"\r\n\r\n") else {
+        if raw.len() > HEAD_LIMIT {
+            return Err(HttpError::Malformed(format!("no end of headers in the first {HEAD_LIMIT} bytes")));
+        }
+        return if eof { Err(HttpError::Closed) } else { Ok(None) };
+    };
+    let head = String::from_utf8_lossy(&raw[..head_end]);
+    let mut lines = head.split("\r\n");
+    let status = parse_status_line(lines.next().unwrap_or_default())?;
+    let mut content_length = None;
+    let mut chunked = false;
+    for line in lines {
+        let (name, value) = line.split_once(':').ok_or_else(|| {
+            HttpError::Malformed(format!("header line without a colon: {:?}", excerpt(line)))
+        })?;
+        let (name, value) = (name.trim(), value.trim());
+        if name.eq_ignore_ascii_case("content-length") {
+            let length = value
+                .parse::<usize>()
+                .map_err(|_| HttpError::Malformed(format!("Content-Length {:?}", excerpt(value))))?;
+            content_length = Some(length);
+        } else if name.eq_ignore_ascii_case("transfer-encoding") {
+            chunked =
+                value.rsplit(',').next().is_some_and(|last| last.trim().eq_ignore_ascii_case("chunked"));
+        }
+    }
+    let body = &raw[head_end + 4..];
+    if (100..200).contains(&status) {
+        // An interim response (100 Continue, 103 Early Hints): the real one follows.
+        return parse_response(body, eof);
+    }
+    if status == 204 || status == 304 {
+        return Ok(Some(HttpResponse { status, body: Vec::new(), truncated: false }));
+    }
+    let response = |body: &[u8], truncated| Some(HttpResponse { status, body: body.to_vec(), truncated });
+    if chunked {
+        return match decode_chunked(body, BODY_LIMIT)? {
+            Chunked::Complete(body) => Ok(Some(HttpResponse { status, body, truncated: false })),
+            Chunked::AtLimit(body) => Ok(Some(HttpResponse { status, body, truncated: true })),
+            Chunked::Incomplete if eof => Err(HttpError::Closed),
+            Chunked::Incomplete => Ok(None),
+        };
+    }
+    match content_length {
+        Some(length) => {
+            let wanted = length.min(BODY_LIMIT);
+            if body.len() >= wanted {
+                Ok(response(&body[..wanted], length > BODY_LIMIT))
+            } else if eof {
+                Err(HttpError::Closed)
+            } else {
+                Ok(None)
+            }
+        }
+        // No length: the body ends when the server closes the connection.
+        None if body.len() >= BODY_LIMIT => Ok(response(&body[..BODY_LIMIT], true)),
+        None if eof => Ok(response(body, false)),
+        None => Ok(None),
+    }
+}
+
+fn parse_status_line(line: &str) -> Result<u16, HttpError> {
+    let malformed = || HttpError::Malformed(format!("status line {:?}", excerpt(line)));
+    let mut parts = line.splitn(3, ' ');
+    let version = parts.next().unwrap_or_default();
+    let code = parts.next().unwrap_or_default();
+    if !version.starts_with("HTTP/1.") || code.len() != 3 {
+        return Err(malformed());
+    }
+    code.parse::<u16>().ok().filter(|c| (100..=599).contains(c)).ok_or_else(malformed)
+}
+
+/// What a chunked body decoded to so far.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Chunked {
+    /// The last (zero-size) chunk arrived; trailers are not needed and ignored.
+    Complete(Vec<u8>),
+    /// `limit` bytes decoded; the rest is not wanted.
+    AtLimit(Vec<u8>),
+    /// More bytes are needed.
+    Incomplete,
+}
+
+/// Decodes `Transfer-Encoding: chunked` data, keeping at most `limit` bytes.
+pub fn decode_chunked(data: &[u8], limit: usize) -> Result<Chunked, HttpError> {
+    let mut body = Vec::new();
+    let mut pos = 0;
+    loop {
+        let rest = &data[pos..];
+        let Some(line_end) = find(rest, b"\r\n") else {
+            if rest.len() > 1024 {
+                return Err(HttpError::Malformed("chunk size line longer than 1 KiB".into()));
+            }
+            return Ok(Chunked::Incomplete);
+        };
+        let line = String::from_utf8_lossy(&rest[..line_end]);
+        // Chunk extensions (`;name=value`) carry nothing we need.
+        let digits = line.split(';').next().unwrap_or_default().trim();
+        let size = usize::from_str_radix(digits, 16)
+            .map_err(|_| HttpError::Malformed(format!("chunk size {:?}", excerpt(&line))))?;
+        pos += line_end + 2;
+        if size == 0 {
+            return Ok(Chunked::Complete(body));
+        }
+        let available = data.len() - pos;
+        let room = limit - body.len();
+        body.extend_from_slice(&data[pos..pos + size.min(available).min(room)]);
+        if body.len() >= limit {
+            return Ok(Chunked::AtLimit(body));
+        }
+        if available < size || available - size < 2 {
+            return Ok(Chunked::Incomplete);
+        }
+        if &data[pos + size..pos + size + 2] != b"\r\n" {
+            return Err(HttpError::Malformed("chunk data not followed by CRLF".into()));
+        }
+        pos += size + 2;
+    }
+}
+
+/// Status first, then `bodyContains`.
+pub fn judge(url: &str, check: &HttpCheck, response: &HttpResponse) -> CheckResult {
+    let status = response.status;
+    if i32::from(status) != check.expected_status {
+        return CheckResult::Wrong {
+            message: format!(
+                "GET {url} → {status}, expected {}; body: {}",
+                check.expected_status,
+                body_excerpt(&response.body)
+            ),
+        };
+    }
+    let Some(needle) = check.body_contains.as_deref().filter(|n| !n.is_empty()) else {
+        return CheckResult::Pass { message: format!("GET {url} → {status}") };
+    };
+    if find(&response.body, needle.as_bytes()).is_some() {
+        return CheckResult::Pass { message: format!("GET {url} → {status}, body contains {needle:?}") };
+    }
+    let scope = if response.truncated { " (first 1 MiB)" } else { "" };
+    CheckResult::Wrong {
+        message: format!(
+            "GET {url} → {status}, but the body{scope} does not contain {needle:?}; body: {}",
+            body_excerpt(&response.body)
+        ),
+    }
+}
+
+/// The first `EXCERPT_CHARS` characters, quoted and escaped onto one line.
+fn body_excerpt(body: &[u8]) -> String {
+    if body.is_empty() {
+        return "empty".to_owned();
+    }
+    let text = String::from_utf8_lossy(body);
+    let cut = excerpt(&text);
+    let more = if cut.len() < text.len() { "…" } else { "" };
+    format!("{cut:?}{more}")
+}
+
+fn excerpt(text: &str) -> &str {
+    match text.char_indices().nth(EXCERPT_CHARS) {
+        Some((at, _)) => &text[..at],
+        None => text,
+    }
+}
+
+fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
+    if needle.is_empty() {
+        return Some(0);
+    }
+    haystack.windows(needle.len()).position(|w| w == needle)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn check(body_contains: Option<&str>) -> HttpCheck {
+        HttpCheck {
+            service: "web".into(),
+            port: 80,
+            path: "/health".into(),
+            expected_status: 200,
+            body_contains: body_contains.map(str::to_owned),
+        }
+    }
+
+    fn ok(status: u16, body: &str) -> HttpResponse {
+        HttpResponse { status, body: body.as_bytes().to_vec(), truncated: false }
+    }
+
+    fn parsed(raw: &str) -> HttpResponse {
+        match parse_response(raw.as_bytes(), true) {
+            Ok(Some(response)) => response,
+            other => panic!("expected a response from {raw:?}, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn content_length_body_is_complete_without_waiting_for_eof() {
+        let raw = "HTTP/1.1 200 OK\r\nContent-Length: 5\r\nConnection: keep-alive\r\n\r\nhello";
+        let response = parse_response(raw.as_bytes(), false).unwrap();
+        assert_eq!(response, Some(ok(200, "hello")));
+    }
+
+    #[test]
+    fn short_content_length_body_waits_then_is_closed_at_eof() {
+        let raw = b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nhello";
+        assert_eq!(parse_response(raw, false).unwrap(), None);
+        assert!(matches!(parse_response(raw, true), Err(HttpError::Closed)));
+    }
+
+    #[test]
+    fn body_without_length_runs_to_eof() {
+        let raw = b"HTTP/1.0 404 Not Found\r\nContent-Type: text/plain\r\n\r\nnot here";
+        assert_eq!(parse_response(raw, false).unwrap(), None);
+        assert_eq!(parse_response(raw, true).unwrap(), Some(ok(404, "not here")));
+    }
+
+    #[test]
+    fn header_names_are_case_insensitive_and_chunked_wins() {
+        let raw = "HTTP/1.1 200 OK\r\ntransfer-encoding: gzip, Chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n";
+        assert_eq!(parsed(raw).body, b"abc");
+    }
+
+    #[test]
+    fn interim_responses_are_skipped() {
+        let raw = "HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 201 Created\r\nContent-Length: 2\r\n\r\nok";
+        assert_eq!(parsed(raw), ok(201, "ok"));
+    }
+
+    #[test]
+    fn no_content_has_an_empty_body() {
+        assert_eq!(parse_response(b"HTTP/1.1 204 No Content\r\n\r\n", false).unwrap(), Some(ok(204, "")));
+    }
+
+    #[test]
+    fn a_closed_connection_before_the_head_ends_is_closed_not_malformed() {
+        assert!(matches!(parse_response(b"", true), Err(HttpError::Closed)));
+        assert!(matches!(parse_response(b"HTTP/1.1 200 OK\r\nContent-", true), Err(HttpError::Closed)));
+        assert_eq!(parse_response(b"HTTP/1.1 200 OK\r\n", false).unwrap(), None);
+    }
+
+    #[test]
+    fn answers_that_are_not_http_are_malformed() {
+        for raw in [
+            "SSH-2.0-OpenSSH_9.2\r\n\r\n",
+            "HTTP/1.1 2000 OK\r\n\r\n",
+            "HTTP/2 200\r\n\r\n",
+            "HTTP/1.1 200 OK\r\nno colon here\r\n\r\n",
+            "HTTP/1.1 200 OK\r\nContent-Length: many\r\n\r\n",
+        ] {
+            let err = parse_response(raw.as_bytes(), true).unwrap_err();
+            assert!(err.is_answer(), "{raw:?} gave {err}");
+        }
+        let endless_head = format!("HTTP/1.1 200 OK\r\nX: {}", "a".repeat(HEAD_LIMIT));
+        assert!(parse_response(endless_head.as_bytes(), false).unwrap_err().is_answer());
+    }
+
+    #[test]
+    fn bodies_are_cut_at_the_limit() {
+        let big = "x".repeat(BODY_LIMIT + 10);
+        let with_length = format!("HTTP/1.1 200 OK\r\nContent-Length: {}\r\n\r\n{big}", big.len());
+        let response = parse_response(with_length.as_bytes(), false).unwrap().unwrap();
+        assert_eq!((response.body.len(), response.truncated), (BODY_LIMIT, true));
+        let to_eof = format!("HTTP/1.1 200 OK\r\n\r\n{big}");
+        let response = parse_response(to_eof.as_bytes(), false).unwrap().unwrap();
+        assert_eq!((response.body.len(), response.truncated), (BODY_LIMIT, true));
+    }
+
+    #[test]
+    fn chunked_decoding_joins_chunks_and_ignores_extensions_and_trailers() {
+        let data =
+            b"4;note=x\r\nWiki\r\n5\r\npedia\r\nE\r\n in\r\n\r\nchunks.\r\n0\r\nExpires: never\r\n\r\n";
+        assert_eq!(
+            decode_chunked(data, BODY_LIMIT).unwrap(),
+            Chunked::Complete(b"Wikipedia in\r\n\r\nchunks.".to_vec())
+        );
+    }
+
+    #[test]
+    fn every_prefix_of_a_chunked_body_is_incomplete() {
+        let data = b"4\r\nWiki\r\n5\r\npedia\r\n0\r\n\r\n";
+        let end = data.len() - 2; // the terminating chunk's size line is enough
+        for cut in 0..end {
+            assert_eq!(
+                decode_chunked(&data[..cut], BODY_LIMIT).unwrap(),
+                Chunked::Incomplete,
+                "cut at {cut}"
+            );
+        }
+        assert_eq!(
+            decode_chunked(&data[..end], BODY_LIMIT).unwrap(),
+            Chunked::Complete(b"Wikipedia".to_vec())
+        );
+    }
+
+    #[test]
+    fn chunked_decoding_stops_at_the_limit() {
+        assert_eq!(decode_chunked(b"a\r\n0123456789\r\n", 4).unwrap(), Chunked::AtLimit(b"0123".to_vec()));
+        assert_eq!(decode_chunked(b"a\r\n012345", 4).unwrap(), Chunked::AtLimit(b"0123".to_vec()));
+    }
+
+    #[test]
+    fn bad_chunk_framing_is_malformed() {
+        for data in [&b"zz\r\nab\r\n"[..], b"\r\n", b"2\r\nabXY0\r\n\r\n", b"ffffffffffffffffff\r\n"] {
+            assert!(decode_chunked(data, BODY_LIMIT).unwrap_err().is_answer(), "{data:?}");
+        }
+        // A huge announced size is simply incomplete, never an overflow.
+        assert_eq!(decode_chunked(b"ffffffffffffffff\r\nab", BODY_LIMIT).unwrap(), Chunked::Incomplete);
+    }
+
+    #[test]
+    fn the_request_names_the_host_and_closes_the_connection() {
+        let endpoint = HttpEndpoint { host: "10.0.0.7".into(), port: 8080 };
+        let request = request(&endpoint, "/health?full=1");
+        assert!(request.starts_with("GET /health?full=1 HTTP/1.1\r\nHost: 10.0.0.7:8080\r\n"), "{request}");
+        assert!(request.contains("\r\nConnection: close\r\n"));
+        assert!(request.ends_with("\r\n\r\n"));
+    }
+
+    #[test]
+    fn paths_cannot_break_the_request_line() {
+        assert_eq!(request_target("/a b\r\nX: y"), "/a%20b%0D%0AX:%20y");
+        assert_eq!(request_target("/café"), "/caf%C3%A9");
+        assert_eq!(request_target("health"), "/health");
+    }
+
+    #[test]
+    fn ipv6_addresses_are_bracketed_and_dns_names_are_not() {
+        let v6 = HttpEndpoint { host: "fd00::5".into(), port: 80 };
+        assert_eq!(v6.url("/"), "http://[fd00::5]:80/");
+        let dns = cluster_dns_endpoint("apps", &check(None)).unwrap();
+        assert_eq!(dns.url("/health"), "http://web.apps.svc:80/health");
+    }
+
+    fn service(ports: serde_json::Value) -> Service {
+        serde_json::from_value(json!({"metadata": {"name": "web"}, "spec": {"ports": ports}})).unwrap()
+    }
+
+    fn slice(
+        name: &str,
+        address_type: &str,
+        endpoints: serde_json::Value,
+        ports: serde_json::Value,
+    ) -> EndpointSlice {
+        serde_json::from_value(json!({
+            "metadata": {"name": name, "labels": {SERVICE_NAME_LABEL: "web"}},
+            "addressType": address_type,
+            "endpoints": endpoints,
+            "ports": ports,
+        }))
+        .unwrap()
+    }
+
+    fn endpoint(host: &str, port: u16) -> HttpEndpoint {
+        HttpEndpoint { host: host.into(), port }
+    }
+
+    #[test]
+    fn the_service_port_is_found_by_number_and_tcp() {
+        let svc = service(json!([
+            {"name": "dns", "port": 53, "protocol": "UDP"},
+            {"name": "http", "port": 80, "targetPort": 8080},
+        ]));
+        assert_eq!(service_port(&svc, 80).unwrap().name.as_deref(), Some("http"));
+        assert_eq!(service_port(&svc, 53).unwrap_err(), "has no TCP port 53 (it has 53/dns, 80/http)");
+        assert_eq!(service_port(&service(json!([])), 80).unwrap_err(), "has no ports");
+    }
+
+    #[test]
+    fn the_endpoint_port_is_the_slice_port_with_the_service_port_name() {
+        let svc = service(json!([{"name": "http", "port": 80, "targetPort": "web"}]));
+        let port = service_port(&svc, 80).unwrap();
+        let slices = [slice(
+            "web-1",
+            "IPv4",
+            json!([{"addresses": ["10.1.0.5"], "conditions": {"ready": true}}]),
+            json!([{"name": "metrics", "port": 9090}, {"name": "http", "port": 8080, "protocol": "TCP"}]),
+        )];
+        assert_eq!(select_endpoint(port, &slices), Ok(endpoint("10.1.0.5", 8080)));
+    }
+
+    #[test]
+    fn without_a_named_slice_port_the_numeric_target_port_is_used() {
+        let slices = [slice("web-1", "IPv4", json!([{"addresses": ["10.1.0.5"]}]), json!([]))];
+        let svc = service(json!([{"port": 80, "targetPort": 8081}]));
+        assert_eq!(select_endpoint(service_port(&svc, 80).unwrap(), &slices), Ok(endpoint("10.1.0.5", 8081)));
+        let svc = service(json!([{"port": 80}]));
+        assert_eq!(select_endpoint(service_port(&svc, 80).unwrap(), &slices), Ok(endpoint("10.1.0.5", 80)));
+        let svc = service(json!([{"name": "http", "port": 80, "targetPort": "web"}]));
+        assert_eq!(
+            select_endpoint(service_port(&svc, 80).unwrap(), &slices).unwrap_err(),
+            "has 1 endpoint(s), none with a port for port 80 (http)"
+        );
+    }
+
+    #[test]
+    fn only_ready_addresses_are_chosen_in_slice_name_order() {
+        let svc = service(json!([{"port": 80}]));
+        let port = service_port(&svc, 80).unwrap();
+        let ports = json!([{"port": 80}]);
+        let slices = [
+            slice("web-c", "IPv4", json!([{"addresses": ["10.1.0.9"]}]), ports.clone()),
+            slice("web-a", "FQDN", json!([{"addresses": ["web.example.org"]}]), ports.clone()),
+            slice(
+                "web-b",
+                "IPv6",
+                json!([
+                    {"addresses": ["fd00::1"], "conditions": {"ready": false, "terminating": true}},
+                    {"addresses": ["fd00::2"], "conditions": {"ready": true}},
+                ]),
+                ports.clone(),
+            ),
+        ];
+        assert_eq!(select_endpoint(port, &slices), Ok(endpoint("fd00::2", 80)));
+        let not_ready = [slice(
+            "web-b",
+            "IPv4",
+            json!([{"addresses": ["10.1.0.1"], "conditions": {"ready": false}}]),
+            ports,
+        )];
+        assert_eq!(select_endpoint(port, &not_ready).unwrap_err(), "has no ready endpoint yet (1 not ready)");
+        assert_eq!(select_endpoint(port, &[]).unwrap_err(), "has no endpoints yet");
+    }
+
+    #[test]
+    fn the_expected_status_and_body_pass() {
+        let url = "http://10.1.0.5:8080/health";
+        assert_eq!(
+            judge(url, &check(Some("Welcome")), &ok(200, "<h1>Welcome</h1>")),
+            CheckResult::Pass {
+                message: "GET http://10.1.0.5:8080/health → 200, body contains \"Welcome\"".into()
+            }
+        );
+        assert_eq!(
+            judge(url, &check(None), &ok(200, "")),
+            CheckResult::Pass { message: "GET http://10.1.0.5:8080/health → 200".into() }
+        );
+    }
+
+    #[test]
+    fn a_wrong_status_or_body_is_wrong_and_says_what_came_back() {
+        let url = "http://10.1.0.5:8080/health";
+        assert_eq!(
+            judge(url, &check(Some("Welcome")), &ok(503, "maintenance\n")),
+            CheckResult::Wrong {
+                message: "GET http://10.1.0.5:8080/health → 503, expected 200; body: \"maintenance\\n\""
+                    .into()
+            }
+        );
+        let long = format!("{}{}", "é".repeat(EXCERPT_CHARS), "tail");
+        let CheckResult::Wrong { message } = judge(url, &check(Some("Welcome")), &ok(200, &long)) else {
+            panic!("expected Wrong")
+        };
+        assert!(message.starts_with(
+            "GET http://10.1.0.5:8080/health → 200, but the body does not contain \"Welcome\"; body: \"é"
+        ));
+        assert!(message.ends_with("é\"…"), "{message}");
+        assert!(!message.contains("tail"));
+    }
+
+    /// A server that answers and then keeps the connection open must not stall the check.
+    #[tokio::test]
+    async fn a_complete_response_ends_the_read_even_on_a_kept_open_connection() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let server = tokio::spawn(async move {
+            let (mut socket, _) = listener.accept().await.unwrap();
+            let mut request = vec![0u8; 1024];
+            let _ = socket.read(&mut request).await.unwrap();
+            for piece in [
+                "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhel",
+                "lo\r\n6\r\n world\r\n0\r\n\r\n",
+            ] {
+                socket.write_all(piece.as_bytes()).await.unwrap();
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            tokio::time::sleep(Duration::from_secs(30)).await;
+        });
+        let started = std::time::Instant::now();
+        let response = http_get(&endpoint("127.0.0.1", port), "/").await.unwrap();
+        assert_eq!(response, ok(200, "hello world"));
+        assert!(started.elapsed() < Duration::from_secs(5));
+        server.abort();
+    }
+}

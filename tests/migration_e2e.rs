@@ -1,0 +1,458 @@
+//! A whole migration with every real part this machine can run: the ESXi
+//! emulator (real OpenSSH, BusyBox, vim-cmd scripts, VMDKs made by qemu-img)
+//! → the real SSH copy with sha256 → real qemu-img → the real staging HTTP
+//! server → the CDI simulator (downloads, verifies, writes a "PVC") → real
+//! DataVolume, VirtualMachine and VMI objects in the real kube-apiserver →
+//! the KubeVirt simulator → a real HTTP check through a real Service and
+//! EndpointSlice to busybox httpd in a network namespace → Completed.
+//! Conversion Jobs run through the Job simulator, which executes the real
+//! `vmmigrate convert` binary.
+
+mod support;
+
+use k8s_openapi::api::batch::v1::Job;
+use k8s_openapi::api::core::v1::{Secret, Service};
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use k8s_openapi::api::storage::v1::StorageClass;
+use kube::api::{Api, DynamicObject, ListParams, PostParams};
+use kube::{Client, ResourceExt};
+use serde_json::{Value, json};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+use support::esxi_emulator::{EsxiEmulator, EsxiOptions};
+use support::netns::Netns;
+use support::{KubeEnv, job_sim, kubevirt_sim, test_namespace};
+use vmmigrate::api::{Phase, VirtualMachineMigration};
+use vmmigrate::controller::reconciler::{self, ControllerConfig};
+use vmmigrate::controller::service::{self, ControllerOptions};
+use vmmigrate::convert::artifact::sha256_file;
+use vmmigrate::convert::staging::StagingServer;
+use vmmigrate::target::cluster::{data_volume_resource, virtual_machine_resource};
+use vmmigrate::target::http_check::SERVICE_NAME_LABEL;
+
+const WAIT: Duration = Duration::from_secs(180);
+const VM: &str = "db-02";
+const VMID: &str = "2";
+const PAGE: &str = "<html><body><h1>db-02 status page</h1><p>migrated from ESXi</p></body></html>\n";
+
+struct Migration {
+    client: Client,
+    ns: String,
+    api: Api<VirtualMachineMigration>,
+    emu: EsxiEmulator,
+    work: tempfile::TempDir,
+    opts: ControllerOptions,
+    staging: StagingServer,
+    sims: kubevirt_sim::Simulators,
+    jobs: job_sim::JobSimulator,
+    _netns: Netns,
+    controller: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl Migration {
+    async fn new(prefix: &str) -> Migration {
+        let client = KubeEnv::shared().client().await;
+        ensure_storage_class(&client).await;
+        let ns = test_namespace(&client, prefix).await;
+        let emu = EsxiEmulator::start(EsxiOptions::default()).expect("ESXi emulator");
+        let secret: Secret = serde_json::from_value(json!({
+            "apiVersion": "v1", "kind": "Secret", "metadata": {"name": "esxi"},
+            "stringData": {"username": emu.username, "password": emu.password},
+        }))
+        .unwrap();
+        Api::<Secret>::namespaced(client.clone(), &ns).create(&PostParams::default(), &secret).await.unwrap();
+
+        // The guest's application: a real web server at the address the VMI reports.
+        let netns = Netns::new().expect("network namespace");
+        netns.serve_http(8080, &[("index.html", PAGE)]).expect("httpd");
+        web_service(&client, &ns, &netns).await;
+
+        let work = tempfile::tempdir().expect("work dir");
+        let opts = ControllerOptions {
+            namespace: Some(ns.clone()),
+            work_dir: work.path().to_path_buf(),
+            staging_listen: "127.0.0.1:0".parse().unwrap(),
+            staging_url: None,
+            conversions: 2,
+            copy_streams: 2,
+            job_image: Some("vmmigrate:e2e".into()),
+            job_namespace: None,
+            work_claim: Some("vmmigrate-work".into()),
+            instance: "e2e".into(),
+        };
+        let staging = service::start_staging(&opts).await.expect("staging server");
+        let pvc_root = work.path().join("pvcs");
+        let sims = kubevirt_sim::start_with(
+            client.clone(),
+            &ns,
+            kubevirt_sim::SimOptions { pvc_root: Some(pvc_root), ..Default::default() },
+        );
+        *sims.control.kubevirt.vmi_ip.lock().unwrap() = netns.ip.to_string();
+        let jobs = job_sim::start(client.clone(), &ns, PathBuf::from(env!("CARGO_BIN_EXE_vmmigrate")));
+        let api = Api::namespaced(client.clone(), &ns);
+        let mut m = Migration {
+            client,
+            ns,
+            api,
+            emu,
+            work,
+            opts,
+            staging,
+            sims,
+            jobs,
+            _netns: netns,
+            controller: None,
+        };
+        m.start_controller();
+        m
+    }
+
+    /// A controller process: fresh adapters (no memory of earlier work) and
+    /// the reconciler. The staging server stands for the Service in front of
+    /// the controller pods and outlives them.
+    fn start_controller(&mut self) {
+        let url = format!("http://{}", self.staging.local_addr());
+        let adapters = service::adapters(self.client.clone(), &self.opts, url);
+        let config = ControllerConfig {
+            namespace: Some(self.ns.clone()),
+            max_requeue: Some(Duration::from_millis(250)),
+            instance: "e2e".into(),
+            interrupt: None,
+        };
+        let task = reconciler::run(self.client.clone(), adapters, config, std::future::pending());
+        self.controller = Some(tokio::spawn(task));
+    }
+
+    /// Kills the controller the way a crash would: its task and everything it
+    /// ran in process (copies, conversions) stop; then a new one starts.
+    async fn kill_and_restart_controller(&mut self) {
+        if let Some(task) = self.controller.take() {
+            task.abort();
+            let _ = task.await;
+        }
+        self.start_controller();
+    }
+
+    async fn create(&self, mutate: impl FnOnce(&mut Value)) {
+        let mut body = json!({
+            "apiVersion": "migration.platform.example/v1alpha1",
+            "kind": "VirtualMachineMigration",
+            "metadata": {"name": VM, "namespace": self.ns},
+            "spec": {
+                "source": {
+                    "host": "127.0.0.1",
+                    "port": self.emu.port,
+                    "hostKey": self.emu.host_key_fingerprint(),
+                    "credentialsSecretRef": {"name": "esxi"},
+                    "vm": {"name": VM}
+                },
+                "destination": {"namespace": self.ns, "storageClassName": "standard"},
+                "networkMap": [
+                    {"source": "VM Network", "type": "Pod"},
+                    {"source": "DMZ", "type": "Multus", "networkName": "dmz"}
+                ],
+                "strategy": {"backoff": {"initialSeconds": 1, "maxSeconds": 2}, "timeouts": {"sshSeconds": 20}},
+                "validation": {"checks": [
+                    {"name": "status-page", "http": {"service": "db-web", "port": 80, "path": "/",
+                                                     "expectedStatus": 200, "bodyContains": "db-02 status page"}},
+                    {"name": "agent", "guestAgent": {}},
+                    {"name": "address", "ip": {}}
+                ]}
+            }
+        });
+        mutate(&mut body);
+        let vmm: VirtualMachineMigration = serde_json::from_value(body).expect("manifest");
+        self.api.create(&PostParams::default(), &vmm).await.expect("create migration");
+    }
+
+    async fn get(&self) -> VirtualMachineMigration {
+        self.api.get(VM).await.expect("get migration")
+    }
+
+    /// Polls the migration until `done` holds; fails on Failed or
+    /// ManualInterventionRequired (with the status) or after `WAIT`.
+    async fn wait_for(
+        &self,
+        what: &str,
+        mut done: impl FnMut(&VirtualMachineMigration) -> bool,
+    ) -> VirtualMachineMigration {
+        let deadline = Instant::now() + WAIT;
+        loop {
+            let vmm = self.get().await;
+            if done(&vmm) {
+                return vmm;
+            }
+            let phase = phase_of(&vmm);
+            assert!(
+                !matches!(phase, Phase::Failed | Phase::ManualInterventionRequired),
+                "{what}: the migration stopped in {phase}: {:#?}",
+                vmm.status
+            );
+            assert!(Instant::now() < deadline, "{what}: still {phase} after {WAIT:?}: {:#?}", vmm.status);
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    async fn wait_completed(&self) -> VirtualMachineMigration {
+        self.wait_for("Completed", |v| {
+            phase_of(v) == Phase::Completed
+                && v.status.as_ref().is_some_and(|s| s.timestamps.cleaned_up.is_some())
+        })
+        .await
+    }
+
+    async fn list(&self, ar: &kube::core::ApiResource) -> Vec<DynamicObject> {
+        let api: Api<DynamicObject> = Api::namespaced_with(self.client.clone(), &self.ns, ar);
+        api.list(&ListParams::default()).await.expect("list").items
+    }
+
+    /// sha256 of what the CDI simulator wrote into the "PVC" of each disk.
+    fn imported_sha256(&self, disks: usize) -> Vec<String> {
+        (0..disks)
+            .map(|d| {
+                let image = self.sims.pvc_image(&self.ns, &format!("{VM}-disk-{d}"));
+                sha256_file(&image, None).unwrap_or_else(|e| panic!("{}: {e}", image.display())).1
+            })
+            .collect()
+    }
+
+    /// The source disks' sha256 as they are on the emulated datastore now.
+    fn source_sha256_now(&self) -> Vec<String> {
+        self.emu.disk_files(VMID).iter().map(|(_, path, _, _)| sha256_file(path, None).unwrap().1).collect()
+    }
+
+    fn source_sha256_at_start(&self) -> Vec<String> {
+        self.emu.disk_files(VMID).iter().map(|(_, _, sha, _)| sha.clone()).collect()
+    }
+
+    /// Files left for this migration in the work directory.
+    fn leftovers(&self, uid: &str) -> Vec<PathBuf> {
+        let mut found = Vec::new();
+        walk(self.work.path(), &mut |p| {
+            let s = p.to_string_lossy();
+            if s.contains(uid) && !p.starts_with(self.work.path().join("pvcs")) {
+                found.push(p.to_path_buf());
+            }
+        });
+        found
+    }
+
+    /// The safety properties every migration must end with.
+    fn assert_source_off_and_untouched(&self) {
+        assert_eq!(self.emu.vm_power(VMID), "off");
+        assert_eq!(self.emu.power_off_transitions(VMID), 1, "powered off exactly once");
+        assert_eq!(self.source_sha256_now(), self.source_sha256_at_start(), "the source disks were written");
+    }
+}
+
+fn walk(dir: &Path, f: &mut impl FnMut(&Path)) {
+    for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        let path = entry.path();
+        f(&path);
+        if path.is_dir() {
+            walk(&path, f);
+        }
+    }
+}
+
+fn phase_of(vmm: &VirtualMachineMigration) -> Phase {
+    vmm.status.as_ref().map(|s| s.phase).unwrap_or_default()
+}
+
+async fn ensure_storage_class(client: &Client) {
+    let classes: Api<StorageClass> = Api::all(client.clone());
+    let sc: StorageClass = serde_json::from_value(json!({
+        "apiVersion": "storage.k8s.io/v1", "kind": "StorageClass",
+        "metadata": {"name": "standard"}, "provisioner": "kubernetes.io/no-provisioner"
+    }))
+    .unwrap();
+    let _ = classes.create(&PostParams::default(), &sc).await;
+}
+
+/// Service `db-web` port 80 → the guest's web server. The EndpointSlice is
+/// written by the test, standing in for the endpoint controller that would
+/// point it at the virt-launcher pod.
+async fn web_service(client: &Client, ns: &str, netns: &Netns) {
+    let service: Service = serde_json::from_value(json!({
+        "apiVersion": "v1", "kind": "Service", "metadata": {"name": "db-web"},
+        "spec": {"ports": [{"name": "http", "port": 80, "targetPort": 8080}]},
+    }))
+    .unwrap();
+    Api::<Service>::namespaced(client.clone(), ns).create(&PostParams::default(), &service).await.unwrap();
+    let slice: EndpointSlice = serde_json::from_value(json!({
+        "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+        "metadata": {"name": "db-web-1", "labels": {SERVICE_NAME_LABEL: "db-web"}},
+        "addressType": "IPv4",
+        "endpoints": [{"addresses": [netns.ip.to_string()], "conditions": {"ready": true}}],
+        "ports": [{"name": "http", "port": 8080, "protocol": "TCP"}],
+    }))
+    .unwrap();
+    Api::<EndpointSlice>::namespaced(client.clone(), ns)
+        .create(&PostParams::default(), &slice)
+        .await
+        .unwrap();
+}
+
+/// `ssh host cat <disk>` of every disk, the bare transfer a migration can
+/// never beat, timed in the same run as the migration.
+fn bare_ssh_cat_seconds(emu: &EsxiEmulator) -> f64 {
+    let start = Instant::now();
+    for (path, _, _, size) in emu.disk_files(VMID) {
+        let out = emu.ssh_command().arg(format!("cat '{path}'")).output().expect("ssh cat");
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        assert_eq!(out.stdout.len() as u64, size);
+    }
+    start.elapsed().as_secs_f64()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn two_disk_efi_vm_with_two_nics_migrates_to_completed_with_checksums_end_to_end() {
+    let m = Migration::new("e2e-full").await;
+    let started = Instant::now();
+    m.create(|_| {}).await;
+    let vmm = m.wait_completed().await;
+    let wall = started.elapsed().as_secs_f64();
+    let cat = bare_ssh_cat_seconds(&m.emu);
+    let total: u64 = m.emu.disk_files(VMID).iter().map(|d| d.3).sum();
+    eprintln!(
+        "end-to-end migration of {} MiB in two disks: {wall:.2} s; bare `ssh cat` of the same disks: {cat:.2} s",
+        total >> 20
+    );
+    let status = vmm.status.clone().unwrap();
+    let uid = vmm.uid().unwrap();
+
+    // sha256 end to end: source disk = copy = artifact = imported bytes.
+    let source = m.source_sha256_at_start();
+    assert_eq!(source.len(), 2);
+    let recorded: Vec<String> = status.disks.iter().map(|d| d.source_sha256.clone().unwrap()).collect();
+    assert_eq!(recorded, source, "sha256 of the copies");
+    let artifacts: Vec<String> = status.disks.iter().map(|d| d.artifact_sha256.clone().unwrap()).collect();
+    assert_eq!(artifacts, source, "a raw artifact is the copy itself");
+    assert_eq!(m.imported_sha256(2), source, "the bytes in the PVCs are the source's");
+
+    // The rendered VirtualMachine matches the inventory, field by field.
+    let inventory = status.source_inventory.clone().unwrap();
+    let vms = m.list(&virtual_machine_resource()).await;
+    assert_eq!(vms.len(), 1);
+    let vm = &vms[0].data["spec"];
+    let domain = &vm["template"]["spec"]["domain"];
+    assert_eq!(vm["runStrategy"], "Always");
+    assert_eq!(domain["firmware"]["bootloader"]["efi"]["secureBoot"], json!(inventory.secure_boot));
+    assert_eq!(domain["cpu"]["sockets"], json!(inventory.cpu_sockets));
+    assert_eq!(domain["cpu"]["cores"], json!(inventory.cores_per_socket));
+    assert_eq!(inventory.cpu_sockets * inventory.cores_per_socket, 4, "db-02 has 4 vCPUs");
+    assert_eq!(domain["memory"]["guest"], json!(format!("{}Mi", inventory.memory_mib)));
+    assert_eq!(inventory.memory_mib, 4096);
+    let disks = domain["devices"]["disks"].as_array().unwrap();
+    let volumes = vm["template"]["spec"]["volumes"].as_array().unwrap();
+    assert_eq!((disks.len(), volumes.len(), inventory.disks.len()), (2, 2, 2));
+    for (i, source_disk) in inventory.disks.iter().enumerate() {
+        let bus = if matches!(source_disk.bus.as_str(), "ide" | "sata") { "sata" } else { "virtio" };
+        assert_eq!(disks[i]["disk"]["bus"], bus, "disk {i} on {}", source_disk.bus);
+        assert_eq!(volumes[i]["dataVolume"]["name"], format!("{VM}-disk-{i}"));
+    }
+    assert_eq!(disks[0]["bootOrder"], 1);
+    let interfaces = domain["devices"]["interfaces"].as_array().unwrap();
+    let networks = vm["template"]["spec"]["networks"].as_array().unwrap();
+    assert_eq!(inventory.nics.len(), 2);
+    for (i, nic) in inventory.nics.iter().enumerate() {
+        let model = if nic.model == "vmxnet3" { "virtio" } else { nic.model.as_str() };
+        assert_eq!(interfaces[i]["model"], model, "nic {i} was {}", nic.model);
+        assert_eq!(interfaces[i]["macAddress"], nic.mac_address.as_str(), "MAC of nic {i} preserved");
+    }
+    assert_eq!((inventory.nics[0].model.as_str(), inventory.nics[1].model.as_str()), ("vmxnet3", "e1000"));
+    assert!(interfaces[0].get("masquerade").is_some() && networks[0].get("pod").is_some());
+    assert!(interfaces[1].get("bridge").is_some());
+    assert_eq!(networks[1]["multus"]["networkName"], "dmz");
+    assert_eq!(vms[0].labels()["migration.platform.example/migration-uid"], uid);
+
+    // Every check ran against the real thing and passed.
+    let results: Vec<(String, bool)> =
+        status.validation_results.iter().map(|r| (r.name.clone(), r.passed)).collect();
+    assert_eq!(
+        results,
+        vec![("status-page".into(), true), ("agent".into(), true), ("address".into(), true)],
+        "{:#?}",
+        status.validation_results
+    );
+    assert_eq!(m.list(&data_volume_resource()).await.len(), 2);
+
+    // Nothing staged or copied is left; the source is off and untouched.
+    assert_eq!(m.leftovers(&uid), Vec::<PathBuf>::new());
+    m.assert_source_off_and_untouched();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn controller_killed_during_converting_and_importing_completes_with_one_job_and_data_volume_per_disk() {
+    let mut m = Migration::new("e2e-kill").await;
+    m.jobs.control.hold.store(true, Ordering::SeqCst);
+    m.sims.control.hold_imports.store(true, Ordering::SeqCst);
+    m.create(|body| {
+        body["spec"]["conversion"] = json!({"format": "qcow2", "runner": "job"});
+    })
+    .await;
+
+    // Converting: both Jobs exist (held); kill the controller, release the Jobs.
+    let jobs: Api<Job> = Api::namespaced(m.client.clone(), &m.ns);
+    m.wait_for("two conversion Jobs", |v| phase_of(v) == Phase::Converting).await;
+    let deadline = Instant::now() + WAIT;
+    while jobs.list(&ListParams::default()).await.unwrap().items.len() < 2 {
+        assert!(Instant::now() < deadline, "the conversion Jobs were never created");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    m.kill_and_restart_controller().await;
+    m.jobs.control.hold.store(false, Ordering::SeqCst);
+
+    // Importing: both DataVolumes exist (held); kill again, release the imports.
+    m.wait_for("Importing", |v| phase_of(v) == Phase::Importing).await;
+    while m.list(&data_volume_resource()).await.len() < 2 {
+        assert!(Instant::now() < deadline, "the DataVolumes were never created");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    m.kill_and_restart_controller().await;
+    m.sims.control.hold_imports.store(false, Ordering::SeqCst);
+
+    let vmm = m.wait_completed().await;
+    let status = vmm.status.unwrap();
+    assert_eq!(m.jobs.control.job_uids_seen.lock().unwrap().len(), 2, "one conversion Job per disk");
+    assert_eq!(m.sims.control.dv_uids_seen.lock().unwrap().len(), 2, "one DataVolume per disk");
+    assert!(jobs.list(&ListParams::default()).await.unwrap().items.is_empty(), "Jobs are cleaned up");
+    // qcow2 artifacts: CDI converted them back to raw; the bytes are the source's.
+    assert!(status.disks.iter().all(|d| d.artifact_format.as_deref() == Some("qcow2")));
+    assert_eq!(m.imported_sha256(2), m.source_sha256_at_start());
+    m.assert_source_off_and_untouched();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_byte_flipped_in_a_staged_artifact_is_caught_retried_and_never_imported() {
+    let m = Migration::new("e2e-flip").await;
+    m.sims.control.hold_imports.store(true, Ordering::SeqCst);
+    m.create(|_| {}).await;
+    let vmm = m.wait_for("Importing", |v| phase_of(v) == Phase::Importing).await;
+    let uid = vmm.uid().unwrap();
+    let staged = m.work.path().join("staging").join(&uid).join("disk-0.raw");
+    {
+        use std::os::unix::fs::FileExt;
+        let file = std::fs::OpenOptions::new().read(true).write(true).open(&staged).expect("staged artifact");
+        let mut byte = [0u8; 1];
+        file.read_exact_at(&mut byte, 4096).unwrap();
+        file.write_all_at(&[byte[0] ^ 0x01], 4096).unwrap();
+    }
+    m.sims.control.hold_imports.store(false, Ordering::SeqCst);
+
+    let vmm = m.wait_completed().await;
+    let status = vmm.status.unwrap();
+    let reasons: Vec<&str> = status.errors.iter().map(|e| e.reason.as_str()).collect();
+    assert!(reasons.contains(&"ImportFailed"), "the bad import was seen: {reasons:?}");
+    assert!(
+        reasons.contains(&"AcquiredCopyCorrupt"),
+        "the corrupt copy was found and copied again: {reasons:?}"
+    );
+    assert!(m.staging.stats().corrupt_detected.load(Ordering::SeqCst) >= 1, "the staging server withheld it");
+    // Never imported: the only successful imports carry the source's bytes.
+    assert_eq!(m.imported_sha256(2), m.source_sha256_at_start());
+    assert_eq!(m.sims.control.verified_imports.load(Ordering::SeqCst), 2);
+    assert_eq!(m.leftovers(&uid), Vec::<PathBuf>::new());
+    m.assert_source_off_and_untouched();
+}
