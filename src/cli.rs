@@ -24,20 +24,34 @@ pub enum Command {
     Gitops,
     /// Run the gitops loop and the controller in one process.
     Run,
-    /// Render the migrations of a repository (or a path in it) to Kubernetes YAML.
+    /// Render the migrations of a repository to Kubernetes YAML (what gets applied).
+    ///
+    /// Merges every `defaults.yaml`, resolves `providers/`, stamps provenance;
+    /// prints errors as `path:line: field: message` and exits 1 when there are any.
     Render {
-        /// Repository URL or local path.
+        /// Repository: a local directory (its root, holding `migrations/`).
+        #[arg(default_value = ".")]
         repo: String,
+        /// Namespace of migrations that set none.
+        #[arg(long, default_value = crate::gitops::render::DEFAULT_NAMESPACE, value_parser = parse_namespace)]
+        namespace: String,
     },
     /// Show what merging a branch would change: render, validate, diff, read-only discovery.
     Plan {
         /// Repository URL or local path.
         repo: String,
     },
-    /// Validate the migrations of a repository without touching the cluster.
+    /// Validate the migrations of a repository without touching the cluster (a CI check).
+    ///
+    /// Prints `ok: N migrations`, or every error as `path:line: field: message`
+    /// on standard error and exits 1.
     Validate {
-        /// Repository URL or local path.
+        /// Repository: a local directory (its root, holding `migrations/`).
+        #[arg(default_value = ".")]
         repo: String,
+        /// Namespace of migrations that set none.
+        #[arg(long, default_value = crate::gitops::render::DEFAULT_NAMESPACE, value_parser = parse_namespace)]
+        namespace: String,
     },
     /// Print the CustomResourceDefinition YAML.
     Crd {
@@ -91,9 +105,9 @@ pub fn run(cli: Cli) -> ExitCode {
         Command::Controller(opts) => controller(opts),
         Command::Gitops => Err(NotImplemented("gitops").into()),
         Command::Run => Err(NotImplemented("run").into()),
-        Command::Render { .. } => Err(NotImplemented("render").into()),
+        Command::Render { repo, namespace } => render_local(&repo, &namespace, true),
         Command::Plan { .. } => Err(NotImplemented("plan").into()),
-        Command::Validate { .. } => Err(NotImplemented("validate").into()),
+        Command::Validate { repo, namespace } => render_local(&repo, &namespace, false),
         Command::Demo => Err(NotImplemented("demo").into()),
         Command::Status => Err(NotImplemented("status").into()),
         Command::Convert { input, input_sha256, input_marker, expected_size, output, format, virt_v2v } => {
@@ -141,6 +155,73 @@ fn convert(req: ConversionRequest) -> anyhow::Result<()> {
     let marker = runtime.block_on(produce(&req, &progress)).map_err(|e| e.failure())?;
     println!("{}", serde_json::json!({ "size": marker.size, "sha256": marker.sha256 }));
     Ok(())
+}
+
+/// The repository's manifests were rendered and found wrong (each error printed already).
+#[derive(Debug, thiserror::Error)]
+#[error("{0} error(s) in the repository")]
+pub struct InvalidRepository(pub usize);
+
+/// `render` (print the YAML) and `validate` (print a count) of a local directory.
+fn render_local(repo: &str, namespace: &str, print_yaml: bool) -> anyhow::Result<()> {
+    use crate::gitops::render::{RenderOptions, read_dir_files, render, to_yaml};
+    let root = std::path::Path::new(repo);
+    if !root.is_dir() {
+        anyhow::bail!("{repo}: not a directory (remote URLs: use `vmmigrate gitops`)");
+    }
+    if !root.join("migrations").is_dir() {
+        anyhow::bail!("{repo}: no migrations/ directory (point at the repository's root)");
+    }
+    let files = read_dir_files(root).map_err(|e| anyhow::anyhow!("cannot read {repo}: {e}"))?;
+    let provenance = crate::gitops::Provenance { repo_url: repo.to_owned(), commit: local_commit(root) };
+    let opts = RenderOptions { default_namespace: namespace.to_owned() };
+    match render(&files, &provenance, &opts) {
+        Ok(rendered) if print_yaml => {
+            use std::io::Write;
+            std::io::stdout().write_all(to_yaml(&rendered).as_bytes())?;
+            Ok(())
+        }
+        Ok(rendered) => {
+            println!("ok: {} migrations", rendered.len());
+            Ok(())
+        }
+        Err(errors) => {
+            for error in &errors {
+                eprintln!("{error}");
+            }
+            Err(InvalidRepository(errors.len()).into())
+        }
+    }
+}
+
+/// `git rev-parse HEAD` of a clean work tree, else `working-tree`: a commit
+/// annotation must name a commit that holds exactly what was rendered.
+fn local_commit(root: &std::path::Path) -> String {
+    let git = |args: &[&str]| {
+        std::process::Command::new("git")
+            .arg("-C")
+            .arg(root)
+            .args(args)
+            .stderr(std::process::Stdio::null())
+            .output()
+            .ok()
+            .filter(|out| out.status.success())
+            .map(|out| String::from_utf8_lossy(&out.stdout).trim().to_owned())
+    };
+    let inside = git(&["rev-parse", "--is-inside-work-tree"]).is_some_and(|s| s == "true");
+    let clean = inside && git(&["status", "--porcelain", "--untracked-files=all", "--", "."]).is_some_and(|s| s.is_empty());
+    match git(&["rev-parse", "HEAD"]) {
+        Some(commit) if clean && !commit.is_empty() => commit,
+        _ => "working-tree".to_owned(),
+    }
+}
+
+fn parse_namespace(s: &str) -> Result<String, String> {
+    if crate::machine::preflight::is_dns_label(s) {
+        Ok(s.to_owned())
+    } else {
+        Err("must be a lowercase RFC 1123 label (a-z, 0-9 and '-'), at most 63 characters".to_owned())
+    }
 }
 
 fn parse_sha256(s: &str) -> Result<String, String> {

@@ -268,22 +268,27 @@ async fn object_owned_by_a_deleted_migration_is_garbage_collected() {
 
 #[tokio::test]
 async fn example_repository_manifests_are_accepted_by_the_api_server() {
-    let (_client, ns, api) = setup("examples").await;
-    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("examples-repo/migrations");
-    let mut seen = 0;
-    for entry in std::fs::read_dir(&dir).unwrap() {
-        let path = entry.unwrap().path();
-        if path.extension().is_none_or(|e| e != "yaml") {
-            continue;
-        }
-        let text = std::fs::read_to_string(&path).unwrap();
-        let mut vmm: VirtualMachineMigration =
-            serde_yaml::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-        vmm.metadata.namespace = Some(ns.clone());
-        api.create(&PostParams { dry_run: true, ..Default::default() }, &vmm)
+    // Rendered first: manifests that use providers/ and defaults.yaml are not
+    // complete resources on their own (`vmmigrate render` is what gets applied).
+    use vmmigrate::gitops::render::{RenderOptions, read_dir_files, render};
+    let (client, ns, _) = setup("examples").await;
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("examples-repo");
+    let files = read_dir_files(&root).unwrap();
+    let provenance = vmmigrate::gitops::Provenance { repo_url: root.display().to_string(), commit: "example".into() };
+    let rendered = render(&files, &provenance, &RenderOptions::default())
+        .unwrap_or_else(|errors| panic!("examples-repo does not render: {errors:?}"));
+    // Exactly the rendered object, as gitops applies it (server-side apply),
+    // with strict field validation: an unknown field would be refused, not pruned.
+    let ar = kube::discovery::ApiResource::erase::<VirtualMachineMigration>(&());
+    let dynamic: Api<kube::api::DynamicObject> = Api::namespaced_with(client.clone(), &ns, &ar);
+    for migration in &rendered {
+        let mut object = migration.object.clone();
+        object["metadata"]["namespace"] = json!(ns);
+        let params = PatchParams::apply(vmmigrate::gitops::FIELD_MANAGER).dry_run().validation_strict();
+        dynamic
+            .patch(&migration.name, &params, &Patch::Apply(&object))
             .await
-            .unwrap_or_else(|e| panic!("{} rejected: {e}", path.display()));
-        seen += 1;
+            .unwrap_or_else(|e| panic!("{} rejected: {e}", migration.path));
     }
-    assert!(seen > 0, "no example manifests found in {}", dir.display());
+    assert!(rendered.len() >= 2, "examples-repo should show a plain and a provider-based migration");
 }

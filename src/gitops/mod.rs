@@ -1,2 +1,50 @@
-//! Git as the front door: fetch and read trees (gix), render manifests, apply
-//! them, write status back, receive webhooks, talk to forges.
+//! GitOps: the pull request is the request, the merge is the approval, Git is
+//! the audit trail. See docs/gitops.md for the repository format.
+//!
+//! - `repo`: the tracked repository through gix (fetch, trees at one commit)
+//! - `render`: manifests + `defaults.yaml` + `providers/` → VirtualMachineMigrations
+//! - `apply`: server-side apply of one commit's migrations, all or nothing
+//! - `status_branch`: status files and `STATUS.md`, committed and pushed with the git CLI
+//! - `forge`: GitHub and Gitea REST clients; `plan`: the pull-request comment
+//! - `webhook`: push and pull-request events from GitHub, Gitea and GitLab
+//! - `service`: the loop tying them together (`vmmigrate gitops`)
+
+/// One file of the repository at one commit.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RepoFile {
+    /// Path from the repository root with `/` separators, e.g. `migrations/web/web-01.yaml`.
+    pub path: String,
+    pub bytes: Vec<u8>,
+}
+
+/// Where rendered objects came from; written as annotations on every object.
+#[derive(Clone, Debug, PartialEq, Eq, Default)]
+pub struct Provenance {
+    /// The repository URL as configured (credentials never included).
+    pub repo_url: String,
+    /// The commit id (hex) the files were read at.
+    pub commit: String,
+}
+
+/// Annotation with the repository URL.
+pub const ANNOTATION_REPO: &str = "migration.platform.example/git-repository";
+/// Annotation with the commit a migration was rendered from.
+pub const ANNOTATION_COMMIT: &str = "migration.platform.example/git-commit";
+/// Annotation with the manifest's path in the repository.
+pub const ANNOTATION_PATH: &str = "migration.platform.example/git-path";
+/// Label on every object the gitops side applied (prune and orphan detection).
+pub const LABEL_GITOPS: &str = "migration.platform.example/gitops";
+/// Annotation set when the manifest of a live migration left Git.
+pub const ANNOTATION_ORPHANED: &str = "migration.platform.example/orphaned";
+/// Field manager of the gitops side's server-side apply.
+pub const FIELD_MANAGER: &str = "vmmigrate-gitops";
+
+pub mod apply;
+pub mod forge;
+pub mod plan;
+pub mod render;
+pub mod repo;
+pub mod service;
+pub mod status_branch;
+pub mod status_files;
+pub mod webhook;

@@ -93,9 +93,16 @@ pub fn virtual_machine(vmm: &VirtualMachineMigration) -> Value {
     };
     let memory =
         vmm.spec.destination.memory.clone().unwrap_or_else(|| format!("{}Mi", inventory.memory_mib.max(64)));
+    // EFI keeps the source's secure boot setting (off unless the source had
+    // it on); KubeVirt needs SMM for secure boot.
     let firmware = match inventory.firmware {
         Firmware::Efi => json!({ "bootloader": { "efi": { "secureBoot": inventory.secure_boot } } }),
         Firmware::Bios => json!({ "bootloader": { "bios": {} } }),
+    };
+    let features = if inventory.firmware == Firmware::Efi && inventory.secure_boot {
+        json!({ "smm": { "enabled": true } })
+    } else {
+        json!({})
     };
     let mut disks = Vec::new();
     let mut volumes = Vec::new();
@@ -159,6 +166,7 @@ pub fn virtual_machine(vmm: &VirtualMachineMigration) -> Value {
                         "memory": { "guest": memory },
                         "resources": { "requests": { "memory": memory } },
                         "firmware": firmware,
+                        "features": features,
                         "devices": { "disks": disks, "interfaces": interfaces },
                     },
                     "networks": networks,
@@ -186,6 +194,39 @@ pub fn contains(live: &Value, wanted: &Value) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::api::SourceInventory;
+
+    fn with_firmware(firmware: Firmware, secure_boot: bool) -> Value {
+        let mut vmm: VirtualMachineMigration = serde_json::from_value(json!({
+            "apiVersion": "migration.platform.example/v1alpha1",
+            "kind": "VirtualMachineMigration",
+            "metadata": { "name": "web", "namespace": "apps", "uid": "u-1" },
+            "spec": {
+                "source": { "host": "esxi", "hostKey": format!("SHA256:{}", "A".repeat(43)),
+                            "credentialsSecretRef": { "name": "s" }, "vm": { "name": "web" } },
+                "destination": { "namespace": "apps", "storageClassName": "fast" },
+            },
+        }))
+        .unwrap();
+        vmm.status = Some(crate::api::VirtualMachineMigrationStatus {
+            source_inventory: Some(SourceInventory { firmware, secure_boot, ..Default::default() }),
+            ..Default::default()
+        });
+        virtual_machine(&vmm)["spec"]["template"]["spec"]["domain"].clone()
+    }
+
+    #[test]
+    fn firmware_follows_the_source_and_secure_boot_brings_smm() {
+        let bios = with_firmware(Firmware::Bios, false);
+        assert_eq!(bios["firmware"]["bootloader"], json!({ "bios": {} }));
+        assert_eq!(bios["features"], json!({}));
+        let efi = with_firmware(Firmware::Efi, false);
+        assert_eq!(efi["firmware"]["bootloader"]["efi"]["secureBoot"], false);
+        assert_eq!(efi["features"], json!({}));
+        let secure = with_firmware(Firmware::Efi, true);
+        assert_eq!(secure["firmware"]["bootloader"]["efi"]["secureBoot"], true);
+        assert_eq!(secure["features"]["smm"]["enabled"], true);
+    }
 
     #[test]
     fn contains_tolerates_server_defaults_but_not_changes() {

@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub mod esxi_emulator;
+pub mod fake_forge;
 pub mod job_sim;
 pub mod kube_env;
 pub mod kubevirt_sim;

@@ -1,0 +1,244 @@
+//! Applying one commit's migrations: all or nothing, server-side apply with
+//! our own field manager, never a delete.
+//!
+//! 1. Every rendered object is sent as a server-side dry run first; if any is
+//!    refused, nothing of that commit is applied and every refusal is
+//!    reported (with the manifest's path).
+//! 2. For a migration already past `Validated`, spec changes that would
+//!    change *what* is migrated or *how the source is touched* are held back
+//!    (`source`, `destination`, `networkMap`, `powerOffPolicy`, `conversion`):
+//!    the live values are kept and the hold is reported. `strategy`,
+//!    `validation` and `cleanup` still apply. Terminal migrations
+//!    (Completed, Failed) take no spec change at all: create a new one.
+//! 3. A live migration applied by us whose manifest left Git is marked
+//!    orphaned (an annotation, through a merge patch so that field ownership
+//!    does not change) and is otherwise left alone; it is unmarked when the
+//!    manifest comes back.
+//!
+//! The real apply can still fail half-way (the API server going away between
+//! two objects); the next poll applies the same commit again, and server-side
+//! apply is idempotent, so the cluster converges on the commit.
+
+use super::render::RenderedMigration;
+use super::{ANNOTATION_ORPHANED, FIELD_MANAGER, LABEL_GITOPS};
+use crate::api::{Phase, VirtualMachineMigration};
+use kube::api::{Api, ListParams, Patch, PatchParams};
+use kube::{Client, ResourceExt};
+use serde_json::{Value, json};
+use std::collections::BTreeSet;
+
+/// Spec fields a migration keeps once it is past `Validated`.
+pub const HELD_FIELDS: &[&str] = &["source", "destination", "networkMap", "powerOffPolicy", "conversion"];
+
+/// What applying one commit did.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ApplyReport {
+    /// (namespace, name) applied (created or updated; unchanged ones too).
+    pub applied: Vec<(String, String)>,
+    /// Spec changes held back: (namespace, name, explanation).
+    pub held: Vec<(String, String, String)>,
+    /// Live migrations whose manifest is gone.
+    pub orphaned: Vec<(String, String)>,
+}
+
+/// Why a commit was not applied.
+#[derive(Debug, thiserror::Error)]
+pub enum ApplyError {
+    #[error("the commit was not applied: {}", .0.join("; "))]
+    Refused(Vec<String>),
+    #[error("the API server: {0}")]
+    Api(#[from] kube::Error),
+}
+
+fn phase_of(live: &VirtualMachineMigration) -> Phase {
+    live.status.as_ref().map(|s| s.phase).unwrap_or_default()
+}
+
+/// Whether the migration has gone past the point where its identity may change.
+fn identity_fixed(live: &VirtualMachineMigration) -> bool {
+    let status = live.status.clone().unwrap_or_default();
+    let phase = status.phase;
+    let beyond = |p: Phase| p > Phase::Validated && p.is_active();
+    beyond(phase)
+        || status.failed_phase.is_some_and(beyond)
+        || status.timestamps.shutdown_requested.is_some()
+        || status.timestamps.source_powered_off.is_some()
+}
+
+/// The object to apply for `rendered` given the live migration, plus a
+/// note when changes were held back.
+pub fn reconcile_spec(rendered: &Value, live: Option<&VirtualMachineMigration>) -> (Value, Option<String>) {
+    let Some(live) = live else { return (rendered.clone(), None) };
+    let live_spec = serde_json::to_value(&live.spec).unwrap_or(Value::Null);
+    let mut object = rendered.clone();
+    let phase = phase_of(live);
+    if matches!(phase, Phase::Completed | Phase::Failed) {
+        let changed = !crate::target::render::contains(&live_spec, &rendered["spec"])
+            || !crate::target::render::contains(&rendered["spec"], &live_spec);
+        object["spec"] = live_spec;
+        let note = changed.then(|| {
+            format!("{phase} is terminal: spec changes are not applied; create a new migration to run again")
+        });
+        return (object, note);
+    }
+    if !identity_fixed(live) {
+        return (object, None);
+    }
+    let mut held = Vec::new();
+    for field in HELD_FIELDS {
+        let wanted = rendered["spec"].get(*field).cloned().unwrap_or(Value::Null);
+        let current = live_spec.get(*field).cloned().unwrap_or(Value::Null);
+        // Server defaults make the live value a superset of what was written.
+        if !wanted.is_null() && !crate::target::render::contains(&current, &wanted) {
+            held.push(*field);
+        }
+        if !current.is_null() {
+            object["spec"][*field] = current;
+        }
+    }
+    let note = (!held.is_empty()).then(|| {
+        format!(
+            "spec.{} not changed: the migration is in {phase} and already acts on the source; \
+             these fields are fixed after Validated (strategy, validation and cleanup still apply)",
+            held.join(", spec.")
+        )
+    });
+    (object, note)
+}
+
+/// Applies one commit's migrations (see the module documentation).
+/// `namespaces`: where to look for orphans (all namespaces when empty).
+pub async fn apply_commit(
+    client: &Client,
+    rendered: &[RenderedMigration],
+    namespaces: &[String],
+) -> Result<ApplyReport, ApplyError> {
+    let mut report = ApplyReport::default();
+    let mut planned = Vec::with_capacity(rendered.len());
+    for r in rendered {
+        let api: Api<VirtualMachineMigration> = Api::namespaced(client.clone(), &r.namespace);
+        let live = api.get_opt(&r.name).await?;
+        let (object, note) = reconcile_spec(&r.object, live.as_ref());
+        if let Some(note) = note {
+            report.held.push((r.namespace.clone(), r.name.clone(), note));
+        }
+        planned.push((
+            r,
+            api,
+            object,
+            live.is_some_and(|l| l.annotations().contains_key(ANNOTATION_ORPHANED)),
+        ));
+    }
+    // 1. Dry run of everything; nothing is applied unless all pass.
+    let dry = PatchParams::apply(FIELD_MANAGER).force().dry_run();
+    let mut refusals = Vec::new();
+    for (r, api, object, _) in &planned {
+        if let Err(e) = api.patch(&r.name, &dry, &Patch::Apply(object)).await {
+            let message = match &e {
+                kube::Error::Api(s) => s.message.clone(),
+                other => other.to_string(),
+            };
+            refusals.push(format!("{}: {}/{}: {message}", r.path, r.namespace, r.name));
+        }
+    }
+    if !refusals.is_empty() {
+        return Err(ApplyError::Refused(refusals));
+    }
+    // 2. The real apply.
+    let real = PatchParams::apply(FIELD_MANAGER).force();
+    for (r, api, object, was_orphaned) in &planned {
+        api.patch(&r.name, &real, &Patch::Apply(object)).await?;
+        if *was_orphaned {
+            let unmark = json!({ "metadata": { "annotations": { ANNOTATION_ORPHANED: null } } });
+            api.patch(&r.name, &PatchParams::default(), &Patch::Merge(&unmark)).await?;
+        }
+        report.applied.push((r.namespace.clone(), r.name.clone()));
+    }
+    // 3. Orphans: ours, live, not in this commit.
+    let wanted: BTreeSet<(String, String)> =
+        rendered.iter().map(|r| (r.namespace.clone(), r.name.clone())).collect();
+    let lp = ListParams::default().labels(&format!("{LABEL_GITOPS}=true"));
+    let mut live = Vec::new();
+    if namespaces.is_empty() {
+        live.extend(Api::<VirtualMachineMigration>::all(client.clone()).list(&lp).await?.items);
+    } else {
+        for ns in namespaces {
+            live.extend(
+                Api::<VirtualMachineMigration>::namespaced(client.clone(), ns).list(&lp).await?.items,
+            );
+        }
+    }
+    for vmm in live {
+        let key = (vmm.namespace().unwrap_or_default(), vmm.name_any());
+        if wanted.contains(&key) {
+            continue;
+        }
+        if !vmm.annotations().contains_key(ANNOTATION_ORPHANED) {
+            let api: Api<VirtualMachineMigration> = Api::namespaced(client.clone(), &key.0);
+            let mark = json!({ "metadata": { "annotations": { ANNOTATION_ORPHANED: "true" } } });
+            api.patch(&key.1, &PatchParams::default(), &Patch::Merge(&mark)).await?;
+            tracing::warn!(namespace = %key.0, name = %key.1, "manifest removed from Git; the migration is kept and marked orphaned");
+        }
+        report.orphaned.push(key);
+    }
+    report.orphaned.sort();
+    Ok(report)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn live(phase: Phase, spec: Value) -> VirtualMachineMigration {
+        let mut vmm: VirtualMachineMigration = serde_json::from_value(json!({
+            "apiVersion": "migration.platform.example/v1alpha1",
+            "kind": "VirtualMachineMigration",
+            "metadata": { "name": "web", "namespace": "apps" },
+            "spec": spec,
+        }))
+        .unwrap();
+        vmm.status = Some(crate::api::VirtualMachineMigrationStatus { phase, ..Default::default() });
+        vmm
+    }
+
+    fn spec(vm: &str, retry_limit: i32) -> Value {
+        json!({
+            "source": { "host": "esxi", "hostKey": format!("SHA256:{}", "A".repeat(43)),
+                        "credentialsSecretRef": { "name": "s" }, "vm": { "name": vm } },
+            "destination": { "namespace": "apps", "storageClassName": "fast" },
+            "strategy": { "retryLimit": retry_limit },
+        })
+    }
+
+    fn rendered(vm: &str, retry_limit: i32) -> Value {
+        json!({ "apiVersion": "migration.platform.example/v1alpha1", "kind": "VirtualMachineMigration",
+                "metadata": { "name": "web", "namespace": "apps" }, "spec": spec(vm, retry_limit) })
+    }
+
+    #[test]
+    fn before_preparing_every_spec_change_applies() {
+        let (object, note) =
+            reconcile_spec(&rendered("db", 3), Some(&live(Phase::Validated, spec("web", 5))));
+        assert_eq!(object["spec"]["source"]["vm"]["name"], "db");
+        assert_eq!(note, None);
+    }
+
+    #[test]
+    fn past_validated_the_source_is_held_but_strategy_applies() {
+        let (object, note) =
+            reconcile_spec(&rendered("db", 3), Some(&live(Phase::Converting, spec("web", 5))));
+        assert_eq!(object["spec"]["source"]["vm"]["name"], "web", "the VM being migrated does not change");
+        assert_eq!(object["spec"]["strategy"]["retryLimit"], 3);
+        assert!(note.unwrap().contains("spec.source"));
+    }
+
+    #[test]
+    fn terminal_migrations_take_no_spec_change() {
+        let (object, note) =
+            reconcile_spec(&rendered("web", 3), Some(&live(Phase::Completed, spec("web", 5))));
+        assert_eq!(object["spec"]["strategy"]["retryLimit"], 5);
+        assert!(note.unwrap().contains("terminal"));
+        let (_, note) = reconcile_spec(&rendered("web", 5), Some(&live(Phase::Completed, spec("web", 5))));
+        assert_eq!(note, None, "an unchanged manifest says nothing");
+    }
+}

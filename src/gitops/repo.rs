@@ -1,0 +1,237 @@
+//! The tracked repository, read through gix: a private bare clone in a cache
+//! directory, fetched on every poll or webhook, and read as trees at one
+//! commit, without a work tree (nothing half-written is ever read).
+//!
+//! Transports: gix speaks `file://`, `ssh://` and local paths by launching
+//! the `git` binary (`git-upload-pack`, `ssh`), and `https://` through
+//! reqwest. Pushing is not here: gix has no send-pack yet, so the status
+//! writer pushes with the `git` CLI (`status_branch`).
+//!
+//! All functions block; async callers use `spawn_blocking`.
+
+use super::RepoFile;
+use gix::bstr::ByteSlice;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::AtomicBool;
+
+/// How to authenticate to a private repository.
+#[derive(Clone, Default)]
+pub enum RepoAuth {
+    #[default]
+    None,
+    /// An SSH private key file (from a mounted Secret), used as
+    /// `ssh -i <key> -o IdentitiesOnly=yes`; host keys come from the
+    /// known_hosts file given alongside.
+    SshKey { key: PathBuf, known_hosts: Option<PathBuf> },
+    /// A token for HTTPS (sent as the password of user `x-access-token`).
+    Token(String),
+}
+
+impl std::fmt::Debug for RepoAuth {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            RepoAuth::None => f.write_str("None"),
+            RepoAuth::SshKey { key, .. } => write!(f, "SshKey({})", key.display()),
+            RepoAuth::Token(_) => f.write_str("Token(<redacted>)"),
+        }
+    }
+}
+
+/// The repository to track.
+#[derive(Clone, Debug)]
+pub struct RepoConfig {
+    /// Clone URL or local path.
+    pub url: String,
+    /// The tracked branch, e.g. `main`.
+    pub branch: String,
+    /// Where the private bare clone lives.
+    pub cache_dir: PathBuf,
+    pub auth: RepoAuth,
+}
+
+/// A failure talking to or reading the repository. Messages never contain
+/// credentials.
+#[derive(Debug, thiserror::Error)]
+#[error("{what}: {message}")]
+pub struct GitError {
+    pub what: String,
+    pub message: String,
+}
+
+fn err(what: &str, e: impl std::fmt::Display) -> GitError {
+    GitError { what: what.to_owned(), message: e.to_string() }
+}
+
+/// The tracked repository's local bare clone.
+pub struct TrackedRepo {
+    config: RepoConfig,
+}
+
+/// Remote-tracking namespace in the cache clone.
+const REMOTE_REFS: &str = "refs/remotes/origin";
+
+impl TrackedRepo {
+    pub fn new(config: RepoConfig) -> TrackedRepo {
+        TrackedRepo { config }
+    }
+
+    pub fn config(&self) -> &RepoConfig {
+        &self.config
+    }
+
+    fn open(&self) -> Result<gix::Repository, GitError> {
+        let dir = &self.config.cache_dir;
+        if dir.join("HEAD").exists() {
+            gix::open(dir.clone()).map_err(|e| err("opening the cache clone", e))
+        } else {
+            std::fs::create_dir_all(dir).map_err(|e| err("creating the cache directory", e))?;
+            gix::init_bare(dir).map_err(|e| err("creating the cache clone", e))
+        }
+    }
+
+    fn apply_auth(&self) {
+        // gix's ssh and file transports run the `ssh`/`git` binaries and
+        // honour GIT_SSH_COMMAND, like git itself.
+        if let RepoAuth::SshKey { key, known_hosts } = &self.config.auth {
+            let mut cmd = format!("ssh -i {} -o IdentitiesOnly=yes -o BatchMode=yes", shell_quote(key));
+            if let Some(k) = known_hosts {
+                cmd.push_str(&format!(
+                    " -o UserKnownHostsFile={} -o StrictHostKeyChecking=yes",
+                    shell_quote(k)
+                ));
+            }
+            // SAFETY of set_var: called before the fetch threads start, and the
+            // value is the same for every fetch of this process.
+            unsafe { std::env::set_var("GIT_SSH_COMMAND", cmd) };
+        }
+    }
+
+    /// Fetches every branch (pull-request heads are branches too) and returns
+    /// the tracked branch's tip.
+    pub fn fetch(&self) -> Result<String, GitError> {
+        let repo = self.open()?;
+        self.apply_auth();
+        let remote = repo
+            .remote_at(self.config.url.as_str())
+            .map_err(|e| err("remote URL", e))?
+            .with_refspecs(
+                [format!("+refs/heads/*:{REMOTE_REFS}/*"), format!("+refs/pull/*/head:{REMOTE_REFS}/pull/*")]
+                    .iter()
+                    .map(String::as_str),
+                gix::remote::Direction::Fetch,
+            )
+            .map_err(|e| err("refspec", e))?;
+        let mut connection =
+            remote.connect(gix::remote::Direction::Fetch).map_err(|e| err("connecting", e))?;
+        if let RepoAuth::Token(token) = &self.config.auth {
+            let token = token.clone();
+            connection = connection.with_credentials(move |action| match action {
+                gix::credentials::helper::Action::Get(ctx) => Ok(Some(gix::credentials::protocol::Outcome {
+                    identity: gix::sec::identity::Account {
+                        username: "x-access-token".into(),
+                        password: token.clone(),
+                        oauth_refresh_token: None,
+                    },
+                    next: ctx.into(),
+                })),
+                _ => Ok(None),
+            });
+        }
+        let interrupt = AtomicBool::new(false);
+        connection
+            .prepare_fetch(gix::progress::Discard, Default::default())
+            .map_err(|e| err("fetching", e))?
+            .receive(gix::progress::Discard, &interrupt)
+            .map_err(|e| err("fetching", e))?;
+        self.tip(&self.config.branch)
+    }
+
+    /// The last fetched tip of `branch`.
+    pub fn tip(&self, branch: &str) -> Result<String, GitError> {
+        let repo = self.open()?;
+        let name = format!("{REMOTE_REFS}/{branch}");
+        let mut reference =
+            repo.find_reference(name.as_str()).map_err(|e| err(&format!("branch {branch}"), e))?;
+        let id = reference.peel_to_id().map_err(|e| err(&format!("branch {branch}"), e))?;
+        Ok(id.to_string())
+    }
+
+    /// Every fetched branch with its tip, sorted by name.
+    pub fn branches(&self) -> Result<Vec<(String, String)>, GitError> {
+        let repo = self.open()?;
+        let platform = repo.references().map_err(|e| err("listing branches", e))?;
+        let prefix = format!("{REMOTE_REFS}/");
+        let mut out = Vec::new();
+        for reference in platform.prefixed(prefix.as_str()).map_err(|e| err("listing branches", e))? {
+            let mut reference = reference.map_err(|e| err("listing branches", e))?;
+            let name = reference.name().as_bstr().to_str_lossy().trim_start_matches(&prefix).to_owned();
+            if let Ok(id) = reference.peel_to_id() {
+                out.push((name, id.to_string()));
+            }
+        }
+        out.sort();
+        Ok(out)
+    }
+
+    /// The files of `commit` under any of `prefixes` (all when empty), sorted by path.
+    pub fn files_at(&self, commit: &str, prefixes: &[&str]) -> Result<Vec<RepoFile>, GitError> {
+        let repo = self.open()?;
+        let id = gix::ObjectId::from_hex(commit.as_bytes()).map_err(|e| err("commit id", e))?;
+        let tree = repo
+            .find_commit(id)
+            .map_err(|e| err(&format!("commit {commit}"), e))?
+            .tree()
+            .map_err(|e| err(&format!("tree of {commit}"), e))?;
+        let mut recorder = gix::traverse::tree::Recorder::default();
+        tree.traverse().breadthfirst(&mut recorder).map_err(|e| err("reading the tree", e))?;
+        let mut files = Vec::new();
+        for entry in recorder.records {
+            if !entry.mode.is_blob() {
+                continue;
+            }
+            let path = entry.filepath.to_str_lossy().into_owned();
+            if !prefixes.is_empty() && !prefixes.iter().any(|p| path.starts_with(p)) {
+                continue;
+            }
+            let blob = repo.find_blob(entry.oid).map_err(|e| err(&format!("reading {path}"), e))?;
+            files.push(RepoFile { path, bytes: blob.data.clone() });
+        }
+        files.sort_by(|a, b| a.path.cmp(&b.path));
+        Ok(files)
+    }
+
+    /// Paths that differ between two commits, under `prefixes`.
+    pub fn changed_paths(&self, base: &str, head: &str, prefixes: &[&str]) -> Result<Vec<String>, GitError> {
+        let before = self.files_at(base, prefixes)?;
+        let after = self.files_at(head, prefixes)?;
+        let mut changed: Vec<String> = Vec::new();
+        let map = |files: &[RepoFile]| {
+            files
+                .iter()
+                .map(|f| (f.path.clone(), f.bytes.clone()))
+                .collect::<std::collections::BTreeMap<_, _>>()
+        };
+        let (a, b) = (map(&before), map(&after));
+        for path in a.keys().chain(b.keys()) {
+            if a.get(path) != b.get(path) && !changed.contains(path) {
+                changed.push(path.clone());
+            }
+        }
+        changed.sort();
+        Ok(changed)
+    }
+
+    /// The merge base of two commits, when they share history.
+    pub fn merge_base(&self, a: &str, b: &str) -> Result<Option<String>, GitError> {
+        let repo = self.open()?;
+        let parse = |s: &str| gix::ObjectId::from_hex(s.as_bytes()).map_err(|e| err("commit id", e));
+        match repo.merge_base(parse(a)?, parse(b)?) {
+            Ok(id) => Ok(id.map(|i| i.to_string())),
+            Err(_) => Ok(None),
+        }
+    }
+}
+
+fn shell_quote(p: &Path) -> String {
+    format!("'{}'", p.to_string_lossy().replace('\'', "'\\''"))
+}

@@ -1,0 +1,539 @@
+//! `vmmigrate gitops`: the loop that turns the tracked branch into
+//! VirtualMachineMigrations, plans pull requests, and writes status back.
+//!
+//! Triggers: a poll every `--poll-seconds` (the fallback that always runs),
+//! webhook events (a push to the tracked branch syncs at once; a pull-request
+//! event plans that PR), and `notify` on a local work tree (`--watch-path`,
+//! development only). Every trigger does the same idempotent work, so a lost
+//! or duplicated event costs nothing but a fetch.
+
+use super::apply::{ApplyError, ApplyReport, apply_commit};
+use super::forge::{Forge, GitHub, Gitea};
+use super::plan::{
+    PLAN_MARKER, PlanEntry, PlanInput, STATUS_CONTEXT, commit_state, plan_comment, progress_comment,
+};
+use super::render::{RenderOptions, RenderedMigration, render};
+use super::repo::{RepoAuth, RepoConfig, TrackedRepo};
+use super::status_branch::{Snapshot, StatusWriter, StatusWriterConfig, Target, run_coalescing};
+use super::status_files::{StatusInput, status_files};
+use super::webhook::{WebhookConfig, WebhookEvent, WebhookServer};
+use super::{LABEL_GITOPS, Provenance, RepoFile};
+use crate::api::{Phase, VirtualMachineMigration};
+use anyhow::Context as _;
+use kube::api::{Api, ListParams};
+use kube::{Client, ResourceExt};
+use std::collections::{BTreeMap, HashMap};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::sync::{mpsc, watch};
+
+/// What the tracked repository is read for.
+const PREFIXES: &[&str] = &["migrations/", "providers/"];
+
+/// Settings of the gitops side (flags and `VMMIGRATE_*` environment).
+#[derive(Clone, Debug, clap::Args)]
+pub struct GitopsOptions {
+    /// The repository to track (URL or local path).
+    #[arg(long, env = "VMMIGRATE_REPO")]
+    pub repo: String,
+    /// The tracked branch: merging to it is the approval.
+    #[arg(long, env = "VMMIGRATE_BRANCH", default_value = "main")]
+    pub branch: String,
+    /// Private cache of the repository (a bare clone and the status scratch repo).
+    #[arg(long, env = "VMMIGRATE_GIT_CACHE", default_value = "/var/cache/vmmigrate/git")]
+    pub cache_dir: PathBuf,
+    /// Seconds between polls (the fallback when no webhook arrives).
+    #[arg(long, env = "VMMIGRATE_POLL_SECONDS", default_value_t = 30)]
+    pub poll_seconds: u64,
+    /// Render and report only; Argo CD or Flux applies the manifests.
+    #[arg(long, env = "VMMIGRATE_NO_APPLY")]
+    pub no_apply: bool,
+    /// `metadata.namespace` of manifests that set none.
+    #[arg(long, env = "VMMIGRATE_MANIFEST_NAMESPACE", default_value = "vmmigrate")]
+    pub namespace: String,
+    /// The status branch (owned by vmmigrate).
+    #[arg(long, env = "VMMIGRATE_STATUS_BRANCH", default_value = "migration-status")]
+    pub status_branch: String,
+    /// Write status under this directory of the tracked branch instead of a status branch.
+    #[arg(long, env = "VMMIGRATE_STATUS_DIR", conflicts_with = "status_branch")]
+    pub status_dir: Option<String>,
+    /// Do not write status to Git.
+    #[arg(long, env = "VMMIGRATE_NO_STATUS")]
+    pub no_status: bool,
+    /// At most one status commit per this many seconds.
+    #[arg(long, env = "VMMIGRATE_STATUS_WINDOW_SECONDS", default_value_t = 10)]
+    pub status_window_seconds: u64,
+    /// Address of the webhook receiver (off when absent).
+    #[arg(long, env = "VMMIGRATE_WEBHOOK_LISTEN")]
+    pub webhook_listen: Option<SocketAddr>,
+    #[arg(long, env = "VMMIGRATE_GITHUB_WEBHOOK_SECRET", hide_env_values = true)]
+    pub github_webhook_secret: Option<String>,
+    #[arg(long, env = "VMMIGRATE_GITEA_WEBHOOK_SECRET", hide_env_values = true)]
+    pub gitea_webhook_secret: Option<String>,
+    #[arg(long, env = "VMMIGRATE_GITLAB_WEBHOOK_TOKEN", hide_env_values = true)]
+    pub gitlab_webhook_token: Option<String>,
+    /// The forge for pull-request plans: `github` or `gitea`.
+    #[arg(long, env = "VMMIGRATE_FORGE", value_parser = ["github", "gitea"])]
+    pub forge: Option<String>,
+    /// The forge's API base, e.g. https://api.github.com or https://gitea.example/api/v1.
+    #[arg(long, env = "VMMIGRATE_FORGE_API")]
+    pub forge_api: Option<String>,
+    /// `owner/name` of the repository on the forge.
+    #[arg(long, env = "VMMIGRATE_FORGE_REPO")]
+    pub forge_repo: Option<String>,
+    #[arg(long, env = "VMMIGRATE_FORGE_TOKEN", hide_env_values = true)]
+    pub forge_token: Option<String>,
+    /// SSH private key for a private repository (from a mounted Secret).
+    #[arg(long, env = "VMMIGRATE_GIT_SSH_KEY")]
+    pub ssh_key: Option<PathBuf>,
+    /// known_hosts for the repository's SSH host.
+    #[arg(long, env = "VMMIGRATE_GIT_KNOWN_HOSTS")]
+    pub known_hosts: Option<PathBuf>,
+    /// Token for a private HTTPS repository.
+    #[arg(long, env = "VMMIGRATE_GIT_TOKEN", hide_env_values = true)]
+    pub git_token: Option<String>,
+}
+
+/// What one sync of the tracked branch did.
+#[derive(Debug)]
+pub enum SyncOutcome {
+    /// The tip was already applied.
+    UpToDate {
+        commit: String,
+    },
+    Applied {
+        commit: String,
+        report: ApplyReport,
+    },
+    /// Rendered and valid, not applied (`--no-apply`).
+    Rendered {
+        commit: String,
+        migrations: usize,
+    },
+    /// The commit has errors: nothing of it was applied.
+    Rejected {
+        commit: String,
+        errors: Vec<String>,
+    },
+}
+
+/// A posted plan: the comment body and the (namespace, name) of its migrations.
+type PlannedPr = (String, Vec<(String, String)>);
+
+#[derive(Default)]
+struct State {
+    last_applied: Option<String>,
+    last_rejected: Option<(String, Vec<String>)>,
+    orphaned: Vec<(String, String)>,
+    /// PR number → head sha last planned.
+    planned: HashMap<u64, String>,
+    /// Merged PRs whose comment still follows progress.
+    following: HashMap<u64, PlannedPr>,
+    /// Last plan per PR, reused after the merge.
+    plans: HashMap<u64, PlannedPr>,
+}
+
+/// The gitops side.
+pub struct Gitops {
+    client: Client,
+    opts: GitopsOptions,
+    repo: Arc<TrackedRepo>,
+    forge: Option<Arc<dyn Forge>>,
+    state: Mutex<State>,
+    ticks: std::sync::atomic::AtomicU64,
+}
+
+impl Gitops {
+    pub fn new(client: Client, opts: GitopsOptions) -> anyhow::Result<Gitops> {
+        let auth = match (&opts.ssh_key, &opts.git_token) {
+            (Some(key), _) => RepoAuth::SshKey { key: key.clone(), known_hosts: opts.known_hosts.clone() },
+            (None, Some(token)) => RepoAuth::Token(token.clone()),
+            (None, None) => RepoAuth::None,
+        };
+        let repo = TrackedRepo::new(RepoConfig {
+            url: opts.repo.clone(),
+            branch: opts.branch.clone(),
+            cache_dir: opts.cache_dir.join("tracked.git"),
+            auth,
+        });
+        let forge: Option<Arc<dyn Forge>> = match opts.forge.as_deref() {
+            None => None,
+            Some(kind) => {
+                let api = opts.forge_api.clone().context("--forge needs --forge-api")?;
+                let full = opts.forge_repo.clone().context("--forge needs --forge-repo owner/name")?;
+                let (owner, name) = full.split_once('/').context("--forge-repo must be owner/name")?;
+                let token = opts.forge_token.clone().context("--forge needs VMMIGRATE_FORGE_TOKEN")?;
+                Some(match kind {
+                    "github" => Arc::new(GitHub::new(&api, owner, name, &token)?),
+                    _ => Arc::new(Gitea::new(&api, owner, name, &token)?),
+                })
+            }
+        };
+        Ok(Gitops {
+            client,
+            opts,
+            repo: Arc::new(repo),
+            forge,
+            state: Mutex::new(State::default()),
+            ticks: Default::default(),
+        })
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn render_options(&self) -> RenderOptions {
+        RenderOptions { default_namespace: self.opts.namespace.clone() }
+    }
+
+    async fn fetch(&self) -> anyhow::Result<String> {
+        let repo = self.repo.clone();
+        Ok(tokio::task::spawn_blocking(move || repo.fetch()).await??)
+    }
+
+    async fn files_at(&self, commit: &str) -> anyhow::Result<Vec<RepoFile>> {
+        let repo = self.repo.clone();
+        let commit = commit.to_owned();
+        Ok(tokio::task::spawn_blocking(move || repo.files_at(&commit, PREFIXES)).await??)
+    }
+
+    fn provenance(&self, commit: &str) -> Provenance {
+        Provenance { repo_url: self.opts.repo.clone(), commit: commit.to_owned() }
+    }
+
+    /// The last commit applied (or validated, with `--no-apply`).
+    pub fn last_applied(&self) -> Option<String> {
+        self.state().last_applied.clone()
+    }
+
+    /// Fetches the tracked branch and applies its tip when it is new.
+    pub async fn sync(&self) -> anyhow::Result<SyncOutcome> {
+        let commit = self.fetch().await?;
+        if self.state().last_applied.as_deref() == Some(commit.as_str()) {
+            return Ok(SyncOutcome::UpToDate { commit });
+        }
+        if self.state().last_rejected.as_ref().is_some_and(|(c, _)| *c == commit) {
+            let errors = self.state().last_rejected.clone().map(|(_, e)| e).unwrap_or_default();
+            return Ok(SyncOutcome::Rejected { commit, errors });
+        }
+        let files = self.files_at(&commit).await?;
+        let rendered = match render(&files, &self.provenance(&commit), &self.render_options()) {
+            Ok(r) => r,
+            Err(errors) => {
+                let errors: Vec<String> = errors.iter().map(ToString::to_string).collect();
+                tracing::error!(%commit, errors = errors.len(), first = %errors[0], "commit rejected: nothing applied");
+                self.state().last_rejected = Some((commit.clone(), errors.clone()));
+                return Ok(SyncOutcome::Rejected { commit, errors });
+            }
+        };
+        if self.opts.no_apply {
+            self.state().last_applied = Some(commit.clone());
+            return Ok(SyncOutcome::Rendered { commit, migrations: rendered.len() });
+        }
+        match apply_commit(&self.client, &rendered, &[]).await {
+            Ok(report) => {
+                tracing::info!(%commit, applied = report.applied.len(), held = report.held.len(), orphaned = report.orphaned.len(), "commit applied");
+                let mut state = self.state();
+                state.last_applied = Some(commit.clone());
+                state.orphaned = report.orphaned.clone();
+                Ok(SyncOutcome::Applied { commit, report })
+            }
+            Err(ApplyError::Refused(errors)) => {
+                self.state().last_rejected = Some((commit.clone(), errors.clone()));
+                Ok(SyncOutcome::Rejected { commit, errors })
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    async fn live(&self) -> anyhow::Result<Vec<VirtualMachineMigration>> {
+        let lp = ListParams::default().labels(&format!("{LABEL_GITOPS}=true"));
+        Ok(Api::<VirtualMachineMigration>::all(self.client.clone()).list(&lp).await?.items)
+    }
+
+    /// The status files for the current state of the cluster.
+    pub async fn status_snapshot(&self) -> anyhow::Result<Option<Snapshot>> {
+        let Some(commit) = self.last_applied() else { return Ok(None) };
+        let mut migrations = self.live().await?;
+        migrations.sort_by_key(|m| (m.namespace(), m.name_any()));
+        let orphaned = self.state().orphaned.clone();
+        let files = status_files(&StatusInput { migrations, source_commit: commit.clone(), orphaned });
+        Ok(Some((files, commit)))
+    }
+
+    /// Plans every open pull request into the tracked branch whose head moved.
+    pub async fn plan_pull_requests(&self) -> anyhow::Result<usize> {
+        let Some(forge) = self.forge.clone() else { return Ok(0) };
+        let prs = forge.open_pull_requests().await?;
+        let mut planned = 0;
+        for pr in prs.into_iter().filter(|p| p.base_ref == self.opts.branch) {
+            if self.state().planned.get(&pr.number) == Some(&pr.head_sha) {
+                continue;
+            }
+            let changed = forge.changed_files(pr.number).await?;
+            if !changed.iter().any(|p| PREFIXES.iter().any(|prefix| p.starts_with(prefix))) {
+                continue;
+            }
+            self.fetch().await?;
+            let body = self.plan_commit(&pr.head_sha, &changed).await?;
+            let (input, names) = body;
+            let comment = plan_comment(&input);
+            forge.upsert_comment(pr.number, PLAN_MARKER, &comment).await?;
+            let (state, description) = commit_state(&input);
+            forge.set_commit_status(&pr.head_sha, STATUS_CONTEXT, state, &description, None).await?;
+            let mut st = self.state();
+            st.planned.insert(pr.number, pr.head_sha.clone());
+            st.plans.insert(pr.number, (comment, names));
+            planned += 1;
+        }
+        Ok(planned)
+    }
+
+    /// The plan of one commit: render, validate, diff against the live objects.
+    async fn plan_commit(
+        &self,
+        head: &str,
+        changed: &[String],
+    ) -> anyhow::Result<(PlanInput, Vec<(String, String)>)> {
+        let files = self.files_at(head).await?;
+        let mut input = PlanInput { head_sha: head.to_owned(), ..Default::default() };
+        let present: std::collections::BTreeSet<&str> = files.iter().map(|f| f.path.as_str()).collect();
+        input.removed = changed
+            .iter()
+            .filter(|p| p.starts_with("migrations/") && !present.contains(p.as_str()))
+            .cloned()
+            .collect();
+        let rendered = match render(&files, &self.provenance(head), &self.render_options()) {
+            Ok(r) => r,
+            Err(errors) => {
+                input.errors = errors.iter().map(ToString::to_string).collect();
+                return Ok((input, Vec::new()));
+            }
+        };
+        let mut names = Vec::new();
+        for r in rendered.iter().filter(|r| changed.contains(&r.path)) {
+            names.push((r.namespace.clone(), r.name.clone()));
+            input.entries.push(self.plan_entry(r).await?);
+        }
+        Ok((input, names))
+    }
+
+    async fn plan_entry(&self, r: &RenderedMigration) -> anyhow::Result<PlanEntry> {
+        let api: Api<VirtualMachineMigration> = Api::namespaced(self.client.clone(), &r.namespace);
+        let live = api.get_opt(&r.name).await?;
+        let rendered_yaml = serde_yaml::to_string(&r.object["spec"])?;
+        let live_yaml = match live {
+            Some(l) => Some(serde_yaml::to_string(&serde_json::to_value(&l.spec)?)?),
+            None => None,
+        };
+        Ok(PlanEntry {
+            path: r.path.clone(),
+            name: r.name.clone(),
+            namespace: r.namespace.clone(),
+            rendered_yaml,
+            live_yaml,
+            discovery: None,
+        })
+    }
+
+    /// After a merge, keeps the PR's comment up to date with the progress of
+    /// its migrations until all of them end.
+    pub async fn follow_merged(&self, number: u64) -> anyhow::Result<()> {
+        let Some(forge) = self.forge.clone() else { return Ok(()) };
+        let pr = forge.pull_request(number).await?;
+        if !pr.merged {
+            return Ok(());
+        }
+        let plan = self.state().plans.get(&number).cloned();
+        if let Some(plan) = plan {
+            self.state().following.insert(number, plan);
+        }
+        Ok(())
+    }
+
+    async fn update_followed(&self) -> anyhow::Result<()> {
+        let Some(forge) = self.forge.clone() else { return Ok(()) };
+        let following: Vec<(u64, PlannedPr)> =
+            self.state().following.iter().map(|(k, v)| (*k, v.clone())).collect();
+        for (number, (plan, names)) in following {
+            let mut rows = Vec::new();
+            let mut all_done = true;
+            for (ns, name) in &names {
+                let api: Api<VirtualMachineMigration> = Api::namespaced(self.client.clone(), ns);
+                let Some(vmm) = api.get_opt(name).await? else {
+                    all_done = false;
+                    continue;
+                };
+                let status = vmm.status.unwrap_or_default();
+                let percent = status.progress.as_ref().map(|p| p.percent).unwrap_or(0);
+                let last = status.errors.last().map(|e| format!("{}: {}", e.reason, e.message));
+                if !matches!(status.phase, Phase::Completed | Phase::Failed) {
+                    all_done = false;
+                }
+                rows.push((name.clone(), status.phase.to_string(), percent, last));
+            }
+            forge.upsert_comment(number, PLAN_MARKER, &progress_comment(&plan, &rows)).await?;
+            if all_done {
+                self.state().following.remove(&number);
+            }
+        }
+        Ok(())
+    }
+
+    /// How many triggers (polls and webhook events) were handled.
+    pub fn ticks(&self) -> u64 {
+        self.ticks.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Everything one trigger does.
+    pub async fn tick(&self) {
+        self.ticks.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        match self.sync().await {
+            Ok(SyncOutcome::Rejected { commit, errors }) => {
+                tracing::warn!(%commit, first = %errors.first().cloned().unwrap_or_default(), "tracked branch has errors")
+            }
+            Ok(_) => {}
+            Err(e) => tracing::warn!(error = %format!("{e:#}"), "sync failed; the next poll retries"),
+        }
+        if let Err(e) = self.plan_pull_requests().await {
+            tracing::warn!(error = %format!("{e:#}"), "planning pull requests failed");
+        }
+        if let Err(e) = self.update_followed().await {
+            tracing::warn!(error = %format!("{e:#}"), "updating merged pull requests failed");
+        }
+    }
+}
+
+/// A running gitops side.
+pub struct GitopsHandle {
+    pub gitops: Arc<Gitops>,
+    /// Where the webhook receiver listens, when enabled.
+    pub webhook_addr: Option<SocketAddr>,
+    pub webhook_stats: Option<Arc<super::webhook::WebhookStats>>,
+    shutdown: Option<tokio::sync::oneshot::Sender<()>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl GitopsHandle {
+    /// Stops the loop, flushes the last status snapshot and waits for both.
+    pub async fn stop(mut self) {
+        if let Some(tx) = self.shutdown.take() {
+            let _ = tx.send(());
+        }
+        let _ = (&mut self.task).await;
+    }
+}
+
+impl Drop for GitopsHandle {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// Starts the gitops side: webhook receiver, status writer, poll loop.
+pub async fn start(client: Client, opts: GitopsOptions) -> anyhow::Result<GitopsHandle> {
+    let gitops = Arc::new(Gitops::new(client, opts.clone())?);
+    let (events_tx, mut events) = mpsc::channel::<WebhookEvent>(64);
+    let webhooks = match opts.webhook_listen {
+        Some(addr) => {
+            let listener =
+                tokio::net::TcpListener::bind(addr).await.with_context(|| format!("binding {addr}"))?;
+            let config = WebhookConfig {
+                github_secret: opts.github_webhook_secret.clone(),
+                gitea_secret: opts.gitea_webhook_secret.clone(),
+                gitlab_token: opts.gitlab_webhook_token.clone(),
+            };
+            Some(WebhookServer::start(listener, config, events_tx.clone()).await?)
+        }
+        None => None,
+    };
+    let webhook_addr = webhooks.as_ref().map(|w| w.local_addr());
+    let webhook_stats = webhooks.as_ref().map(|w| w.stats());
+    // Status write-back: a snapshot task feeding the coalescing writer.
+    let (status_tx, status_rx) = watch::channel::<Option<Snapshot>>(None);
+    let writer_task = if opts.no_status {
+        None
+    } else {
+        let target = match &opts.status_dir {
+            Some(dir) => Target::Directory { branch: opts.branch.clone(), dir: dir.clone() },
+            None => Target::Branch(opts.status_branch.clone()),
+        };
+        let mut cfg = StatusWriterConfig::new(opts.repo.clone(), opts.cache_dir.join("status.git"));
+        cfg.target = target;
+        if let Some(key) = &opts.ssh_key {
+            cfg.git_env.push((
+                "GIT_SSH_COMMAND".into(),
+                format!("ssh -i '{}' -o IdentitiesOnly=yes", key.display()),
+            ));
+        }
+        let writer = Arc::new(StatusWriter::new(cfg));
+        Some(tokio::spawn(run_coalescing(writer, status_rx, Duration::from_secs(opts.status_window_seconds))))
+    };
+    let (shutdown_tx, mut shutdown_rx) = tokio::sync::oneshot::channel::<()>();
+    let looping = gitops.clone();
+    let poll_every = Duration::from_secs(opts.poll_seconds.max(1));
+    let task = tokio::spawn(async move {
+        let _webhooks = webhooks;
+        let mut poll = tokio::time::interval(poll_every);
+        let mut snapshot_every = tokio::time::interval(Duration::from_secs(1));
+        let mut last: Option<Snapshot> = None;
+        loop {
+            tokio::select! {
+                _ = &mut shutdown_rx => break,
+                _ = poll.tick() => looping.tick().await,
+                Some(event) = events.recv() => {
+                    tracing::info!(?event, "webhook event");
+                    if let WebhookEvent::PullRequest { number, merged: true, .. } = &event {
+                        let _ = looping.follow_merged(*number).await;
+                    }
+                    looping.tick().await;
+                }
+                _ = snapshot_every.tick() => match looping.status_snapshot().await {
+                    Ok(Some(s)) if last.as_ref() != Some(&s) => {
+                        last = Some(s.clone());
+                        let _ = status_tx.send(Some(s));
+                    }
+                    Ok(_) => {}
+                    Err(e) => tracing::warn!(error = %format!("{e:#}"), "reading migrations for status"),
+                },
+            }
+        }
+        // One last snapshot, then closing the channel flushes it.
+        if let Ok(Some(s)) = looping.status_snapshot().await
+            && last.as_ref() != Some(&s)
+        {
+            let _ = status_tx.send(Some(s));
+        }
+        drop(status_tx);
+        if let Some(task) = writer_task {
+            let _ = tokio::time::timeout(Duration::from_secs(60), task).await;
+        }
+    });
+    Ok(GitopsHandle { gitops, webhook_addr, webhook_stats, shutdown: Some(shutdown_tx), task })
+}
+
+/// Runs the gitops side until `shutdown` resolves.
+pub async fn run(
+    client: Client,
+    opts: GitopsOptions,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<()> {
+    let handle = start(client, opts).await?;
+    shutdown.await;
+    handle.stop().await;
+    Ok(())
+}
+
+/// The status files as `vmmigrate status` shows them from the status branch.
+pub fn read_status_branch(
+    remote: &str,
+    branch: &str,
+    cache: PathBuf,
+) -> anyhow::Result<BTreeMap<String, String>> {
+    let mut cfg = StatusWriterConfig::new(remote.to_owned(), cache);
+    cfg.target = Target::Branch(branch.to_owned());
+    Ok(StatusWriter::new(cfg).read_remote()?)
+}

@@ -1,0 +1,432 @@
+//! GitOps end to end with a real bare Git remote (driven with the `git` CLI
+//! as a user would), the real kube-apiserver, the controller on the
+//! in-memory ESXi/disk world (`controller::sim`) with the CDI/KubeVirt
+//! simulators, the webhook receiver on loopback, and the fake forge of
+//! tests/support for pull requests.
+
+mod support;
+
+use k8s_openapi::api::storage::v1::StorageClass;
+use kube::api::{Api, PostParams};
+use kube::{Client, ResourceExt};
+use serde_json::json;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+use support::fake_forge::{BOT_LOGIN, Dialect, FakeForge, FakePr, OWNER, REPO, TOKEN};
+use support::{KubeEnv, kubevirt_sim, test_namespace};
+use vmmigrate::api::{Phase, VirtualMachineMigration};
+use vmmigrate::controller::adapters::Adapters;
+use vmmigrate::controller::reconciler::{self, ControllerConfig};
+use vmmigrate::controller::sim::{FaultPlan, SimWorld};
+use vmmigrate::gitops::service::{self, Gitops, GitopsOptions, SyncOutcome};
+use vmmigrate::target::cluster::{KubeCluster, KubeProber};
+
+const WAIT: Duration = Duration::from_secs(120);
+const SECRET: &str = "webhook-secret-for-tests";
+
+/// A bare remote plus a work clone to push from, as a user's laptop would.
+struct Remote {
+    dir: tempfile::TempDir,
+}
+
+fn git(dir: &Path, args: &[&str]) -> String {
+    let out = Command::new("git")
+        .arg("-C")
+        .arg(dir)
+        .args([
+            "-c",
+            "user.name=Platform Team",
+            "-c",
+            "user.email=platform@example.test",
+            "-c",
+            "commit.gpgsign=false",
+        ])
+        .args(args)
+        .env("GIT_TERMINAL_PROMPT", "0")
+        .output()
+        .expect("git");
+    assert!(out.status.success(), "git {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8_lossy(&out.stdout).trim().to_owned()
+}
+
+impl Remote {
+    fn new() -> Remote {
+        let dir = tempfile::tempdir().unwrap();
+        let bare = dir.path().join("remote.git");
+        let work = dir.path().join("work");
+        std::fs::create_dir_all(&work).unwrap();
+        git(dir.path(), &["init", "-q", "--bare", "-b", "main", bare.to_str().unwrap()]);
+        // Every ref update is logged, so the test can prove no push was forced.
+        git(&bare, &["config", "core.logAllRefUpdates", "always"]);
+        git(dir.path(), &["clone", "-q", bare.to_str().unwrap(), work.to_str().unwrap()]);
+        git(&work, &["checkout", "-q", "-b", "main"]);
+        std::fs::write(work.join("README.md"), "# migrations\n").unwrap();
+        git(&work, &["add", "."]);
+        git(&work, &["commit", "-q", "-m", "start"]);
+        git(&work, &["push", "-q", "origin", "main"]);
+        Remote { dir }
+    }
+
+    fn bare(&self) -> PathBuf {
+        self.dir.path().join("remote.git")
+    }
+
+    fn work(&self) -> PathBuf {
+        self.dir.path().join("work")
+    }
+
+    /// Writes `files` on `branch` (created from main when new), commits, pushes; returns the commit.
+    fn push(&self, branch: &str, files: &[(&str, &str)], message: &str) -> String {
+        let work = self.work();
+        git(&work, &["fetch", "-q", "origin"]);
+        let exists = Command::new("git")
+            .arg("-C")
+            .arg(&work)
+            .args(["rev-parse", "--verify", "-q", &format!("origin/{branch}")])
+            .output()
+            .unwrap()
+            .status
+            .success();
+        let base = if exists { format!("origin/{branch}") } else { "origin/main".to_owned() };
+        git(&work, &["checkout", "-q", "-B", branch, &base]);
+        for (path, content) in files {
+            let full = work.join(path);
+            std::fs::create_dir_all(full.parent().unwrap()).unwrap();
+            std::fs::write(full, content).unwrap();
+        }
+        git(&work, &["add", "-A"]);
+        git(&work, &["commit", "-q", "-m", message]);
+        git(&work, &["push", "-q", "origin", &format!("HEAD:refs/heads/{branch}")]);
+        git(&work, &["rev-parse", "HEAD"])
+    }
+
+    fn show(&self, rev_path: &str) -> Option<String> {
+        let out =
+            Command::new("git").arg("--git-dir").arg(self.bare()).args(["show", rev_path]).output().unwrap();
+        out.status.success().then(|| String::from_utf8_lossy(&out.stdout).into_owned())
+    }
+
+    fn count(&self, rev: &str) -> usize {
+        git(&self.bare(), &["rev-list", "--count", rev]).parse().unwrap()
+    }
+}
+
+fn manifest(ns: &str, name: &str, vm: &str) -> String {
+    format!(
+        r#"apiVersion: migration.platform.example/v1alpha1
+kind: VirtualMachineMigration
+metadata:
+  name: {name}
+  namespace: {ns}
+spec:
+  source:
+    host: esxi01.example.internal
+    hostKey: SHA256:uNiVztksCsDhcc0u9e8BujQXVUpKZIDTMczCvj3tD2s
+    credentialsSecretRef:
+      name: esxi01
+    vm:
+      name: {vm}
+  destination:
+    namespace: {ns}
+    storageClassName: standard
+  networkMap:
+    - source: VM Network
+      type: Pod
+  powerOffPolicy: GracefulThenForce
+  strategy:
+    backoff:
+      initialSeconds: 1
+      maxSeconds: 1
+  validation:
+    checks:
+      - name: agent
+        guestAgent: {{}}
+      - name: address
+        ip: {{}}
+"#
+    )
+}
+
+fn options(remote: &Remote, cache: &Path, ns: &str) -> GitopsOptions {
+    GitopsOptions {
+        repo: remote.bare().to_string_lossy().into_owned(),
+        branch: "main".into(),
+        cache_dir: cache.to_path_buf(),
+        poll_seconds: 1,
+        no_apply: false,
+        namespace: ns.to_owned(),
+        status_branch: "migration-status".into(),
+        status_dir: None,
+        no_status: false,
+        status_window_seconds: 2,
+        webhook_listen: None,
+        github_webhook_secret: None,
+        gitea_webhook_secret: None,
+        gitlab_webhook_token: None,
+        forge: None,
+        forge_api: None,
+        forge_repo: None,
+        forge_token: None,
+        ssh_key: None,
+        known_hosts: None,
+        git_token: None,
+    }
+}
+
+async fn ensure_storage_class(client: &Client) {
+    let classes: Api<StorageClass> = Api::all(client.clone());
+    let sc: StorageClass = serde_json::from_value(json!({
+        "apiVersion": "storage.k8s.io/v1", "kind": "StorageClass",
+        "metadata": {"name": "standard"}, "provisioner": "kubernetes.io/no-provisioner"
+    }))
+    .unwrap();
+    let _ = classes.create(&PostParams::default(), &sc).await;
+}
+
+/// The controller on the simulated source world, watching `ns`.
+struct SimController {
+    _sims: kubevirt_sim::Simulators,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for SimController {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+fn start_controller(client: &Client, ns: &str) -> SimController {
+    let world = SimWorld::new(11, FaultPlan::default());
+    let served = world.clone();
+    let base = kubevirt_sim::serve_http(move |path| {
+        let disk: usize = path.rsplit("/disk-").next()?.split('.').next()?.parse().ok()?;
+        served.artifact_bytes(disk)
+    });
+    world.set_staging_base(&base);
+    let sims = kubevirt_sim::start(client.clone(), ns);
+    let adapters = Adapters {
+        esxi: world.clone(),
+        disks: world.clone(),
+        converter: world.clone(),
+        staging: world,
+        cluster: Arc::new(KubeCluster::new(client.clone())),
+        prober: Arc::new(KubeProber::new(client.clone())),
+    };
+    let config = ControllerConfig {
+        namespace: Some(ns.to_owned()),
+        max_requeue: Some(Duration::from_millis(200)),
+        instance: "gitops-e2e".into(),
+        interrupt: None,
+    };
+    let task = tokio::spawn(reconciler::run(client.clone(), adapters, config, std::future::pending()));
+    SimController { _sims: sims, task }
+}
+
+async fn wait_for<T>(what: &str, mut f: impl AsyncFnMut() -> Option<T>) -> T {
+    let deadline = Instant::now() + WAIT;
+    loop {
+        if let Some(v) = f().await {
+            return v;
+        }
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+}
+
+fn phase_of(vmm: &VirtualMachineMigration) -> Phase {
+    vmm.status.as_ref().map(|s| s.phase).unwrap_or_default()
+}
+
+/// POSTs a GitHub push event for `after` to the receiver, signed with `secret`.
+fn github_push(addr: std::net::SocketAddr, after: &str, secret: &str) -> u16 {
+    use hmac::{Hmac, Mac};
+    use std::io::{Read, Write};
+    let body =
+        json!({"ref": "refs/heads/main", "after": after, "repository": {"full_name": "acme/vm-migrations"}})
+            .to_string();
+    let mut mac = Hmac::<sha2::Sha256>::new_from_slice(secret.as_bytes()).unwrap();
+    mac.update(body.as_bytes());
+    let signature: String = mac.finalize().into_bytes().iter().map(|b| format!("{b:02x}")).collect();
+    let mut stream = std::net::TcpStream::connect(addr).unwrap();
+    write!(
+        stream,
+        "POST /hooks/github HTTP/1.1\r\nHost: {addr}\r\nX-GitHub-Event: push\r\nX-Hub-Signature-256: sha256={signature}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut response = String::new();
+    stream.read_to_string(&mut response).unwrap();
+    response.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn merged_manifest_is_applied_run_to_completed_and_reported_on_the_status_branch_in_few_commits() {
+    let client = KubeEnv::shared().client().await;
+    ensure_storage_class(&client).await;
+    let ns = test_namespace(&client, "gitops-e2e").await;
+    let remote = Remote::new();
+    let cache = tempfile::tempdir().unwrap();
+    let _controller = start_controller(&client, &ns);
+    let gitops = service::start(client.clone(), options(&remote, cache.path(), &ns)).await.expect("gitops");
+
+    // The merge: the manifest lands on the tracked branch.
+    let pushed = Instant::now();
+    let commit = remote.push(
+        "main",
+        &[("migrations/web-01.yaml", &manifest(&ns, "web-01", "web 01"))],
+        "Migrate web-01",
+    );
+    let api: Api<VirtualMachineMigration> = Api::namespaced(client.clone(), &ns);
+    let created = wait_for("the CR", async || api.get_opt("web-01").await.unwrap()).await;
+    let poll_latency = pushed.elapsed();
+    assert_eq!(created.annotations()["migration.platform.example/git-commit"], commit);
+    assert_eq!(created.annotations()["migration.platform.example/git-path"], "migrations/web-01.yaml");
+    let managers: Vec<String> = created.managed_fields().iter().filter_map(|m| m.manager.clone()).collect();
+    assert!(managers.contains(&"vmmigrate-gitops".to_owned()), "{managers:?}");
+
+    // While the bot writes status, others write to both branches.
+    wait_for("the status branch", async || remote.show("migration-status:STATUS.md")).await;
+    remote.push("migration-status", &[("NOTES.md", "a human note on the status branch\n")], "note");
+    let other = remote.push("main", &[("docs/runbook.md", "# runbook\n")], "Runbook");
+
+    let done = wait_for("Completed", async || {
+        let v = api.get("web-01").await.unwrap();
+        (phase_of(&v) == Phase::Completed).then_some(v)
+    })
+    .await;
+    let phase_changes = done.status.as_ref().unwrap().history.len();
+    let status_file = format!("migration-status:{ns}/web-01.yaml");
+    wait_for("Completed on the status branch", async || {
+        remote.show(&status_file).filter(|s| s.contains("phase: Completed"))
+    })
+    .await;
+    gitops.stop().await;
+
+    let commits = remote.count("migration-status") - 1; // minus the human note
+    eprintln!(
+        "push → CR with polling (1 s): {:.0} ms; status commits {commits} for {phase_changes} phase changes",
+        poll_latency.as_secs_f64() * 1000.0
+    );
+    assert!(commits < phase_changes, "coalescing: {commits} commits for {phase_changes} phase changes");
+    let status_md = remote.show("migration-status:STATUS.md").unwrap();
+    assert!(status_md.contains("web-01") && status_md.contains("Completed"), "{status_md}");
+    let log = git(&remote.bare(), &["log", "-1", "--format=%an%n%B", "migration-status"]);
+    assert!(log.starts_with("vmmigrate"), "{log}");
+    assert!(log.contains("Vmmigrate-Source-Commit: "), "{log}");
+    // Nothing lost: the human note is still there, main has every commit.
+    assert!(
+        remote.show("migration-status:NOTES.md").is_some(),
+        "the human commit on the status branch survived"
+    );
+    git(&remote.bare(), &["merge-base", "--is-ancestor", &commit, "main"]);
+    git(&remote.bare(), &["merge-base", "--is-ancestor", &other, "main"]);
+    // No forced update of any branch: every logged update is a fast-forward.
+    for branch in ["main", "migration-status"] {
+        let reflog = git(&remote.bare(), &["reflog", "show", "--format=%H", &format!("refs/heads/{branch}")]);
+        let entries: Vec<&str> = reflog.lines().collect();
+        assert!(entries.len() >= 2, "{branch}: {entries:?}");
+        for pair in entries.windows(2) {
+            git(&remote.bare(), &["merge-base", "--is-ancestor", pair[1], pair[0]]);
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn webhook_push_applies_at_once_and_a_bad_signature_changes_nothing() {
+    let client = KubeEnv::shared().client().await;
+    let ns = test_namespace(&client, "gitops-hook").await;
+    let remote = Remote::new();
+    let cache = tempfile::tempdir().unwrap();
+    let mut opts = options(&remote, cache.path(), &ns);
+    opts.poll_seconds = 3600; // only the first, immediate poll
+    opts.no_status = true;
+    opts.webhook_listen = Some("127.0.0.1:0".parse().unwrap());
+    opts.github_webhook_secret = Some(SECRET.into());
+    let gitops = service::start(client.clone(), opts).await.expect("gitops");
+    let addr = gitops.webhook_addr.unwrap();
+    let stats = gitops.webhook_stats.clone().unwrap();
+    wait_for("the first poll", async || (gitops.gitops.ticks() >= 1).then_some(())).await;
+    let ticks = gitops.gitops.ticks();
+
+    let commit =
+        remote.push("main", &[("migrations/db.yaml", &manifest(&ns, "db-02", "db-02"))], "Migrate db-02");
+    let api: Api<VirtualMachineMigration> = Api::namespaced(client.clone(), &ns);
+    assert_eq!(
+        tokio::task::spawn_blocking(move || github_push(addr, &commit, "wrong secret")).await.unwrap(),
+        401
+    );
+    assert_eq!(stats.rejected_signature.load(Ordering::SeqCst), 1);
+    assert_eq!(stats.accepted.load(Ordering::SeqCst), 0);
+    assert_eq!(gitops.gitops.ticks(), ticks, "a rejected delivery triggers nothing");
+    assert!(api.get_opt("db-02").await.unwrap().is_none(), "nothing applied");
+
+    let commit = git(&remote.bare(), &["rev-parse", "main"]);
+    let sent = Instant::now();
+    assert_eq!(tokio::task::spawn_blocking(move || github_push(addr, &commit, SECRET)).await.unwrap(), 202);
+    wait_for("the CR", async || api.get_opt("db-02").await.unwrap()).await;
+    eprintln!("push → CR with the webhook: {:.0} ms", sent.elapsed().as_secs_f64() * 1000.0);
+    assert_eq!(stats.accepted.load(Ordering::SeqCst), 1);
+    gitops.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn pull_requests_get_one_plan_comment_edited_in_place_and_invalid_ones_fail_with_file_and_line() {
+    let client = KubeEnv::shared().client().await;
+    let ns = test_namespace(&client, "gitops-pr").await;
+    let remote = Remote::new();
+    let cache = tempfile::tempdir().unwrap();
+    let forge = FakeForge::start().await;
+    let mut opts = options(&remote, cache.path(), &ns);
+    opts.no_status = true;
+    opts.forge = Some("github".into());
+    opts.forge_api = Some(forge.base_url(Dialect::GitHub));
+    opts.forge_repo = Some(format!("{OWNER}/{REPO}"));
+    opts.forge_token = Some(TOKEN.into());
+    let gitops = Gitops::new(client.clone(), opts).unwrap();
+    assert!(matches!(gitops.sync().await.unwrap(), SyncOutcome::Applied { .. }));
+
+    // PR 1: a valid manifest; planned, then pushed again.
+    let path = "migrations/web-01.yaml";
+    let first = remote.push("add-web", &[(path, &manifest(&ns, "web-01", "web 01"))], "Add web-01");
+    forge.add_pr(FakePr { head_ref: "add-web".into(), ..FakePr::open(1, &first) }.with_files(&[path]));
+    assert_eq!(gitops.plan_pull_requests().await.unwrap(), 1);
+    let changed = manifest(&ns, "web-01", "web 01").replace("GracefulThenForce", "GracefulOnly");
+    let second = remote.push("add-web", &[(path, &changed)], "Graceful only");
+    forge.add_pr(FakePr { head_ref: "add-web".into(), ..FakePr::open(1, &second) }.with_files(&[path]));
+    assert_eq!(gitops.plan_pull_requests().await.unwrap(), 1);
+    assert_eq!(gitops.plan_pull_requests().await.unwrap(), 0, "an unchanged head is not planned again");
+    let comments = forge.comments(1);
+    assert_eq!(comments.len(), 1, "exactly one plan comment: {comments:#?}");
+    assert_eq!((comments[0].author.as_str(), comments[0].edits), (BOT_LOGIN, 1));
+    assert!(
+        comments[0].body.contains(&second) && comments[0].body.contains("web-01"),
+        "{}",
+        comments[0].body
+    );
+    let status = forge.statuses(&second);
+    assert_eq!(
+        status.last().map(|s| (s.context.as_str(), s.state.as_str())),
+        Some(("vmmigrate/plan", "success"))
+    );
+
+    // PR 2: an invalid manifest; a failing status naming file and line; nothing applied.
+    let bad_path = "migrations/bad.yaml";
+    let bad = manifest(&ns, "bad-01", "bad").replace("powerOffPolicy:", "powerOfPolicy:");
+    let head = remote.push("bad", &[(bad_path, &bad)], "Typo");
+    forge.add_pr(FakePr { head_ref: "bad".into(), ..FakePr::open(2, &head) }.with_files(&[bad_path]));
+    assert_eq!(gitops.plan_pull_requests().await.unwrap(), 1);
+    let comments = forge.comments(2);
+    assert_eq!(comments.len(), 1);
+    let line = bad.lines().position(|l| l.contains("powerOfPolicy")).unwrap() + 1;
+    let location = format!("{bad_path}:{line}");
+    assert!(comments[0].body.contains(&location), "names {location}: {}", comments[0].body);
+    let status = forge.statuses(&head).last().cloned().unwrap();
+    assert_eq!(status.state, "failure");
+    assert!(status.description.contains(&location), "{}", status.description);
+    let api: Api<VirtualMachineMigration> = Api::namespaced(client.clone(), &ns);
+    assert!(api.get_opt("bad-01").await.unwrap().is_none());
+    assert!(api.get_opt("web-01").await.unwrap().is_none(), "plans apply nothing; only merges do");
+}
