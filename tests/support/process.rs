@@ -116,17 +116,31 @@ impl Janitor {
 
 impl Drop for Janitor {
     fn drop(&mut self) {
-        // Closing the pipe starts the janitor; waiting makes cleanup synchronous.
+        // Our own children are stopped and reaped here: unreaped, they would
+        // linger as zombies that `kill -0` still finds, and the janitor would
+        // wait its full five seconds for them.
+        if let Ok(mut children) = self.children.lock() {
+            for (_, child) in children.iter() {
+                let _ = Command::new("kill").arg("-TERM").arg(child.id().to_string()).status();
+            }
+            let deadline = Instant::now() + Duration::from_secs(5);
+            for (_, child) in children.iter_mut() {
+                while matches!(child.try_wait(), Ok(None)) && Instant::now() < deadline {
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                if matches!(child.try_wait(), Ok(None)) {
+                    let _ = child.kill();
+                }
+                let _ = child.wait();
+            }
+        }
+        // Closing the pipe starts the janitor (directory removal, and any
+        // process a crash left behind); waiting makes cleanup synchronous.
         if let Ok(mut pipe) = self.pipe.lock() {
             pipe.take();
         }
         if let Ok(mut janitor) = self.janitor.lock() {
             let _ = janitor.wait();
-        }
-        if let Ok(mut children) = self.children.lock() {
-            for (_, child) in children.iter_mut() {
-                let _ = child.wait();
-            }
         }
     }
 }
