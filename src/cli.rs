@@ -209,7 +209,8 @@ fn local_commit(root: &std::path::Path) -> String {
             .map(|out| String::from_utf8_lossy(&out.stdout).trim().to_owned())
     };
     let inside = git(&["rev-parse", "--is-inside-work-tree"]).is_some_and(|s| s == "true");
-    let clean = inside && git(&["status", "--porcelain", "--untracked-files=all", "--", "."]).is_some_and(|s| s.is_empty());
+    let clean = inside
+        && git(&["status", "--porcelain", "--untracked-files=all", "--", "."]).is_some_and(|s| s.is_empty());
     match git(&["rev-parse", "HEAD"]) {
         Some(commit) if clean && !commit.is_empty() => commit,
         _ => "working-tree".to_owned(),

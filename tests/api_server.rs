@@ -274,7 +274,8 @@ async fn example_repository_manifests_are_accepted_by_the_api_server() {
     let (client, ns, _) = setup("examples").await;
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("examples-repo");
     let files = read_dir_files(&root).unwrap();
-    let provenance = vmmigrate::gitops::Provenance { repo_url: root.display().to_string(), commit: "example".into() };
+    let provenance =
+        vmmigrate::gitops::Provenance { repo_url: root.display().to_string(), commit: "example".into() };
     let rendered = render(&files, &provenance, &RenderOptions::default())
         .unwrap_or_else(|errors| panic!("examples-repo does not render: {errors:?}"));
     // Exactly the rendered object, as gitops applies it (server-side apply),

@@ -6,7 +6,7 @@
 mod support;
 
 use std::io::Write;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use support::fake_forge::{BOT_LOGIN, Dialect, FakeForge, FakePr, OWNER, REPO, TOKEN};
 use vmmigrate::gitops::forge::{CommitState, Forge, GitHub, Gitea};
 use vmmigrate::gitops::plan::{PLAN_MARKER, PlanInput, STATUS_CONTEXT, commit_state};
@@ -36,6 +36,7 @@ fn count_calls(fake: &FakeForge, method: &str, path_prefix: &str) -> usize {
 
 #[tokio::test]
 async fn upsert_creates_one_comment_and_edits_it_on_the_next_push() {
+    captured_logs();
     for dialect in DIALECTS {
         let fake = FakeForge::start().await;
         fake.add_pr(FakePr::open(7, SHA).with_files(&["migrations/web/web-01.yaml"]));
@@ -61,6 +62,7 @@ async fn upsert_creates_one_comment_and_edits_it_on_the_next_push() {
 
 #[tokio::test]
 async fn a_human_comment_quoting_the_marker_is_not_edited() {
+    captured_logs();
     for dialect in DIALECTS {
         let fake = FakeForge::start().await;
         fake.add_pr(FakePr::open(7, SHA));
@@ -86,6 +88,7 @@ async fn a_human_comment_quoting_the_marker_is_not_edited() {
 
 #[tokio::test]
 async fn commit_status_is_set_with_the_plan_context() {
+    captured_logs();
     for dialect in DIALECTS {
         let fake = FakeForge::start().await;
         let forge = client(&fake, dialect);
@@ -123,6 +126,7 @@ async fn commit_status_is_set_with_the_plan_context() {
 
 #[tokio::test]
 async fn every_request_carries_the_dialects_credentials_and_headers() {
+    captured_logs();
     for dialect in DIALECTS {
         let fake = FakeForge::start().await;
         fake.add_pr(FakePr::open(3, SHA));
@@ -150,6 +154,7 @@ async fn every_request_carries_the_dialects_credentials_and_headers() {
 
 #[tokio::test]
 async fn pagination_finds_a_marker_comment_beyond_the_first_page() {
+    captured_logs();
     for dialect in DIALECTS {
         let fake = FakeForge::start().await;
         fake.add_pr(FakePr::open(9, SHA));
@@ -186,6 +191,7 @@ async fn pagination_finds_a_marker_comment_beyond_the_first_page() {
 
 #[tokio::test]
 async fn pull_requests_and_changed_files_are_read_across_pages() {
+    captured_logs();
     for dialect in DIALECTS {
         let fake = FakeForge::start().await;
         for n in 1..=130 {
@@ -234,17 +240,26 @@ impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for CapturedLogs {
     }
 }
 
+/// The process-wide subscriber, installed by the first test that runs. A
+/// global one rather than a scoped one per test: tracing caches "nobody
+/// listens" per callsite across threads, so a scoped subscriber misses events
+/// whenever a parallel test touched the callsite first.
+fn captured_logs() -> &'static CapturedLogs {
+    static LOGS: OnceLock<CapturedLogs> = OnceLock::new();
+    LOGS.get_or_init(|| {
+        let logs = CapturedLogs::default();
+        tracing_subscriber::fmt()
+            .with_max_level(tracing::Level::TRACE)
+            .with_ansi(false)
+            .with_writer(logs.clone())
+            .init();
+        logs
+    })
+}
+
 #[tokio::test]
 async fn errors_name_the_status_and_never_the_token() {
-    let logs = CapturedLogs::default();
-    let subscriber = tracing_subscriber::fmt()
-        .with_max_level(tracing::Level::TRACE)
-        .with_ansi(false)
-        .with_writer(logs.clone())
-        .finish();
-    let _guard = tracing::subscriber::set_default(subscriber);
-    // Other tests' threads may have cached "nobody listens" for our callsites.
-    tracing::callsite::rebuild_interest_cache();
+    let logs = captured_logs();
     let wrong = "wrong-token-0d9f8e7c6b5a";
 
     for dialect in DIALECTS {
@@ -257,6 +272,7 @@ async fn errors_name_the_status_and_never_the_token() {
         assert_eq!(err.status, Some(401), "{dialect:?}: {err}");
         assert!(err.message.contains("HTTP 401") && err.message.contains("Bad credentials"), "{err}");
         assert!(!err.message.contains(wrong), "{dialect:?}: {err}");
+        assert!(err.message.contains("[redacted]"), "the echo was scrubbed, not lost: {err}");
         assert_eq!(err.reason(), "ForgeUnauthorized");
 
         let forge = client(&fake, dialect);
@@ -275,11 +291,16 @@ async fn errors_name_the_status_and_never_the_token() {
     assert_eq!(err.status, None, "{err}");
     assert!(err.retryable());
     assert!(!err.message.contains(wrong), "{err}");
+    assert!(
+        err.message.starts_with("GET /repos/acme/vm-migrations/pulls?state=open&per_page=100: "),
+        "{err}"
+    );
     let gitea = Gitea::new(&format!("http://127.0.0.1:{port}/api/v1"), OWNER, REPO, wrong).unwrap();
     for debug in [format!("{forge:?}"), format!("{gitea:?}")] {
         assert!(!debug.contains(wrong), "{debug}");
     }
 
+    // The buffer is shared by every test of this file: this covers what the others logged so far too.
     let logs = String::from_utf8(logs.0.lock().unwrap().clone()).unwrap();
     assert!(logs.contains("forge call"), "the calls were logged:\n{logs}");
     for token in [wrong, TOKEN] {

@@ -4,7 +4,9 @@
 
 use std::path::Path;
 use std::process::Command;
-use vmmigrate::gitops::render::{RenderError, RenderOptions, RenderedMigration, read_dir_files, render, to_yaml};
+use vmmigrate::gitops::render::{
+    RenderError, RenderOptions, RenderedMigration, read_dir_files, render, to_yaml,
+};
 use vmmigrate::gitops::{ANNOTATION_COMMIT, ANNOTATION_PATH, LABEL_GITOPS, Provenance, RepoFile};
 
 const HOST_KEY: &str = "SHA256:uNiVztksCsDhcc0u9e8BujQXVUpKZIDTMczCvj3tD2s";
@@ -100,7 +102,11 @@ fn the_same_files_render_byte_identically_in_any_order() {
     write(dir.path(), "migrations/web/defaults.yaml", "spec:\n  powerOffPolicy: Force\n");
     for i in 0..12 {
         let folder = if i % 2 == 0 { "web" } else { "db" };
-        write(dir.path(), &format!("migrations/{folder}/vm-{i:02}.yaml"), &provider_manifest(&format!("vm-{i:02}"), "esxi01"));
+        write(
+            dir.path(),
+            &format!("migrations/{folder}/vm-{i:02}.yaml"),
+            &provider_manifest(&format!("vm-{i:02}"), "esxi01"),
+        );
     }
     let files = read_dir_files(dir.path()).unwrap();
     let first = to_yaml(&render(&files, &provenance(), &RenderOptions::default()).unwrap());
@@ -115,10 +121,11 @@ fn the_same_files_render_byte_identically_in_any_order() {
     assert_eq!(first.matches("kind: VirtualMachineMigration").count(), 12);
     assert_eq!(first.matches("---\n").count(), 11);
     // Sorted by (namespace, name); keys sorted inside each object.
-    let names: Vec<&str> =
-        first.lines().filter_map(|l| l.strip_prefix("  name: vm-")).collect();
+    let names: Vec<&str> = first.lines().filter_map(|l| l.strip_prefix("  name: vm-")).collect();
     assert_eq!(names, (0..12).map(|i| format!("{i:02}")).collect::<Vec<_>>());
-    assert!(first.starts_with("apiVersion: migration.platform.example/v1alpha1\nkind: VirtualMachineMigration\nmetadata:\n"));
+    assert!(first.starts_with(
+        "apiVersion: migration.platform.example/v1alpha1\nkind: VirtualMachineMigration\nmetadata:\n"
+    ));
 }
 
 #[test]
@@ -160,7 +167,8 @@ spec:
 ",
     );
     write(dir.path(), "migrations/finance/plain.yaml", &manifest("plain", "plain"));
-    let own = manifest("own", "own-vm").replace("  name: own\n", "  name: own\n  labels:\n    tier: manifest\n")
+    let own = manifest("own", "own-vm")
+        .replace("  name: own\n", "  name: own\n  labels:\n    tier: manifest\n")
         + "  powerOffPolicy: RequireAlreadyOff\n  networkMap:\n    - source: Storage\n      type: Multus\n      networkName: storage\n";
     write(dir.path(), "migrations/finance/own.yaml", &own);
     write(dir.path(), "migrations/top.yaml", &manifest("top", "top"));
@@ -174,7 +182,10 @@ spec:
     assert_eq!(plain["spec"]["powerOffPolicy"], "GracefulThenForce");
     // Mappings merge deeply across all three layers.
     assert_eq!(plain["spec"]["strategy"]["retryLimit"], 7);
-    assert_eq!(plain["spec"]["strategy"]["backoff"], serde_json::json!({"initialSeconds": 30, "maxSeconds": 900}));
+    assert_eq!(
+        plain["spec"]["strategy"]["backoff"],
+        serde_json::json!({"initialSeconds": 30, "maxSeconds": 900})
+    );
     assert_eq!(plain["spec"]["networkMap"].as_array().unwrap().len(), 2);
     assert_eq!(plain["spec"]["source"]["vm"]["name"], "plain");
 
@@ -208,7 +219,9 @@ fn a_defaults_file_is_not_a_migration_and_its_errors_are_reported_once_at_its_ow
     write(dir.path(), "migrations/defaults.yaml", "metadata:\n  name: shared\n");
     assert_eq!(
         errors_of(dir.path()),
-        vec!["migrations/defaults.yaml:2: metadata.name: a defaults.yaml cannot set metadata.name (every migration names itself)"]
+        vec![
+            "migrations/defaults.yaml:2: metadata.name: a defaults.yaml cannot set metadata.name (every migration names itself)"
+        ]
     );
 }
 
@@ -219,12 +232,18 @@ fn provider_fields_fill_the_source_and_fields_written_in_the_migration_win() {
     write(dir.path(), "migrations/a.yaml", &provider_manifest("a", "esxi01"));
     let b = provider_manifest("b", "esxi01").replace(
         "    provider: esxi01\n",
-        &format!("    provider: esxi01\n    hostKey: {OTHER_KEY}\n    credentialsSecretRef:\n      name: b-only\n"),
+        &format!(
+            "    provider: esxi01\n    hostKey: {OTHER_KEY}\n    credentialsSecretRef:\n      name: b-only\n"
+        ),
     );
     write(dir.path(), "migrations/b.yaml", &b);
     // The provider may also come from a folder's defaults.
     write(dir.path(), "migrations/team/defaults.yaml", "spec:\n  source:\n    provider: esxi01\n");
-    write(dir.path(), "migrations/team/c.yaml", &provider_manifest("c", "esxi01").replace("    provider: esxi01\n", ""));
+    write(
+        dir.path(),
+        "migrations/team/c.yaml",
+        &provider_manifest("c", "esxi01").replace("    provider: esxi01\n", ""),
+    );
     let rendered = render_dir(dir.path()).unwrap();
 
     let a = one(&rendered, "a");
@@ -258,7 +277,9 @@ fn an_unknown_provider_is_an_error_naming_the_known_ones() {
     write(dir.path(), "migrations/a.yaml", &provider_manifest("a", "esxi03"));
     assert_eq!(
         errors_of(dir.path()),
-        vec!["migrations/a.yaml:7: spec.source.provider: unknown provider \"esxi03\" (known: esxi01, esxi02)"]
+        vec![
+            "migrations/a.yaml:7: spec.source.provider: unknown provider \"esxi03\" (known: esxi01, esxi02)"
+        ]
     );
 }
 
@@ -291,9 +312,16 @@ fn a_misspelled_field_is_an_error_with_file_line_and_field() {
 #[test]
 fn errors_in_later_documents_of_a_file_carry_the_file_line() {
     let dir = tempfile::tempdir().unwrap();
-    let text = format!("{}---\n{}", manifest("a", "a"), manifest("b", "b").replace("storageClassName: standard", "storageClassName: \"\""));
+    let text = format!(
+        "{}---\n{}",
+        manifest("a", "a"),
+        manifest("b", "b").replace("storageClassName: standard", "storageClassName: \"\"")
+    );
     write(dir.path(), "migrations/many.yaml", &text);
-    assert_eq!(errors_of(dir.path()), vec!["migrations/many.yaml:31: spec.destination.storageClassName: must not be empty"]);
+    assert_eq!(
+        errors_of(dir.path()),
+        vec!["migrations/many.yaml:31: spec.destination.storageClassName: must not be empty"]
+    );
     write(dir.path(), "migrations/many.yaml", &format!("{}---\n{}", manifest("a", "a"), manifest("b", "b")));
     let rendered = render_dir(dir.path()).unwrap();
     assert_eq!(rendered.iter().map(|r| r.doc_index).collect::<Vec<_>>(), vec![0, 1]);
@@ -313,7 +341,11 @@ fn a_yaml_syntax_error_names_the_file_and_line() {
     assert!((14..=18).contains(&line), "{}", errors[0]);
     assert!(errors[0].message.starts_with("YAML syntax: "), "{}", errors[0]);
 
-    write(dir.path(), "migrations/bad.yaml", "apiVersion: migration.platform.example/v1alpha1\nkind: VirtualMachineMigration\n  metadata: {}\n");
+    write(
+        dir.path(),
+        "migrations/bad.yaml",
+        "apiVersion: migration.platform.example/v1alpha1\nkind: VirtualMachineMigration\n  metadata: {}\n",
+    );
     let errors = render_dir(dir.path()).unwrap_err();
     assert_eq!(errors[0].line, Some(3), "{}", errors[0]);
 }
@@ -323,7 +355,8 @@ fn the_same_source_vm_twice_is_an_error_on_both_manifests() {
     let dir = tempfile::tempdir().unwrap();
     write(dir.path(), "migrations/a.yaml", &manifest("a", "web 01"));
     // The same VM, written with the default port spelled out and the host in capitals.
-    let b = manifest("b", "web 01").replace("host: esxi01.example.internal", "host: ESXi01.example.internal\n    port: 22");
+    let b = manifest("b", "web 01")
+        .replace("host: esxi01.example.internal", "host: ESXi01.example.internal\n    port: 22");
     write(dir.path(), "migrations/team/b.yaml", &b);
     let errors = errors_of(dir.path());
     assert_eq!(
@@ -349,7 +382,8 @@ fn the_same_destination_vm_or_name_twice_is_an_error_on_each_manifest() {
 
     let dir = tempfile::tempdir().unwrap();
     write(dir.path(), "migrations/a.yaml", &manifest("web", "web-a"));
-    let b = manifest("web", "web-b").replace("    namespace: apps\n", "    namespace: apps\n    name: web-b\n");
+    let b =
+        manifest("web", "web-b").replace("    namespace: apps\n", "    namespace: apps\n    name: web-b\n");
     write(dir.path(), "migrations/b.yaml", &b);
     let errors = errors_of(dir.path());
     assert_eq!(
@@ -364,13 +398,28 @@ fn the_same_destination_vm_or_name_twice_is_an_error_on_each_manifest() {
 #[test]
 fn a_secret_looking_field_is_refused_anywhere() {
     let dir = tempfile::tempdir().unwrap();
-    let a = manifest("a", "a").replace("      name: esxi01-credentials\n", "      name: esxi01-credentials\n    password: hunter2\n");
+    let a = manifest("a", "a").replace(
+        "      name: esxi01-credentials\n",
+        "      name: esxi01-credentials\n    password: hunter2\n",
+    );
     write(dir.path(), "migrations/a.yaml", &a);
-    write(dir.path(), "providers/esxi01.yaml", &(PROVIDER.to_owned() + "  privateKey: |\n    -----BEGIN OPENSSH PRIVATE KEY-----\n"));
+    write(
+        dir.path(),
+        "providers/esxi01.yaml",
+        &(PROVIDER.to_owned() + "  privateKey: |\n    -----BEGIN OPENSSH PRIVATE KEY-----\n"),
+    );
     let errors = errors_of(dir.path());
     assert_eq!(errors.len(), 2, "{errors:?}");
-    assert!(errors[0].starts_with("migrations/a.yaml:11: spec.source.password: looks like a secret; credentials never go into Git"), "{errors:?}");
-    assert!(errors[1].starts_with("providers/esxi01.yaml:11: spec.privateKey: looks like a secret"), "{errors:?}");
+    assert!(
+        errors[0].starts_with(
+            "migrations/a.yaml:11: spec.source.password: looks like a secret; credentials never go into Git"
+        ),
+        "{errors:?}"
+    );
+    assert!(
+        errors[1].starts_with("providers/esxi01.yaml:11: spec.privateKey: looks like a secret"),
+        "{errors:?}"
+    );
 }
 
 #[test]
@@ -380,7 +429,11 @@ fn missing_required_fields_are_reported_after_defaults_and_provider() {
     write(dir.path(), "migrations/a.yaml", &a);
     // Supplied by the folder's defaults: not an error.
     write(dir.path(), "migrations/ok/defaults.yaml", &format!("spec:\n  source:\n    hostKey: {HOST_KEY}\n"));
-    write(dir.path(), "migrations/ok/b.yaml", &manifest("b", "b").replace(&format!("    hostKey: {HOST_KEY}\n"), ""));
+    write(
+        dir.path(),
+        "migrations/ok/b.yaml",
+        &manifest("b", "b").replace(&format!("    hostKey: {HOST_KEY}\n"), ""),
+    );
     assert_eq!(errors_of(dir.path()), vec!["migrations/a.yaml:6: spec.source.hostKey: is required"]);
 }
 
@@ -393,7 +446,8 @@ fn only_migrations_and_providers_are_read_and_other_files_are_ignored() {
     write(dir.path(), "status/vmmigrate/a.yaml", "phase: Completed\n");
     write(dir.path(), "kustomization.yaml", "resources: []\n");
     write(dir.path(), "providers/esxi01.yml", PROVIDER);
-    let files: Vec<String> = read_dir_files(dir.path()).unwrap().into_iter().map(|f: RepoFile| f.path).collect();
+    let files: Vec<String> =
+        read_dir_files(dir.path()).unwrap().into_iter().map(|f: RepoFile| f.path).collect();
     assert_eq!(files, vec!["migrations/a.yaml", "providers/esxi01.yml"]);
     assert_eq!(render_dir(dir.path()).unwrap().len(), 1);
 }
@@ -402,13 +456,25 @@ fn only_migrations_and_providers_are_read_and_other_files_are_ignored() {
 fn a_thousand_generated_manifests_render_without_error() {
     let dir = tempfile::tempdir().unwrap();
     write(dir.path(), "providers/esxi01.yaml", PROVIDER);
-    write(dir.path(), "migrations/defaults.yaml", "spec:\n  networkMap:\n    - source: VM Network\n      type: Pod\n");
+    write(
+        dir.path(),
+        "migrations/defaults.yaml",
+        "spec:\n  networkMap:\n    - source: VM Network\n      type: Pod\n",
+    );
     for i in 0..1000 {
         let folder = format!("migrations/rack-{:02}", i % 20);
         if i < 20 {
-            write(dir.path(), &format!("{folder}/defaults.yaml"), "spec:\n  powerOffPolicy: GracefulThenForce\n");
+            write(
+                dir.path(),
+                &format!("{folder}/defaults.yaml"),
+                "spec:\n  powerOffPolicy: GracefulThenForce\n",
+            );
         }
-        write(dir.path(), &format!("{folder}/vm-{i:04}.yaml"), &provider_manifest(&format!("vm-{i:04}"), "esxi01"));
+        write(
+            dir.path(),
+            &format!("{folder}/vm-{i:04}.yaml"),
+            &provider_manifest(&format!("vm-{i:04}"), "esxi01"),
+        );
     }
     let rendered = render_dir(dir.path()).unwrap();
     assert_eq!(rendered.len(), 1000);
@@ -439,7 +505,10 @@ fn validate_exits_0_with_a_count_and_1_with_path_line_errors() {
 
     let out = vmmigrate(&["validate", &format!("{root}/migrations/a.yaml")]);
     assert_eq!(out.status.code(), Some(1));
-    assert!(String::from_utf8_lossy(&out.stderr).contains("not a directory (remote URLs: use `vmmigrate gitops`)"));
+    assert!(
+        String::from_utf8_lossy(&out.stderr)
+            .contains("not a directory (remote URLs: use `vmmigrate gitops`)")
+    );
     let out = vmmigrate(&["validate", root, "--namespace", "Not_A_Namespace"]);
     assert_eq!(out.status.code(), Some(2), "a bad flag is a usage error");
 }
@@ -450,7 +519,8 @@ fn render_prints_the_examples_repo_with_its_defaults_and_provider_resolved() {
     let out = vmmigrate(&["render", examples.to_str().unwrap()]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let yaml = String::from_utf8(out.stdout).unwrap();
-    let docs: Vec<serde_json::Value> = yaml.split("---\n").map(|d| serde_yaml::from_str(d).unwrap()).collect();
+    let docs: Vec<serde_json::Value> =
+        yaml.split("---\n").map(|d| serde_yaml::from_str(d).unwrap()).collect();
     assert_eq!(docs.len(), 2, "{yaml}");
     let db = docs.iter().find(|d| d["metadata"]["name"] == "db-01").expect("db-01 rendered");
     assert_eq!(db["spec"]["source"]["host"], "esxi01.example.internal");

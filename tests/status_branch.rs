@@ -15,7 +15,9 @@ use vmmigrate::api::{
     Phase, PhaseTransition, Progress, VirtualMachineMigration, VirtualMachineMigrationSpec,
     VirtualMachineMigrationStatus,
 };
-use vmmigrate::gitops::status_branch::{Publish, StatusWriter, StatusWriterConfig, Target, run_coalescing};
+use vmmigrate::gitops::status_branch::{
+    Publish, StatusError, StatusWriter, StatusWriterConfig, Target, run_coalescing,
+};
 use vmmigrate::gitops::status_files::{StatusInput, status_files};
 
 const SOURCE: &str = "0123456789abcdef0123456789abcdef01234567";
@@ -275,6 +277,48 @@ fn a_rejected_push_is_rebased_onto_the_new_tip_and_nothing_is_lost() {
     for (path, content) in &snapshot {
         assert_eq!(&env.show(&commit, path), content);
     }
+}
+
+#[test]
+fn a_branch_that_keeps_moving_gives_up_after_max_push_attempts() {
+    let env = Env::new();
+    env.writer().publish(&files(&[("STATUS.md", "v1\n")]), SOURCE).unwrap();
+    let human = env.clone("human", "migration-status");
+    let calls = Arc::new(AtomicUsize::new(0));
+    let mut cfg = env.config(Target::Branch("migration-status".into()));
+    cfg.max_push_attempts = 3;
+    let hook_calls = calls.clone();
+    cfg.before_push = Some(Arc::new(move || {
+        let n = hook_calls.fetch_add(1, Ordering::SeqCst);
+        human_commit(&human, "NOTES.md", &format!("edit {n}\n"));
+    }));
+
+    let err = StatusWriter::new(cfg).publish(&files(&[("STATUS.md", "v2\n")]), SOURCE).unwrap_err();
+
+    assert!(matches!(err, StatusError::PushRejected { attempts: 3, .. }), "{err}");
+    assert!(err.retryable());
+    assert_eq!(calls.load(Ordering::SeqCst), 3);
+    assert_eq!(env.show("migration-status", "STATUS.md"), "v1\n");
+}
+
+#[test]
+fn a_push_the_remote_refuses_is_not_retried() {
+    let env = Env::new();
+    let hook = env.remote.join("hooks/pre-receive");
+    std::fs::write(&hook, "#!/bin/sh\necho protected >&2\nexit 1\n").unwrap();
+    std::fs::set_permissions(&hook, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let calls = Arc::new(AtomicUsize::new(0));
+    let mut cfg = env.config(Target::Branch("migration-status".into()));
+    let hook_calls = calls.clone();
+    cfg.before_push = Some(Arc::new(move || {
+        hook_calls.fetch_add(1, Ordering::SeqCst);
+    }));
+
+    let err = StatusWriter::new(cfg).publish(&files(&[("STATUS.md", "v1\n")]), SOURCE).unwrap_err();
+
+    assert!(matches!(err, StatusError::PushRefused { .. }), "{err}");
+    assert!(!err.retryable());
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
 }
 
 #[test]

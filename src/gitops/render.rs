@@ -349,13 +349,15 @@ mod lines {
 
         fn record(&mut self, stack: &[(usize, Seg)], line: usize) {
             let path: Vec<Seg> = stack.iter().map(|(_, s)| s.clone()).collect();
-            let formatted = format_path(&path);
-            if self.keys.contains_key(&formatted) {
-                if let Some(Seg::Key(k)) = path.last() {
-                    self.repeated.push((k.clone(), path.clone(), line));
+            match self.keys.entry(format_path(&path)) {
+                std::collections::hash_map::Entry::Vacant(slot) => {
+                    slot.insert(line);
                 }
-            } else {
-                self.keys.insert(formatted, line);
+                std::collections::hash_map::Entry::Occupied(_) => {
+                    if let Some(Seg::Key(k)) = path.last() {
+                        self.repeated.push((k.clone(), path.clone(), line));
+                    }
+                }
             }
         }
 
@@ -567,10 +569,13 @@ fn syntax_error(path: &str, chunk: &Chunk, err: serde_yaml::Error) -> RenderErro
     }
     // serde_yaml places a repeated key at the start of its mapping; the line
     // index knows where the repetition is.
+    // Its message reads `[<path of the mapping>: ]duplicate entry with key "<key>"`.
     let repeated = message
-        .strip_prefix("duplicate entry with key ")
-        .and_then(|k| serde_json::from_str::<String>(k.split(" at line ").next().unwrap_or(k)).ok())
-        .and_then(|k| LineIndex::build(&chunk.text, chunk.first_line).repeated_key(&k).map(|(p, l)| (format_path(p), l)));
+        .split_once("duplicate entry with key ")
+        .and_then(|(_, k)| serde_json::from_str::<String>(k.split(" at line ").next().unwrap_or(k)).ok())
+        .and_then(|k| {
+            LineIndex::build(&chunk.text, chunk.first_line).repeated_key(&k).map(|(p, l)| (format_path(p), l))
+        });
     if let Some((field, line)) = repeated {
         return RenderError {
             path: path.to_owned(),
@@ -785,10 +790,8 @@ impl SchemaWalk {
                 Some(n) => self.check_number(n, schema, path),
                 None => self.fail(path, format!("must be a number (got {})", shown(value))),
             },
-            Some("boolean") => {
-                if !value.is_boolean() {
-                    self.fail(path, format!("must be true or false (got {})", shown(value)));
-                }
+            Some("boolean") if !value.is_boolean() => {
+                self.fail(path, format!("must be true or false (got {})", shown(value)));
             }
             _ => {}
         }
@@ -828,7 +831,7 @@ impl SchemaWalk {
             return;
         }
         for required in schema.required.iter().flatten() {
-            if !map.get(required).is_some_and(|v| !v.is_null()) {
+            if map.get(required).is_none_or(Value::is_null) {
                 path.push(Seg::Key(required.clone()));
                 self.findings.push(Finding {
                     path: path.clone(),
@@ -942,7 +945,7 @@ impl SchemaWalk {
                 (Some(lo), Some(hi)) => format!("must be between {lo} and {hi} (got {n})"),
                 (Some(lo), None) => format!("must be at least {lo} (got {n})"),
                 (None, Some(hi)) => format!("must be at most {hi} (got {n})"),
-                (None, None) => unreachable_range(),
+                (None, None) => "is out of range".to_owned(),
             };
             self.fail(path, message);
         }
@@ -953,12 +956,8 @@ impl SchemaWalk {
     }
 }
 
-fn unreachable_range() -> String {
-    "is out of range".to_owned()
-}
-
+/// Whether `path` (ending in `provider`) is `spec.source.provider`.
 fn is_source_path(path: &[Seg]) -> bool {
-    // `provider` is the last segment; spec.source.provider or (in a provider-less walk) source.provider.
     let n = path.len();
     n >= 2 && path[n - 2] == key("source")
 }
@@ -2184,7 +2183,13 @@ spec:
 
     #[test]
     fn a_repeated_key_is_reported_at_its_second_line() {
-        let text = format!("# x\n---\n{}", manifest("a", "b").replace("    storageClassName: standard\n", "    storageClassName: standard\n    namespace: other\n"));
+        let text = format!(
+            "# x\n---\n{}",
+            manifest("a", "b").replace(
+                "    storageClassName: standard\n",
+                "    storageClassName: standard\n    namespace: other\n"
+            )
+        );
         assert_eq!(
             errors_of(&[file("migrations/a.yaml", &text)]),
             vec!["migrations/a.yaml:18: spec.destination.namespace: is written twice in the same mapping"]

@@ -253,6 +253,8 @@ enum Outcome {
     /// 202, and the event (if any) is offered to the channel afterwards.
     Accepted(Option<WebhookEvent>),
     Healthy,
+    /// 405, with the methods the path does answer.
+    MethodNotAllowed(&'static str),
     Refused(u16),
 }
 
@@ -271,11 +273,13 @@ async fn serve_connection(mut stream: TcpStream, shared: Arc<Shared>) {
     let written = match &outcome {
         Outcome::Accepted(_) => send(&mut stream, 202, "accepted\n").await,
         Outcome::Healthy => send(&mut stream, 200, "ok\n").await,
+        Outcome::MethodNotAllowed(allow) => send_405(&mut stream, allow).await,
         Outcome::Refused(status) => send(&mut stream, *status, &format!("{}\n", reason(*status))).await,
     };
     let status = match &outcome {
         Outcome::Accepted(_) => 202,
         Outcome::Healthy => 200,
+        Outcome::MethodNotAllowed(_) => 405,
         Outcome::Refused(status) => *status,
     };
     tracing::Span::current().record("status", status);
@@ -297,7 +301,7 @@ async fn serve_connection(mut stream: TcpStream, shared: Arc<Shared>) {
         Outcome::Accepted(None) => {
             stats.ignored.fetch_add(1, Ordering::Relaxed);
         }
-        Outcome::Healthy => {}
+        Outcome::Healthy | Outcome::MethodNotAllowed(_) => {}
         Outcome::Refused(408) => {
             stats.malformed.fetch_add(1, Ordering::Relaxed);
         }
@@ -322,8 +326,8 @@ async fn handle(stream: &mut TcpStream, shared: &Shared) -> io::Result<Outcome> 
     tracing::Span::current().record("target", request.target);
     let path = request.target.split_once('?').map_or(request.target, |(path, _)| path);
     let forge = match path {
-        "/healthz" if matches!(request.method, "GET" | "HEAD") => return Ok(Outcome::Healthy),
-        "/healthz" => return Ok(Outcome::Refused(405)),
+        "/healthz" if request.method == "GET" => return Ok(Outcome::Healthy),
+        "/healthz" => return Ok(Outcome::MethodNotAllowed("GET")),
         "/hooks/github" => Forge::GitHub,
         "/hooks/gitea" => Forge::Gitea,
         "/hooks/gitlab" => Forge::GitLab,
@@ -339,7 +343,7 @@ async fn handle(stream: &mut TcpStream, shared: &Shared) -> io::Result<Outcome> 
         return Ok(Outcome::Refused(404));
     }
     if request.method != "POST" {
-        return Ok(Outcome::Refused(405));
+        return Ok(Outcome::MethodNotAllowed("POST"));
     }
     if request.header("transfer-encoding").is_some() {
         return malformed(411);
@@ -644,13 +648,26 @@ fn reason(status: u16) -> &'static str {
 
 /// A complete short answer with a plain-text body.
 async fn send(stream: &mut TcpStream, status: u16, body: &str) -> io::Result<()> {
+    send_with(stream, status, &[], body).await
+}
+
+async fn send_405(stream: &mut TcpStream, allow: &str) -> io::Result<()> {
+    send_with(stream, 405, &[("Allow", allow)], "Method Not Allowed\n").await
+}
+
+async fn send_with(
+    stream: &mut TcpStream,
+    status: u16,
+    headers: &[(&str, &str)],
+    body: &str,
+) -> io::Result<()> {
     let mut response = format!(
         "HTTP/1.1 {status} {}\r\nContent-Type: text/plain\r\nContent-Length: {}\r\n",
         reason(status),
         body.len()
     );
-    if status == 405 {
-        response.push_str("Allow: POST, GET\r\n");
+    for (name, value) in headers {
+        response.push_str(&format!("{name}: {value}\r\n"));
     }
     response.push_str("Connection: close\r\n\r\n");
     response.push_str(body);
@@ -989,6 +1006,7 @@ mod tests {
     async fn healthz_answers_without_authentication() {
         let (server, _rx) = start_with(WebhookConfig::default(), 1).await;
         assert_eq!(exchange(server.local_addr(), b"GET /healthz HTTP/1.1\r\n\r\n").await, 200);
+        assert_eq!(exchange(server.local_addr(), b"POST /healthz HTTP/1.1\r\n\r\n").await, 405);
     }
 
     #[tokio::test(start_paused = true)]
