@@ -173,6 +173,7 @@ fn options(remote: &Remote, cache: &Path, ns: &str) -> GitopsOptions {
         ssh_key: None,
         known_hosts: None,
         git_token: None,
+        watch_path: None,
     }
 }
 
@@ -385,7 +386,10 @@ async fn pull_requests_get_one_plan_comment_edited_in_place_and_invalid_ones_fai
     opts.forge_api = Some(forge.base_url(Dialect::GitHub));
     opts.forge_repo = Some(format!("{OWNER}/{REPO}"));
     opts.forge_token = Some(TOKEN.into());
-    let gitops = Gitops::new(client.clone(), opts).unwrap();
+    // Read-only discovery through the simulated ESXi world (the real adapter
+    // is proven against the ESXi emulator in tests/esxi_source.rs).
+    let world = SimWorld::new(3, FaultPlan::default());
+    let gitops = Gitops::new(client.clone(), opts).unwrap().with_discoverer(world.clone());
     assert!(matches!(gitops.sync().await.unwrap(), SyncOutcome::Applied { .. }));
 
     // PR 1: a valid manifest; planned, then pushed again.
@@ -429,4 +433,62 @@ async fn pull_requests_get_one_plan_comment_edited_in_place_and_invalid_ones_fai
     let api: Api<VirtualMachineMigration> = Api::namespaced(client.clone(), &ns);
     assert!(api.get_opt("bad-01").await.unwrap().is_none());
     assert!(api.get_opt("web-01").await.unwrap().is_none(), "plans apply nothing; only merges do");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_local_work_tree_is_applied_on_every_file_change_through_notify() {
+    let client = KubeEnv::shared().client().await;
+    let ns = test_namespace(&client, "gitops-watch").await;
+    let tree = tempfile::tempdir().unwrap();
+    std::fs::create_dir_all(tree.path().join("migrations")).unwrap();
+    let cache = tempfile::tempdir().unwrap();
+    let remote = Remote::new();
+    let mut opts = options(&remote, cache.path(), &ns);
+    opts.repo = String::new();
+    opts.watch_path = Some(tree.path().to_path_buf());
+    opts.poll_seconds = 3600; // only the first, immediate poll: changes arrive through inotify
+    let gitops = service::start(client.clone(), opts).await.expect("gitops");
+    wait_for("the first poll", async || (gitops.gitops.ticks() >= 1).then_some(())).await;
+
+    std::fs::write(tree.path().join("migrations/web.yaml"), manifest(&ns, "web-01", "web 01")).unwrap();
+    let api: Api<VirtualMachineMigration> = Api::namespaced(client.clone(), &ns);
+    let created = wait_for("the CR", async || api.get_opt("web-01").await.unwrap()).await;
+    assert!(created.annotations()["migration.platform.example/git-commit"].starts_with("working-tree-"));
+    gitops.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_thousand_manifests_render_and_apply_without_error() {
+    use vmmigrate::gitops::render::{RenderOptions, render};
+    use vmmigrate::gitops::{Provenance, RepoFile};
+    let client = KubeEnv::shared().client().await;
+    let ns = test_namespace(&client, "gitops-1000").await;
+    let files: Vec<RepoFile> = (0..1000)
+        .map(|i| RepoFile {
+            path: format!("migrations/batch-{}/vm-{i:04}.yaml", i / 100),
+            bytes: manifest(&ns, &format!("vm-{i:04}"), &format!("vm {i:04}")).into_bytes(),
+        })
+        .collect();
+    let provenance =
+        Provenance { repo_url: "https://git.example/migrations.git".into(), commit: "ab".repeat(20) };
+    let started = Instant::now();
+    let rendered = render(&files, &provenance, &RenderOptions::default()).expect("renders");
+    let render_time = started.elapsed();
+    assert_eq!(rendered.len(), 1000);
+    let started = Instant::now();
+    let report =
+        vmmigrate::gitops::apply::apply_commit(&client, &rendered, &[ns.clone()]).await.expect("applies");
+    eprintln!(
+        "1,000 manifests: render {:.0} ms (debug build), apply {:.1} s",
+        render_time.as_secs_f64() * 1000.0,
+        started.elapsed().as_secs_f64()
+    );
+    assert_eq!(report.applied.len(), 1000);
+    assert!(report.held.is_empty() && report.orphaned.is_empty());
+    let api: Api<VirtualMachineMigration> = Api::namespaced(client.clone(), &ns);
+    assert_eq!(api.list(&Default::default()).await.unwrap().items.len(), 1000);
+    // The same commit again changes nothing and still succeeds.
+    let again =
+        vmmigrate::gitops::apply::apply_commit(&client, &rendered, &[ns.clone()]).await.expect("again");
+    assert_eq!(again.applied.len(), 1000);
 }

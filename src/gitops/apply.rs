@@ -73,8 +73,9 @@ pub fn reconcile_spec(rendered: &Value, live: Option<&VirtualMachineMigration>) 
     let mut object = rendered.clone();
     let phase = phase_of(live);
     if matches!(phase, Phase::Completed | Phase::Failed) {
-        let changed = !crate::target::render::contains(&live_spec, &rendered["spec"])
-            || !crate::target::render::contains(&rendered["spec"], &live_spec);
+        // The live spec carries the server's defaults: it contains an
+        // unchanged manifest's spec.
+        let changed = !crate::target::render::contains(&live_spec, &rendered["spec"]);
         object["spec"] = live_spec;
         let note = changed.then(|| {
             format!("{phase} is terminal: spec changes are not applied; create a new migration to run again")

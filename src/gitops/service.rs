@@ -19,6 +19,7 @@ use super::status_files::{StatusInput, status_files};
 use super::webhook::{WebhookConfig, WebhookEvent, WebhookServer};
 use super::{LABEL_GITOPS, Provenance, RepoFile};
 use crate::api::{Phase, VirtualMachineMigration};
+use crate::controller::adapters::EsxiHost;
 use anyhow::Context as _;
 use kube::api::{Api, ListParams};
 use kube::{Client, ResourceExt};
@@ -36,8 +37,12 @@ const PREFIXES: &[&str] = &["migrations/", "providers/"];
 #[derive(Clone, Debug, clap::Args)]
 pub struct GitopsOptions {
     /// The repository to track (URL or local path).
-    #[arg(long, env = "VMMIGRATE_REPO")]
+    #[arg(long, env = "VMMIGRATE_REPO", required_unless_present = "watch_path", default_value = "")]
     pub repo: String,
+    /// Development: read manifests from this local directory (not Git) and
+    /// apply on every file change (inotify); status is not written to Git.
+    #[arg(long, env = "VMMIGRATE_WATCH_PATH")]
+    pub watch_path: Option<PathBuf>,
     /// The tracked branch: merging to it is the approval.
     #[arg(long, env = "VMMIGRATE_BRANCH", default_value = "main")]
     pub branch: String,
@@ -141,12 +146,17 @@ pub struct Gitops {
     opts: GitopsOptions,
     repo: Arc<TrackedRepo>,
     forge: Option<Arc<dyn Forge>>,
+    /// Read-only discovery of a plan's source VMs, when configured.
+    discoverer: Option<Arc<dyn EsxiHost>>,
     state: Mutex<State>,
     ticks: std::sync::atomic::AtomicU64,
 }
 
 impl Gitops {
     pub fn new(client: Client, opts: GitopsOptions) -> anyhow::Result<Gitops> {
+        if opts.repo.is_empty() && opts.watch_path.is_none() {
+            anyhow::bail!("--repo is required (or --watch-path for a local directory)");
+        }
         let auth = match (&opts.ssh_key, &opts.git_token) {
             (Some(key), _) => RepoAuth::SshKey { key: key.clone(), known_hosts: opts.known_hosts.clone() },
             (None, Some(token)) => RepoAuth::Token(token.clone()),
@@ -176,9 +186,16 @@ impl Gitops {
             opts,
             repo: Arc::new(repo),
             forge,
+            discoverer: None,
             state: Mutex::new(State::default()),
             ticks: Default::default(),
         })
+    }
+
+    /// Plans include a read-only discovery of each source VM through `esxi`.
+    pub fn with_discoverer(mut self, esxi: Arc<dyn EsxiHost>) -> Gitops {
+        self.discoverer = Some(esxi);
+        self
     }
 
     fn state(&self) -> std::sync::MutexGuard<'_, State> {
@@ -211,7 +228,15 @@ impl Gitops {
 
     /// Fetches the tracked branch and applies its tip when it is new.
     pub async fn sync(&self) -> anyhow::Result<SyncOutcome> {
-        let commit = self.fetch().await?;
+        let (commit, local_files) = match &self.opts.watch_path {
+            Some(path) => {
+                let path = path.clone();
+                let files =
+                    tokio::task::spawn_blocking(move || super::render::read_dir_files(&path)).await??;
+                (working_tree_id(&files), Some(files))
+            }
+            None => (self.fetch().await?, None),
+        };
         if self.state().last_applied.as_deref() == Some(commit.as_str()) {
             return Ok(SyncOutcome::UpToDate { commit });
         }
@@ -219,7 +244,10 @@ impl Gitops {
             let errors = self.state().last_rejected.clone().map(|(_, e)| e).unwrap_or_default();
             return Ok(SyncOutcome::Rejected { commit, errors });
         }
-        let files = self.files_at(&commit).await?;
+        let files = match local_files {
+            Some(files) => files,
+            None => self.files_at(&commit).await?,
+        };
         let rendered = match render(&files, &self.provenance(&commit), &self.render_options()) {
             Ok(r) => r,
             Err(errors) => {
@@ -335,7 +363,51 @@ impl Gitops {
             namespace: r.namespace.clone(),
             rendered_yaml,
             live_yaml,
-            discovery: None,
+            discovery: self.discover(r).await,
+        })
+    }
+
+    /// Read-only discovery of the manifest's source VM, bounded in time.
+    async fn discover(&self, r: &RenderedMigration) -> Option<Result<String, String>> {
+        let esxi = self.discoverer.clone()?;
+        let vmm: VirtualMachineMigration = match serde_json::from_value(r.object.clone()) {
+            Ok(v) => v,
+            Err(e) => return Some(Err(e.to_string())),
+        };
+        Some(match tokio::time::timeout(Duration::from_secs(20), esxi.discover(&vmm)).await {
+            Err(_) => Err("the host did not answer within 20 s".to_owned()),
+            Ok(Err(failure)) => Err(failure.to_string()),
+            Ok(Ok(inv)) => {
+                let disks: Vec<String> = inv
+                    .disks
+                    .iter()
+                    .map(|d| {
+                        format!(
+                            "{} {} GiB on {}",
+                            d.device,
+                            d.capacity_bytes as f64 / (1u64 << 30) as f64,
+                            d.bus
+                        )
+                    })
+                    .collect();
+                let nics: Vec<String> = inv
+                    .nics
+                    .iter()
+                    .map(|n| format!("{} on {:?} ({})", n.model, n.network, n.mac_address))
+                    .collect();
+                Ok(format!(
+                    "VM {:?} (vmid {}), {:?}, {} vCPU, {} MiB, {:?} firmware, snapshots {}; disks: {}; NICs: {}",
+                    inv.name,
+                    inv.vmid,
+                    inv.power_state,
+                    inv.cpu_sockets * inv.cores_per_socket,
+                    inv.memory_mib,
+                    inv.firmware,
+                    inv.snapshots,
+                    disks.join(", "),
+                    nics.join(", ")
+                ))
+            }
         })
     }
 
@@ -407,6 +479,36 @@ impl Gitops {
     }
 }
 
+/// A stable id for the contents of a local work tree (`--watch-path`), so
+/// unchanged files are not applied again.
+fn working_tree_id(files: &[RepoFile]) -> String {
+    use sha2::{Digest, Sha256};
+    let mut hasher = Sha256::new();
+    for f in files {
+        hasher.update(f.path.as_bytes());
+        hasher.update([0]);
+        hasher.update((f.bytes.len() as u64).to_le_bytes());
+        hasher.update(&f.bytes);
+    }
+    let hex: String = hasher.finalize().iter().take(10).map(|b| format!("{b:02x}")).collect();
+    format!("working-tree-{hex}")
+}
+
+/// Watches a local directory and sends a tick on every change.
+fn watch_directory(
+    path: &std::path::Path,
+    ticks: mpsc::Sender<()>,
+) -> anyhow::Result<notify::RecommendedWatcher> {
+    use notify::Watcher as _;
+    let mut watcher = notify::recommended_watcher(move |event: notify::Result<notify::Event>| {
+        if event.is_ok_and(|e| !e.kind.is_access()) {
+            let _ = ticks.try_send(());
+        }
+    })?;
+    watcher.watch(path, notify::RecursiveMode::Recursive)?;
+    Ok(watcher)
+}
+
 /// A running gitops side.
 pub struct GitopsHandle {
     pub gitops: Arc<Gitops>,
@@ -454,7 +556,12 @@ pub async fn start(client: Client, opts: GitopsOptions) -> anyhow::Result<Gitops
     let webhook_stats = webhooks.as_ref().map(|w| w.stats());
     // Status write-back: a snapshot task feeding the coalescing writer.
     let (status_tx, status_rx) = watch::channel::<Option<Snapshot>>(None);
-    let writer_task = if opts.no_status {
+    let (file_ticks_tx, mut file_ticks) = mpsc::channel::<()>(1);
+    let watcher = match &opts.watch_path {
+        Some(path) => Some(watch_directory(path, file_ticks_tx).context("watching the local directory")?),
+        None => None,
+    };
+    let writer_task = if opts.no_status || opts.watch_path.is_some() {
         None
     } else {
         let target = match &opts.status_dir {
@@ -477,6 +584,7 @@ pub async fn start(client: Client, opts: GitopsOptions) -> anyhow::Result<Gitops
     let poll_every = Duration::from_secs(opts.poll_seconds.max(1));
     let task = tokio::spawn(async move {
         let _webhooks = webhooks;
+        let _watcher = watcher;
         let mut poll = tokio::time::interval(poll_every);
         let mut snapshot_every = tokio::time::interval(Duration::from_secs(1));
         let mut last: Option<Snapshot> = None;
@@ -491,6 +599,7 @@ pub async fn start(client: Client, opts: GitopsOptions) -> anyhow::Result<Gitops
                     }
                     looping.tick().await;
                 }
+                Some(()) = file_ticks.recv() => looping.tick().await,
                 _ = snapshot_every.tick() => match looping.status_snapshot().await {
                     Ok(Some(s)) if last.as_ref() != Some(&s) => {
                         last = Some(s.clone());
