@@ -477,7 +477,7 @@ async fn a_thousand_manifests_render_and_apply_without_error() {
     assert_eq!(rendered.len(), 1000);
     let started = Instant::now();
     let report =
-        vmmigrate::gitops::apply::apply_commit(&client, &rendered, &[ns.clone()]).await.expect("applies");
+        vmmigrate::gitops::apply::apply_commit(&client, &rendered, std::slice::from_ref(&ns)).await.expect("applies");
     eprintln!(
         "1,000 manifests: render {:.0} ms (debug build), apply {:.1} s",
         render_time.as_secs_f64() * 1000.0,
@@ -489,6 +489,6 @@ async fn a_thousand_manifests_render_and_apply_without_error() {
     assert_eq!(api.list(&Default::default()).await.unwrap().items.len(), 1000);
     // The same commit again changes nothing and still succeeds.
     let again =
-        vmmigrate::gitops::apply::apply_commit(&client, &rendered, &[ns.clone()]).await.expect("again");
+        vmmigrate::gitops::apply::apply_commit(&client, &rendered, std::slice::from_ref(&ns)).await.expect("again");
     assert_eq!(again.applied.len(), 1000);
 }
