@@ -16,14 +16,21 @@ pub struct Cli {
     pub command: Command,
 }
 
+// One value per process: the size of the `run` variant does not matter.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Reconcile VirtualMachineMigration resources in the cluster.
     Controller(crate::controller::service::ControllerOptions),
     /// Watch a Git repository, apply its migrations and write status back.
-    Gitops,
+    Gitops(crate::gitops::service::GitopsOptions),
     /// Run the gitops loop and the controller in one process.
-    Run,
+    Run {
+        #[command(flatten)]
+        gitops: crate::gitops::service::GitopsOptions,
+        #[command(flatten)]
+        controller: crate::controller::service::ControllerOptions,
+    },
     /// Render the migrations of a repository to Kubernetes YAML (what gets applied).
     ///
     /// Merges every `defaults.yaml`, resolves `providers/`, stamps provenance;
@@ -37,9 +44,20 @@ pub enum Command {
         namespace: String,
     },
     /// Show what merging a branch would change: render, validate, diff, read-only discovery.
+    ///
+    /// Prints what the pull-request comment would say for a local work tree,
+    /// diffed against the live cluster when a kubeconfig reaches one; exits 1
+    /// when the plan fails.
     Plan {
-        /// Repository URL or local path.
+        /// Repository: a local directory (its root, holding `migrations/`).
+        #[arg(default_value = ".")]
         repo: String,
+        /// Namespace of migrations that set none.
+        #[arg(long, default_value = crate::gitops::render::DEFAULT_NAMESPACE, value_parser = parse_namespace)]
+        namespace: String,
+        /// Do not contact the cluster (every migration shows as new).
+        #[arg(long)]
+        offline: bool,
     },
     /// Validate the migrations of a repository without touching the cluster (a CI check).
     ///
@@ -61,8 +79,21 @@ pub enum Command {
     },
     /// Start a complete local demo: API server, ESXi host, Git remote, vmmigrate.
     Demo,
-    /// Show the status of the migrations in the cluster.
-    Status,
+    /// Show the status of the migrations: from the cluster, or from the status branch with `--repo`.
+    Status {
+        /// Read the status branch of this repository instead of the cluster.
+        #[arg(long)]
+        repo: Option<String>,
+        /// The status branch.
+        #[arg(long, default_value = "migration-status")]
+        branch: String,
+        /// Every migration in the cluster, not only those applied from Git.
+        #[arg(long, short = 'A')]
+        all: bool,
+        /// Refresh every two seconds until Ctrl-C.
+        #[arg(long, short = 'w')]
+        watch: bool,
+    },
     /// Convert one acquired raw disk into its artifact (what the conversion Job runs).
     ///
     /// Prints `{"size":..,"sha256":".."}` on success; on failure prints
@@ -103,13 +134,13 @@ pub fn run(cli: Cli) -> ExitCode {
     let result = match cli.command {
         Command::Crd { output } => write_crd(output),
         Command::Controller(opts) => controller(opts),
-        Command::Gitops => Err(NotImplemented("gitops").into()),
-        Command::Run => Err(NotImplemented("run").into()),
+        Command::Gitops(opts) => gitops(opts, None),
+        Command::Run { gitops: g, controller: c } => gitops(g, Some(c)),
         Command::Render { repo, namespace } => render_local(&repo, &namespace, true),
-        Command::Plan { .. } => Err(NotImplemented("plan").into()),
+        Command::Plan { repo, namespace, offline } => plan(&repo, &namespace, offline),
         Command::Validate { repo, namespace } => render_local(&repo, &namespace, false),
         Command::Demo => Err(NotImplemented("demo").into()),
-        Command::Status => Err(NotImplemented("status").into()),
+        Command::Status { repo, branch, all, watch } => status(repo, &branch, all, watch),
         Command::Convert { input, input_sha256, input_marker, expected_size, output, format, virt_v2v } => {
             format.parse().map_err(anyhow::Error::from).and_then(|format| {
                 convert(ConversionRequest {
@@ -138,6 +169,108 @@ fn controller(opts: crate::controller::service::ControllerOptions) -> anyhow::Re
     init_logging();
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     runtime.block_on(crate::controller::service::run(opts))
+}
+
+/// The gitops side, and with `controller` the controller too, in one process.
+fn gitops(
+    opts: crate::gitops::service::GitopsOptions,
+    controller: Option<crate::controller::service::ControllerOptions>,
+) -> anyhow::Result<()> {
+    use crate::controller::service as ctl;
+    init_logging();
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    runtime.block_on(async move {
+        let client = kube::Client::try_default().await?;
+        let gitops = crate::gitops::service::start(client.clone(), opts).await?;
+        match controller {
+            Some(c) => {
+                let staging = ctl::start_staging(&c).await?;
+                let url = c.staging_url.clone().unwrap_or_else(|| format!("http://{}", staging.local_addr()));
+                let adapters = ctl::adapters(client.clone(), &c, url);
+                let config = crate::controller::reconciler::ControllerConfig {
+                    namespace: c.namespace.clone(),
+                    max_requeue: None,
+                    instance: c.instance.clone(),
+                    interrupt: None,
+                };
+                crate::controller::reconciler::run(client, adapters, config, ctl::shutdown_signal()).await;
+                drop(staging);
+            }
+            None => ctl::shutdown_signal().await,
+        }
+        gitops.stop().await;
+        Ok(())
+    })
+}
+
+/// `vmmigrate plan`: the pull-request comment for a local work tree.
+fn plan(repo: &str, namespace: &str, offline: bool) -> anyhow::Result<()> {
+    let root = std::path::Path::new(repo);
+    if !root.join("migrations").is_dir() {
+        anyhow::bail!("{repo}: no migrations/ directory (point at the repository's root)");
+    }
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let (text, ok) = runtime.block_on(async {
+        let client = if offline {
+            None
+        } else {
+            match tokio::time::timeout(std::time::Duration::from_secs(5), kube::Client::try_default()).await {
+                Ok(Ok(c)) => Some(c),
+                _ => {
+                    eprintln!(
+                        "note: no cluster reachable; every migration shows as new (--offline to silence)"
+                    );
+                    None
+                }
+            }
+        };
+        crate::gitops::local::plan_local(root, namespace, client.as_ref()).await
+    })?;
+    print!("{text}");
+    if ok { Ok(()) } else { Err(anyhow::anyhow!("the plan fails (see the errors above)")) }
+}
+
+/// `vmmigrate status`: a table from the cluster, or STATUS.md from the status branch.
+fn status(repo: Option<String>, branch: &str, all: bool, watch: bool) -> anyhow::Result<()> {
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    runtime.block_on(async {
+        let client = match &repo {
+            None => Some(kube::Client::try_default().await?),
+            Some(_) => None,
+        };
+        loop {
+            let text = match (&repo, &client) {
+                (Some(url), _) => {
+                    let cache = std::env::temp_dir().join(format!("vmmigrate-status-{}", std::process::id()));
+                    let (url, branch) = (url.clone(), branch.to_owned());
+                    let files = tokio::task::spawn_blocking(move || {
+                        crate::gitops::service::read_status_branch(&url, &branch, cache)
+                    })
+                    .await??;
+                    files
+                        .get("STATUS.md")
+                        .cloned()
+                        .unwrap_or_else(|| "no STATUS.md on the status branch yet\n".into())
+                }
+                (None, Some(client)) => crate::gitops::local::status_table(
+                    &crate::gitops::local::live_migrations(client, all).await?,
+                ),
+                (None, None) => unreachable!("a client exists when no repository is given"),
+            };
+            if !watch {
+                print!("{text}");
+                return Ok(());
+            }
+            // Clear the screen and redraw, like `watch`.
+            print!("\x1b[H\x1b[2J{text}");
+            use std::io::Write;
+            std::io::stdout().flush()?;
+            tokio::select! {
+                _ = tokio::time::sleep(std::time::Duration::from_secs(2)) => {}
+                _ = crate::controller::service::shutdown_signal() => return Ok(()),
+            }
+        }
+    })
 }
 
 /// Logs to standard error; `RUST_LOG` filters (default `info`).

@@ -19,10 +19,10 @@ fn help_lists_every_planned_subcommand() {
 
 #[test]
 fn unimplemented_subcommand_exits_2_with_a_clear_message() {
-    let out = vmmigrate(&["status"]);
+    let out = vmmigrate(&["demo"]);
     assert_eq!(out.status.code(), Some(2));
     let stderr = String::from_utf8(out.stderr).unwrap();
-    assert!(stderr.contains("`vmmigrate status` is not implemented yet"), "{stderr}");
+    assert!(stderr.contains("`vmmigrate demo` is not implemented yet"), "{stderr}");
     assert!(!stderr.contains("panicked"), "{stderr}");
 }
 

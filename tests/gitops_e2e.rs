@@ -157,7 +157,7 @@ fn options(remote: &Remote, cache: &Path, ns: &str) -> GitopsOptions {
         cache_dir: cache.to_path_buf(),
         poll_seconds: 1,
         no_apply: false,
-        namespace: ns.to_owned(),
+        manifest_namespace: ns.to_owned(),
         status_branch: "migration-status".into(),
         status_dir: None,
         no_status: false,
@@ -324,6 +324,33 @@ async fn merged_manifest_is_applied_run_to_completed_and_reported_on_the_status_
     );
     git(&remote.bare(), &["merge-base", "--is-ancestor", &commit, "main"]);
     git(&remote.bare(), &["merge-base", "--is-ancestor", &other, "main"]);
+    // The hand-run commands read the same state.
+    let vmmigrate = |args: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_vmmigrate"))
+            .args(args)
+            .env("KUBECONFIG", KubeEnv::shared().kubeconfig_path())
+            .output()
+            .unwrap();
+        (out.status.code(), String::from_utf8_lossy(&out.stdout).into_owned())
+    };
+    let bare = remote.bare().to_string_lossy().into_owned();
+    let (code, text) = vmmigrate(&["status", "--repo", &bare]);
+    assert_eq!(code, Some(0));
+    assert!(text.contains("web-01") && text.contains("Completed"), "status from the branch: {text}");
+    let (code, text) = vmmigrate(&["status"]);
+    assert_eq!(code, Some(0));
+    let row =
+        text.lines().find(|l| l.starts_with(&format!("{ns}/web-01"))).unwrap_or_else(|| panic!("{text}"));
+    assert!(row.contains("Completed"), "status from the cluster: {row}");
+    let work = remote.work();
+    git(&work, &["checkout", "-q", "main"]);
+    git(&work, &["pull", "-q", "origin", "main"]);
+    let (code, text) = vmmigrate(&["plan", work.to_str().unwrap()]);
+    assert_eq!(code, Some(0), "{text}");
+    assert!(
+        text.contains("0 to create, 0 to change, 1 unchanged"),
+        "the merged manifest plans as unchanged: {text}"
+    );
     // No forced update of any branch: every logged update is a fast-forward.
     for branch in ["main", "migration-status"] {
         let reflog = git(&remote.bare(), &["reflog", "show", "--format=%H", &format!("refs/heads/{branch}")]);
@@ -476,8 +503,9 @@ async fn a_thousand_manifests_render_and_apply_without_error() {
     let render_time = started.elapsed();
     assert_eq!(rendered.len(), 1000);
     let started = Instant::now();
-    let report =
-        vmmigrate::gitops::apply::apply_commit(&client, &rendered, std::slice::from_ref(&ns)).await.expect("applies");
+    let report = vmmigrate::gitops::apply::apply_commit(&client, &rendered, std::slice::from_ref(&ns))
+        .await
+        .expect("applies");
     eprintln!(
         "1,000 manifests: render {:.0} ms (debug build), apply {:.1} s",
         render_time.as_secs_f64() * 1000.0,
@@ -488,7 +516,8 @@ async fn a_thousand_manifests_render_and_apply_without_error() {
     let api: Api<VirtualMachineMigration> = Api::namespaced(client.clone(), &ns);
     assert_eq!(api.list(&Default::default()).await.unwrap().items.len(), 1000);
     // The same commit again changes nothing and still succeeds.
-    let again =
-        vmmigrate::gitops::apply::apply_commit(&client, &rendered, std::slice::from_ref(&ns)).await.expect("again");
+    let again = vmmigrate::gitops::apply::apply_commit(&client, &rendered, std::slice::from_ref(&ns))
+        .await
+        .expect("again");
     assert_eq!(again.applied.len(), 1000);
 }

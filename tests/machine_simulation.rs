@@ -239,11 +239,19 @@ fn run_schedule(seed: u64, rt: &tokio::runtime::Runtime, totals: &mut Totals) ->
         if left_pending && next.phase == Phase::Pending {
             return Err("went back to Pending".into());
         }
+        // Retryable resumes the failed phase, or the earlier phase its cause
+        // lies in (`retry.resume`), never anything else.
         if status.phase == Phase::Retryable
             && next.phase != Phase::Retryable
-            && Some(next.phase) != status.retry.as_ref().map(|r| r.phase)
+            && Some(next.phase) != status.retry.as_ref().map(|r| r.resume.unwrap_or(r.phase))
         {
             return Err(format!("Retryable resumed {} instead of the failed phase", next.phase));
+        }
+        if let Some(r) = &next.retry
+            && let Some(resume) = r.resume
+            && resume >= r.phase
+        {
+            return Err(format!("retry of {} resumes {resume}, which is not earlier", r.phase));
         }
         // The power-off timestamp is written once.
         match (&powered_off_at, &next.timestamps.source_powered_off) {

@@ -409,10 +409,18 @@ async fn job_simulator_runs_the_command_and_reports_complete_or_failed() {
             "",
         ),
         (
-            "vmmigrate-status",
-            job("vmmigrate-status", &["vmmigrate", "status"], no_env.clone(), true),
+            "vmmigrate-convert",
+            job(
+                "vmmigrate-convert",
+                &[
+                    "vmmigrate", "convert", "--input", "/nonexistent/disk-0.raw", "--input-sha256", &"ab".repeat(32),
+                    "--expected-size", "1048576", "--output", "/nonexistent/out/disk-0.raw", "--format", "raw",
+                ],
+                no_env.clone(),
+                true,
+            ),
             "Failed",
-            "error: `vmmigrate status` is not implemented yet",
+            "error: AcquiredCopyMissing: the acquired copy /nonexistent/disk-0.raw does not exist",
         ),
         (
             "env",

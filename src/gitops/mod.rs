@@ -41,6 +41,7 @@ pub const FIELD_MANAGER: &str = "vmmigrate-gitops";
 
 pub mod apply;
 pub mod forge;
+pub mod local;
 pub mod plan;
 pub mod render;
 pub mod repo;

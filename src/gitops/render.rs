@@ -956,10 +956,9 @@ impl SchemaWalk {
     }
 }
 
-/// Whether `path` (ending in `provider`) is `spec.source.provider`.
+/// Whether `path` is `spec.source.provider`.
 fn is_source_path(path: &[Seg]) -> bool {
-    let n = path.len();
-    n >= 2 && path[n - 2] == key("source")
+    path == segs(&["spec", "source", "provider"]).as_slice()
 }
 
 /// Short rendering of a value for messages.
@@ -1612,10 +1611,19 @@ impl Layer<'_> {
 /// Reports a finding against the file that holds the offending value: the
 /// manifest, one of its defaults.yaml files, or its provider.
 fn attribute(f: &Finding, layers: &[Layer]) -> RenderError {
-    if f.blame == Blame::Origin {
+    // Where the value is, or for a missing field, where its parent is when
+    // that parent sits in a list (a list comes whole from one file).
+    let anchor = match f.blame {
+        Blame::Origin => Some(f.path.as_slice()),
+        Blame::Manifest if f.path.iter().any(|s| matches!(s, Seg::Index(_))) => {
+            f.path.split_last().map(|(_, parent)| parent)
+        }
+        Blame::Manifest => None,
+    };
+    if let Some(anchor) = anchor {
         for layer in layers {
-            if let Some(local) = layer.local_path(&f.path)
-                && lookup(&layer.doc.value, &local).is_some()
+            if let (Some(local_anchor), Some(local)) = (layer.local_path(anchor), layer.local_path(&f.path))
+                && lookup(&layer.doc.value, &local_anchor).is_some()
             {
                 return layer.doc.error(&local, f.message.clone());
             }
@@ -2368,6 +2376,30 @@ spec:
             folder_chain("migrations/a/b/x.yaml"),
             vec!["migrations", "migrations/a", "migrations/a/b"]
         );
+    }
+
+    #[test]
+    fn no_field_of_the_crd_looks_like_a_secret() {
+        fn visit(s: &JSONSchemaProps) {
+            for (name, child) in s.properties.iter().flatten() {
+                assert!(!is_secret_like(name), "CRD field {name} would be refused as a secret");
+                visit(child);
+            }
+            if let Some(JSONSchemaPropsOrArray::Schema(items)) = &s.items {
+                visit(items);
+            }
+        }
+        visit(spec_schema());
+    }
+
+    #[test]
+    fn a_list_item_from_defaults_missing_a_field_is_reported_at_the_defaults_file() {
+        let defaults = "spec:\n  networkMap:\n    - source: VM Network\n";
+        let errors = errors_of(&[
+            file("migrations/defaults.yaml", defaults),
+            file("migrations/a.yaml", &manifest("a", "b")),
+        ]);
+        assert_eq!(errors, vec!["migrations/defaults.yaml:3: spec.networkMap[0].type: is required"]);
     }
 
     #[test]

@@ -9,9 +9,7 @@
 
 use super::apply::{ApplyError, ApplyReport, apply_commit};
 use super::forge::{Forge, GitHub, Gitea};
-use super::plan::{
-    PLAN_MARKER, PlanEntry, PlanInput, STATUS_CONTEXT, commit_state, plan_comment, progress_comment,
-};
+use super::plan::{PLAN_MARKER, PlanInput, STATUS_CONTEXT, commit_state, plan_comment, progress_comment};
 use super::render::{RenderOptions, RenderedMigration, render};
 use super::repo::{RepoAuth, RepoConfig, TrackedRepo};
 use super::status_branch::{Snapshot, StatusWriter, StatusWriterConfig, Target, run_coalescing};
@@ -57,7 +55,7 @@ pub struct GitopsOptions {
     pub no_apply: bool,
     /// `metadata.namespace` of manifests that set none.
     #[arg(long, env = "VMMIGRATE_MANIFEST_NAMESPACE", default_value = "vmmigrate")]
-    pub namespace: String,
+    pub manifest_namespace: String,
     /// The status branch (owned by vmmigrate).
     #[arg(long, env = "VMMIGRATE_STATUS_BRANCH", default_value = "migration-status")]
     pub status_branch: String,
@@ -203,7 +201,7 @@ impl Gitops {
     }
 
     fn render_options(&self) -> RenderOptions {
-        RenderOptions { default_namespace: self.opts.namespace.clone() }
+        RenderOptions { default_namespace: self.opts.manifest_namespace.clone() }
     }
 
     async fn fetch(&self) -> anyhow::Result<String> {
@@ -344,27 +342,15 @@ impl Gitops {
         let mut names = Vec::new();
         for r in rendered.iter().filter(|r| changed.contains(&r.path)) {
             names.push((r.namespace.clone(), r.name.clone()));
-            input.entries.push(self.plan_entry(r).await?);
+            match super::local::plan_entry(Some(&self.client), r).await? {
+                Ok(mut entry) => {
+                    entry.discovery = self.discover(r).await;
+                    input.entries.push(entry);
+                }
+                Err(refusal) => input.errors.push(refusal),
+            }
         }
         Ok((input, names))
-    }
-
-    async fn plan_entry(&self, r: &RenderedMigration) -> anyhow::Result<PlanEntry> {
-        let api: Api<VirtualMachineMigration> = Api::namespaced(self.client.clone(), &r.namespace);
-        let live = api.get_opt(&r.name).await?;
-        let rendered_yaml = serde_yaml::to_string(&r.object["spec"])?;
-        let live_yaml = match live {
-            Some(l) => Some(serde_yaml::to_string(&serde_json::to_value(&l.spec)?)?),
-            None => None,
-        };
-        Ok(PlanEntry {
-            path: r.path.clone(),
-            name: r.name.clone(),
-            namespace: r.namespace.clone(),
-            rendered_yaml,
-            live_yaml,
-            discovery: self.discover(r).await,
-        })
     }
 
     /// Read-only discovery of the manifest's source VM, bounded in time.
