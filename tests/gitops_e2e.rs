@@ -401,7 +401,8 @@ async fn webhook_push_applies_at_once_and_a_bad_signature_changes_nothing() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn pull_requests_get_one_plan_comment_edited_in_place_and_invalid_ones_fail_with_file_and_line() {
+async fn a_pull_request_gets_one_plan_comment_edited_in_place_that_follows_the_merge_and_invalid_ones_fail_with_file_and_line()
+ {
     let client = KubeEnv::shared().client().await;
     let ns = test_namespace(&client, "gitops-pr").await;
     let remote = Remote::new();
@@ -460,6 +461,25 @@ async fn pull_requests_get_one_plan_comment_edited_in_place_and_invalid_ones_fai
     let api: Api<VirtualMachineMigration> = Api::namespaced(client.clone(), &ns);
     assert!(api.get_opt("bad-01").await.unwrap().is_none());
     assert!(api.get_opt("web-01").await.unwrap().is_none(), "plans apply nothing; only merges do");
+
+    // The merge of PR 1: its comment follows the migration until it ends.
+    ensure_storage_class(&client).await;
+    let _controller = start_controller(&client, &ns);
+    git(&remote.work(), &["push", "-q", "origin", "add-web:main"]);
+    forge.add_pr(
+        FakePr { head_ref: "add-web".into(), ..FakePr::open(1, &second) }.with_files(&[path]).merged(),
+    );
+    assert!(matches!(gitops.sync().await.unwrap(), SyncOutcome::Applied { .. }));
+    let body = wait_for("the comment to show Completed", async || {
+        gitops.plan_pull_requests().await.unwrap();
+        gitops.update_followed().await.unwrap();
+        let sync = gitops.sync().await.unwrap();
+        assert!(!matches!(sync, SyncOutcome::Rejected { .. }), "{sync:?}");
+        forge.comments(1).first().map(|c| c.body.clone()).filter(|b| b.contains("Completed"))
+    })
+    .await;
+    assert_eq!(forge.comments(1).len(), 1, "still one comment after the merge");
+    assert!(body.contains("web-01"), "{body}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -294,6 +294,22 @@ impl Gitops {
     pub async fn plan_pull_requests(&self) -> anyhow::Result<usize> {
         let Some(forge) = self.forge.clone() else { return Ok(0) };
         let prs = forge.open_pull_requests().await?;
+        // Planned PRs that are no longer open: merged ones are followed until
+        // their migrations end; closed ones are forgotten.
+        let gone: Vec<u64> = {
+            let st = self.state();
+            st.planned.keys().filter(|n| !prs.iter().any(|p| p.number == **n)).copied().collect()
+        };
+        for number in gone {
+            let pr = forge.pull_request(number).await?;
+            let mut st = self.state();
+            st.planned.remove(&number);
+            if pr.merged
+                && let Some(plan) = st.plans.remove(&number)
+            {
+                st.following.insert(number, plan);
+            }
+        }
         let mut planned = 0;
         for pr in prs.into_iter().filter(|p| p.base_ref == self.opts.branch) {
             if self.state().planned.get(&pr.number) == Some(&pr.head_sha) {
@@ -405,14 +421,16 @@ impl Gitops {
         if !pr.merged {
             return Ok(());
         }
-        let plan = self.state().plans.get(&number).cloned();
-        if let Some(plan) = plan {
-            self.state().following.insert(number, plan);
+        let mut st = self.state();
+        st.planned.remove(&number);
+        if let Some(plan) = st.plans.remove(&number) {
+            st.following.insert(number, plan);
         }
         Ok(())
     }
 
-    async fn update_followed(&self) -> anyhow::Result<()> {
+    /// Updates the comments of merged pull requests with their migrations' progress.
+    pub async fn update_followed(&self) -> anyhow::Result<()> {
         let Some(forge) = self.forge.clone() else { return Ok(()) };
         let following: Vec<(u64, PlannedPr)> =
             self.state().following.iter().map(|(k, v)| (*k, v.clone())).collect();
