@@ -5,14 +5,13 @@
 
 mod support;
 
-use k8s_openapi::api::storage::v1::StorageClass;
 use kube::api::{Api, DeleteParams, DynamicObject, ListParams, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
 use serde_json::json;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
-use support::{KubeEnv, kubevirt_sim, test_namespace};
+use support::{KubeEnv, ensure_storage_class, kubevirt_sim, phase_of, test_namespace};
 use vmmigrate::api::{Phase, RETRY_ANNOTATION, VirtualMachineMigration, condition};
 use vmmigrate::controller::adapters::Adapters;
 use vmmigrate::controller::reconciler::{self, ControllerConfig, FINALIZER};
@@ -147,20 +146,6 @@ impl Harness {
             .unwrap()
             .items
     }
-}
-
-fn phase_of(vmm: &VirtualMachineMigration) -> Phase {
-    vmm.status.as_ref().map(|s| s.phase).unwrap_or_default()
-}
-
-async fn ensure_storage_class(client: &Client) {
-    let classes: Api<StorageClass> = Api::all(client.clone());
-    let sc: StorageClass = serde_json::from_value(json!({
-        "apiVersion": "storage.k8s.io/v1", "kind": "StorageClass",
-        "metadata": {"name": "standard"}, "provisioner": "kubernetes.io/no-provisioner"
-    }))
-    .unwrap();
-    let _ = classes.create(&PostParams::default(), &sc).await;
 }
 
 /// The API server's table view, as `kubectl get vmm` prints it: (column names, first row cells).

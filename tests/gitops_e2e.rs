@@ -6,8 +6,7 @@
 
 mod support;
 
-use k8s_openapi::api::storage::v1::StorageClass;
-use kube::api::{Api, PostParams};
+use kube::api::Api;
 use kube::{Client, ResourceExt};
 use serde_json::json;
 use std::path::{Path, PathBuf};
@@ -16,7 +15,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 use support::fake_forge::{BOT_LOGIN, Dialect, FakeForge, FakePr, OWNER, REPO, TOKEN};
-use support::{KubeEnv, kubevirt_sim, test_namespace};
+use support::{KubeEnv, ensure_storage_class, kubevirt_sim, phase_of, test_namespace};
 use vmmigrate::api::{Phase, VirtualMachineMigration};
 use vmmigrate::controller::adapters::Adapters;
 use vmmigrate::controller::reconciler::{self, ControllerConfig};
@@ -177,16 +176,6 @@ fn options(remote: &Remote, cache: &Path, ns: &str) -> GitopsOptions {
     }
 }
 
-async fn ensure_storage_class(client: &Client) {
-    let classes: Api<StorageClass> = Api::all(client.clone());
-    let sc: StorageClass = serde_json::from_value(json!({
-        "apiVersion": "storage.k8s.io/v1", "kind": "StorageClass",
-        "metadata": {"name": "standard"}, "provisioner": "kubernetes.io/no-provisioner"
-    }))
-    .unwrap();
-    let _ = classes.create(&PostParams::default(), &sc).await;
-}
-
 /// The controller on the simulated source world, watching `ns`.
 struct SimController {
     _sims: kubevirt_sim::Simulators,
@@ -235,10 +224,6 @@ async fn wait_for<T>(what: &str, mut f: impl AsyncFnMut() -> Option<T>) -> T {
         assert!(Instant::now() < deadline, "timed out waiting for {what}");
         tokio::time::sleep(Duration::from_millis(25)).await;
     }
-}
-
-fn phase_of(vmm: &VirtualMachineMigration) -> Phase {
-    vmm.status.as_ref().map(|s| s.phase).unwrap_or_default()
 }
 
 /// POSTs a GitHub push event for `after` to the receiver, signed with `secret`.

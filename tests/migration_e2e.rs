@@ -13,7 +13,6 @@ mod support;
 use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::core::v1::{Secret, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
-use k8s_openapi::api::storage::v1::StorageClass;
 use kube::api::{Api, DynamicObject, ListParams, PostParams};
 use kube::{Client, ResourceExt};
 use serde_json::{Value, json};
@@ -22,7 +21,7 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 use support::esxi_emulator::{EsxiEmulator, EsxiOptions};
 use support::netns::Netns;
-use support::{KubeEnv, job_sim, kubevirt_sim, test_namespace};
+use support::{KubeEnv, ensure_storage_class, job_sim, kubevirt_sim, phase_of, test_namespace};
 use vmmigrate::api::{Phase, VirtualMachineMigration};
 use vmmigrate::controller::reconciler::{self, ControllerConfig};
 use vmmigrate::controller::service::{self, ControllerOptions};
@@ -80,6 +79,7 @@ impl Migration {
             job_namespace: None,
             work_claim: Some("vmmigrate-work".into()),
             instance: "e2e".into(),
+            metrics_listen: "127.0.0.1:0".parse().unwrap(),
         };
         let staging = service::start_staging(&opts).await.expect("staging server");
         let pvc_root = work.path().join("pvcs");
@@ -254,20 +254,6 @@ fn walk(dir: &Path, f: &mut impl FnMut(&Path)) {
             walk(&path, f);
         }
     }
-}
-
-fn phase_of(vmm: &VirtualMachineMigration) -> Phase {
-    vmm.status.as_ref().map(|s| s.phase).unwrap_or_default()
-}
-
-async fn ensure_storage_class(client: &Client) {
-    let classes: Api<StorageClass> = Api::all(client.clone());
-    let sc: StorageClass = serde_json::from_value(json!({
-        "apiVersion": "storage.k8s.io/v1", "kind": "StorageClass",
-        "metadata": {"name": "standard"}, "provisioner": "kubernetes.io/no-provisioner"
-    }))
-    .unwrap();
-    let _ = classes.create(&PostParams::default(), &sc).await;
 }
 
 /// Service `db-web` port 80 → the guest's web server. The EndpointSlice is

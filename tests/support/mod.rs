@@ -33,3 +33,21 @@ fn rand_u32() -> u32 {
     use std::hash::{BuildHasher, RandomState};
     RandomState::new().hash_one(std::time::SystemTime::now()) as u32
 }
+
+/// The StorageClass `standard` the tests' migrations name (created once; an
+/// existing one is fine).
+pub async fn ensure_storage_class(client: &kube::Client) {
+    use k8s_openapi::api::storage::v1::StorageClass;
+    use kube::api::{Api, PostParams};
+    let sc: StorageClass = serde_json::from_value(serde_json::json!({
+        "apiVersion": "storage.k8s.io/v1", "kind": "StorageClass",
+        "metadata": {"name": "standard"}, "provisioner": "kubernetes.io/no-provisioner"
+    }))
+    .expect("storage class object");
+    let _ = Api::<StorageClass>::all(client.clone()).create(&PostParams::default(), &sc).await;
+}
+
+/// The phase a migration's status shows (Pending without a status).
+pub fn phase_of(vmm: &vmmigrate::api::VirtualMachineMigration) -> vmmigrate::api::Phase {
+    vmm.status.as_ref().map(|s| s.phase).unwrap_or_default()
+}
