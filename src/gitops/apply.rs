@@ -109,14 +109,17 @@ pub fn reconcile_spec(rendered: &Value, live: Option<&VirtualMachineMigration>) 
 
 /// The spec as the API server would store it if `rendered` were applied now:
 /// a server-side dry run, so defaults and admission are the server's own
-/// (what `kubectl diff` shows). `Err` carries the server's refusal.
-pub async fn server_spec(client: &Client, rendered: &RenderedMigration) -> Result<Value, String> {
+/// (what `kubectl diff` shows). `Ok(None)`: not allowed to ask (with
+/// `--no-apply` the ServiceAccount may lack `create`); `Err` carries the
+/// server's refusal of the manifest.
+pub async fn server_spec(client: &Client, rendered: &RenderedMigration) -> Result<Option<Value>, String> {
     let api: Api<VirtualMachineMigration> = Api::namespaced(client.clone(), &rendered.namespace);
     let live = api.get_opt(&rendered.name).await.map_err(|e| e.to_string())?;
     let (object, _) = reconcile_spec(&rendered.object, live.as_ref());
     let dry = PatchParams::apply(FIELD_MANAGER).force().dry_run();
     match api.patch(&rendered.name, &dry, &Patch::Apply(&object)).await {
-        Ok(stored) => Ok(serde_json::to_value(&stored.spec).unwrap_or(Value::Null)),
+        Ok(stored) => Ok(Some(serde_json::to_value(&stored.spec).unwrap_or(Value::Null))),
+        Err(kube::Error::Api(s)) if s.code == 403 => Ok(None),
         Err(kube::Error::Api(s)) => Err(s.message),
         Err(e) => Err(e.to_string()),
     }

@@ -58,7 +58,14 @@ pub async fn plan_entry(
     let api: Api<VirtualMachineMigration> = Api::namespaced(client.clone(), &r.namespace);
     if let Some(live) = api.get_opt(&r.name).await? {
         match server_spec(client, r).await {
-            Ok(spec) => entry.rendered_yaml = serde_yaml::to_string(&spec)?,
+            Ok(Some(spec)) => entry.rendered_yaml = serde_yaml::to_string(&spec)?,
+            // Not allowed to dry-run: the live spec is projected on what the
+            // manifest writes, so server defaults still do not show as changes.
+            Ok(None) => {
+                let live = project(&serde_json::to_value(&live.spec)?, &r.object["spec"]);
+                entry.live_yaml = Some(serde_yaml::to_string(&live)?);
+                return Ok(Ok(entry));
+            }
             Err(refusal) => return Ok(Err(format!("{}: {}/{}: {refusal}", r.path, r.namespace, r.name))),
         }
         entry.live_yaml = Some(serde_yaml::to_string(&serde_json::to_value(&live.spec)?)?);
@@ -66,6 +73,17 @@ pub async fn plan_entry(
         return Ok(Err(format!("{}: {}/{}: {refusal}", r.path, r.namespace, r.name)));
     }
     Ok(Ok(entry))
+}
+
+/// `live` reduced to the object keys `shape` has (arrays and scalars whole).
+fn project(live: &serde_json::Value, shape: &serde_json::Value) -> serde_json::Value {
+    use serde_json::Value;
+    match (live, shape) {
+        (Value::Object(l), Value::Object(w)) => {
+            Value::Object(w.keys().filter_map(|k| Some((k.clone(), project(l.get(k)?, &w[k])))).collect())
+        }
+        (l, _) => l.clone(),
+    }
 }
 
 /// One line per migration: name, phase, a progress bar, the last error.
@@ -107,6 +125,13 @@ pub async fn live_migrations(client: &Client, all: bool) -> anyhow::Result<Vec<V
 mod tests {
     use super::*;
     use crate::api::{Phase, Progress, VirtualMachineMigrationStatus};
+
+    #[test]
+    fn projection_keeps_only_what_the_manifest_writes() {
+        let live = serde_json::json!({"a": 1, "b": {"c": 2, "d": 3}, "e": [1, 2]});
+        let shape = serde_json::json!({"b": {"c": 0}, "e": [], "x": 1});
+        assert_eq!(project(&live, &shape), serde_json::json!({"b": {"c": 2}, "e": [1, 2]}));
+    }
 
     #[test]
     fn status_table_shows_phase_bar_and_last_error() {

@@ -1,0 +1,668 @@
+//! deploy/: the kustomize base and its overlays, applied to a real
+//! kube-apiserver that authorizes with RBAC (`--authorization-mode=RBAC` in
+//! support/kube_env.rs), and the ServiceAccount's rights proven with
+//! SubjectAccessReviews: every call in `CALLS` is allowed, everything in
+//! `FORBIDDEN` is not.
+//!
+//! kustomize is not installed here, so `kustomize()` below builds the
+//! kustomizations itself, implementing only what deploy/ uses (resources,
+//! `namespace:`, JSON6902 `patches:`); it refuses any other field, so a new
+//! feature in a kustomization fails here until this loader learns it.
+//! (`kubectl kustomize` of each directory gave the same objects when written.)
+//!
+//! The base is applied to the shared cluster's real `vmmigrate-system`. The
+//! gitops-coexistence tests change the shared ClusterRole, so they hold
+//! `CLUSTER_RBAC` for writing and restore the base before letting go.
+
+mod support;
+
+use clap::CommandFactory;
+use k8s_openapi::api::authorization::v1::{ResourceAttributes, SubjectAccessReview, SubjectAccessReviewSpec};
+use k8s_openapi::api::core::v1::Namespace;
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use kube::api::{Api, DynamicObject, GroupVersionKind, Patch, PatchParams, PostParams};
+use kube::config::{KubeConfigOptions, Kubeconfig};
+use kube::discovery::Scope;
+use kube::{Client, Config};
+use serde::Deserialize;
+use serde_json::{Value, json};
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+use support::KubeEnv;
+use tokio::sync::RwLock;
+
+/// One API request: (verb, API group, resource, subresource, namespace).
+/// An empty namespace is a cluster-scoped resource, or every namespace.
+type Call = (&'static str, &'static str, &'static str, &'static str, &'static str);
+
+const MIGRATIONS: &str = "migration.platform.example";
+const SYSTEM: &str = "vmmigrate-system";
+/// Any namespace holding migrations or destinations (the ClusterRole's reach);
+/// not one vmmigrate reads Secrets in.
+const ANY: &str = "apps";
+/// The namespace deploy/overlays/example-tenant grants.
+const TENANT: &str = "vmmigrate";
+
+const SA_USER: &str = "system:serviceaccount:vmmigrate-system:vmmigrate";
+const SA_GROUPS: &[&str] =
+    &["system:serviceaccounts", "system:serviceaccounts:vmmigrate-system", "system:authenticated"];
+
+/// Every call vmmigrate makes, from src/ (deploy/README.md has the reason for each).
+const CALLS: &[Call] = &[
+    // gitops: apply (server-side apply, which creates a new object), orphan
+    // marks, live list for status and plans; controller: watch all
+    // namespaces, a fresh get per reconcile, finalizer and retry annotation.
+    ("get", MIGRATIONS, "virtualmachinemigrations", "", ANY),
+    ("list", MIGRATIONS, "virtualmachinemigrations", "", ""),
+    ("watch", MIGRATIONS, "virtualmachinemigrations", "", ""),
+    ("create", MIGRATIONS, "virtualmachinemigrations", "", ANY),
+    ("patch", MIGRATIONS, "virtualmachinemigrations", "", ANY),
+    ("patch", MIGRATIONS, "virtualmachinemigrations", "status", ANY),
+    // blockOwnerDeletion on owned objects (OwnerReferencesPermissionEnforcement).
+    ("update", MIGRATIONS, "virtualmachinemigrations", "finalizers", ANY),
+    ("list", "cdi.kubevirt.io", "datavolumes", "", ""),
+    ("watch", "cdi.kubevirt.io", "datavolumes", "", ""),
+    ("get", "cdi.kubevirt.io", "datavolumes", "", ANY),
+    ("create", "cdi.kubevirt.io", "datavolumes", "", ANY),
+    ("patch", "cdi.kubevirt.io", "datavolumes", "", ANY),
+    ("delete", "cdi.kubevirt.io", "datavolumes", "", ANY),
+    ("list", "kubevirt.io", "virtualmachines", "", ""),
+    ("watch", "kubevirt.io", "virtualmachines", "", ""),
+    ("get", "kubevirt.io", "virtualmachines", "", ANY),
+    ("create", "kubevirt.io", "virtualmachines", "", ANY),
+    ("patch", "kubevirt.io", "virtualmachines", "", ANY),
+    ("delete", "kubevirt.io", "virtualmachines", "", ANY),
+    ("list", "kubevirt.io", "virtualmachineinstances", "", ""),
+    ("watch", "kubevirt.io", "virtualmachineinstances", "", ""),
+    ("get", "kubevirt.io", "virtualmachineinstances", "", ANY),
+    // Conversion Jobs, in VMMIGRATE_JOB_NAMESPACE only.
+    ("get", "batch", "jobs", "", SYSTEM),
+    ("list", "batch", "jobs", "", SYSTEM),
+    ("create", "batch", "jobs", "", SYSTEM),
+    ("delete", "batch", "jobs", "", SYSTEM),
+    // HTTP checks.
+    ("get", "", "services", "", ANY),
+    ("list", "discovery.k8s.io", "endpointslices", "", ANY),
+    // Pre-flight.
+    ("get", "storage.k8s.io", "storageclasses", "", ""),
+    ("get", "", "namespaces", "", ""),
+    // kube-runtime's Recorder.
+    ("create", "events.k8s.io", "events", "", ANY),
+    ("patch", "events.k8s.io", "events", "", ANY),
+    // Leader election.
+    ("get", "coordination.k8s.io", "leases", "", SYSTEM),
+    ("create", "coordination.k8s.io", "leases", "", SYSTEM),
+    ("update", "coordination.k8s.io", "leases", "", SYSTEM),
+    // ESXi credentials of migrations in the namespace the base configures.
+    ("get", "", "secrets", "", SYSTEM),
+];
+
+/// What the ServiceAccount must never be able to do.
+const FORBIDDEN: &[Call] = &[
+    ("get", "", "secrets", "", ANY),
+    ("list", "", "secrets", "", ANY),
+    ("get", "", "secrets", "", ""),
+    ("list", "", "secrets", "", ""),
+    ("watch", "", "secrets", "", ""),
+    // By name only, even where it may read them.
+    ("list", "", "secrets", "", SYSTEM),
+    ("watch", "", "secrets", "", SYSTEM),
+    ("delete", "", "namespaces", "", ""),
+    ("create", "rbac.authorization.k8s.io", "clusterrolebindings", "", ""),
+    ("create", "rbac.authorization.k8s.io", "rolebindings", "", SYSTEM),
+    ("escalate", "rbac.authorization.k8s.io", "clusterroles", "", ""),
+    ("bind", "rbac.authorization.k8s.io", "clusterroles", "", ""),
+    ("escalate", "rbac.authorization.k8s.io", "roles", "", SYSTEM),
+    ("bind", "rbac.authorization.k8s.io", "roles", "", SYSTEM),
+    ("impersonate", "", "serviceaccounts", "", ""),
+    // It never deletes a migration: that is a person's decision.
+    ("delete", MIGRATIONS, "virtualmachinemigrations", "", ANY),
+    ("deletecollection", MIGRATIONS, "virtualmachinemigrations", "", ANY),
+    // Jobs (pods that could mount any Secret of their namespace) only in vmmigrate-system.
+    ("create", "batch", "jobs", "", ANY),
+    ("create", "", "pods", "", SYSTEM),
+    ("create", "coordination.k8s.io", "leases", "", ANY),
+];
+
+/// Held for writing by tests that change the shared ClusterRole.
+static CLUSTER_RBAC: RwLock<()> = RwLock::const_new(());
+
+fn deploy_dir(rel: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy").join(rel)
+}
+
+// ---------------------------------------------------------------------------
+// A minimal kustomize.
+
+/// Kinds kustomize's namespace transformer leaves alone.
+const CLUSTER_SCOPED: &[&str] = &[
+    "Namespace",
+    "CustomResourceDefinition",
+    "ClusterRole",
+    "ClusterRoleBinding",
+    "StorageClass",
+    "PersistentVolume",
+    "PriorityClass",
+    "ValidatingWebhookConfiguration",
+    "MutatingWebhookConfiguration",
+];
+
+/// The objects `kustomize build <dir>` would print (in load order).
+fn kustomize(dir: &Path) -> Vec<Value> {
+    let file = dir.join("kustomization.yaml");
+    let text = std::fs::read_to_string(&file).unwrap_or_else(|e| panic!("{}: {e}", file.display()));
+    let k: Value = serde_yaml::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", file.display()));
+    let known = ["apiVersion", "kind", "resources", "namespace", "patches"];
+    for key in k.as_object().expect("kustomization is a mapping").keys() {
+        assert!(
+            known.contains(&key.as_str()),
+            "{}: this test's kustomize does not do `{key}`",
+            file.display()
+        );
+    }
+    let mut objects = Vec::new();
+    for resource in k["resources"].as_array().into_iter().flatten() {
+        let path = dir.join(resource.as_str().expect("resource path"));
+        if path.is_dir() {
+            objects.extend(kustomize(&path));
+        } else {
+            objects.extend(yaml_documents(&path));
+        }
+    }
+    for patch in k["patches"].as_array().into_iter().flatten() {
+        let path = dir.join(patch["path"].as_str().expect("only `path:` patches"));
+        let ops: Value = serde_yaml::from_str(&std::fs::read_to_string(&path).expect("read patch"))
+            .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        assert!(ops.is_array(), "{}: only JSON6902 patches (a list of operations)", path.display());
+        let target = &patch["target"];
+        let matching: Vec<&mut Value> = objects.iter_mut().filter(|o| targets(target, o)).collect();
+        assert_eq!(matching.len(), 1, "{}: target {target} must match one object", path.display());
+        for obj in matching {
+            json6902(obj, &ops).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        }
+    }
+    if let Some(ns) = k["namespace"].as_str() {
+        for obj in &mut objects {
+            set_namespace(obj, ns);
+        }
+    }
+    objects
+}
+
+fn yaml_documents(path: &Path) -> Vec<Value> {
+    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    serde_yaml::Deserializer::from_str(&text)
+        .map(|doc| Value::deserialize(doc).unwrap_or_else(|e| panic!("{}: {e}", path.display())))
+        .filter(|v| !v.is_null())
+        .collect()
+}
+
+fn targets(target: &Value, obj: &Value) -> bool {
+    let api_version = obj["apiVersion"].as_str().unwrap_or_default();
+    let (group, version) = api_version.rsplit_once('/').unwrap_or(("", api_version));
+    let field = |key: &str, actual: &str| target.get(key).and_then(Value::as_str).is_none_or(|w| w == actual);
+    field("group", group)
+        && field("version", version)
+        && field("kind", obj["kind"].as_str().unwrap_or_default())
+        && field("name", obj["metadata"]["name"].as_str().unwrap_or_default())
+}
+
+/// RFC 6902 `test`, `add`, `remove` and `replace`: what deploy/ uses.
+fn json6902(doc: &mut Value, ops: &Value) -> Result<(), String> {
+    for op in ops.as_array().into_iter().flatten() {
+        let path = op["path"].as_str().ok_or("an operation without a path")?;
+        let (parent_path, last) = path.rsplit_once('/').ok_or_else(|| format!("bad path {path}"))?;
+        let last = last.replace("~1", "/").replace("~0", "~");
+        match op["op"].as_str() {
+            Some("test") => {
+                if doc.pointer(path) != Some(&op["value"]) {
+                    return Err(format!("test failed: {path} is {:?}", doc.pointer(path)));
+                }
+            }
+            Some("replace") => {
+                *doc.pointer_mut(path).ok_or_else(|| format!("replace: no {path}"))? = op["value"].clone();
+            }
+            Some(kind @ ("add" | "remove")) => {
+                let parent =
+                    doc.pointer_mut(parent_path).ok_or_else(|| format!("{kind}: no {parent_path}"))?;
+                match (parent, kind) {
+                    (Value::Array(items), "add") if last == "-" => items.push(op["value"].clone()),
+                    (Value::Array(items), "add") => {
+                        let i: usize = last.parse().map_err(|_| format!("bad index in {path}"))?;
+                        items.insert(i, op["value"].clone());
+                    }
+                    (Value::Array(items), _) => {
+                        let i: usize = last.parse().map_err(|_| format!("bad index in {path}"))?;
+                        items.remove(i);
+                    }
+                    (Value::Object(map), "add") => {
+                        map.insert(last, op["value"].clone());
+                    }
+                    (Value::Object(map), _) => {
+                        map.remove(&last).ok_or_else(|| format!("remove: no {path}"))?;
+                    }
+                    _ => return Err(format!("{kind}: {parent_path} is not a container")),
+                }
+            }
+            other => return Err(format!("operation {other:?} is not implemented here")),
+        }
+    }
+    Ok(())
+}
+
+/// kustomize's namespace transformer, default mode: namespaced objects move;
+/// of RoleBinding subjects, only ServiceAccounts named `default` follow.
+fn set_namespace(obj: &mut Value, ns: &str) {
+    let kind = obj["kind"].as_str().unwrap_or_default().to_owned();
+    if !CLUSTER_SCOPED.contains(&kind.as_str()) {
+        obj["metadata"]["namespace"] = json!(ns);
+    }
+    if kind == "RoleBinding" || kind == "ClusterRoleBinding" {
+        for subject in obj["subjects"].as_array_mut().into_iter().flatten() {
+            if subject["kind"] == "ServiceAccount" && subject["name"] == "default" {
+                subject["namespace"] = json!(ns);
+            }
+        }
+    }
+}
+
+fn find<'a>(objects: &'a [Value], kind: &str, name: &str) -> &'a Value {
+    objects
+        .iter()
+        .find(|o| o["kind"] == kind && o["metadata"]["name"] == name)
+        .unwrap_or_else(|| panic!("no {kind} {name}"))
+}
+
+// ---------------------------------------------------------------------------
+// The cluster.
+
+/// Server-side apply of every object, Namespaces and CRDs first.
+async fn apply_all(client: &Client, objects: &[Value]) {
+    let rank = |o: &Value| match o["kind"].as_str() {
+        Some("Namespace") => 0,
+        Some("CustomResourceDefinition") => 1,
+        _ => 2,
+    };
+    let mut ordered: Vec<&Value> = objects.iter().collect();
+    ordered.sort_by_key(|o| rank(o));
+    let params = PatchParams::apply("vmmigrate-deploy-test").force();
+    for obj in ordered {
+        let api_version = obj["apiVersion"].as_str().expect("apiVersion");
+        let (group, version) = api_version.rsplit_once('/').unwrap_or(("", api_version));
+        let gvk = GroupVersionKind::gvk(group, version, obj["kind"].as_str().expect("kind"));
+        let (ar, caps) = kube::discovery::pinned_kind(client, &gvk)
+            .await
+            .unwrap_or_else(|e| panic!("{api_version} {}: {e}", gvk.kind));
+        let name = obj["metadata"]["name"].as_str().expect("metadata.name");
+        let api: Api<DynamicObject> = match caps.scope {
+            Scope::Cluster => Api::all_with(client.clone(), &ar),
+            Scope::Namespaced => {
+                let ns = obj["metadata"]["namespace"].as_str();
+                Api::namespaced_with(
+                    client.clone(),
+                    ns.unwrap_or_else(|| panic!("{name} has no namespace")),
+                    &ar,
+                )
+            }
+        };
+        api.patch(name, &params, &Patch::Apply(obj))
+            .await
+            .unwrap_or_else(|e| panic!("applying {} {name}: {e}", gvk.kind));
+    }
+}
+
+async fn ensure_namespace(client: &Client, name: &str) {
+    let ns: Namespace = serde_json::from_value(json!({"metadata": {"name": name}})).expect("namespace");
+    match Api::<Namespace>::all(client.clone()).create(&PostParams::default(), &ns).await {
+        Ok(_) => {}
+        Err(kube::Error::Api(s)) if s.code == 409 => {}
+        Err(e) => panic!("creating namespace {name}: {e}"),
+    }
+}
+
+/// Asks the API server's authorizer whether the ServiceAccount may make `call`.
+async fn may(client: &Client, call: Call) -> bool {
+    let (verb, group, resource, subresource, namespace) = call;
+    let some = |s: &str| (!s.is_empty()).then(|| s.to_owned());
+    let review = SubjectAccessReview {
+        spec: SubjectAccessReviewSpec {
+            user: Some(SA_USER.into()),
+            groups: Some(SA_GROUPS.iter().map(|g| g.to_string()).collect()),
+            resource_attributes: Some(ResourceAttributes {
+                verb: Some(verb.into()),
+                group: Some(group.into()),
+                resource: Some(resource.into()),
+                subresource: some(subresource),
+                namespace: some(namespace),
+                ..Default::default()
+            }),
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    let created = Api::<SubjectAccessReview>::all(client.clone())
+        .create(&PostParams::default(), &review)
+        .await
+        .expect("create SubjectAccessReview");
+    created.status.is_some_and(|s| s.allowed)
+}
+
+/// RBAC is read from an informer cache: a new grant or revocation shows
+/// after a moment. Waits until `call` is allowed (or not), up to 20 s.
+async fn eventually(client: &Client, call: Call, allowed: bool) -> bool {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        if may(client, call).await == allowed {
+            return true;
+        }
+        if tokio::time::Instant::now() > deadline {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+fn show(call: Call) -> String {
+    let (verb, group, resource, subresource, namespace) = call;
+    let resource =
+        if subresource.is_empty() { resource.to_owned() } else { format!("{resource}/{subresource}") };
+    let group = if group.is_empty() { "core" } else { group };
+    let namespace = if namespace.is_empty() { "(cluster)" } else { namespace };
+    format!("{verb} {group} {resource} in {namespace}")
+}
+
+/// Applies the base (again) and waits until its grants are in effect.
+async fn install_base(client: &Client) -> Vec<Value> {
+    let objects = kustomize(&deploy_dir("base"));
+    apply_all(client, &objects).await;
+    // One call per binding: all four are visible to the authorizer.
+    for call in [
+        ("create", MIGRATIONS, "virtualmachinemigrations", "", ANY),
+        ("get", "coordination.k8s.io", "leases", "", SYSTEM),
+        ("create", "batch", "jobs", "", SYSTEM),
+        ("get", "", "secrets", "", SYSTEM),
+    ] {
+        assert!(eventually(client, call, true).await, "the base does not allow: {}", show(call));
+    }
+    objects
+}
+
+/// A client that is the ServiceAccount (impersonated by the admin).
+async fn service_account_client() -> Client {
+    let kubeconfig = Kubeconfig::read_from(KubeEnv::shared().kubeconfig_path()).expect("kubeconfig");
+    let mut config =
+        Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default()).await.expect("kubeconfig");
+    config.auth_info.impersonate = Some(SA_USER.into());
+    config.auth_info.impersonate_groups = Some(SA_GROUPS.iter().map(|g| g.to_string()).collect());
+    Client::try_from(config).expect("client")
+}
+
+// ---------------------------------------------------------------------------
+// The manifests themselves.
+
+#[test]
+fn base_crd_is_byte_identical_to_the_generated_crd() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let generated = std::fs::read(root.join(vmmigrate::api::CRD_PATH)).expect("read the generated CRD");
+    let copy = std::fs::read(deploy_dir("base/crd.yaml")).expect("read deploy/base/crd.yaml");
+    assert!(
+        copy == generated,
+        "deploy/base/crd.yaml differs from {0}; run `cp {0} deploy/base/crd.yaml`",
+        vmmigrate::api::CRD_PATH
+    );
+}
+
+#[test]
+fn deployment_passes_only_flags_and_variables_that_vmmigrate_run_knows() {
+    let objects = kustomize(&deploy_dir("base"));
+    let cli = vmmigrate::cli::Cli::command();
+    let run = cli.find_subcommand("run").expect("`vmmigrate run`");
+    let longs: BTreeSet<&str> = run.get_arguments().filter_map(|a| a.get_long()).collect();
+    let envs: BTreeSet<String> =
+        run.get_arguments().filter_map(|a| a.get_env()).map(|e| e.to_string_lossy().into_owned()).collect();
+
+    let deployment = find(&objects, "Deployment", "vmmigrate");
+    let container = &deployment["spec"]["template"]["spec"]["containers"][0];
+    let args: Vec<&str> = container["args"].as_array().unwrap().iter().filter_map(Value::as_str).collect();
+    assert_eq!(args[..3], ["run", "--repo", "$(VMMIGRATE_REPO)"]);
+    assert!(args.contains(&"--leader-elect"), "two replicas need leader election: {args:?}");
+    for flag in args.iter().filter_map(|a| a.strip_prefix("--")) {
+        assert!(longs.contains(flag), "`vmmigrate run` has no --{flag}");
+    }
+
+    let config = find(&objects, "ConfigMap", "vmmigrate-config");
+    let mut names: Vec<String> = config["data"].as_object().unwrap().keys().cloned().collect();
+    names.extend(container["env"].as_array().unwrap().iter().map(|e| e["name"].as_str().unwrap().to_owned()));
+    for name in names.iter().filter(|n| n.starts_with("VMMIGRATE_") || n.starts_with("POD_")) {
+        assert!(envs.contains(name), "`vmmigrate run` reads no {name}");
+    }
+    assert_eq!(config["data"]["VMMIGRATE_MANIFEST_NAMESPACE"], SYSTEM, "where the base may read Secrets");
+    assert_eq!(config["data"]["VMMIGRATE_JOB_NAMESPACE"], SYSTEM, "where the base may create Jobs");
+    assert_eq!(config["data"]["VMMIGRATE_JOB_IMAGE"], container["image"], "Jobs run the controller's image");
+
+    for env in container["env"].as_array().unwrap() {
+        if let Some(secret) = env["valueFrom"].get("secretKeyRef") {
+            assert_eq!(secret["name"], "vmmigrate-git");
+            assert_eq!(secret["optional"], true, "{} must not keep the pod from starting", env["name"]);
+        }
+    }
+    let pod_name = container["env"].as_array().unwrap().iter().find(|e| e["name"] == "POD_NAME").unwrap();
+    assert_eq!(pod_name["valueFrom"]["fieldRef"]["fieldPath"], "metadata.name");
+
+    let security = &container["securityContext"];
+    assert_eq!(security["readOnlyRootFilesystem"], true);
+    assert_eq!(security["capabilities"]["drop"], json!(["ALL"]));
+    let pod = &deployment["spec"]["template"]["spec"];
+    assert_eq!(pod["securityContext"]["runAsNonRoot"], true);
+    let tmp = container["volumeMounts"].as_array().unwrap().iter().find(|m| m["mountPath"] == "/tmp");
+    let tmp_volume = pod["volumes"].as_array().unwrap().iter().find(|v| v["name"] == tmp.unwrap()["name"]);
+    assert!(tmp_volume.unwrap().get("emptyDir").is_some(), "/tmp is an emptyDir");
+
+    for (service, port) in
+        [("vmmigrate-staging", 8080), ("vmmigrate-webhooks", 8081), ("vmmigrate-metrics", 9090)]
+    {
+        let target = &find(&objects, "Service", service)["spec"]["ports"][0];
+        let named = container["ports"].as_array().unwrap().iter().find(|p| p["name"] == target["targetPort"]);
+        assert_eq!(named.map(|p| &p["containerPort"]), Some(&json!(port)), "{service}");
+    }
+    assert_eq!(container["livenessProbe"]["httpGet"], json!({"path": "/healthz", "port": "metrics"}));
+    assert_eq!(container["readinessProbe"]["httpGet"], json!({"path": "/readyz", "port": "metrics"}));
+}
+
+#[test]
+fn no_cluster_role_names_secrets_or_wildcards() {
+    for dir in ["base", "overlays/gitops-coexistence", "overlays/example-tenant"] {
+        for obj in kustomize(&deploy_dir(dir)) {
+            if obj["kind"] != "ClusterRole" && obj["kind"] != "Role" {
+                continue;
+            }
+            for rule in obj["rules"].as_array().unwrap() {
+                let words: Vec<&str> = ["apiGroups", "resources", "verbs"]
+                    .iter()
+                    .flat_map(|k| rule[*k].as_array().unwrap().iter().filter_map(Value::as_str))
+                    .collect();
+                assert!(!words.contains(&"*"), "{dir}: wildcard in {}", obj["metadata"]["name"]);
+                if obj["kind"] == "ClusterRole" {
+                    assert!(!words.contains(&"secrets"), "{dir}: ClusterRole {}", obj["metadata"]["name"]);
+                }
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Against the API server.
+
+#[tokio::test]
+async fn base_applies_and_leaves_the_installed_crd_unchanged() {
+    let client = KubeEnv::shared().client().await;
+    let _shared = CLUSTER_RBAC.read().await;
+    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
+    let name = "virtualmachinemigrations.migration.platform.example";
+    let before = crds.get(name).await.expect("the test env installs the CRD");
+    let objects = install_base(&client).await;
+    let after = crds.get(name).await.expect("CRD");
+    assert_eq!(after.metadata.generation, before.metadata.generation, "the CRD's spec changed");
+    assert_eq!(serde_json::to_value(&after.spec).unwrap(), serde_json::to_value(&before.spec).unwrap());
+
+    // Everything the kustomization lists is there, as written.
+    let kinds: BTreeSet<&str> = objects.iter().filter_map(|o| o["kind"].as_str()).collect();
+    for kind in [
+        "Namespace",
+        "CustomResourceDefinition",
+        "ServiceAccount",
+        "ClusterRole",
+        "ClusterRoleBinding",
+        "Role",
+        "RoleBinding",
+        "ConfigMap",
+        "PersistentVolumeClaim",
+        "Deployment",
+        "Service",
+    ] {
+        assert!(kinds.contains(kind), "the base has no {kind}");
+    }
+    let deployments: Api<k8s_openapi::api::apps::v1::Deployment> = Api::namespaced(client.clone(), SYSTEM);
+    let deployment = deployments.get("vmmigrate").await.expect("Deployment");
+    assert_eq!(deployment.spec.and_then(|s| s.replicas), Some(2));
+}
+
+#[tokio::test]
+async fn service_account_may_make_every_call_the_controller_makes() {
+    let client = KubeEnv::shared().client().await;
+    let _shared = CLUSTER_RBAC.read().await;
+    install_base(&client).await;
+    let mut refused = Vec::new();
+    for &call in CALLS {
+        if !eventually(&client, call, true).await {
+            refused.push(show(call));
+        }
+    }
+    assert!(refused.is_empty(), "the ServiceAccount may not:\n  {}", refused.join("\n  "));
+}
+
+#[tokio::test]
+async fn service_account_cannot_read_other_secrets_delete_migrations_or_escalate() {
+    let client = KubeEnv::shared().client().await;
+    let _shared = CLUSTER_RBAC.read().await;
+    install_base(&client).await;
+    let mut allowed = Vec::new();
+    for &call in FORBIDDEN {
+        if may(&client, call).await {
+            allowed.push(show(call));
+        }
+    }
+    assert!(allowed.is_empty(), "the ServiceAccount may:\n  {}", allowed.join("\n  "));
+}
+
+#[tokio::test]
+async fn example_tenant_overlay_lets_it_get_secrets_in_that_namespace_only() {
+    let client = KubeEnv::shared().client().await;
+    let _shared = CLUSTER_RBAC.read().await;
+    install_base(&client).await;
+    ensure_namespace(&client, TENANT).await;
+    let objects = kustomize(&deploy_dir("overlays/example-tenant"));
+    assert_eq!(
+        objects.len(),
+        kustomize(&deploy_dir("base")).len() + 2,
+        "the base plus a Role and RoleBinding"
+    );
+    apply_all(&client, &objects).await;
+    let get = ("get", "", "secrets", "", TENANT);
+    assert!(eventually(&client, get, true).await, "{}", show(get));
+    for call in [
+        ("list", "", "secrets", "", TENANT),
+        ("watch", "", "secrets", "", TENANT),
+        ("get", "", "secrets", "", ANY),
+    ] {
+        assert!(!may(&client, call).await, "the ServiceAccount may {}", show(call));
+    }
+}
+
+#[tokio::test]
+async fn gitops_coexistence_overlay_passes_no_apply_and_cannot_create_migrations() {
+    let client = KubeEnv::shared().client().await;
+    let _exclusive = CLUSTER_RBAC.write().await;
+    install_base(&client).await;
+    let objects = kustomize(&deploy_dir("overlays/gitops-coexistence"));
+    let args =
+        &find(&objects, "Deployment", "vmmigrate")["spec"]["template"]["spec"]["containers"][0]["args"];
+    assert_eq!(args[args.as_array().unwrap().len() - 1], "--no-apply");
+    let base = kustomize(&deploy_dir("base"));
+    let base_args =
+        &find(&base, "Deployment", "vmmigrate")["spec"]["template"]["spec"]["containers"][0]["args"];
+    assert_eq!(
+        args.as_array().unwrap()[..base_args.as_array().unwrap().len()],
+        base_args.as_array().unwrap()[..]
+    );
+
+    apply_all(&client, &objects).await;
+    let create = ("create", MIGRATIONS, "virtualmachinemigrations", "", ANY);
+    let denied = eventually(&client, create, false).await;
+    // The controller's own calls on migrations stay allowed.
+    let mut refused = Vec::new();
+    for &call in CALLS.iter().filter(|c| c.1 == MIGRATIONS && c.0 != "create") {
+        if !may(&client, call).await {
+            refused.push(show(call));
+        }
+    }
+    install_base(&client).await; // restore before anyone else looks
+    assert!(denied, "gitops-coexistence still allows {}", show(create));
+    assert!(refused.is_empty(), "gitops-coexistence refuses:\n  {}", refused.join("\n  "));
+}
+
+/// Why the overlay's trade-off is documented: a pull-request plan diffs a
+/// manifest through a server-side dry run, and a dry run that would create
+/// the object is authorized as a create.
+#[tokio::test]
+async fn in_gitops_coexistence_a_dry_run_apply_of_a_new_migration_is_forbidden() {
+    let admin = KubeEnv::shared().client().await;
+    let _exclusive = CLUSTER_RBAC.write().await;
+    install_base(&admin).await;
+    let existing = "deploy-rbac-existing";
+    let migration = |name: &str| {
+        json!({
+            "apiVersion": "migration.platform.example/v1alpha1",
+            "kind": "VirtualMachineMigration",
+            "metadata": {"name": name, "namespace": SYSTEM},
+            "spec": {
+                "source": {
+                    "host": "esxi01.example.internal",
+                    "hostKey": "SHA256:uNiVztksCsDhcc0u9e8BujQXVUpKZIDTMczCvj3tD2s",
+                    "credentialsSecretRef": {"name": "esxi01-credentials"},
+                    "vm": {"name": "web-01"}
+                },
+                "destination": {"namespace": "apps", "storageClassName": "standard"}
+            }
+        })
+    };
+    let ar = kube::discovery::ApiResource::erase::<vmmigrate::api::VirtualMachineMigration>(&());
+    let admin_api: Api<DynamicObject> = Api::namespaced_with(admin.clone(), SYSTEM, &ar);
+    admin_api
+        .patch(
+            existing,
+            &PatchParams::apply("vmmigrate-deploy-test").force(),
+            &Patch::Apply(migration(existing)),
+        )
+        .await
+        .expect("create the existing migration");
+
+    let sa: Api<DynamicObject> = Api::namespaced_with(service_account_client().await, SYSTEM, &ar);
+    let dry = PatchParams::apply("vmmigrate-gitops").force().dry_run();
+    let new = "deploy-rbac-new";
+    sa.patch(new, &dry, &Patch::Apply(migration(new))).await.expect("base: a dry run of a new migration");
+
+    apply_all(&admin, &kustomize(&deploy_dir("overlays/gitops-coexistence"))).await;
+    let create = ("create", MIGRATIONS, "virtualmachinemigrations", "", SYSTEM);
+    let revoked = eventually(&admin, create, false).await;
+    let new_result = sa.patch(new, &dry, &Patch::Apply(migration(new))).await;
+    let existing_result = sa.patch(existing, &dry, &Patch::Apply(migration(existing))).await;
+    install_base(&admin).await; // restore before anyone else looks
+    assert!(revoked, "gitops-coexistence still allows {}", show(create));
+    match new_result {
+        Err(kube::Error::Api(s)) => assert_eq!(s.code, 403, "{s:?}"),
+        other => panic!("a dry run of a new migration without `create`: {other:?}"),
+    }
+    existing_result.expect("a dry run of an existing migration needs only `patch`");
+}
