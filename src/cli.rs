@@ -78,7 +78,9 @@ pub enum Command {
         output: Option<PathBuf>,
     },
     /// Start a complete local demo: API server, ESXi host, Git remote, vmmigrate.
-    Demo,
+    ///
+    /// Needs root and the Debian packages of `.ci/run`; see docs/quickstart.md.
+    Demo(crate::demo::DemoOptions),
     /// Show the status of the migrations: from the cluster, or from the status branch with `--repo`.
     Status {
         /// Read the status branch of this repository instead of the cluster.
@@ -139,7 +141,7 @@ pub fn run(cli: Cli) -> ExitCode {
         Command::Render { repo, namespace } => render_local(&repo, &namespace, true),
         Command::Plan { repo, namespace, offline } => plan(&repo, &namespace, offline),
         Command::Validate { repo, namespace } => render_local(&repo, &namespace, false),
-        Command::Demo => Err(NotImplemented("demo").into()),
+        Command::Demo(opts) => crate::demo::run(opts),
         Command::Status { repo, branch, all, watch } => status(repo, &branch, all, watch),
         Command::Convert { input, input_sha256, input_marker, expected_size, output, format, virt_v2v } => {
             format.parse().map_err(anyhow::Error::from).and_then(|format| {
@@ -180,9 +182,12 @@ fn gitops(
     init_logging();
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     runtime.block_on(async move {
+        let _metrics =
+            crate::metrics::serve_configured(controller.as_ref().map(|c| c.metrics_listen)).await?;
         let client = kube::Client::try_default().await?;
         let gitops = crate::gitops::service::start(client.clone(), opts).await?;
-        match controller {
+        // Err: the controller lost its Lease; the process exits so the Deployment restarts it.
+        let result = match controller {
             Some(c) => {
                 let staging = ctl::start_staging(&c).await?;
                 let url = c.staging_url.clone().unwrap_or_else(|| format!("http://{}", staging.local_addr()));
@@ -193,13 +198,17 @@ fn gitops(
                     instance: c.instance.clone(),
                     interrupt: None,
                 };
-                crate::controller::reconciler::run(client, adapters, config, ctl::shutdown_signal()).await;
+                let result = ctl::run_reconciler(client, adapters, config, &c.leader_election).await;
                 drop(staging);
+                result
             }
-            None => ctl::shutdown_signal().await,
-        }
+            None => {
+                ctl::shutdown_signal().await;
+                Ok(())
+            }
+        };
         gitops.stop().await;
-        Ok(())
+        result
     })
 }
 
@@ -273,11 +282,55 @@ fn status(repo: Option<String>, branch: &str, all: bool, watch: bool) -> anyhow:
     })
 }
 
-/// Logs to standard error; `RUST_LOG` filters (default `info`).
+/// Logs to standard error; `RUST_LOG` filters (default `info`);
+/// `VMMIGRATE_LOG_FORMAT` is `text` (default) or `json`.
 fn init_logging() {
+    use tracing_subscriber::util::SubscriberInitExt as _;
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
+    let requested = std::env::var("VMMIGRATE_LOG_FORMAT").unwrap_or_default();
+    let format = LogFormat::parse(&requested);
+    let _ = log_subscriber(format.unwrap_or(LogFormat::Text), filter, std::io::stderr).try_init();
+    if format.is_none() {
+        tracing::warn!(VMMIGRATE_LOG_FORMAT = %requested, "unknown log format (json or text); logging text");
+    }
+}
+
+/// How log lines are written (`VMMIGRATE_LOG_FORMAT`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LogFormat {
+    /// Human-readable lines.
+    Text,
+    /// One JSON object per line, with the fields of the enclosing spans
+    /// (`span` and `spans`), such as a reconcile's `migration`.
+    Json,
+}
+
+impl LogFormat {
+    /// `json` or `text` (any case); empty is `text`; `None` for anything else.
+    pub fn parse(s: &str) -> Option<LogFormat> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "" | "text" => Some(LogFormat::Text),
+            "json" => Some(LogFormat::Json),
+            _ => None,
+        }
+    }
+}
+
+/// The subscriber `init_logging` installs, writing to `writer`.
+pub fn log_subscriber<W>(
+    format: LogFormat,
+    filter: tracing_subscriber::EnvFilter,
+    writer: W,
+) -> Box<dyn tracing::Subscriber + Send + Sync>
+where
+    W: for<'w> tracing_subscriber::fmt::MakeWriter<'w> + Send + Sync + 'static,
+{
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(writer);
+    match format {
+        LogFormat::Text => Box::new(builder.finish()),
+        LogFormat::Json => Box::new(builder.json().finish()),
+    }
 }
 
 /// Runs one conversion and prints its marker as a JSON line. A failure

@@ -79,6 +79,7 @@ impl Migration {
             job_namespace: None,
             work_claim: Some("vmmigrate-work".into()),
             instance: "e2e".into(),
+            leader_election: Default::default(),
             metrics_listen: "127.0.0.1:0".parse().unwrap(),
         };
         let staging = service::start_staging(&opts).await.expect("staging server");

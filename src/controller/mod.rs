@@ -8,6 +8,7 @@
 
 pub mod adapters;
 pub mod engine;
+pub mod leader;
 pub mod reconciler;
 pub mod service;
 pub mod sim;

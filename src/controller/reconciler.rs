@@ -18,11 +18,11 @@ use crate::target::cluster::{
 use crate::target::render::{LABEL_MIGRATION, LABEL_MIGRATION_NAMESPACE};
 use futures::StreamExt;
 use k8s_openapi::jiff::Timestamp;
-use kube::api::{Api, DynamicObject, Patch, PatchParams};
+use kube::api::{Api, DynamicObject, ListParams, Patch, PatchParams};
 use kube::core::ApiResource;
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::events::{Event, EventType as KubeEventType, Recorder, Reporter};
-use kube::runtime::finalizer::{Event as FinalizerEvent, finalizer};
+use kube::runtime::finalizer::{Error as FinalizerError, Event as FinalizerEvent, finalizer};
 use kube::runtime::reflector::ObjectRef;
 use kube::runtime::watcher;
 use kube::{Client, Resource, ResourceExt};
@@ -82,7 +82,11 @@ impl Error {
         match self {
             Error::Kube(..) => "KubeAPIError".into(),
             Error::Step(f) => f.reason.clone(),
-            Error::Finalizer(_) => "FinalizerError".into(),
+            // The reason of the step that failed inside the finalizer wrapper.
+            Error::Finalizer(e) => match e.as_ref() {
+                FinalizerError::ApplyFailed(inner) | FinalizerError::CleanupFailed(inner) => inner.reason(),
+                _ => "FinalizerError".into(),
+            },
         }
     }
 }
@@ -149,21 +153,39 @@ pub async fn run(
     };
     let managed = watcher::Config::default().labels("app.kubernetes.io/managed-by=vmmigrate");
     let ctx = Arc::new(Context::new(client.clone(), adapters, config));
+    // Ready once the migrations can be listed (API server reachable, CRD
+    // installed, RBAC granted); not ready once this returns or is dropped.
+    // Not `Store::wait_until_ready`: the store wakes only its latest waiter,
+    // and the controller's own runner waits on it.
+    let _ready = crate::metrics::ReadinessGuard::new("controller");
+    let probe = migrations.clone();
+    let ready = async move {
+        let mut delay = Duration::from_millis(500);
+        while let Err(err) = probe.list_metadata(&ListParams::default().limit(1)).await {
+            tracing::warn!(error = %err, "cannot list migrations; not ready");
+            tokio::time::sleep(delay).await;
+            delay = (delay * 2).min(Duration::from_secs(30));
+        }
+        crate::metrics::set_ready("controller", true);
+        std::future::pending::<()>().await
+    };
     let mut controller = Controller::new_with(migrations, watcher::Config::default(), ar);
     for child in [data_volume_resource(), virtual_machine_resource(), virtual_machine_instance_resource()] {
         let api: Api<DynamicObject> = Api::all_with(client.clone(), &child);
         controller = controller.watches_with(api, child, managed.clone(), owner_of);
     }
-    controller
-        .graceful_shutdown_on(shutdown)
-        .run(reconcile, error_policy, ctx)
-        .for_each(|result| async move {
+    let run = controller.graceful_shutdown_on(shutdown).run(reconcile, error_policy, ctx).for_each(
+        |result| async move {
             match result {
                 Ok((obj, action)) => tracing::debug!(migration = %obj, ?action, "reconciled"),
                 Err(err) => tracing::warn!(error = %err, "reconcile failed"),
             }
-        })
-        .await;
+        },
+    );
+    tokio::select! {
+        () = run => {}
+        () = ready => {}
+    }
 }
 
 /// The typed migration, or why this object cannot be read.
@@ -178,7 +200,11 @@ fn key(obj: &DynamicObject) -> String {
 async fn reconcile(obj: Arc<DynamicObject>, ctx: Arc<Context>) -> Result<Action, Error> {
     // Every log line of a reconcile carries the migration key.
     let span = tracing::info_span!("reconcile", migration = %key(&obj));
-    reconcile_one(obj, ctx).instrument(span).await
+    let started = std::time::Instant::now();
+    let result = reconcile_one(obj, ctx).instrument(span).await;
+    let reason = result.as_ref().err().map(Error::reason);
+    crate::metrics::metrics().reconciled(started.elapsed(), reason.as_deref());
+    result
 }
 
 async fn reconcile_one(obj: Arc<DynamicObject>, ctx: Arc<Context>) -> Result<Action, Error> {
@@ -207,6 +233,7 @@ async fn reconcile_one(obj: Arc<DynamicObject>, ctx: Arc<Context>) -> Result<Act
     let Some(fresh) =
         api.get_opt(&vmm.name_any()).await.map_err(|e| Error::Kube("reading the migration", e))?
     else {
+        crate::metrics::metrics().forget_migration(&ns, &vmm.name_any());
         return Ok(Action::await_change());
     };
     let result = finalizer(&api, FINALIZER, Arc::new(fresh), |event| async {
@@ -270,6 +297,8 @@ async fn apply(
     }
     publish(ctx, vmm, &step.decision.events).await;
     record(api, vmm, &step.decision.status, resource_version).await?;
+    let ns = vmm.namespace().unwrap_or_default();
+    crate::metrics::metrics().observe_migration(&ns, &vmm.name_any(), &step.decision.status);
     if let Some((action, failure)) = &step.failed {
         tracing::warn!(?action, reason = %failure.reason, "action failed: {}", failure.message);
         if step.decision.requeue.is_none() {
@@ -319,6 +348,7 @@ async fn cleanup(vmm: &VirtualMachineMigration, ctx: &Context) -> Result<Action,
         "kept the destination objects"
     };
     let note = if status.phase == Phase::Completed { "the migrated VM stays" } else { kept };
+    crate::metrics::metrics().forget_migration(&vmm.namespace().unwrap_or_default(), &vmm.name_any());
     publish(
         ctx,
         vmm,

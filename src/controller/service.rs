@@ -4,6 +4,7 @@
 //! the Kubernetes API for DataVolumes, VirtualMachines and checks.
 
 use super::adapters::Adapters;
+use super::leader::{LeaderElector, LeaseConfig, unique_identity};
 use super::reconciler::{self, ControllerConfig};
 use crate::convert::job::JobSettings;
 use crate::convert::staging::StagingServer;
@@ -51,6 +52,42 @@ pub struct ControllerOptions {
     /// Reporting instance for Events (the pod name).
     #[arg(long, env = "POD_NAME", default_value = "vmmigrate-controller")]
     pub instance: String,
+    /// Address of the metrics server (`/metrics`, `/healthz`, `/readyz`).
+    #[arg(long, env = "VMMIGRATE_METRICS_LISTEN", default_value = crate::metrics::DEFAULT_LISTEN)]
+    pub metrics_listen: SocketAddr,
+    #[command(flatten)]
+    pub leader_election: LeaderElectionOptions,
+}
+
+/// Leader election among replicas through a `coordination.k8s.io/v1` Lease.
+#[derive(Clone, Debug, clap::Args)]
+pub struct LeaderElectionOptions {
+    /// Reconcile only while holding the Lease, so that one replica of several works.
+    #[arg(long, env = "VMMIGRATE_LEADER_ELECT")]
+    pub leader_elect: bool,
+    /// Namespace of the Lease (default: this pod's namespace).
+    #[arg(long, env = "POD_NAMESPACE", default_value = "vmmigrate-system")]
+    pub lease_namespace: String,
+    /// Name of the Lease.
+    #[arg(long, env = "VMMIGRATE_LEASE_NAME", default_value = "vmmigrate-controller")]
+    pub lease_name: String,
+    /// Lease duration in seconds; the renew deadline and retry period follow
+    /// in client-go's proportions (15 : 10 : 2).
+    #[arg(long, env = "VMMIGRATE_LEASE_SECONDS", default_value_t = 15,
+          value_parser = clap::value_parser!(u64).range(2..))]
+    pub lease_seconds: u64,
+}
+
+impl Default for LeaderElectionOptions {
+    /// No election (one replica), with the flags' defaults.
+    fn default() -> Self {
+        LeaderElectionOptions {
+            leader_elect: false,
+            lease_namespace: "vmmigrate-system".into(),
+            lease_name: "vmmigrate-controller".into(),
+            lease_seconds: 15,
+        }
+    }
 }
 
 /// Starts the staging server on the work directory's `staging/`.
@@ -61,7 +98,9 @@ pub async fn start_staging(opts: &ControllerOptions) -> anyhow::Result<StagingSe
     let listener = tokio::net::TcpListener::bind(opts.staging_listen)
         .await
         .with_context(|| format!("binding the staging server to {}", opts.staging_listen))?;
-    StagingServer::start(listener, staging_root).await.context("starting the staging server")
+    let server = StagingServer::start(listener, staging_root).await.context("starting the staging server")?;
+    crate::metrics::metrics().watch_staging(server.stats());
+    Ok(server)
 }
 
 /// The real adapters; `staging_url` is where CDI reaches the staging server.
@@ -102,6 +141,7 @@ pub fn adapters(client: Client, opts: &ControllerOptions, staging_url: String) -
 
 /// Runs the controller until Ctrl-C or SIGTERM.
 pub async fn run(opts: ControllerOptions) -> anyhow::Result<()> {
+    let _metrics = crate::metrics::serve_configured(Some(opts.metrics_listen)).await?;
     let client = Client::try_default().await.context("connecting to the Kubernetes API")?;
     let staging = start_staging(&opts).await?;
     let staging_url = opts.staging_url.clone().unwrap_or_else(|| format!("http://{}", staging.local_addr()));
@@ -117,9 +157,31 @@ pub async fn run(opts: ControllerOptions) -> anyhow::Result<()> {
         instance: opts.instance.clone(),
         interrupt: None,
     };
-    reconciler::run(client, adapters, config, shutdown_signal()).await;
+    let result = run_reconciler(client, adapters, config, &opts.leader_election).await;
     drop(staging);
-    Ok(())
+    result
+}
+
+/// Runs the reconciler until Ctrl-C or SIGTERM; with `--leader-elect` only
+/// while this process holds the Lease. Losing the Lease is an error: the
+/// process must exit (see `LeaderElector::run`).
+pub async fn run_reconciler(
+    client: Client,
+    adapters: Adapters,
+    config: ControllerConfig,
+    election: &LeaderElectionOptions,
+) -> anyhow::Result<()> {
+    if !election.leader_elect {
+        reconciler::run(client, adapters, config, shutdown_signal()).await;
+        return Ok(());
+    }
+    let lease =
+        LeaseConfig::new(&election.lease_namespace, &election.lease_name, unique_identity(&config.instance))
+            .with_lease_seconds(election.lease_seconds);
+    let elector = LeaderElector::new(client.clone(), lease);
+    // The elector cancels the reconciler on shutdown and on a lost Lease.
+    let work = reconciler::run(client, adapters, config, std::future::pending());
+    elector.run(work, shutdown_signal()).await.context("leader election")
 }
 
 /// Resolves on Ctrl-C or SIGTERM.

@@ -294,7 +294,11 @@ impl Converter for ArtifactStore {
         let total = request.expected_virtual_size;
         let handle = tokio::spawn(async move {
             let _permit = permits.acquire_owned().await;
-            produce::produce(&request, &task_progress).await
+            let result = produce::produce(&request, &task_progress).await;
+            if let Ok(marker) = &result {
+                crate::metrics::metrics().converted_bytes(marker.size);
+            }
+            result
         });
         tasks.insert(key, LocalTask { progress, total, handle });
         Ok(())

@@ -233,7 +233,11 @@ impl Gitops {
                     tokio::task::spawn_blocking(move || super::render::read_dir_files(&path)).await??;
                 (working_tree_id(&files), Some(files))
             }
-            None => (self.fetch().await?, None),
+            None => {
+                let fetched = self.fetch().await;
+                crate::metrics::metrics().git_fetch(fetched.is_ok());
+                (fetched?, None)
+            }
         };
         if self.state().last_applied.as_deref() == Some(commit.as_str()) {
             return Ok(SyncOutcome::UpToDate { commit });
@@ -251,6 +255,7 @@ impl Gitops {
             Err(errors) => {
                 let errors: Vec<String> = errors.iter().map(ToString::to_string).collect();
                 tracing::error!(%commit, errors = errors.len(), first = %errors[0], "commit rejected: nothing applied");
+                crate::metrics::metrics().git_apply("rejected");
                 self.state().last_rejected = Some((commit.clone(), errors.clone()));
                 return Ok(SyncOutcome::Rejected { commit, errors });
             }
@@ -259,7 +264,13 @@ impl Gitops {
             self.state().last_applied = Some(commit.clone());
             return Ok(SyncOutcome::Rendered { commit, migrations: rendered.len() });
         }
-        match apply_commit(&self.client, &rendered, &[]).await {
+        let applied = apply_commit(&self.client, &rendered, &[]).await;
+        crate::metrics::metrics().git_apply(match &applied {
+            Ok(_) => "applied",
+            Err(ApplyError::Refused(_)) => "rejected",
+            Err(_) => "error",
+        });
+        match applied {
             Ok(report) => {
                 tracing::info!(%commit, applied = report.applied.len(), held = report.held.len(), orphaned = report.orphaned.len(), "commit applied");
                 let mut state = self.state();
@@ -467,7 +478,14 @@ impl Gitops {
     /// Everything one trigger does.
     pub async fn tick(&self) {
         self.ticks.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        match self.sync().await {
+        crate::metrics::metrics().register_readiness("gitops");
+        let synced = self.sync().await;
+        if synced.is_ok() {
+            // Ready after the first sync that reached the repository (a
+            // rejected commit included: the loop works, the commit does not).
+            crate::metrics::set_ready("gitops", true);
+        }
+        match synced {
             Ok(SyncOutcome::Rejected { commit, errors }) => {
                 tracing::warn!(%commit, first = %errors.first().cloned().unwrap_or_default(), "tracked branch has errors")
             }
@@ -598,6 +616,7 @@ pub async fn start(client: Client, opts: GitopsOptions) -> anyhow::Result<Gitops
                 _ = poll.tick() => looping.tick().await,
                 Some(event) = events.recv() => {
                     tracing::info!(?event, "webhook event");
+                    crate::metrics::metrics().webhook_delivered(&event);
                     if let WebhookEvent::PullRequest { number, merged: true, .. } = &event {
                         let _ = looping.follow_merged(*number).await;
                     }

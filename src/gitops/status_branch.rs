@@ -762,6 +762,11 @@ pub async fn run_coalescing(
         let publisher = writer.clone();
         let result = tokio::task::spawn_blocking(move || publisher.publish(&files, &source_commit)).await;
         next_allowed = Some(tokio::time::Instant::now() + window);
+        crate::metrics::metrics().git_push(match &result {
+            Ok(Ok(Publish::Committed { .. })) => "pushed",
+            Ok(Ok(Publish::Unchanged)) => "unchanged",
+            _ => "error",
+        });
         match result {
             Ok(Ok(_)) => {}
             Ok(Err(e)) => {

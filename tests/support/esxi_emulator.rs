@@ -528,8 +528,10 @@ fn ensure_user() -> anyhow::Result<(u32, u32)> {
 /// `CARGO_TARGET_TMPDIR` when every component of it is root-owned and not
 /// group/world-writable (sshd's rule for chroots), else `/run/vmmigrate-esxi`.
 fn chroot_base() -> anyhow::Result<PathBuf> {
-    let target = PathBuf::from(env!("CARGO_TARGET_TMPDIR"));
-    if fs::create_dir_all(&target).is_ok()
+    // Cargo sets CARGO_TARGET_TMPDIR for integration tests only; the demo
+    // binary (src/demo/support.rs) compiles this file too and uses RUN_BASE.
+    if let Some(target) = option_env!("CARGO_TARGET_TMPDIR").map(PathBuf::from)
+        && fs::create_dir_all(&target).is_ok()
         && let Ok(target) = target.canonicalize()
         && target.ancestors().all(|p| {
             fs::metadata(p).is_ok_and(|m| {

@@ -456,7 +456,14 @@ impl DiskStore for EsxiSource {
         };
         let progress = Arc::new(AtomicU64::new(0));
         let task_progress = progress.clone();
-        let handle = tokio::spawn(async move { copy::copy_disk(session, &plan, task_progress).await });
+        let handle = tokio::spawn(async move {
+            let result = copy::copy_disk(session, &plan, task_progress).await;
+            // Counted when the run ends: `bytes_read` excludes what a resume skipped.
+            if let Ok(done) = &result {
+                crate::metrics::metrics().copied_bytes(done.bytes_read);
+            }
+            result
+        });
         let task = CopyTask { progress, total: source.capacity_bytes.max(0) as u64, handle };
         if let Ok(mut copies) = self.copies.lock() {
             copies.insert(key, task);

@@ -1,0 +1,886 @@
+//! `vmmigrate demo`: one whole migration on this machine, on loopback.
+//!
+//! It starts what the integration tests start (`tests/support`, compiled in
+//! through [`support`]): a real etcd + kube-apiserver, an emulated ESXi host
+//! that is a real sshd, a network namespace serving the "guest's" web page,
+//! and the CDI/KubeVirt simulators. Then a bare Git remote, vmmigrate's
+//! gitops loop and controller with the production adapters, and walks
+//! through a pull request: push a branch, print the plan, merge, follow the
+//! migration to Completed and the status branch. See docs/quickstart.md.
+
+mod cluster;
+mod remote;
+mod screen;
+mod supervisor;
+mod support;
+
+use crate::api::{DiskProgress, Phase, PhaseTransition, VirtualMachineMigration};
+use crate::controller::reconciler::{self, ControllerConfig};
+use crate::controller::service::{self as ctl, ControllerOptions};
+use crate::gitops::service::{GitopsHandle, GitopsOptions};
+use anyhow::{Context as _, bail, ensure};
+use clap::Parser as _;
+use kube::api::Api;
+use kube::{Client, ResourceExt};
+use remote::GitRemote;
+use screen::Screen;
+use std::collections::HashSet;
+use std::io::{BufRead as _, IsTerminal as _, Read as _};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use support::esxi_emulator::{EsxiEmulator, EsxiOptions};
+use support::kube_env::KubeEnv;
+use support::netns::Netns;
+use tokio::sync::watch;
+
+/// Where the demo's migration, Secret and Service live.
+const NAMESPACE: &str = "demo";
+/// The VM migrated: two disks, EFI, two NICs (VM Network and DMZ).
+const VM: &str = "db-02";
+const VMID: &str = "2";
+const SECRET: &str = "esxi-demo";
+const PR_BRANCH: &str = "migrate-db-02";
+const STATUS_BRANCH: &str = "migration-status";
+/// The page the "guest" serves, and the port it listens on.
+const PAGE: &str = "<html><body><h1>db-02 status page</h1><p>migrated from ESXi</p></body></html>\n";
+const GUEST_HTTP_PORT: u16 = 8080;
+const METRICS_PORT: u16 = 9090;
+const POLL: Duration = Duration::from_millis(200);
+
+/// `vmmigrate demo` flags.
+#[derive(Clone, Debug, clap::Args)]
+pub struct DemoOptions {
+    /// Exit 1 when the migration has not completed this many seconds after
+    /// start-up (the first run's build of the API server does not count).
+    #[arg(long, default_value_t = 900)]
+    pub timeout_seconds: u64,
+    /// Once the walkthrough has ended (completed or not), keep everything
+    /// running until Ctrl-C, to look around.
+    #[arg(long)]
+    pub keep: bool,
+    /// Plain lines only, no progress bars redrawn in place (for CI logs).
+    #[arg(long)]
+    pub non_interactive: bool,
+    /// Directory for the Git remote, clones, disk copies and the log; the Git
+    /// remote and the log stay after exit. Default: a new directory in $TMPDIR.
+    #[arg(long)]
+    pub work_dir: Option<PathBuf>,
+    /// Internal: this process is the demo itself, started by `vmmigrate demo`.
+    #[arg(long = "in-own-process-group", hide = true)]
+    pub in_own_process_group: bool,
+}
+
+/// Runs the demo; exit code 0 only when the migration completed.
+pub fn run(opts: DemoOptions) -> anyhow::Result<()> {
+    if opts.in_own_process_group { demo(opts) } else { supervisor::run_child_in_own_process_group() }
+}
+
+/// The processes and directories started before the async part.
+struct LocalParts {
+    kube: &'static KubeEnv,
+    esxi: EsxiEmulator,
+    guest_web: Netns,
+}
+
+fn demo(opts: DemoOptions) -> anyhow::Result<()> {
+    let interactive = !opts.non_interactive && std::io::stdout().is_terminal();
+    let mut screen = Screen::new(interactive);
+    check_machine()?;
+    let work = work_dir(&opts)?;
+    init_log(&work.join("vmmigrate.log"))?;
+    intro(&mut screen);
+    build_control_plane(&mut screen)?;
+
+    let deadline = Instant::now() + Duration::from_secs(opts.timeout_seconds);
+    screen.line("starting the API server, the ESXi host and the guest's web server…");
+    let parts = start_local_parts()?;
+    let pids = started_processes(&parts);
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    let stop = stop_signal(&runtime);
+    let result = runtime.block_on(walkthrough(&mut screen, &parts, &work, &opts, deadline, stop, &pids));
+    drop(runtime);
+
+    screen.line("");
+    screen.line("stopping…");
+    let LocalParts { kube, esxi, guest_web } = parts;
+    drop(guest_web);
+    drop(esxi);
+    let kube_pids = read_pids(&kube_dir(kube));
+    stop_processes(&kube_pids);
+    let left: Vec<String> =
+        pids.iter().filter(|(_, pid)| is_running(*pid)).map(|(name, pid)| format!("{name}={pid}")).collect();
+    if left.is_empty() {
+        screen.line(&format!("✓ stopped {} processes; none is left", pids.len()));
+    } else {
+        screen.line(&format!("! still running: {}", left.join(" ")));
+    }
+    for dir in ["laptop", "controller", "pvcs", "gitops-cache", "kubeconfig"] {
+        let path = work.join(dir);
+        let _ = if path.is_dir() { std::fs::remove_dir_all(&path) } else { std::fs::remove_file(&path) };
+    }
+    screen.line(&format!(
+        "kept: {} and {}",
+        work.join("remote.git").display(),
+        work.join("vmmigrate.log").display()
+    ));
+    if opts.work_dir.is_none() {
+        screen.line(&format!("      (rm -rf {} when done)", work.display()));
+    }
+    result
+}
+
+/// Root and the Debian packages of `.ci/run`.
+fn check_machine() -> anyhow::Result<()> {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let euid = status.lines().find(|l| l.starts_with("Uid:")).and_then(|l| l.split_whitespace().nth(2));
+    ensure!(
+        euid == Some("0"),
+        "the demo needs root: its ESXi host is a real sshd with a chroot and a system user, and the \
+         application check runs in a network namespace (use a VM or container you can be root in)"
+    );
+    let needed = [
+        ("git", "git"),
+        ("qemu-img", "qemu-utils"),
+        ("/usr/sbin/sshd", "openssh-server"),
+        ("ssh-keygen", "openssh-client"),
+        ("/bin/busybox", "busybox-static"),
+        ("ip", "iproute2"),
+        ("openssl", "openssl"),
+    ];
+    let missing: Vec<&str> =
+        needed.iter().filter(|(program, _)| !on_path(program)).map(|(_, pkg)| *pkg).collect();
+    ensure!(
+        missing.is_empty(),
+        "missing programs; install the Debian packages: apt-get install {} (or run `bash .ci/run` once)",
+        missing.join(" ")
+    );
+    Ok(())
+}
+
+fn on_path(program: &str) -> bool {
+    if program.starts_with('/') {
+        return Path::new(program).is_file();
+    }
+    std::env::var_os("PATH")
+        .is_some_and(|path| std::env::split_paths(&path).any(|d| d.join(program).is_file()))
+}
+
+fn work_dir(opts: &DemoOptions) -> anyhow::Result<PathBuf> {
+    match &opts.work_dir {
+        Some(dir) => {
+            std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+            ensure!(
+                !dir.join("remote.git").exists(),
+                "{} holds an earlier demo's remote; give an empty directory",
+                dir.display()
+            );
+            Ok(dir.canonicalize()?)
+        }
+        None => Ok(tempfile::Builder::new().prefix("vmmigrate-demo-").tempdir()?.keep()),
+    }
+}
+
+/// vmmigrate's own log goes to a file: the terminal is for the walkthrough.
+fn init_log(path: &Path) -> anyhow::Result<()> {
+    let file = std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))?;
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_ansi(false)
+        .with_writer(std::sync::Mutex::new(file))
+        .try_init();
+    Ok(())
+}
+
+fn intro(screen: &mut Screen) {
+    for line in [
+        "vmmigrate demo: a VM moves from ESXi to KubeVirt through a Git pull request, on this machine.",
+        "",
+        "  real       Kubernetes API: etcd, kube-apiserver, kube-controller-manager (built from source)",
+        "  real       ESXi 8 host: OpenSSH sshd with ESXi's algorithms, BusyBox shell, vim-cmd, VMDKs on a datastore",
+        "  real       Git: a bare remote pushed to with the git CLI; vmmigrate's gitops loop writes status back",
+        "  real       vmmigrate's controller with its production adapters: SSH copy + sha256, qemu-img, staging",
+        "  real       the application check: HTTP through a Service and EndpointSlice to busybox httpd in a",
+        "             network namespace, standing in for the migrated guest's web server",
+        "  simulated  CDI and KubeVirt (they need nodes, KVM and storage): the CDI simulator downloads each",
+        "             disk from vmmigrate's staging server and verifies its sha256; the KubeVirt simulator",
+        "             reports the VirtualMachineInstance running. Nothing boots.",
+        "",
+    ] {
+        screen.line(line);
+    }
+}
+
+/// Runs `tools/testenv/build.sh`, which returns at once when the binaries
+/// are cached and otherwise builds them (minutes) while printing progress.
+fn build_control_plane(screen: &mut Screen) -> anyhow::Result<()> {
+    if std::env::var_os("VMMIGRATE_TESTENV_BIN").is_some() {
+        return Ok(());
+    }
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tools/testenv/build.sh");
+    let mut child = Command::new("bash")
+        .arg(&script)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .with_context(|| format!("running {}", script.display()))?;
+    if let Some(stderr) = child.stderr.take() {
+        for (i, line) in std::io::BufReader::new(stderr).lines().enumerate() {
+            if i == 0 {
+                screen.line("building the Kubernetes API server from source (first run only, ~10 min)…");
+            }
+            screen.line(&format!("    {}", line?));
+        }
+    }
+    let status = child.wait()?;
+    ensure!(status.success(), "{} failed (it needs Go on PATH; see tools/testenv/)", script.display());
+    Ok(())
+}
+
+/// The control plane, the ESXi host and the guest's web server, started side by side.
+fn start_local_parts() -> anyhow::Result<LocalParts> {
+    let (kube, esxi, web) = std::thread::scope(|s| {
+        // `shared()` panics when the control plane cannot start (the message is printed).
+        let kube = s.spawn(KubeEnv::shared);
+        let esxi = s.spawn(|| EsxiEmulator::start(EsxiOptions::default()));
+        let web = s.spawn(|| -> anyhow::Result<Netns> {
+            let netns = Netns::new()?;
+            netns.serve_http(GUEST_HTTP_PORT, &[("index.html", PAGE)])?;
+            Ok(netns)
+        });
+        (kube.join(), esxi.join(), web.join())
+    });
+    let kube = kube.map_err(|_| anyhow::anyhow!("the Kubernetes API server did not start (see above)"))?;
+    let esxi = esxi
+        .map_err(|_| anyhow::anyhow!("the ESXi emulator panicked"))?
+        .context("starting the ESXi emulator")?;
+    let guest_web = web
+        .map_err(|_| anyhow::anyhow!("the network namespace panicked"))?
+        .context("starting the guest's web server")?;
+    Ok(LocalParts { kube, esxi, guest_web })
+}
+
+fn kube_dir(kube: &KubeEnv) -> PathBuf {
+    kube.kubeconfig_path().parent().map(Path::to_path_buf).unwrap_or_default()
+}
+
+/// Every process the parts started, by name, from their janitors' `pids` files.
+fn started_processes(parts: &LocalParts) -> Vec<(String, u32)> {
+    let dirs = [
+        kube_dir(parts.kube),
+        parts.esxi.rsa_key_path().parent().map(Path::to_path_buf).unwrap_or_default(),
+        parts.guest_web.dir().to_path_buf(),
+    ];
+    dirs.iter().flat_map(|d| read_pids(d)).map(|pid| (process_name(pid), pid)).collect()
+}
+
+fn read_pids(dir: &Path) -> Vec<u32> {
+    let text = std::fs::read_to_string(dir.join("pids")).unwrap_or_default();
+    text.split_whitespace().filter_map(|p| p.parse().ok()).collect()
+}
+
+/// `etcd`, `sshd`, `httpd` (for `busybox httpd`): the executable's name
+/// (sshd rewrites its command line, and `comm` is cut at 15 characters).
+fn process_name(pid: u32) -> String {
+    let exe = std::fs::read_link(format!("/proc/{pid}/exe")).unwrap_or_default();
+    let name = exe.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "?".into());
+    if name != "busybox" {
+        return name;
+    }
+    let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+    let applet = cmdline.split(|b| *b == 0).nth(1).map(|a| String::from_utf8_lossy(a).into_owned());
+    applet.unwrap_or(name)
+}
+
+/// Whether `pid` exists and is not a zombie (our unreaped children are).
+fn is_running(pid: u32) -> bool {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { return false };
+    // The state follows the command name, which is in parentheses and may hold anything.
+    stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().next()).is_some_and(|s| s != "Z")
+}
+
+/// Stops the control plane now instead of when its janitor sees this
+/// process exit (`KubeEnv` lives in a static and is never dropped): TERM,
+/// up to three seconds, then KILL (kube-apiserver's graceful shutdown can
+/// take longer, and its data is thrown away). They are our own unreaped
+/// children, so the pids cannot have been reused.
+fn stop_processes(pids: &[u32]) {
+    // A killed process takes a moment to exit too: wait after KILL as well.
+    for (signal, patience) in [("-TERM", Duration::from_secs(3)), ("-KILL", Duration::from_secs(5))] {
+        for pid in pids.iter().copied().filter(|p| is_running(*p)) {
+            let _ = Command::new("kill").arg(signal).arg(pid.to_string()).stderr(Stdio::null()).status();
+        }
+        let deadline = Instant::now() + patience;
+        while pids.iter().any(|p| is_running(*p)) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+/// Turns SIGINT/SIGTERM, or the supervising parent going away (end of
+/// stdin), into `true`.
+fn stop_signal(runtime: &tokio::runtime::Runtime) -> watch::Receiver<bool> {
+    let (tx, rx) = watch::channel(false);
+    let tx = Arc::new(tx);
+    let on_signal = tx.clone();
+    runtime.spawn(async move {
+        ctl::shutdown_signal().await;
+        let _ = on_signal.send(true);
+    });
+    std::thread::spawn(move || {
+        let mut stdin = std::io::stdin();
+        let mut buf = [0u8; 256];
+        while matches!(stdin.read(&mut buf), Ok(n) if n > 0) {}
+        let _ = tx.send(true);
+    });
+    rx
+}
+
+async fn stopped(mut stop: watch::Receiver<bool>) {
+    let _ = stop.wait_for(|s| *s).await;
+}
+
+/// vmmigrate's side, as `vmmigrate run` starts it, plus the simulators.
+struct Services {
+    _sims: support::kubevirt_sim::Simulators,
+    metrics: Option<crate::metrics::MetricsServer>,
+    gitops: GitopsHandle,
+    staging: crate::convert::staging::StagingServer,
+    controller: tokio::task::JoinHandle<()>,
+    stop_controller: tokio::sync::oneshot::Sender<()>,
+}
+
+impl Services {
+    async fn stop(self) {
+        let _ = self.stop_controller.send(());
+        let mut controller = self.controller;
+        if tokio::time::timeout(Duration::from_secs(10), &mut controller).await.is_err() {
+            controller.abort();
+        }
+        drop(self.staging);
+        // Flushes the last status snapshot to the status branch.
+        let _ = tokio::time::timeout(Duration::from_secs(30), self.gitops.stop()).await;
+    }
+}
+
+/// The flags `vmmigrate run` would be started with, parsed by the same
+/// definitions: the demo runs exactly that, in this process.
+#[derive(clap::Parser)]
+#[command(name = "vmmigrate run")]
+struct RunFlags {
+    #[command(flatten)]
+    gitops: GitopsOptions,
+    #[command(flatten)]
+    controller: ControllerOptions,
+}
+
+fn run_flags(remote: &Path, work: &Path) -> Vec<String> {
+    let p = |p: &Path| p.display().to_string();
+    [
+        ["--repo", &p(remote)],
+        ["--branch", "main"],
+        ["--cache-dir", &p(&work.join("gitops-cache"))],
+        ["--poll-seconds", "2"],
+        ["--manifest-namespace", NAMESPACE],
+        ["--status-branch", STATUS_BRANCH],
+        ["--status-window-seconds", "3"],
+        ["--namespace", NAMESPACE],
+        ["--work-dir", &p(&work.join("controller"))],
+        ["--staging-listen", "127.0.0.1:0"],
+        ["--conversions", "2"],
+        ["--copy-streams", "2"],
+        ["--instance", "vmmigrate-demo"],
+    ]
+    .iter()
+    .flat_map(|pair| pair.iter().map(|s| s.to_string()))
+    .collect()
+}
+
+async fn start_services(
+    screen: &mut Screen,
+    client: &Client,
+    remote: &GitRemote,
+    work: &Path,
+    guest_ip: std::net::Ipv4Addr,
+) -> anyhow::Result<Services> {
+    let sims = support::kubevirt_sim::start_with(
+        client.clone(),
+        NAMESPACE,
+        support::kubevirt_sim::SimOptions { pvc_root: Some(work.join("pvcs")), ..Default::default() },
+    );
+    *sims.control.kubevirt.vmi_ip.lock().unwrap_or_else(|p| p.into_inner()) = guest_ip.to_string();
+    screen.line(&format!("✓ CDI + KubeVirt simulators (\"PVCs\" in {})", work.join("pvcs").display()));
+
+    let metrics = match crate::metrics::serve(([127, 0, 0, 1], METRICS_PORT).into()).await {
+        Ok(server) => Some(server),
+        Err(_) => crate::metrics::serve(([127, 0, 0, 1], 0).into()).await.ok(),
+    };
+
+    let flags = run_flags(remote.bare(), work);
+    let RunFlags { gitops, controller } =
+        RunFlags::try_parse_from(std::iter::once("vmmigrate run".to_owned()).chain(flags.iter().cloned()))
+            .context("the demo's `vmmigrate run` flags")?;
+    let gitops =
+        crate::gitops::service::start(client.clone(), gitops).await.context("starting the gitops loop")?;
+    screen.line("✓ vmmigrate gitops loop: polls main every 2 s, writes status to branch migration-status");
+
+    let staging = ctl::start_staging(&controller).await?;
+    let adapters = ctl::adapters(client.clone(), &controller, format!("http://{}", staging.local_addr()));
+    let config = ControllerConfig {
+        namespace: controller.namespace.clone(),
+        // The machine polls running work every 5 s; every second makes the bars move.
+        max_requeue: Some(Duration::from_secs(1)),
+        instance: controller.instance.clone(),
+        ..Default::default()
+    };
+    let (stop_controller, stopped_rx) = tokio::sync::oneshot::channel::<()>();
+    let controller_task = tokio::spawn(reconciler::run(client.clone(), adapters, config, async move {
+        let _ = stopped_rx.await;
+    }));
+    screen.line(&format!(
+        "✓ vmmigrate controller: production adapters, staging server http://{}, work dir {}",
+        staging.local_addr(),
+        controller.work_dir.display()
+    ));
+    screen.line(&format!(
+        "  (as `vmmigrate run {}` would, but polling running work every 1 s instead of 5 s)",
+        flags.join(" ")
+    ));
+    if let Some(m) = &metrics {
+        screen.line(&format!("✓ metrics: http://{}/metrics", m.local_addr()));
+    }
+    Ok(Services { _sims: sims, metrics, gitops, staging, controller: controller_task, stop_controller })
+}
+
+async fn walkthrough(
+    screen: &mut Screen,
+    parts: &LocalParts,
+    work: &Path,
+    opts: &DemoOptions,
+    deadline: Instant,
+    stop: watch::Receiver<bool>,
+    pids: &[(String, u32)],
+) -> anyhow::Result<()> {
+    let client = parts.kube.client().await;
+    let kubeconfig = work.join("kubeconfig");
+    std::fs::copy(parts.kube.kubeconfig_path(), &kubeconfig)?;
+    screen.line(&format!(
+        "✓ Kubernetes API server {} (kubeconfig {})",
+        parts.kube.version,
+        kubeconfig.display()
+    ));
+    let esxi = &parts.esxi;
+    screen.line(&format!(
+        "✓ ESXi host 127.0.0.1:{}, host key {}, VM {VM} (vmid {VMID}): 2 disks, EFI, NICs on VM Network and DMZ",
+        esxi.port,
+        esxi.host_key_fingerprint()
+    ));
+    screen.line(&format!(
+        "✓ guest's web server http://{}:{GUEST_HTTP_PORT}/ in network namespace {}",
+        parts.guest_web.ip,
+        parts.guest_web.name()
+    ));
+    let names: Vec<String> = pids.iter().map(|(name, pid)| format!("{name}={pid}")).collect();
+    screen.line(&format!("processes started: {}", names.join(" ")));
+
+    cluster::prepare(&client, NAMESPACE, SECRET, &esxi.username, &esxi.password).await?;
+    cluster::web_service(&client, NAMESPACE, "db-web", parts.guest_web.ip, GUEST_HTTP_PORT).await?;
+    screen.line(&format!(
+        "✓ namespace {NAMESPACE}: Secret {SECRET} (the ESXi login), Service db-web; StorageClass standard"
+    ));
+
+    let examples = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples-repo");
+    let remote = tokio::task::block_in_place(|| GitRemote::create(work, &examples))?;
+    screen.line(&format!(
+        "✓ Git remote {} (main: README.md and providers/ from examples-repo)",
+        remote.bare().display()
+    ));
+
+    let services = start_services(screen, &client, &remote, work, parts.guest_web.ip).await?;
+    let metrics_url = services.metrics.as_ref().map(|m| format!("http://{}/metrics", m.local_addr()));
+    let result = tokio::select! {
+        r = pull_request_to_completed(screen, &client, &remote, esxi, deadline) => r,
+        _ = stopped(stop.clone()) => Err(anyhow::anyhow!("interrupted")),
+    };
+    if let Ok(vmm) = &result {
+        summary(screen, vmm, esxi);
+    }
+    look_around(screen, &remote, &kubeconfig, work, metrics_url.as_deref());
+    if opts.keep && !*stop.borrow() {
+        screen.line("");
+        screen.line("Everything keeps running (--keep). Press Ctrl-C to stop it.");
+        stopped(stop).await;
+    }
+    services.stop().await;
+    result.map(|_| ())
+}
+
+/// The manifest the engineer writes, pinned to the emulated host's key.
+fn manifest(esxi: &EsxiEmulator) -> String {
+    manifest_text(esxi.port, &esxi.host_key_fingerprint())
+}
+
+fn manifest_text(port: u16, host_key: &str) -> String {
+    format!(
+        r#"# Migrate db-02 (two disks, EFI, two NICs) from the demo's ESXi host.
+apiVersion: migration.platform.example/v1alpha1
+kind: VirtualMachineMigration
+metadata:
+  name: {VM}
+  namespace: {NAMESPACE}
+spec:
+  source:
+    host: 127.0.0.1
+    port: {port}
+    # Pinned: `ssh-keygen -lf` of the host's key. Any other key is refused.
+    hostKey: {host_key}
+    credentialsSecretRef:
+      name: {SECRET}
+    vm:
+      name: {VM}
+  destination:
+    namespace: {NAMESPACE}
+    storageClassName: standard
+  networkMap:
+    - source: VM Network
+      type: Pod
+    - source: DMZ
+      type: Multus
+      networkName: dmz
+  powerOffPolicy: GracefulThenForce
+  strategy:
+    # Short waits between retries keep the demo quick (defaults: 10 s, up to 600 s).
+    backoff:
+      initialSeconds: 2
+      maxSeconds: 10
+  validation:
+    checks:
+      - name: status-page
+        http:
+          service: db-web
+          port: 80
+          path: /
+          expectedStatus: 200
+          bodyContains: db-02 status page
+      - name: agent
+        guestAgent: {{}}
+      - name: address
+        ip: {{}}
+"#,
+    )
+}
+
+fn section(screen: &mut Screen, title: &str) {
+    screen.line("");
+    screen.line(&format!("── {title}"));
+}
+
+fn quoted(screen: &mut Screen, text: &str) {
+    for line in text.lines() {
+        screen.line(&format!("   │ {line}"));
+    }
+}
+
+/// Pull request → plan → merge → Completed → status branch. Returns the completed migration.
+async fn pull_request_to_completed(
+    screen: &mut Screen,
+    client: &Client,
+    remote: &GitRemote,
+    esxi: &EsxiEmulator,
+    deadline: Instant,
+) -> anyhow::Result<VirtualMachineMigration> {
+    let path = format!("migrations/{VM}.yaml");
+    let text = manifest(esxi);
+    section(screen, &format!("1. Pull request: branch {PR_BRANCH} adds {path}"));
+    let head = tokio::task::block_in_place(|| {
+        remote.push_branch(PR_BRANCH, &[(&path, &text)], "Migrate db-02 to KubeVirt")
+    })?;
+    quoted(screen, &text);
+    screen.line(&format!("   pushed {PR_BRANCH} at {}", &head[..head.len().min(7)]));
+
+    section(screen, "2. The plan vmmigrate posts on the pull request (`vmmigrate plan` on the branch)");
+    let (plan, ok) = crate::gitops::local::plan_local(remote.laptop(), NAMESPACE, Some(client)).await?;
+    quoted(screen, plan.lines().filter(|l| !l.starts_with("<!--")).collect::<Vec<_>>().join("\n").trim());
+    ensure!(ok, "the plan fails (see above)");
+
+    let merge = tokio::task::block_in_place(|| remote.merge(PR_BRANCH))?;
+    let merged_at = Instant::now();
+    section(
+        screen,
+        &format!(
+            "3. Merged: main fast-forwarded to {}; the gitops loop applies it",
+            &merge[..merge.len().min(7)]
+        ),
+    );
+
+    section(screen, &format!("4. The migration {NAMESPACE}/{VM}, live"));
+    let vmm = follow(screen, client, merged_at, deadline).await?;
+
+    section(screen, "5. The outcome, written back to Git");
+    let file = format!("{STATUS_BRANCH}:{NAMESPACE}/{VM}.yaml");
+    loop {
+        let shown = tokio::task::block_in_place(|| remote.show(&file));
+        if let Some(yaml) = shown
+            && status_file_phase(&yaml).as_deref() == Some("Completed")
+        {
+            let commit = tokio::task::block_in_place(|| remote.short(STATUS_BRANCH)).unwrap_or_default();
+            screen.line(&format!(
+                "{}  branch {STATUS_BRANCH} at {commit}: {NAMESPACE}/{VM}.yaml says phase: Completed",
+                screen::elapsed(merged_at.elapsed())
+            ));
+            return Ok(vmm);
+        }
+        if Instant::now() >= deadline {
+            bail!("timed out: the status branch does not show {NAMESPACE}/{VM} Completed");
+        }
+        tokio::time::sleep(POLL).await;
+    }
+}
+
+/// `phase` of a status-branch file.
+fn status_file_phase(yaml: &str) -> Option<String> {
+    let value: serde_yaml::Value = serde_yaml::from_str(yaml).ok()?;
+    value.get("phase")?.as_str().map(str::to_owned)
+}
+
+/// Follows the migration until it is Completed and cleaned up: a line per
+/// phase entered and per error recorded, progress bars per disk.
+async fn follow(
+    screen: &mut Screen,
+    client: &Client,
+    merged_at: Instant,
+    deadline: Instant,
+) -> anyhow::Result<VirtualMachineMigration> {
+    let api: Api<VirtualMachineMigration> = Api::namespaced(client.clone(), NAMESPACE);
+    let mut applied = false;
+    let mut last_transition: Option<PhaseTransition> = None;
+    let mut current = Phase::Pending;
+    let mut bars: Vec<DiskProgress> = Vec::new();
+    let mut errors_seen: HashSet<String> = HashSet::new();
+    loop {
+        let at = screen::elapsed(merged_at.elapsed());
+        let vmm = match api.get_opt(VM).await {
+            Ok(v) => v,
+            Err(e) => {
+                tracing::warn!(error = %e, "reading the migration");
+                None
+            }
+        };
+        if let Some(vmm) = vmm {
+            if !applied {
+                applied = true;
+                let commit =
+                    vmm.annotations().get(crate::gitops::ANNOTATION_COMMIT).cloned().unwrap_or_default();
+                screen.line(&format!(
+                    "{at}  applied by the gitops loop from commit {}",
+                    &commit[..commit.len().min(7)]
+                ));
+            }
+            let status = vmm.status.clone().unwrap_or_default();
+            for t in new_transitions(&status.history, last_transition.as_ref()) {
+                if screen::has_disk_progress(current) {
+                    let forward = !matches!(
+                        t.phase,
+                        Phase::Retryable | Phase::Failed | Phase::ManualInterventionRequired
+                    );
+                    let sizes: Vec<DiskProgress> = if bars.is_empty() {
+                        status
+                            .disks
+                            .iter()
+                            .map(|d| DiskProgress {
+                                index: d.index,
+                                bytes_total: d.size_bytes,
+                                ..Default::default()
+                            })
+                            .collect()
+                    } else {
+                        bars.clone()
+                    };
+                    let last = if forward {
+                        sizes.iter().map(screen::disk_done).collect()
+                    } else {
+                        bars.iter().map(screen::disk_bar).collect()
+                    };
+                    screen.freeze(last);
+                }
+                bars.clear();
+                current = t.phase;
+                screen.line(&format!("{at}  {:<27}{}", t.phase.to_string(), screen::caption(t.phase)));
+                last_transition = Some(t);
+            }
+            for e in &status.errors {
+                let key = format!("{:?}/{}/{}", e.time, e.reason, e.message);
+                if errors_seen.insert(key) {
+                    screen.line(&format!("{at}  ! {} in {}: {}", e.reason, e.phase, e.message));
+                }
+            }
+            if screen::has_disk_progress(status.phase)
+                && let Some(progress) = &status.progress
+                && progress.disks.iter().any(|d| d.bytes_total > 0)
+            {
+                bars = progress.disks.clone();
+                screen.live(bars.iter().map(screen::disk_bar).collect());
+            }
+            match status.phase {
+                Phase::Completed if status.timestamps.cleaned_up.is_some() => return Ok(vmm),
+                Phase::Failed | Phase::ManualInterventionRequired => {
+                    let errors: Vec<String> = status
+                        .errors
+                        .iter()
+                        .map(|e| format!("  {} in {}: {}", e.reason, e.phase, e.message))
+                        .collect();
+                    bail!("the migration stopped in {}:\n{}", status.phase, errors.join("\n"));
+                }
+                _ => {}
+            }
+        }
+        if Instant::now() >= deadline {
+            bail!("timed out in phase {current} (--timeout-seconds)");
+        }
+        tokio::time::sleep(POLL).await;
+    }
+}
+
+/// The history entries after `last` (all of them when `last` is not in it any more).
+fn new_transitions(history: &[PhaseTransition], last: Option<&PhaseTransition>) -> Vec<PhaseTransition> {
+    let start = match last {
+        None => 0,
+        Some(last) => history.iter().rposition(|t| t == last).map(|i| i + 1).unwrap_or(0),
+    };
+    history[start..].to_vec()
+}
+
+/// What the migration proved, from its status and the emulated host.
+fn summary(screen: &mut Screen, vmm: &VirtualMachineMigration, esxi: &EsxiEmulator) {
+    let status = vmm.status.clone().unwrap_or_default();
+    section(screen, &format!("Result: {NAMESPACE}/{VM} {}", status.phase));
+    screen.line(&format!(
+        "   source      {VM} on the ESXi host: power {}, powered off {} by vmmigrate; its disks were only read",
+        esxi.vm_power(VMID),
+        match esxi.power_off_transitions(VMID) {
+            1 => "once".to_owned(),
+            n => format!("{n} times"),
+        }
+    ));
+    let on_datastore = esxi.disk_files(VMID);
+    for d in &status.disks {
+        let sha = d.source_sha256.clone().unwrap_or_default();
+        let same = on_datastore.get(d.index as usize).is_some_and(|f| f.2 == sha);
+        screen.line(&format!(
+            "   disk {}      {}  sha256 {}…  {} the datastore's file; imported into DataVolume {}",
+            d.index,
+            screen::mib(d.size_bytes),
+            &sha[..sha.len().min(16)],
+            if same { "=" } else { "≠" },
+            d.data_volume_name.clone().unwrap_or_default()
+        ));
+    }
+    if let Some(vm) = &status.destination_vm {
+        screen.line(&format!(
+            "   VM          VirtualMachine {}/{} (a real object; running it is simulated)",
+            vm.namespace, vm.name
+        ));
+    }
+    let checks: Vec<String> = status
+        .validation_results
+        .iter()
+        .map(|r| format!("{} {}", r.name, if r.passed { "✓" } else { "✗" }))
+        .collect();
+    screen.line(&format!("   checks      {}", checks.join("  ")));
+}
+
+fn look_around(
+    screen: &mut Screen,
+    remote: &GitRemote,
+    kubeconfig: &Path,
+    work: &Path,
+    metrics: Option<&str>,
+) {
+    let bare = remote.bare().display();
+    let exe = std::env::current_exe().map(|p| p.display().to_string()).unwrap_or_else(|_| "vmmigrate".into());
+    section(screen, "Look around");
+    for line in [
+        format!("   Git remote  {bare}"),
+        format!("     git --git-dir {bare} log --oneline {STATUS_BRANCH}"),
+        format!("     git --git-dir {bare} show {STATUS_BRANCH}:STATUS.md"),
+        format!("     git --git-dir {bare} show {STATUS_BRANCH}:{NAMESPACE}/{VM}.yaml"),
+        "   Cluster     while the demo runs (--keep keeps it running after the migration):".to_owned(),
+        format!("     KUBECONFIG={} {exe} status", kubeconfig.display()),
+        format!("     KUBECONFIG={} kubectl get vmm -A      (if kubectl is installed)", kubeconfig.display()),
+        format!(
+            "   Metrics     {}",
+            metrics
+                .map(|m| format!("curl -s {m}"))
+                .unwrap_or_else(|| "(the metrics server did not start)".into())
+        ),
+        format!("   Log         {}", work.join("vmmigrate.log").display()),
+    ] {
+        screen.line(&line);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+    use k8s_openapi::jiff::Timestamp;
+
+    fn at(phase: Phase, second: i64) -> PhaseTransition {
+        let time = Time(Timestamp::from_second(1_800_000_000 + second).unwrap_or(Timestamp::UNIX_EPOCH));
+        PhaseTransition { phase, time }
+    }
+
+    #[test]
+    fn new_transitions_are_those_after_the_last_one_printed() {
+        let history = vec![at(Phase::Pending, 0), at(Phase::Discovering, 1), at(Phase::Validated, 2)];
+        assert_eq!(new_transitions(&history, None), history);
+        assert_eq!(new_transitions(&history, Some(&history[1])), vec![history[2].clone()]);
+        assert!(new_transitions(&history, Some(&history[2])).is_empty());
+    }
+
+    #[test]
+    fn new_transitions_survive_the_front_of_the_history_being_trimmed() {
+        let trimmed = vec![at(Phase::Validated, 2), at(Phase::Preparing, 3)];
+        assert_eq!(new_transitions(&trimmed, Some(&at(Phase::Validated, 2))), vec![trimmed[1].clone()]);
+        // The last one printed was trimmed away: everything left is shown.
+        assert_eq!(new_transitions(&trimmed, Some(&at(Phase::Pending, 0))), trimmed);
+    }
+
+    #[test]
+    fn status_file_phase_reads_the_phase_of_a_status_branch_file() {
+        let file = "# Written by vmmigrate\nname: db-02\nnamespace: demo\nphase: Completed\n";
+        assert_eq!(status_file_phase(file).as_deref(), Some("Completed"));
+        assert_eq!(status_file_phase("name: db-02\n"), None);
+        assert_eq!(status_file_phase(": not yaml ["), None);
+    }
+
+    #[test]
+    fn the_run_flags_parse_with_the_real_option_definitions() {
+        let flags = run_flags(Path::new("/tmp/r.git"), Path::new("/tmp/w"));
+        let parsed = RunFlags::try_parse_from(std::iter::once("vmmigrate run".to_owned()).chain(flags));
+        let RunFlags { gitops, controller } = parsed.unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(gitops.repo, "/tmp/r.git");
+        assert_eq!(gitops.poll_seconds, 2);
+        assert_eq!(gitops.status_branch, STATUS_BRANCH);
+        assert_eq!(controller.namespace.as_deref(), Some(NAMESPACE));
+        assert_eq!(controller.work_dir, Path::new("/tmp/w/controller"));
+    }
+
+    #[test]
+    fn the_demo_manifest_renders_without_errors() {
+        use crate::gitops::render::{RenderOptions, render};
+        let files = vec![crate::gitops::RepoFile {
+            path: format!("migrations/{VM}.yaml"),
+            bytes: manifest_text(2222, &format!("SHA256:{}", "A".repeat(43))).into_bytes(),
+        }];
+        let provenance = crate::gitops::Provenance { repo_url: "demo".into(), commit: "c".into() };
+        let rendered = render(&files, &provenance, &RenderOptions { default_namespace: NAMESPACE.into() });
+        let rendered = rendered.unwrap_or_else(|e| panic!("{e:?}"));
+        assert_eq!(rendered.len(), 1);
+        assert_eq!(rendered[0].namespace, NAMESPACE);
+        assert_eq!(rendered[0].object["spec"]["source"]["port"], 2222);
+    }
+}

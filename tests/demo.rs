@@ -1,0 +1,103 @@
+//! `vmmigrate demo`, the README's first command, run as a user runs it: the
+//! real binary as a child process, on its own. It must end with the
+//! migration Completed, say so on the status branch of the Git remote it
+//! prints, and leave none of the processes it started running.
+//!
+//! Needs root and the Debian packages of `.ci/run`, like the ESXi tests.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+/// `name=pid` pairs of the "processes started:" line.
+fn started_processes(stdout: &str) -> Vec<(String, u32)> {
+    let line = stdout.lines().find_map(|l| l.strip_prefix("processes started: ")).expect("a processes line");
+    line.split_whitespace()
+        .map(|pair| {
+            let (name, pid) = pair.split_once('=').expect("name=pid");
+            (name.to_owned(), pid.parse().expect("a pid"))
+        })
+        .collect()
+}
+
+/// Whether `pid` runs (a zombie waiting for init to reap it does not).
+fn is_running(pid: u32) -> bool {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { return false };
+    stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().next()).is_some_and(|s| s != "Z")
+}
+
+/// Running processes whose command line mentions `needle`.
+fn processes_mentioning(needle: &str) -> Vec<String> {
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Some(pid) = entry.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else { continue };
+        let cmdline = std::fs::read(entry.path().join("cmdline")).unwrap_or_default();
+        let cmdline = String::from_utf8_lossy(&cmdline).replace('\0', " ");
+        if cmdline.contains(needle) && is_running(pid) {
+            found.push(format!("{pid}: {cmdline}"));
+        }
+    }
+    found
+}
+
+#[test]
+fn demo_completes_the_migration_reports_it_on_the_status_branch_and_leaves_no_process_behind() {
+    let work = tempfile::tempdir().expect("work dir");
+    let work_dir = work.path().canonicalize().expect("canonical work dir");
+    let out = Command::new(env!("CARGO_BIN_EXE_vmmigrate"))
+        .args(["demo", "--non-interactive", "--timeout-seconds", "300", "--work-dir"])
+        .arg(&work_dir)
+        .stdin(Stdio::null())
+        .output()
+        .expect("run vmmigrate demo");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let log = std::fs::read_to_string(work_dir.join("vmmigrate.log")).unwrap_or_default();
+    let log_tail: Vec<&str> = log.lines().rev().take(40).collect();
+    assert!(
+        out.status.success(),
+        "exit {:?}\n--- stdout\n{stdout}\n--- stderr\n{stderr}\n--- log (last lines, newest first)\n{}",
+        out.status.code(),
+        log_tail.join("\n")
+    );
+    assert!(stdout.contains("Completed"), "{stdout}");
+
+    // The remote it prints holds the outcome, after the demo is gone.
+    let remote = stdout
+        .lines()
+        .find_map(|l| l.trim_start().strip_prefix("Git remote"))
+        .map(|p| PathBuf::from(p.trim()))
+        .expect("the remote's path is printed");
+    assert_eq!(remote, work_dir.join("remote.git"));
+    let shown = Command::new("git")
+        .arg("--git-dir")
+        .arg(&remote)
+        .args(["show", "migration-status:demo/db-02.yaml"])
+        .output()
+        .expect("git show");
+    assert!(shown.status.success(), "{}", String::from_utf8_lossy(&shown.stderr));
+    let file: serde_yaml::Value = serde_yaml::from_slice(&shown.stdout).expect("status file YAML");
+    assert_eq!(file["phase"].as_str(), Some("Completed"), "{}", String::from_utf8_lossy(&shown.stdout));
+    assert!(
+        !Path::new(&work_dir).join("controller").exists(),
+        "disk copies are removed; only the remote and the log stay"
+    );
+
+    // Nothing it started runs any more.
+    let started = started_processes(&stdout);
+    let names: Vec<&str> = started.iter().map(|(n, _)| n.as_str()).collect();
+    for expected in ["etcd", "kube-apiserver", "kube-controller-manager", "sshd", "httpd"] {
+        assert!(names.contains(&expected), "{expected} missing from {started:?}");
+    }
+    let running: Vec<&(String, u32)> = started.iter().filter(|(_, pid)| is_running(*pid)).collect();
+    assert!(running.is_empty(), "still running: {running:?}\n--- stdout\n{stdout}");
+    let mentioning = processes_mentioning(&work_dir.to_string_lossy());
+    assert!(mentioning.is_empty(), "processes using the demo's directory: {mentioning:?}");
+    let netns = stdout
+        .lines()
+        .find_map(|l| l.split("in network namespace ").nth(1))
+        .map(str::trim)
+        .expect("the network namespace is printed");
+    let namespaces = Command::new("ip").args(["netns", "list"]).output().expect("ip netns list");
+    let namespaces = String::from_utf8_lossy(&namespaces.stdout);
+    assert!(!namespaces.lines().any(|l| l.split_whitespace().next() == Some(netns)), "{netns} is left");
+}
