@@ -296,6 +296,20 @@ impl Metrics {
                 view.copy_rate = progress.bytes_per_second;
             }
         }
+        // Finished work is counted from its evidence: the status that leaves
+        // a phase carries no progress, but it records every disk it finished.
+        let sum = |done: fn(&crate::api::DiskStatus) -> bool| -> i64 {
+            status.disks.iter().filter(|d| done(d)).map(|d| d.size_bytes).sum()
+        };
+        for (kind, finished) in [
+            ("copied", sum(|d| d.source_sha256.is_some())),
+            ("converted", sum(|d| d.artifact_sha256.is_some())),
+        ] {
+            if finished > 0 {
+                let entry = view.bytes.entry(kind).or_default();
+                *entry = (*entry).max(finished);
+            }
+        }
     }
 
     /// The migration is gone: its label sets go too.
