@@ -84,24 +84,7 @@ impl Harness {
     }
 
     async fn create(&self, mutate: impl FnOnce(&mut serde_json::Value)) {
-        let mut body = json!({
-            "apiVersion": "migration.platform.example/v1alpha1",
-            "kind": "VirtualMachineMigration",
-            "metadata": {"name": "web-01", "namespace": self.ns},
-            "spec": {
-                "source": {
-                    "host": "esxi01.example.internal",
-                    "hostKey": "SHA256:uNiVztksCsDhcc0u9e8BujQXVUpKZIDTMczCvj3tD2s",
-                    "credentialsSecretRef": {"name": "esxi01"},
-                    "vm": {"name": "web 01"}
-                },
-                "destination": {"namespace": self.ns, "storageClassName": "standard"},
-                "networkMap": [{"source": "VM Network", "type": "Pod"}],
-                "powerOffPolicy": "GracefulThenForce",
-                "strategy": {"backoff": {"initialSeconds": 1, "maxSeconds": 1}},
-                "validation": {"checks": [{"name": "agent", "guestAgent": {}}, {"name": "address", "ip": {}}]}
-            }
-        });
+        let mut body = support::sim_migration_json(&self.ns);
         mutate(&mut body);
         let vmm: VirtualMachineMigration = serde_json::from_value(body).expect("manifest");
         self.api.create(&PostParams::default(), &vmm).await.expect("create migration");

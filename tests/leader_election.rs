@@ -315,25 +315,8 @@ async fn ensure_storage_class(client: &Client) {
 
 /// The migration of tests/controller_e2e.rs.
 async fn create_migration(api: &Api<VirtualMachineMigration>, ns: &str) {
-    let vmm: VirtualMachineMigration = serde_json::from_value(json!({
-        "apiVersion": "migration.platform.example/v1alpha1",
-        "kind": "VirtualMachineMigration",
-        "metadata": {"name": "web-01", "namespace": ns},
-        "spec": {
-            "source": {
-                "host": "esxi01.example.internal",
-                "hostKey": "SHA256:uNiVztksCsDhcc0u9e8BujQXVUpKZIDTMczCvj3tD2s",
-                "credentialsSecretRef": {"name": "esxi01"},
-                "vm": {"name": "web 01"}
-            },
-            "destination": {"namespace": ns, "storageClassName": "standard"},
-            "networkMap": [{"source": "VM Network", "type": "Pod"}],
-            "powerOffPolicy": "GracefulThenForce",
-            "strategy": {"backoff": {"initialSeconds": 1, "maxSeconds": 1}},
-            "validation": {"checks": [{"name": "agent", "guestAgent": {}}, {"name": "address", "ip": {}}]}
-        }
-    }))
-    .expect("manifest");
+    let vmm: VirtualMachineMigration =
+        serde_json::from_value(support::sim_migration_json(ns)).expect("manifest");
     api.create(&PostParams::default(), &vmm).await.expect("create migration");
 }
 

@@ -121,25 +121,9 @@ async fn a_migration_is_visible_by_name_phase_and_bytes_until_completed() {
     }
 
     let api: Api<VirtualMachineMigration> = Api::namespaced(client.clone(), &ns);
-    let vmm: VirtualMachineMigration = serde_json::from_value(json!({
-        "apiVersion": "migration.platform.example/v1alpha1",
-        "kind": "VirtualMachineMigration",
-        "metadata": {"name": "web-01", "namespace": ns},
-        "spec": {
-            "source": {
-                "host": "esxi01.example.internal",
-                "hostKey": "SHA256:uNiVztksCsDhcc0u9e8BujQXVUpKZIDTMczCvj3tD2s",
-                "credentialsSecretRef": {"name": "esxi01"},
-                "vm": {"name": "web 01"}
-            },
-            "destination": {"namespace": ns, "storageClassName": "standard"},
-            "networkMap": [{"source": "VM Network", "type": "Pod"}],
-            "powerOffPolicy": "GracefulThenForce",
-            "strategy": {"backoff": {"initialSeconds": 1, "maxSeconds": 1}},
-            "validation": {"checks": [{"name": "agent", "guestAgent": {}}]}
-        }
-    }))
-    .unwrap();
+    let mut body = support::sim_migration_json(&ns);
+    body["spec"]["validation"]["checks"] = json!([{"name": "agent", "guestAgent": {}}]);
+    let vmm: VirtualMachineMigration = serde_json::from_value(body).unwrap();
     api.create(&PostParams::default(), &vmm).await.expect("create migration");
 
     // Scrape while it runs: the bytes of each stage show up while it happens.

@@ -511,23 +511,11 @@ async fn job_simulator_runs_the_command_and_reports_complete_or_failed() {
 }
 
 fn migration(ns: &str) -> VirtualMachineMigration {
-    serde_json::from_value(json!({
-        "apiVersion": "migration.platform.example/v1alpha1",
-        "kind": "VirtualMachineMigration",
-        "metadata": {"name": "web-01", "namespace": ns},
-        "spec": {
-            "source": {
-                "host": "esxi01.example.internal",
-                "hostKey": "SHA256:uNiVztksCsDhcc0u9e8BujQXVUpKZIDTMczCvj3tD2s",
-                "credentialsSecretRef": {"name": "esxi01"},
-                "vm": {"name": "web 01"}
-            },
-            "destination": {"namespace": ns, "storageClassName": "standard"},
-            "networkMap": [{"source": "VM Network", "type": "Pod"}],
-            "validation": {"checks": [{"name": "agent", "guestAgent": {}}, {"name": "address", "ip": {}}]}
-        }
-    }))
-    .expect("migration")
+    let mut body = support::sim_migration_json(ns);
+    let spec = body["spec"].as_object_mut().expect("spec");
+    spec.remove("powerOffPolicy");
+    spec.remove("strategy");
+    serde_json::from_value(body).expect("migration")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

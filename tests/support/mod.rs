@@ -51,3 +51,27 @@ pub async fn ensure_storage_class(client: &kube::Client) {
 pub fn phase_of(vmm: &vmmigrate::api::VirtualMachineMigration) -> vmmigrate::api::Phase {
     vmm.status.as_ref().map(|s| s.phase).unwrap_or_default()
 }
+
+/// The migration of the simulated world's VM `web 01` (`controller::sim`)
+/// into `ns`: the manifest the controller-level tests share. Tests adjust it
+/// as JSON before creating it.
+pub fn sim_migration_json(ns: &str) -> serde_json::Value {
+    serde_json::json!({
+        "apiVersion": "migration.platform.example/v1alpha1",
+        "kind": "VirtualMachineMigration",
+        "metadata": {"name": "web-01", "namespace": ns},
+        "spec": {
+            "source": {
+                "host": "esxi01.example.internal",
+                "hostKey": "SHA256:uNiVztksCsDhcc0u9e8BujQXVUpKZIDTMczCvj3tD2s",
+                "credentialsSecretRef": {"name": "esxi01"},
+                "vm": {"name": "web 01"}
+            },
+            "destination": {"namespace": ns, "storageClassName": "standard"},
+            "networkMap": [{"source": "VM Network", "type": "Pod"}],
+            "powerOffPolicy": "GracefulThenForce",
+            "strategy": {"backoff": {"initialSeconds": 1, "maxSeconds": 1}},
+            "validation": {"checks": [{"name": "agent", "guestAgent": {}}, {"name": "address", "ip": {}}]}
+        }
+    })
+}
