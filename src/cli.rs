@@ -180,6 +180,15 @@ fn gitops(
 ) -> anyhow::Result<()> {
     use crate::controller::service as ctl;
     init_logging();
+    if let Some(key) = &opts.ssh_key {
+        let auth =
+            crate::gitops::repo::RepoAuth::SshKey { key: key.clone(), known_hosts: opts.known_hosts.clone() };
+        if let Some(cmd) = crate::gitops::repo::TrackedRepo::ssh_command(&auth) {
+            // SAFETY: no other thread exists yet (the runtime starts below),
+            // so nothing reads the environment concurrently.
+            unsafe { std::env::set_var("GIT_SSH_COMMAND", cmd) };
+        }
+    }
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     runtime.block_on(async move {
         let _metrics =

@@ -89,28 +89,22 @@ impl TrackedRepo {
         }
     }
 
-    fn apply_auth(&self) {
-        // gix's ssh and file transports run the `ssh`/`git` binaries and
-        // honour GIT_SSH_COMMAND, like git itself.
-        if let RepoAuth::SshKey { key, known_hosts } = &self.config.auth {
-            let mut cmd = format!("ssh -i {} -o IdentitiesOnly=yes -o BatchMode=yes", shell_quote(key));
-            if let Some(k) = known_hosts {
-                cmd.push_str(&format!(
-                    " -o UserKnownHostsFile={} -o StrictHostKeyChecking=yes",
-                    shell_quote(k)
-                ));
-            }
-            // SAFETY of set_var: called before the fetch threads start, and the
-            // value is the same for every fetch of this process.
-            unsafe { std::env::set_var("GIT_SSH_COMMAND", cmd) };
+    /// The `GIT_SSH_COMMAND` for an SSH key, to be set in the process
+    /// environment once, before any thread starts (gix's ssh and file
+    /// transports run `ssh`/`git`, which honour it like git itself).
+    pub fn ssh_command(auth: &RepoAuth) -> Option<String> {
+        let RepoAuth::SshKey { key, known_hosts } = auth else { return None };
+        let mut cmd = format!("ssh -i {} -o IdentitiesOnly=yes -o BatchMode=yes", shell_quote(key));
+        if let Some(k) = known_hosts {
+            cmd.push_str(&format!(" -o UserKnownHostsFile={} -o StrictHostKeyChecking=yes", shell_quote(k)));
         }
+        Some(cmd)
     }
 
     /// Fetches every branch (pull-request heads are branches too) and returns
     /// the tracked branch's tip.
     pub fn fetch(&self) -> Result<String, GitError> {
         let repo = self.open()?;
-        self.apply_auth();
         let remote = repo
             .remote_at(self.config.url.as_str())
             .map_err(|e| err("remote URL", e))?
@@ -234,4 +228,20 @@ impl TrackedRepo {
 
 fn shell_quote(p: &Path) -> String {
     format!("'{}'", p.to_string_lossy().replace('\'', "'\\''"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ssh_command_quotes_paths_and_pins_known_hosts() {
+        let auth =
+            RepoAuth::SshKey { key: "/keys/it's".into(), known_hosts: Some("/keys/known_hosts".into()) };
+        let cmd = TrackedRepo::ssh_command(&auth).unwrap();
+        assert!(cmd.starts_with(r"ssh -i '/keys/it'\''s' -o IdentitiesOnly=yes"), "{cmd}");
+        assert!(cmd.contains("UserKnownHostsFile='/keys/known_hosts' -o StrictHostKeyChecking=yes"), "{cmd}");
+        assert_eq!(TrackedRepo::ssh_command(&RepoAuth::Token("t".into())), None);
+        assert_eq!(format!("{:?}", RepoAuth::Token("secret".into())), "Token(<redacted>)");
+    }
 }

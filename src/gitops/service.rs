@@ -593,10 +593,10 @@ pub async fn start(client: Client, opts: GitopsOptions) -> anyhow::Result<Gitops
         let mut cfg = StatusWriterConfig::new(opts.repo.clone(), opts.cache_dir.join("status.git"));
         cfg.target = target;
         if let Some(key) = &opts.ssh_key {
-            cfg.git_env.push((
-                "GIT_SSH_COMMAND".into(),
-                format!("ssh -i '{}' -o IdentitiesOnly=yes", key.display()),
-            ));
+            let auth = RepoAuth::SshKey { key: key.clone(), known_hosts: opts.known_hosts.clone() };
+            if let Some(cmd) = TrackedRepo::ssh_command(&auth) {
+                cfg.git_env.push(("GIT_SSH_COMMAND".into(), cmd));
+            }
         }
         let writer = Arc::new(StatusWriter::new(cfg));
         Some(tokio::spawn(run_coalescing(writer, status_rx, Duration::from_secs(opts.status_window_seconds))))
