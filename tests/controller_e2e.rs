@@ -16,7 +16,7 @@ use vmmigrate::api::{Phase, RETRY_ANNOTATION, VirtualMachineMigration, condition
 use vmmigrate::controller::adapters::Adapters;
 use vmmigrate::controller::reconciler::{self, ControllerConfig, FINALIZER};
 use vmmigrate::controller::sim::{FaultPlan, SimWorld};
-use vmmigrate::target::cluster::{KubeCluster, KubeProber, data_volume_resource, virtual_machine_resource};
+use vmmigrate::target::cluster::{data_volume_resource, virtual_machine_resource};
 
 const WAIT: Duration = Duration::from_secs(90);
 
@@ -36,13 +36,7 @@ impl Harness {
         ensure_storage_class(&client).await;
         let ns = test_namespace(&client, prefix).await;
         let world = SimWorld::new(7, faults);
-        // Publish the world's staged artifacts over real HTTP for the CDI simulator.
-        let served = world.clone();
-        let base = kubevirt_sim::serve_http(move |path| {
-            let disk: usize = path.rsplit("/disk-").next()?.split('.').next()?.parse().ok()?;
-            served.artifact_bytes(disk)
-        });
-        world.set_staging_base(&base);
+        support::publish_sim_staging(&world);
         let sims = kubevirt_sim::start(client.clone(), &ns);
         let api = Api::namespaced(client.clone(), &ns);
         let mut h = Harness { client, ns, world, api, sims, controller: None, interrupt: None };
@@ -51,14 +45,7 @@ impl Harness {
     }
 
     fn adapters(&self) -> Adapters {
-        Adapters {
-            esxi: self.world.clone(),
-            disks: self.world.clone(),
-            converter: self.world.clone(),
-            staging: self.world.clone(),
-            cluster: Arc::new(KubeCluster::new(self.client.clone())),
-            prober: Arc::new(KubeProber::new(self.client.clone())),
-        }
+        support::sim_adapters(&self.client, &self.world)
     }
 
     fn start_controller(&mut self) {

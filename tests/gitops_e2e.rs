@@ -11,17 +11,14 @@ use kube::{Client, ResourceExt};
 use serde_json::json;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 use support::fake_forge::{BOT_LOGIN, Dialect, FakeForge, FakePr, OWNER, REPO, TOKEN};
 use support::{KubeEnv, ensure_storage_class, kubevirt_sim, phase_of, test_namespace};
 use vmmigrate::api::{Phase, VirtualMachineMigration};
-use vmmigrate::controller::adapters::Adapters;
 use vmmigrate::controller::reconciler::{self, ControllerConfig};
 use vmmigrate::controller::sim::{FaultPlan, SimWorld};
 use vmmigrate::gitops::service::{self, Gitops, GitopsOptions, SyncOutcome};
-use vmmigrate::target::cluster::{KubeCluster, KubeProber};
 
 const WAIT: Duration = Duration::from_secs(120);
 const SECRET: &str = "webhook-secret-for-tests";
@@ -190,21 +187,9 @@ impl Drop for SimController {
 
 fn start_controller(client: &Client, ns: &str) -> SimController {
     let world = SimWorld::new(11, FaultPlan::default());
-    let served = world.clone();
-    let base = kubevirt_sim::serve_http(move |path| {
-        let disk: usize = path.rsplit("/disk-").next()?.split('.').next()?.parse().ok()?;
-        served.artifact_bytes(disk)
-    });
-    world.set_staging_base(&base);
+    support::publish_sim_staging(&world);
     let sims = kubevirt_sim::start(client.clone(), ns);
-    let adapters = Adapters {
-        esxi: world.clone(),
-        disks: world.clone(),
-        converter: world.clone(),
-        staging: world,
-        cluster: Arc::new(KubeCluster::new(client.clone())),
-        prober: Arc::new(KubeProber::new(client.clone())),
-    };
+    let adapters = support::sim_adapters(client, &world);
     let config = ControllerConfig {
         namespace: Some(ns.to_owned()),
         max_requeue: Some(Duration::from_millis(200)),

@@ -35,7 +35,7 @@ use vmmigrate::controller::sim::{FaultPlan, SimWorld};
 use vmmigrate::machine::{
     ArtifactState, CheckResult, CopyState, DataVolumeState, Failure, PreflightFacts, StartingFacts, VmState,
 };
-use vmmigrate::target::cluster::{KubeCluster, KubeProber, data_volume_resource, virtual_machine_resource};
+use vmmigrate::target::cluster::{data_volume_resource, virtual_machine_resource};
 
 const WAIT: Duration = Duration::from_secs(90);
 
@@ -231,17 +231,8 @@ impl Instance {
     /// `LeaderElector::run(reconciler::run(..), shutdown)` on the shared world.
     fn start(client: &Client, world: &Arc<SimWorld>, ns: &str, lease: LeaseConfig) -> Instance {
         let calls = Arc::new(AtomicU64::new(0));
-        let counting = Arc::new(Counting {
-            calls: calls.clone(),
-            inner: Adapters {
-                esxi: world.clone(),
-                disks: world.clone(),
-                converter: world.clone(),
-                staging: world.clone(),
-                cluster: Arc::new(KubeCluster::new(client.clone())),
-                prober: Arc::new(KubeProber::new(client.clone())),
-            },
-        });
+        let counting =
+            Arc::new(Counting { calls: calls.clone(), inner: support::sim_adapters(client, world) });
         let weak = Arc::downgrade(&counting);
         let adapters = Adapters {
             esxi: counting.clone(),
@@ -340,12 +331,7 @@ async fn only_the_leader_reconciles_and_a_killed_leader_hands_over_within_the_le
     let lease_name = format!("{ns}-controller");
     // Copies are held so the migration can be caught in Preparing.
     let world = SimWorld::new(7, FaultPlan { hold_copies: true, ..Default::default() });
-    let served = world.clone();
-    let base = kubevirt_sim::serve_http(move |path| {
-        let disk: usize = path.rsplit("/disk-").next()?.split('.').next()?.parse().ok()?;
-        served.artifact_bytes(disk)
-    });
-    world.set_staging_base(&base);
+    support::publish_sim_staging(&world);
     let _sims = kubevirt_sim::start(client.clone(), &ns);
     let leases: Api<Lease> = Api::namespaced(client.clone(), &ns);
     let migrations: Api<VirtualMachineMigration> = Api::namespaced(client.clone(), &ns);

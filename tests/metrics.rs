@@ -17,11 +17,9 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tracing_subscriber::EnvFilter;
 use vmmigrate::api::{Phase, VirtualMachineMigration};
 use vmmigrate::cli::{LogFormat, log_subscriber};
-use vmmigrate::controller::adapters::Adapters;
 use vmmigrate::controller::reconciler::{self, ControllerConfig};
 use vmmigrate::controller::sim::{FaultPlan, SimWorld};
 use vmmigrate::metrics;
-use vmmigrate::target::cluster::{KubeCluster, KubeProber};
 
 const WAIT: Duration = Duration::from_secs(90);
 
@@ -85,21 +83,9 @@ async fn a_migration_is_visible_by_name_phase_and_bytes_until_completed() {
     ensure_storage_class(&client).await;
     let ns = test_namespace(&client, "metrics").await;
     let world = SimWorld::new(11, FaultPlan::default());
-    let served = world.clone();
-    let base = kubevirt_sim::serve_http(move |path| {
-        let disk: usize = path.rsplit("/disk-").next()?.split('.').next()?.parse().ok()?;
-        served.artifact_bytes(disk)
-    });
-    world.set_staging_base(&base);
+    support::publish_sim_staging(&world);
     let _sims = kubevirt_sim::start(client.clone(), &ns);
-    let adapters = Adapters {
-        esxi: world.clone(),
-        disks: world.clone(),
-        converter: world.clone(),
-        staging: world.clone(),
-        cluster: Arc::new(KubeCluster::new(client.clone())),
-        prober: Arc::new(KubeProber::new(client.clone())),
-    };
+    let adapters = support::sim_adapters(&client, &world);
     let config = ControllerConfig {
         namespace: Some(ns.clone()),
         max_requeue: Some(Duration::from_millis(200)),

@@ -75,3 +75,32 @@ pub fn sim_migration_json(ns: &str) -> serde_json::Value {
         }
     })
 }
+
+/// Publishes the simulated world's staged artifacts over real HTTP, for the
+/// CDI simulator to download.
+pub fn publish_sim_staging(world: &std::sync::Arc<vmmigrate::controller::sim::SimWorld>) {
+    let served = world.clone();
+    let base = kubevirt_sim::serve_http(move |path| {
+        let disk: usize = path.rsplit("/disk-").next()?.split('.').next()?.parse().ok()?;
+        served.artifact_bytes(disk)
+    });
+    world.set_staging_base(&base);
+}
+
+/// The controller's adapters on the simulated world (ESXi, disks, conversion,
+/// staging) and the real Kubernetes API (cluster, probes).
+pub fn sim_adapters(
+    client: &kube::Client,
+    world: &std::sync::Arc<vmmigrate::controller::sim::SimWorld>,
+) -> vmmigrate::controller::adapters::Adapters {
+    use std::sync::Arc;
+    use vmmigrate::target::cluster::{KubeCluster, KubeProber};
+    vmmigrate::controller::adapters::Adapters {
+        esxi: world.clone(),
+        disks: world.clone(),
+        converter: world.clone(),
+        staging: world.clone(),
+        cluster: Arc::new(KubeCluster::new(client.clone())),
+        prober: Arc::new(KubeProber::new(client.clone())),
+    }
+}
