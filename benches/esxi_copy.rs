@@ -10,14 +10,7 @@
 //! of doing our work (`ssh cat | tee copy | sha256sum`), and vmmigrate's copy
 //! (sha256 and write included) with 1 and 4 streams. Client CPU is the
 //! client's own user+system time (for the shell rows: ssh, tee, sha256sum).
-#![allow(dead_code)]
 
-#[path = "../tests/support/esxi_emulator.rs"]
-mod esxi_emulator;
-#[path = "../tests/support/process.rs"]
-mod process;
-
-use esxi_emulator::{EsxiEmulator, EsxiOptions};
 use std::path::Path;
 use std::process::Command;
 use std::sync::Arc;
@@ -25,6 +18,7 @@ use std::sync::atomic::AtomicU64;
 use std::time::{Duration, Instant};
 use vmmigrate::source::esxi::copy::{self, CopyPlan};
 use vmmigrate::source::esxi::ssh::{Credentials, Secret, Session, Target};
+use vmmigrate_harness::esxi_emulator::{EsxiEmulator, EsxiOptions};
 
 struct Row {
     name: String,

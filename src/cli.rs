@@ -80,7 +80,7 @@ pub enum Command {
     /// Start a complete local demo: API server, ESXi host, Git remote, vmmigrate.
     ///
     /// Needs root and the Debian packages of `.ci/run`; see docs/quickstart.md.
-    Demo(crate::demo::DemoOptions),
+    Demo(DemoOptions),
     /// Show the status of the migrations: from the cluster, or from the status branch with `--repo`.
     Status {
         /// Read the status branch of this repository instead of the cluster.
@@ -125,13 +125,15 @@ pub enum Command {
     },
 }
 
-/// A subcommand that exists in the plan but not yet in the code.
+/// A subcommand this build leaves out (`demo` without the `demo` feature).
 #[derive(Debug, thiserror::Error)]
-#[error("`vmmigrate {0}` is not implemented yet")]
-pub struct NotImplemented(pub &'static str);
+#[error(
+    "`vmmigrate {0}` is not built into this binary (a release build leaves the test harness out); run it from a checkout: cargo run -- {0}"
+)]
+struct NotBuiltIn(&'static str);
 
 /// Runs one command; the exit code follows the usual convention
-/// (0 success, 1 failure, 2 usage or not implemented).
+/// (0 success, 1 failure, 2 usage or not built in).
 pub fn run(cli: Cli) -> ExitCode {
     let result = match cli.command {
         Command::Crd { output } => write_crd(output),
@@ -141,7 +143,7 @@ pub fn run(cli: Cli) -> ExitCode {
         Command::Render { repo, namespace } => render_local(&repo, &namespace, true),
         Command::Plan { repo, namespace, offline } => plan(&repo, &namespace, offline),
         Command::Validate { repo, namespace } => render_local(&repo, &namespace, false),
-        Command::Demo(opts) => crate::demo::run(opts),
+        Command::Demo(opts) => demo(opts),
         Command::Status { repo, branch, all, watch } => status(repo, &branch, all, watch),
         Command::Convert { input, input_sha256, input_marker, expected_size, output, format, virt_v2v } => {
             format.parse().map_err(anyhow::Error::from).and_then(|format| {
@@ -161,7 +163,7 @@ pub fn run(cli: Cli) -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {
             eprintln!("error: {err:#}");
-            if err.is::<NotImplemented>() { ExitCode::from(2) } else { ExitCode::FAILURE }
+            if err.is::<NotBuiltIn>() { ExitCode::from(2) } else { ExitCode::FAILURE }
         }
     }
 }
@@ -437,4 +439,38 @@ fn write_crd(output: Option<PathBuf>) -> anyhow::Result<()> {
             Ok(())
         }
     }
+}
+
+/// `vmmigrate demo` flags.
+#[derive(Clone, Debug, clap::Args)]
+pub struct DemoOptions {
+    /// Exit 1 when the migration has not completed this many seconds after
+    /// start-up (the first run's build of the API server does not count).
+    #[arg(long, default_value_t = 900)]
+    pub timeout_seconds: u64,
+    /// Once the walkthrough has ended (completed or not), keep everything
+    /// running until Ctrl-C, to look around.
+    #[arg(long)]
+    pub keep: bool,
+    /// Plain lines only, no progress bars redrawn in place (for CI logs).
+    #[arg(long)]
+    pub non_interactive: bool,
+    /// Directory for the Git remote, clones, disk copies and the log; the Git
+    /// remote and the log stay after exit. Default: a new directory in $TMPDIR.
+    #[arg(long)]
+    pub work_dir: Option<PathBuf>,
+    /// Internal: this process is the demo itself, started by `vmmigrate demo`.
+    #[arg(long = "in-own-process-group", hide = true)]
+    pub in_own_process_group: bool,
+}
+
+#[cfg(feature = "demo")]
+fn demo(opts: DemoOptions) -> anyhow::Result<()> {
+    crate::demo::run(opts)
+}
+
+/// The release binary is built without the demo's harness (`--no-default-features`).
+#[cfg(not(feature = "demo"))]
+fn demo(_: DemoOptions) -> anyhow::Result<()> {
+    Err(NotBuiltIn("demo").into())
 }

@@ -2,15 +2,13 @@
 //! structural and enforced, status goes through server-side apply on /status,
 //! optimistic concurrency holds, and owner references cascade.
 
-mod support;
-
+use crate::support::{KubeEnv, test_namespace};
 use k8s_openapi::api::core::v1::ConfigMap;
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use kube::{Client, Resource, ResourceExt};
 use serde_json::json;
 use std::time::Duration;
-use support::{KubeEnv, test_namespace};
 use vmmigrate::api::{Phase, PowerOffPolicy, VirtualMachineMigration};
 
 const FIELD_MANAGER: &str = "vmmigrate-controller";

@@ -3,20 +3,18 @@
 //! VirtualMachines are real objects in the API server), the CDI/KubeVirt
 //! simulators of tests/support, and the in-memory ESXi/disk/staging world.
 
-mod support;
-
+use crate::support::sim::{FaultPlan, SimWorld};
+use crate::support::{KubeEnv, ensure_storage_class, kubevirt_sim, phase_of, test_namespace};
 use kube::api::{Api, DeleteParams, DynamicObject, ListParams, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
 use serde_json::json;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
-use support::{KubeEnv, ensure_storage_class, kubevirt_sim, phase_of, test_namespace};
 use vmmigrate::api::{Phase, RETRY_ANNOTATION, VirtualMachineMigration, condition};
-use vmmigrate::controller::adapters::Adapters;
 use vmmigrate::controller::reconciler::{self, ControllerConfig, FINALIZER};
-use vmmigrate::controller::sim::{FaultPlan, SimWorld};
-use vmmigrate::target::cluster::{data_volume_resource, virtual_machine_resource};
+use vmmigrate::destination::cluster::{data_volume_resource, virtual_machine_resource};
+use vmmigrate::ports::Adapters;
 
 const WAIT: Duration = Duration::from_secs(90);
 
@@ -36,7 +34,7 @@ impl Harness {
         ensure_storage_class(&client).await;
         let ns = test_namespace(&client, prefix).await;
         let world = SimWorld::new(7, faults);
-        support::publish_sim_staging(&world);
+        crate::support::publish_sim_staging(&world);
         let sims = kubevirt_sim::start(client.clone(), &ns);
         let api = Api::namespaced(client.clone(), &ns);
         let mut h = Harness { client, ns, world, api, sims, controller: None, interrupt: None };
@@ -45,7 +43,7 @@ impl Harness {
     }
 
     fn adapters(&self) -> Adapters {
-        support::sim_adapters(&self.client, &self.world)
+        crate::support::sim_adapters(&self.client, &self.world)
     }
 
     fn start_controller(&mut self) {
@@ -71,7 +69,7 @@ impl Harness {
     }
 
     async fn create(&self, mutate: impl FnOnce(&mut serde_json::Value)) {
-        let mut body = support::sim_migration_json(&self.ns);
+        let mut body = crate::support::sim_migration_json(&self.ns);
         mutate(&mut body);
         let vmm: VirtualMachineMigration = serde_json::from_value(body).expect("manifest");
         self.api.create(&PostParams::default(), &vmm).await.expect("create migration");

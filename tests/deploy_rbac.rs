@@ -14,8 +14,7 @@
 //! gitops-coexistence tests change the shared ClusterRole, so they hold
 //! `CLUSTER_RBAC` for writing and restore the base before letting go.
 
-mod support;
-
+use crate::support::KubeEnv;
 use clap::CommandFactory;
 use k8s_openapi::api::authorization::v1::{ResourceAttributes, SubjectAccessReview, SubjectAccessReviewSpec};
 use k8s_openapi::api::core::v1::Namespace;
@@ -29,7 +28,6 @@ use serde_json::{Value, json};
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
-use support::KubeEnv;
 use tokio::sync::RwLock;
 
 /// One API request: (verb, API group, resource, subresource, namespace).

@@ -3,13 +3,11 @@
 //! real host says, keeps state, refuses what a FIPS-mode ESXi 8 refuses and
 //! injects its faults.
 
-mod support;
-
+use crate::support::esxi_emulator::{EsxiEmulator, EsxiOptions};
 use std::io::Read;
 use std::process::{Command, Output, Stdio};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
-use support::esxi_emulator::{EsxiEmulator, EsxiOptions};
 
 /// One emulator for the tests that do not change its state or count bytes.
 fn shared() -> &'static EsxiEmulator {

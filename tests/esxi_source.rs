@@ -2,14 +2,12 @@
 //! ESXi emulator: a real OpenSSH sshd with ESXi's algorithms, BusyBox ash and
 //! an emulated vim-cmd (tests/support/esxi_emulator.rs).
 
-mod support;
-
+use crate::support::esxi_emulator::{EsxiEmulator, EsxiOptions};
 use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
 use std::time::Duration;
-use support::esxi_emulator::{EsxiEmulator, EsxiOptions};
 use vmmigrate::api::{Firmware, SourcePowerState, VirtualMachineMigration};
-use vmmigrate::controller::adapters::{EsxiHost, PowerObservation};
+use vmmigrate::ports::{EsxiHost, PowerObservation};
 use vmmigrate::source::esxi::adapter::{CredentialSource, EsxiSource, StoreConfig};
 use vmmigrate::source::esxi::copy::{self, CopyPlan};
 use vmmigrate::source::esxi::ssh::{Credentials, RemoteCommand, Secret, Session, Target};
@@ -270,8 +268,8 @@ async fn credentials_come_from_the_kubernetes_secret_and_a_missing_one_needs_a_h
     use k8s_openapi::api::core::v1::Secret as KubeSecret;
     use kube::api::{Api, PostParams};
     let emu = EsxiEmulator::start(EsxiOptions::default()).expect("emulator");
-    let client = support::KubeEnv::shared().client().await;
-    let ns = support::test_namespace(&client, "esxi-creds").await;
+    let client = crate::support::KubeEnv::shared().client().await;
+    let ns = crate::support::test_namespace(&client, "esxi-creds").await;
     let secret: KubeSecret = serde_json::from_value(serde_json::json!({
         "apiVersion": "v1", "kind": "Secret",
         "metadata": {"name": "esxi01", "namespace": ns},

@@ -3,11 +3,9 @@
 //! plan comment per pull request edited in place, never a human's comment,
 //! commit statuses, pagination, and errors that never carry the token.
 
-mod support;
-
+use crate::support::fake_forge::{BOT_LOGIN, Dialect, FakeForge, FakePr, OWNER, REPO, TOKEN};
 use std::io::Write;
 use std::sync::{Arc, Mutex, OnceLock};
-use support::fake_forge::{BOT_LOGIN, Dialect, FakeForge, FakePr, OWNER, REPO, TOKEN};
 use vmmigrate::gitops::forge::{CommitState, Forge, GitHub, Gitea};
 use vmmigrate::gitops::plan::{PLAN_MARKER, PlanInput, STATUS_CONTEXT, commit_state};
 

@@ -1,11 +1,12 @@
 //! GitOps end to end with a real bare Git remote (driven with the `git` CLI
 //! as a user would), the real kube-apiserver, the controller on the
-//! in-memory ESXi/disk world (`controller::sim`) with the CDI/KubeVirt
+//! in-memory ESXi/disk world (`support::sim`) with the CDI/KubeVirt
 //! simulators, the webhook receiver on loopback, and the fake forge of
 //! tests/support for pull requests.
 
-mod support;
-
+use crate::support::fake_forge::{BOT_LOGIN, Dialect, FakeForge, FakePr, OWNER, REPO, TOKEN};
+use crate::support::sim::{FaultPlan, SimWorld};
+use crate::support::{KubeEnv, ensure_storage_class, kubevirt_sim, phase_of, test_namespace};
 use kube::api::Api;
 use kube::{Client, ResourceExt};
 use serde_json::json;
@@ -13,11 +14,8 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
-use support::fake_forge::{BOT_LOGIN, Dialect, FakeForge, FakePr, OWNER, REPO, TOKEN};
-use support::{KubeEnv, ensure_storage_class, kubevirt_sim, phase_of, test_namespace};
 use vmmigrate::api::{Phase, VirtualMachineMigration};
 use vmmigrate::controller::reconciler::{self, ControllerConfig};
-use vmmigrate::controller::sim::{FaultPlan, SimWorld};
 use vmmigrate::gitops::service::{self, Gitops, GitopsOptions, SyncOutcome};
 
 const WAIT: Duration = Duration::from_secs(120);
@@ -187,9 +185,9 @@ impl Drop for SimController {
 
 fn start_controller(client: &Client, ns: &str) -> SimController {
     let world = SimWorld::new(11, FaultPlan::default());
-    support::publish_sim_staging(&world);
+    crate::support::publish_sim_staging(&world);
     let sims = kubevirt_sim::start(client.clone(), ns);
-    let adapters = support::sim_adapters(client, &world);
+    let adapters = crate::support::sim_adapters(client, &world);
     let config = ControllerConfig {
         namespace: Some(ns.to_owned()),
         max_requeue: Some(Duration::from_millis(200)),

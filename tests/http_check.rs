@@ -3,18 +3,16 @@
 //! HTTP server (busybox httpd) in a network namespace of the test's own,
 //! because the API server refuses loopback addresses in EndpointSlices.
 
-mod support;
-
+use crate::support::netns::Netns;
+use crate::support::{KubeEnv, test_namespace};
 use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::Client;
 use kube::api::{Api, PostParams};
 use serde_json::{Value, json};
-use support::netns::Netns;
-use support::{KubeEnv, test_namespace};
 use vmmigrate::api::HttpCheck;
+use vmmigrate::destination::http_check::{HttpTarget, SERVICE_NAME_LABEL, run_http_check};
 use vmmigrate::machine::CheckResult;
-use vmmigrate::target::http_check::{HttpTarget, SERVICE_NAME_LABEL, run_http_check};
 
 const PAGE: &str = "<html><body><h1>Welcome to web01</h1><p>migrated from ESXi</p></body></html>\n";
 

@@ -4,8 +4,8 @@
 //! and the ESXi host, disk copies and staging (`SimWorld`). Two controller
 //! instances share one `SimWorld`, like two pods talking to the same ESXi host.
 
-mod support;
-
+use crate::support::sim::{FaultPlan, SimWorld};
+use crate::support::{KubeEnv, kubevirt_sim, test_namespace};
 use async_trait::async_trait;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::events::v1::Event;
@@ -20,22 +20,20 @@ use std::future::Future;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
-use support::{KubeEnv, kubevirt_sim, test_namespace};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use vmmigrate::api::{Phase, VirtualMachineMigrationStatus};
 use vmmigrate::api::{SourceInventory, ValidationCheck, VirtualMachineMigration};
-use vmmigrate::controller::adapters::{
-    Adapters, Cluster, Converter, DiskStore, EsxiHost, PowerObservation, Prober, Staging,
-};
 use vmmigrate::controller::leader::{LeaderElector, LeaderError, LeaseConfig};
 use vmmigrate::controller::reconciler::{self, ControllerConfig};
-use vmmigrate::controller::sim::{FaultPlan, SimWorld};
+use vmmigrate::destination::cluster::{data_volume_resource, virtual_machine_resource};
 use vmmigrate::machine::{
     ArtifactState, CheckResult, CopyState, DataVolumeState, Failure, PreflightFacts, StartingFacts, VmState,
 };
-use vmmigrate::target::cluster::{data_volume_resource, virtual_machine_resource};
+use vmmigrate::ports::{
+    Adapters, Cluster, Converter, DiskStore, EsxiHost, PowerObservation, Prober, Staging,
+};
 
 const WAIT: Duration = Duration::from_secs(90);
 
@@ -232,7 +230,7 @@ impl Instance {
     fn start(client: &Client, world: &Arc<SimWorld>, ns: &str, lease: LeaseConfig) -> Instance {
         let calls = Arc::new(AtomicU64::new(0));
         let counting =
-            Arc::new(Counting { calls: calls.clone(), inner: support::sim_adapters(client, world) });
+            Arc::new(Counting { calls: calls.clone(), inner: crate::support::sim_adapters(client, world) });
         let weak = Arc::downgrade(&counting);
         let adapters = Adapters {
             esxi: counting.clone(),
@@ -307,7 +305,7 @@ async fn ensure_storage_class(client: &Client) {
 /// The migration of tests/controller_e2e.rs.
 async fn create_migration(api: &Api<VirtualMachineMigration>, ns: &str) {
     let vmm: VirtualMachineMigration =
-        serde_json::from_value(support::sim_migration_json(ns)).expect("manifest");
+        serde_json::from_value(crate::support::sim_migration_json(ns)).expect("manifest");
     api.create(&PostParams::default(), &vmm).await.expect("create migration");
 }
 
@@ -331,7 +329,7 @@ async fn only_the_leader_reconciles_and_a_killed_leader_hands_over_within_the_le
     let lease_name = format!("{ns}-controller");
     // Copies are held so the migration can be caught in Preparing.
     let world = SimWorld::new(7, FaultPlan { hold_copies: true, ..Default::default() });
-    support::publish_sim_staging(&world);
+    crate::support::publish_sim_staging(&world);
     let _sims = kubevirt_sim::start(client.clone(), &ns);
     let leases: Api<Lease> = Api::namespaced(client.clone(), &ns);
     let migrations: Api<VirtualMachineMigration> = Api::namespaced(client.clone(), &ns);

@@ -1,6 +1,6 @@
 //! Deterministic simulation of the controller: the real `engine::step` (the
 //! code the kube-runtime controller runs) against the in-memory world of
-//! `controller::sim`, through thousands of seeded schedules of faults and
+//! `support::sim`, through thousands of seeded schedules of faults and
 //! crashes. A crash drops everything a controller process holds in memory,
 //! at any checkpoint: after observing, or after any single action and before
 //! the status write.
@@ -10,6 +10,7 @@
 //!   VMMIGRATE_SIM_SEED=<seed> cargo test --test machine_simulation
 //! Run more schedules with VMMIGRATE_SIM_SCHEDULES=<n> (default 2000).
 
+use crate::support::sim::{self, FaultPlan, SimWorld, SplitMix};
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
 use kube::ResourceExt;
 use std::collections::BTreeMap;
@@ -20,7 +21,6 @@ use vmmigrate::api::{
     VirtualMachineMigrationSpec, condition,
 };
 use vmmigrate::controller::engine::{self, Checkpoint, StepInput};
-use vmmigrate::controller::sim::{self, FaultPlan, SimWorld, SplitMix};
 use vmmigrate::machine::{Action, conditions, reason};
 
 const MAX_STEPS: usize = 6000;

@@ -4,21 +4,19 @@
 //! in-memory world (the same setup as controller_e2e.rs). Scrapes go over
 //! plain TCP, as Prometheus would send them.
 
-mod support;
-
+use crate::support::sim::{FaultPlan, SimWorld};
+use crate::support::{KubeEnv, ensure_storage_class, kubevirt_sim, phase_of, test_namespace};
 use kube::api::{Api, PostParams};
 use serde_json::json;
 use std::io::Write;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-use support::{KubeEnv, ensure_storage_class, kubevirt_sim, phase_of, test_namespace};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tracing_subscriber::EnvFilter;
 use vmmigrate::api::{Phase, VirtualMachineMigration};
 use vmmigrate::cli::{LogFormat, log_subscriber};
 use vmmigrate::controller::reconciler::{self, ControllerConfig};
-use vmmigrate::controller::sim::{FaultPlan, SimWorld};
 use vmmigrate::metrics;
 
 const WAIT: Duration = Duration::from_secs(90);
@@ -83,9 +81,9 @@ async fn a_migration_is_visible_by_name_phase_and_bytes_until_completed() {
     ensure_storage_class(&client).await;
     let ns = test_namespace(&client, "metrics").await;
     let world = SimWorld::new(11, FaultPlan::default());
-    support::publish_sim_staging(&world);
+    crate::support::publish_sim_staging(&world);
     let _sims = kubevirt_sim::start(client.clone(), &ns);
-    let adapters = support::sim_adapters(&client, &world);
+    let adapters = crate::support::sim_adapters(&client, &world);
     let config = ControllerConfig {
         namespace: Some(ns.clone()),
         max_requeue: Some(Duration::from_millis(200)),
@@ -107,7 +105,7 @@ async fn a_migration_is_visible_by_name_phase_and_bytes_until_completed() {
     }
 
     let api: Api<VirtualMachineMigration> = Api::namespaced(client.clone(), &ns);
-    let mut body = support::sim_migration_json(&ns);
+    let mut body = crate::support::sim_migration_json(&ns);
     body["spec"]["validation"]["checks"] = json!([{"name": "agent", "guestAgent": {}}]);
     let vmm: VirtualMachineMigration = serde_json::from_value(body).unwrap();
     api.create(&PostParams::default(), &vmm).await.expect("create migration");

@@ -8,8 +8,9 @@
 //! Conversion Jobs run through the Job simulator, which executes the real
 //! `vmmigrate convert` binary.
 
-mod support;
-
+use crate::support::esxi_emulator::{EsxiEmulator, EsxiOptions};
+use crate::support::netns::Netns;
+use crate::support::{KubeEnv, ensure_storage_class, job_sim, kubevirt_sim, phase_of, test_namespace};
 use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::core::v1::{Secret, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
@@ -19,16 +20,13 @@ use serde_json::{Value, json};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
-use support::esxi_emulator::{EsxiEmulator, EsxiOptions};
-use support::netns::Netns;
-use support::{KubeEnv, ensure_storage_class, job_sim, kubevirt_sim, phase_of, test_namespace};
 use vmmigrate::api::{Phase, VirtualMachineMigration};
 use vmmigrate::controller::reconciler::{self, ControllerConfig};
 use vmmigrate::controller::service::{self, ControllerOptions};
 use vmmigrate::convert::artifact::sha256_file;
 use vmmigrate::convert::staging::StagingServer;
-use vmmigrate::target::cluster::{data_volume_resource, virtual_machine_resource};
-use vmmigrate::target::http_check::SERVICE_NAME_LABEL;
+use vmmigrate::destination::cluster::{data_volume_resource, virtual_machine_resource};
+use vmmigrate::destination::http_check::SERVICE_NAME_LABEL;
 
 const WAIT: Duration = Duration::from_secs(180);
 const VM: &str = "db-02";
@@ -87,7 +85,7 @@ impl Migration {
         let sims = kubevirt_sim::start_with(
             client.clone(),
             &ns,
-            kubevirt_sim::SimOptions { pvc_root: Some(pvc_root), ..Default::default() },
+            kubevirt_sim::SimOptions { pvc_root: Some(pvc_root) },
         );
         *sims.control.kubevirt.vmi_ip.lock().unwrap() = netns.ip.to_string();
         let jobs = job_sim::start(client.clone(), &ns, PathBuf::from(env!("CARGO_BIN_EXE_vmmigrate")));

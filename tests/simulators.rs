@@ -2,8 +2,7 @@
 //! against the real kube-apiserver: what they write must be accepted by it and
 //! must look like what the real controllers write.
 
-mod support;
-
+use crate::support::{KubeEnv, job_sim, kubevirt_sim, test_namespace};
 use futures::StreamExt;
 use k8s_openapi::api::batch::v1::Job;
 use kube::api::{Api, DeleteParams, DynamicObject, Patch, PatchParams, PostParams, WatchEvent, WatchParams};
@@ -15,14 +14,13 @@ use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-use support::{KubeEnv, job_sim, kubevirt_sim, test_namespace};
 use vmmigrate::api::VirtualMachineMigration;
-use vmmigrate::controller::adapters::{Cluster, Prober};
-use vmmigrate::machine::{CheckResult, VmiState};
-use vmmigrate::target::cluster::{
+use vmmigrate::destination::cluster::{
     KubeCluster, KubeProber, data_volume_resource, virtual_machine_instance_resource,
     virtual_machine_resource,
 };
+use vmmigrate::machine::{CheckResult, VmiState};
+use vmmigrate::ports::{Cluster, Prober};
 
 const WAIT: Duration = Duration::from_secs(60);
 
@@ -511,7 +509,7 @@ async fn job_simulator_runs_the_command_and_reports_complete_or_failed() {
 }
 
 fn migration(ns: &str) -> VirtualMachineMigration {
-    let mut body = support::sim_migration_json(ns);
+    let mut body = crate::support::sim_migration_json(ns);
     let spec = body["spec"].as_object_mut().expect("spec");
     spec.remove("powerOffPolicy");
     spec.remove("strategy");

@@ -13,6 +13,19 @@ pub use status::*;
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1 as apiext;
 use kube::CustomResourceExt;
 
+/// Labels on every object vmmigrate creates: the link back to the migration
+/// that the controller, the conversion Jobs and the garbage collection share.
+pub mod labels {
+    /// The migration's name.
+    pub const MIGRATION: &str = "migration.platform.example/migration";
+    /// The migration's namespace.
+    pub const MIGRATION_NAMESPACE: &str = "migration.platform.example/migration-namespace";
+    /// The migration's uid: the proof an object is ours.
+    pub const MIGRATION_UID: &str = "migration.platform.example/migration-uid";
+    /// The disk index on DataVolumes and conversion Jobs.
+    pub const DISK: &str = "migration.platform.example/disk";
+}
+
 /// Condition types written by the controller.
 pub mod condition {
     pub const READY: &str = "Ready";

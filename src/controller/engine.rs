@@ -3,9 +3,9 @@
 //! status to record. The kube-runtime glue and the simulation tests both run
 //! exactly this code.
 
-use super::adapters::Adapters;
 use crate::api::{Phase, VirtualMachineMigration};
 use crate::machine::{self, Action, ArtifactState, CopyState, Decision, Failure, Input, Observed};
+use crate::ports::Adapters;
 use k8s_openapi::jiff::Timestamp;
 use std::future::Future;
 use std::time::Duration;

@@ -7,15 +7,14 @@
 //! that does not deserialize is reported on itself and skipped instead of
 //! breaking the watch for every other migration.
 
-use super::adapters::Adapters;
 use super::engine::{self, StepInput};
-use super::sim::SplitMix;
+use crate::api::labels::{MIGRATION as LABEL_MIGRATION, MIGRATION_NAMESPACE as LABEL_MIGRATION_NAMESPACE};
 use crate::api::{Phase, RETRY_ANNOTATION, VirtualMachineMigration, VirtualMachineMigrationStatus};
-use crate::machine::{self, Action as MachineAction, EventType, Failure};
-use crate::target::cluster::{
+use crate::destination::cluster::{
     FIELD_MANAGER, data_volume_resource, virtual_machine_instance_resource, virtual_machine_resource,
 };
-use crate::target::render::{LABEL_MIGRATION, LABEL_MIGRATION_NAMESPACE};
+use crate::machine::{self, Action as MachineAction, EventType, Failure};
+use crate::ports::Adapters;
 use futures::StreamExt;
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, DynamicObject, ListParams, Patch, PatchParams};
@@ -98,25 +97,31 @@ pub struct Context {
     recorder: Recorder,
     config: ControllerConfig,
     failures: Mutex<HashMap<String, u32>>,
-    rng: Mutex<SplitMix>,
+    /// Seeds the requeue jitter: the standard library's per-process random
+    /// hasher keys, hashed with a counter (no PRNG crate needed for a spread).
+    jitter_keys: std::hash::RandomState,
+    jitter_draws: std::sync::atomic::AtomicU64,
 }
 
 impl Context {
     pub fn new(client: Client, adapters: Adapters, config: ControllerConfig) -> Context {
         let reporter = Reporter { controller: FIELD_MANAGER.into(), instance: Some(config.instance.clone()) };
-        let seed = Timestamp::now().as_nanosecond() as u64;
         Context {
             recorder: Recorder::new(client.clone(), reporter),
             client,
             adapters,
             config,
             failures: Mutex::new(HashMap::new()),
-            rng: Mutex::new(SplitMix(seed)),
+            jitter_keys: std::hash::RandomState::new(),
+            jitter_draws: std::sync::atomic::AtomicU64::new(0),
         }
     }
 
+    /// Uniform in [0, 1).
     fn jitter(&self) -> f64 {
-        self.rng.lock().map(|mut r| r.unit()).unwrap_or(0.5)
+        use std::hash::BuildHasher;
+        let draw = self.jitter_draws.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        (self.jitter_keys.hash_one(draw) >> 11) as f64 / (1u64 << 53) as f64
     }
 
     fn cap(&self, d: Duration) -> Duration {

@@ -3,14 +3,14 @@
 //! artifacts in the work directory, the staging server CDI imports from, and
 //! the Kubernetes API for DataVolumes, VirtualMachines and checks.
 
-use super::adapters::Adapters;
 use super::leader::{LeaderElector, LeaseConfig, unique_identity};
 use super::reconciler::{self, ControllerConfig};
 use crate::convert::job::JobSettings;
 use crate::convert::staging::StagingServer;
 use crate::convert::store::{ArtifactStore, StoreSettings};
+use crate::destination::cluster::{KubeCluster, KubeProber};
+use crate::ports::Adapters;
 use crate::source::esxi::adapter::{CredentialSource, EsxiSource, StoreConfig};
-use crate::target::cluster::{KubeCluster, KubeProber};
 use anyhow::Context as _;
 use kube::Client;
 use std::net::SocketAddr;
@@ -124,7 +124,7 @@ pub fn adapters(client: Client, opts: &ControllerOptions, staging_url: String) -
     let source = Arc::new(EsxiSource::new(
         CredentialSource::Kubernetes(client.clone()),
         StoreConfig {
-            root: ArtifactStore::copies_root(&opts.work_dir),
+            root: crate::ports::workdir::copies_root(&opts.work_dir),
             streams: opts.copy_streams.max(1),
             chunk_size: crate::source::esxi::copy::DEFAULT_CHUNK_SIZE,
         },

@@ -8,15 +8,14 @@
 //! controller's own retry budget decides about retries, not the Job controller.
 
 use crate::api::VirtualMachineMigration;
-use crate::target::render::{labels, owner_references};
+use crate::destination::render::{labels, owner_references};
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
 use std::path::{Path, PathBuf};
 
 /// Label with the role of a helper object (`convert`).
 pub const LABEL_ROLE: &str = "migration.platform.example/role";
-/// Label with the disk index.
-pub const LABEL_DISK: &str = "migration.platform.example/disk";
+pub use crate::api::labels::DISK as LABEL_DISK;
 
 /// How conversion Jobs are run.
 #[derive(Clone, Debug)]

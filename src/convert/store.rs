@@ -15,10 +15,10 @@ use super::artifact::{self, corrupt_path, marker_path, partial_path, read_marker
 use super::job::{self, JobInput, JobSettings};
 use super::produce::{self, ConversionRequest, OutputFormat};
 use crate::api::{ConversionRunner, DiskFormat, VirtualMachineMigration};
-use crate::controller::adapters::{Converter, Staging};
 use crate::machine::{ArtifactState, Failure, reason};
-use crate::source::esxi::adapter::copy_path;
-use crate::target::cluster::classify;
+use crate::ports::kube_errors::classify;
+use crate::ports::workdir::{copies_root, copy_path};
+use crate::ports::{Converter, Staging};
 use async_trait::async_trait;
 use k8s_openapi::api::batch::v1::Job;
 use kube::api::{Api, DeleteParams, ListParams, PostParams, PropagationPolicy};
@@ -72,11 +72,6 @@ impl ArtifactStore {
         ArtifactStore { settings, client, permits, tasks: Mutex::new(HashMap::new()) }
     }
 
-    /// `<work>/copies`: the root to give the ESXi disk store.
-    pub fn copies_root(work_dir: &Path) -> PathBuf {
-        work_dir.join("copies")
-    }
-
     /// `<work>/staging`: the root the staging server serves.
     pub fn staging_root(work_dir: &Path) -> PathBuf {
         work_dir.join("staging")
@@ -97,7 +92,7 @@ impl ArtifactStore {
     }
 
     fn copy(&self, vmm: &VirtualMachineMigration, disk: usize) -> PathBuf {
-        copy_path(&Self::copies_root(&self.settings.work_dir), vmm, disk)
+        copy_path(&copies_root(&self.settings.work_dir), vmm, disk)
     }
 
     fn lock_tasks(&self) -> std::sync::MutexGuard<'_, HashMap<(String, usize), LocalTask>> {
@@ -377,8 +372,7 @@ impl Staging for ArtifactStore {
         if vmm.spec.conversion.runner == ConversionRunner::Job
             && let Ok((api, _)) = self.jobs(vmm)
         {
-            let selector =
-                format!("{}={uid},{}=convert", crate::target::render::LABEL_MIGRATION_UID, job::LABEL_ROLE);
+            let selector = format!("{}={uid},{}=convert", crate::api::labels::MIGRATION_UID, job::LABEL_ROLE);
             let dp = DeleteParams {
                 propagation_policy: Some(PropagationPolicy::Background),
                 ..Default::default()

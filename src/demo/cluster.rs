@@ -83,7 +83,7 @@ pub async fn web_service(
         json!({
             "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
             "metadata": {"name": slice, "namespace": ns,
-                         "labels": {crate::target::http_check::SERVICE_NAME_LABEL: name}},
+                         "labels": {crate::destination::http_check::SERVICE_NAME_LABEL: name}},
             "addressType": "IPv4",
             "endpoints": [{"addresses": [address.to_string()], "conditions": {"ready": true}}],
             "ports": [{"name": "http", "port": port, "protocol": "TCP"}],

@@ -12,9 +12,10 @@ mod cluster;
 mod remote;
 mod screen;
 mod supervisor;
-mod support;
+use vmmigrate_harness as support;
 
 use crate::api::{DiskProgress, Phase, PhaseTransition, VirtualMachineMigration};
+pub use crate::cli::DemoOptions;
 use crate::controller::reconciler::{self, ControllerConfig};
 use crate::controller::service::{self as ctl, ControllerOptions};
 use crate::gitops::service::{GitopsHandle, GitopsOptions};
@@ -25,7 +26,7 @@ use kube::{Client, ResourceExt};
 use remote::GitRemote;
 use screen::Screen;
 use std::collections::HashSet;
-use std::io::{BufRead as _, IsTerminal as _, Read as _};
+use std::io::{IsTerminal as _, Read as _};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::Arc;
@@ -48,29 +49,6 @@ const PAGE: &str = "<html><body><h1>db-02 status page</h1><p>migrated from ESXi<
 const GUEST_HTTP_PORT: u16 = 8080;
 const METRICS_PORT: u16 = 9090;
 const POLL: Duration = Duration::from_millis(200);
-
-/// `vmmigrate demo` flags.
-#[derive(Clone, Debug, clap::Args)]
-pub struct DemoOptions {
-    /// Exit 1 when the migration has not completed this many seconds after
-    /// start-up (the first run's build of the API server does not count).
-    #[arg(long, default_value_t = 900)]
-    pub timeout_seconds: u64,
-    /// Once the walkthrough has ended (completed or not), keep everything
-    /// running until Ctrl-C, to look around.
-    #[arg(long)]
-    pub keep: bool,
-    /// Plain lines only, no progress bars redrawn in place (for CI logs).
-    #[arg(long)]
-    pub non_interactive: bool,
-    /// Directory for the Git remote, clones, disk copies and the log; the Git
-    /// remote and the log stay after exit. Default: a new directory in $TMPDIR.
-    #[arg(long)]
-    pub work_dir: Option<PathBuf>,
-    /// Internal: this process is the demo itself, started by `vmmigrate demo`.
-    #[arg(long = "in-own-process-group", hide = true)]
-    pub in_own_process_group: bool,
-}
 
 /// Runs the demo; exit code 0 only when the migration completed.
 pub fn run(opts: DemoOptions) -> anyhow::Result<()> {
@@ -140,31 +118,8 @@ fn check_machine() -> anyhow::Result<()> {
         "the demo needs root: its ESXi host is a real sshd with a chroot and a system user, and the \
          application check runs in a network namespace (use a VM or container you can be root in)"
     );
-    let needed = [
-        ("git", "git"),
-        ("qemu-img", "qemu-utils"),
-        ("/usr/sbin/sshd", "openssh-server"),
-        ("ssh-keygen", "openssh-client"),
-        ("/bin/busybox", "busybox-static"),
-        ("ip", "iproute2"),
-        ("openssl", "openssl"),
-    ];
-    let missing: Vec<&str> =
-        needed.iter().filter(|(program, _)| !on_path(program)).map(|(_, pkg)| *pkg).collect();
-    ensure!(
-        missing.is_empty(),
-        "missing programs; install the Debian packages: apt-get install {} (or run `bash .ci/run` once)",
-        missing.join(" ")
-    );
-    Ok(())
-}
-
-fn on_path(program: &str) -> bool {
-    if program.starts_with('/') {
-        return Path::new(program).is_file();
-    }
-    std::env::var_os("PATH")
-        .is_some_and(|path| std::env::split_paths(&path).any(|d| d.join(program).is_file()))
+    // Missing Debian packages are installed here on first use (we are root).
+    support::setup::packages()
 }
 
 fn work_dir(opts: &DemoOptions) -> anyhow::Result<PathBuf> {
@@ -214,30 +169,11 @@ fn intro(screen: &mut Screen) {
     }
 }
 
-/// Runs `tools/testenv/build.sh`, which returns at once when the binaries
-/// are cached and otherwise builds them (minutes) while printing progress.
+/// Finds the control plane, or builds it from its Go modules on the first run
+/// (minutes; the harness prints progress and holds a lock meanwhile).
 fn build_control_plane(screen: &mut Screen) -> anyhow::Result<()> {
-    if std::env::var_os("VMMIGRATE_TESTENV_BIN").is_some() {
-        return Ok(());
-    }
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tools/testenv/build.sh");
-    let mut child = Command::new("bash")
-        .arg(&script)
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .with_context(|| format!("running {}", script.display()))?;
-    if let Some(stderr) = child.stderr.take() {
-        for (i, line) in std::io::BufReader::new(stderr).lines().enumerate() {
-            if i == 0 {
-                screen.line("building the Kubernetes API server from source (first run only, ~10 min)…");
-            }
-            screen.line(&format!("    {}", line?));
-        }
-    }
-    let status = child.wait()?;
-    ensure!(status.success(), "{} failed (it needs Go on PATH; see tools/testenv/)", script.display());
-    Ok(())
+    screen.line("finding (or, on the first run, building) the Kubernetes control plane…");
+    support::setup::control_plane().map(drop)
 }
 
 /// The control plane, the ESXi host and the guest's web server, started side by side.
@@ -409,7 +345,7 @@ async fn start_services(
     let sims = support::kubevirt_sim::start_with(
         client.clone(),
         NAMESPACE,
-        support::kubevirt_sim::SimOptions { pvc_root: Some(work.join("pvcs")), ..Default::default() },
+        support::kubevirt_sim::SimOptions { pvc_root: Some(work.join("pvcs")) },
     );
     *sims.control.kubevirt.vmi_ip.lock().unwrap_or_else(|p| p.into_inner()) = guest_ip.to_string();
     screen.line(&format!("✓ CDI + KubeVirt simulators (\"PVCs\" in {})", work.join("pvcs").display()));

@@ -17,7 +17,7 @@ use super::status_files::{StatusInput, status_files};
 use super::webhook::{WebhookConfig, WebhookEvent, WebhookServer};
 use super::{LABEL_GITOPS, Provenance, RepoFile};
 use crate::api::{Phase, VirtualMachineMigration};
-use crate::controller::adapters::EsxiHost;
+use crate::ports::EsxiHost;
 use anyhow::Context as _;
 use kube::api::{Api, ListParams};
 use kube::{Client, ResourceExt};

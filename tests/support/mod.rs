@@ -1,17 +1,10 @@
-//! Shared test support: the real Kubernetes control plane and helpers.
-//! Each integration test binary includes this with `mod support;`.
-#![allow(dead_code)]
+//! What the integration tests share: the harness crate's real parts
+//! (control plane, ESXi emulator, simulators, fake forge), the in-memory
+//! simulation of every port (`sim`), and the manifests they start from.
 
-pub mod esxi_emulator;
-pub mod fake_forge;
-pub mod job_sim;
-pub mod kube_env;
-pub mod kubevirt_sim;
-pub mod netns;
-pub mod process;
+pub mod sim;
 
-#[allow(unused_imports)]
-pub use kube_env::KubeEnv;
+pub use vmmigrate_harness::{KubeEnv, esxi_emulator, fake_forge, job_sim, kubevirt_sim, netns};
 
 /// A namespace unique to one test, created in the cluster.
 pub async fn test_namespace(client: &kube::Client, prefix: &str) -> String {
@@ -52,7 +45,7 @@ pub fn phase_of(vmm: &vmmigrate::api::VirtualMachineMigration) -> vmmigrate::api
     vmm.status.as_ref().map(|s| s.phase).unwrap_or_default()
 }
 
-/// The migration of the simulated world's VM `web 01` (`controller::sim`)
+/// The migration of the simulated world's VM `web 01` (`support::sim`)
 /// into `ns`: the manifest the controller-level tests share. Tests adjust it
 /// as JSON before creating it.
 pub fn sim_migration_json(ns: &str) -> serde_json::Value {
@@ -78,7 +71,7 @@ pub fn sim_migration_json(ns: &str) -> serde_json::Value {
 
 /// Publishes the simulated world's staged artifacts over real HTTP, for the
 /// CDI simulator to download.
-pub fn publish_sim_staging(world: &std::sync::Arc<vmmigrate::controller::sim::SimWorld>) {
+pub fn publish_sim_staging(world: &std::sync::Arc<sim::SimWorld>) {
     let served = world.clone();
     let base = kubevirt_sim::serve_http(move |path| {
         let disk: usize = path.rsplit("/disk-").next()?.split('.').next()?.parse().ok()?;
@@ -91,11 +84,11 @@ pub fn publish_sim_staging(world: &std::sync::Arc<vmmigrate::controller::sim::Si
 /// staging) and the real Kubernetes API (cluster, probes).
 pub fn sim_adapters(
     client: &kube::Client,
-    world: &std::sync::Arc<vmmigrate::controller::sim::SimWorld>,
-) -> vmmigrate::controller::adapters::Adapters {
+    world: &std::sync::Arc<sim::SimWorld>,
+) -> vmmigrate::ports::Adapters {
     use std::sync::Arc;
-    use vmmigrate::target::cluster::{KubeCluster, KubeProber};
-    vmmigrate::controller::adapters::Adapters {
+    use vmmigrate::destination::cluster::{KubeCluster, KubeProber};
+    vmmigrate::ports::Adapters {
         esxi: world.clone(),
         disks: world.clone(),
         converter: world.clone(),

@@ -5,8 +5,9 @@ use super::copy::{self, CopyError, CopyPlan, CopyResult};
 use super::parse;
 use super::ssh::{Credentials, Output, RemoteCommand, Secret, Session, SshError, Target};
 use crate::api::{SourceDisk, SourceInventory, SourcePowerState, VirtualMachineMigration};
-use crate::controller::adapters::{DiskStore, EsxiHost, PowerObservation};
 use crate::machine::{CopyState, Failure};
+use crate::ports::workdir::{copy_path, migration_copies_dir};
+use crate::ports::{DiskStore, EsxiHost, PowerObservation};
 use async_trait::async_trait;
 use k8s_openapi::api::core::v1::Secret as KubeSecret;
 use kube::api::Api;
@@ -230,21 +231,6 @@ impl EsxiSource {
     fn task_key(vmm: &VirtualMachineMigration, disk: usize) -> (String, usize) {
         (vmm.metadata.uid.clone().unwrap_or_default(), disk)
     }
-}
-
-/// Where the copies of one migration live under the store's root:
-/// `<root>/<namespace>/<name>/<uid>`.
-pub fn migration_copies_dir(root: &Path, vmm: &VirtualMachineMigration) -> PathBuf {
-    let safe = |s: String| s.replace(['/', '.'], "_");
-    root.join(safe(vmm.namespace().unwrap_or_default()))
-        .join(safe(vmm.name_any()))
-        .join(safe(vmm.metadata.uid.clone().unwrap_or_default()))
-}
-
-/// The local copy of disk `disk`: `<root>/<namespace>/<name>/<uid>/disk-<n>.raw`.
-/// Its marker (`size sha256 [verified]`) is the same path with extension `sha256`.
-pub fn copy_path(root: &Path, vmm: &VirtualMachineMigration, disk: usize) -> PathBuf {
-    migration_copies_dir(root, vmm).join(format!("disk-{disk}.raw"))
 }
 
 fn join(dir: &str, file: &str) -> String {

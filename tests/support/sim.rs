@@ -13,19 +13,19 @@
 //! needs-a-human cases (guest ignores shutdown, snapshots, wrong app content).
 //! `crash()` drops what a controller process would lose when it dies.
 
-use super::adapters::{Cluster, Converter, DiskStore, EsxiHost, PowerObservation, Prober, Staging};
-use crate::api::{
-    Firmware, SourceDisk, SourceInventory, SourceNic, SourcePowerState, ValidationCheck,
-    VirtualMachineMigration,
-};
-use crate::machine::{
-    ArtifactState, CheckResult, CopyState, DataVolumeState, DestinationOccupancy, Failure, PreflightFacts,
-    StartingFacts, VmState, VmiState,
-};
 use async_trait::async_trait;
 use sha2::{Digest, Sha256};
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard};
+use vmmigrate::api::{
+    Firmware, SourceDisk, SourceInventory, SourceNic, SourcePowerState, ValidationCheck,
+    VirtualMachineMigration,
+};
+use vmmigrate::machine::{
+    ArtifactState, CheckResult, CopyState, DataVolumeState, DestinationOccupancy, Failure, PreflightFacts,
+    StartingFacts, VmState, VmiState,
+};
+use vmmigrate::ports::{Cluster, Converter, DiskStore, EsxiHost, PowerObservation, Prober, Staging};
 
 /// Bytes a running copy advances per tick.
 const COPY_CHUNK: usize = 4096;
@@ -586,7 +586,7 @@ impl Staging for SimWorld {
     ) -> Result<Option<String>, Failure> {
         call!(self, "staging lookup");
         let w = self.lock();
-        let key = crate::machine::artifact_key(vmm.metadata.uid.as_deref().unwrap_or("uid"), disk, "raw");
+        let key = vmmigrate::machine::artifact_key(vmm.metadata.uid.as_deref().unwrap_or("uid"), disk, "raw");
         Ok(w.staged
             .get(&disk)
             .filter(|s| *s == sha256)
@@ -824,8 +824,8 @@ impl Prober for SimWorld {
 }
 
 /// All adapter slots filled with the same simulated world.
-pub fn adapters(world: &Arc<SimWorld>) -> super::adapters::Adapters {
-    super::adapters::Adapters {
+pub fn adapters(world: &Arc<SimWorld>) -> vmmigrate::ports::Adapters {
+    vmmigrate::ports::Adapters {
         esxi: world.clone(),
         disks: world.clone(),
         converter: world.clone(),

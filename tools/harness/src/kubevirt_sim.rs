@@ -39,9 +39,23 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use vmmigrate::target::cluster::{
-    data_volume_resource, virtual_machine_instance_resource, virtual_machine_resource,
-};
+
+// The upstream kinds the simulators act on (CDI v1beta1, KubeVirt v1).
+fn resource(group: &str, version: &str, kind: &str, plural: &str) -> kube::api::ApiResource {
+    kube::api::ApiResource::from_gvk_with_plural(
+        &kube::api::GroupVersionKind::gvk(group, version, kind),
+        plural,
+    )
+}
+fn data_volume_resource() -> kube::api::ApiResource {
+    resource("cdi.kubevirt.io", "v1beta1", "DataVolume", "datavolumes")
+}
+fn virtual_machine_resource() -> kube::api::ApiResource {
+    resource("kubevirt.io", "v1", "VirtualMachine", "virtualmachines")
+}
+fn virtual_machine_instance_resource() -> kube::api::ApiResource {
+    resource("kubevirt.io", "v1", "VirtualMachineInstance", "virtualmachineinstances")
+}
 
 const POLL: Duration = Duration::from_millis(100);
 /// CDI's importer reports progress periodically, not per byte.
@@ -96,7 +110,6 @@ impl Default for KubeVirtControl {
 
 /// Options for [`start_with`]; build with `..Default::default()`, more may come.
 #[derive(Default)]
-#[non_exhaustive]
 pub struct SimOptions {
     /// Where the "PVCs" live; a temporary directory owned by the
     /// [`Simulators`] (removed on drop) when `None`.

@@ -14,7 +14,7 @@
 //! the guard kills everything in the namespace and deletes it, which also
 //! removes the veth pair. `Drop` does the same synchronously.
 
-use super::process::{Janitor, wait_until};
+use crate::process::{Janitor, wait_until};
 use std::net::{Ipv4Addr, SocketAddr, TcpStream};
 use std::path::Path;
 use std::process::{Child, ChildStdin, Command, Stdio};

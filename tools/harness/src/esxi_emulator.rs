@@ -17,7 +17,7 @@
 //! Needs root and the Debian packages openssh-server, openssh-client,
 //! busybox-static, qemu-utils (and openssl, for hashing).
 
-use super::process::{Janitor, free_port, wait_until};
+use crate::process::{Janitor, free_port, wait_until};
 use anyhow::{Context, bail, ensure};
 use std::collections::{BTreeMap, HashMap};
 use std::fs;
@@ -45,7 +45,7 @@ const MIB: u64 = 1024 * 1024;
 
 macro_rules! tool {
     ($name:literal) => {
-        include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/tools/esxi-emulator/", $name))
+        include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/../esxi-emulator/", $name))
     };
 }
 const SSHD_CONFIG_TEMPLATE: &str = tool!("sshd_config.template");
@@ -525,23 +525,10 @@ fn ensure_user() -> anyhow::Result<(u32, u32)> {
 // ---------------------------------------------------------------------------
 // The chroot
 
-/// `CARGO_TARGET_TMPDIR` when every component of it is root-owned and not
-/// group/world-writable (sshd's rule for chroots), else `/run/vmmigrate-esxi`.
+/// `/run/vmmigrate-esxi`: sshd wants every component of a chroot's path
+/// root-owned and not group/world-writable, which a temp or target directory
+/// need not be.
 fn chroot_base() -> anyhow::Result<PathBuf> {
-    // Cargo sets CARGO_TARGET_TMPDIR for integration tests only; the demo
-    // binary (src/demo/support.rs) compiles this file too and uses RUN_BASE.
-    if let Some(target) = option_env!("CARGO_TARGET_TMPDIR").map(PathBuf::from)
-        && fs::create_dir_all(&target).is_ok()
-        && let Ok(target) = target.canonicalize()
-        && target.ancestors().all(|p| {
-            fs::metadata(p).is_ok_and(|m| {
-                use std::os::unix::fs::MetadataExt;
-                m.is_dir() && m.uid() == 0 && m.mode() & 0o022 == 0
-            })
-        })
-    {
-        return Ok(target);
-    }
     let base = PathBuf::from(RUN_BASE);
     ensure_dir_root(&base)?;
     Ok(base)

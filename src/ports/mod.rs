@@ -1,6 +1,9 @@
-//! The ports through which the controller touches the world. Each has one
-//! real implementation (ESXi over SSH, qemu-img, the staging server, the
-//! Kubernetes API) and one in-memory simulation (`super::sim`).
+//! The ports through which the controller touches the world: the small core
+//! that both sides depend on (as linkerd's policy-controller-core is), so the
+//! adapters (`source`, `convert`, `destination`) import neither the
+//! controller nor each other. Each port has one real implementation (ESXi
+//! over SSH, qemu-img, the staging server, the Kubernetes API) and one
+//! in-memory simulation (the tests' `support::sim`).
 //!
 //! Every operation is idempotent and every error is a classified
 //! `machine::Failure` with a stable reason. Adapters receive the migration
@@ -13,6 +16,9 @@ use crate::machine::{
 };
 use async_trait::async_trait;
 use std::sync::Arc;
+
+pub mod kube_errors;
+pub mod workdir;
 
 /// Power as `power.getstate` and `get.guest` report it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -2,13 +2,15 @@
 //! VirtualMachine and its VMI, through the Kubernetes API.
 
 use super::http_check::{HttpTarget, run_http_check};
-use super::render::{self, LABEL_MIGRATION_UID};
+use super::render;
+use crate::api::labels::MIGRATION_UID as LABEL_MIGRATION_UID;
 use crate::api::{CheckKindRef, ValidationCheck, VirtualMachineMigration};
-use crate::controller::adapters::{Cluster, Prober};
 use crate::machine::{
     CheckResult, DataVolumeState, DestinationOccupancy, Failure, PreflightFacts, StartingFacts, VmState,
     VmiState, data_volume_name, destination_name,
 };
+use crate::ports::kube_errors::{classify, is_not_found};
+use crate::ports::{Cluster, Prober};
 use async_trait::async_trait;
 use k8s_openapi::api::core::v1::Namespace;
 use k8s_openapi::api::storage::v1::StorageClass;
@@ -37,27 +39,6 @@ pub fn virtual_machine_instance_resource() -> ApiResource {
         &GroupVersionKind::gvk("kubevirt.io", "v1", "VirtualMachineInstance"),
         "virtualmachineinstances",
     )
-}
-
-/// Classifies a Kubernetes API error.
-pub fn classify(what: &str, err: kube::Error) -> Failure {
-    match &err {
-        kube::Error::Api(status) => match status.code {
-            409 => Failure::retryable("Conflict", format!("{what}: {}", status.message)),
-            403 => Failure::needs_human(
-                "Forbidden",
-                format!("{what}: {} (check the controller's RBAC)", status.message),
-            ),
-            422 | 400 => Failure::needs_human("Invalid", format!("{what}: {}", status.message)),
-            404 => Failure::needs_human("NotFound", format!("{what}: {}", status.message)),
-            _ => Failure::retryable("APIError", format!("{what}: {}", status.message)),
-        },
-        _ => Failure::retryable("APIUnavailable", format!("{what}: {err}")),
-    }
-}
-
-fn is_not_found(err: &kube::Error) -> bool {
-    matches!(err, kube::Error::Api(s) if s.code == 404)
 }
 
 fn is_ours(vmm: &VirtualMachineMigration, obj: &DynamicObject) -> bool {

@@ -11,14 +11,10 @@ use crate::api::{Firmware, NetworkKind, VirtualMachineMigration};
 use crate::machine::{data_volume_name, destination_name};
 use serde_json::{Value, json};
 
-/// Label with the migration's name on every object vmmigrate creates.
-pub const LABEL_MIGRATION: &str = "migration.platform.example/migration";
-/// Label with the migration's namespace.
-pub const LABEL_MIGRATION_NAMESPACE: &str = "migration.platform.example/migration-namespace";
-/// Label with the migration's uid: the proof an object is ours.
-pub const LABEL_MIGRATION_UID: &str = "migration.platform.example/migration-uid";
-/// Label with the disk index on DataVolumes.
-pub const LABEL_DISK: &str = "migration.platform.example/disk";
+use crate::api::labels::{
+    DISK as LABEL_DISK, MIGRATION as LABEL_MIGRATION, MIGRATION_NAMESPACE as LABEL_MIGRATION_NAMESPACE,
+    MIGRATION_UID as LABEL_MIGRATION_UID,
+};
 
 /// Labels linking an object back to its migration.
 pub fn labels(vmm: &VirtualMachineMigration) -> serde_json::Map<String, Value> {

@@ -1,6 +1,6 @@
 //! A real Kubernetes control plane for the tests: etcd, kube-apiserver and
 //! kube-controller-manager (garbage collector and namespace controllers only),
-//! built from their Go modules by `tools/testenv/build.sh` and started on free
+//! built from their Go modules by `tools/testenv/build.sh` (`crate::setup`) and started on free
 //! loopback ports in a temporary directory.
 //!
 //! One environment per test binary (`KubeEnv::shared()`); each test makes its
@@ -12,7 +12,7 @@
 //! small janitor shell (its stdin is a pipe only this process holds) kills them
 //! and removes the directory as soon as the test process exits, however it exits.
 
-use super::process::{Janitor, free_port, wait_until};
+use crate::process::{Janitor, free_port, wait_until};
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::{Api, Client, Config};
 use std::path::{Path, PathBuf};
@@ -64,7 +64,7 @@ impl KubeEnv {
             let version = runtime().block_on(prepare_cluster(&kubeconfig))?;
             return Ok(KubeEnv { kubeconfig, version, _janitor: None });
         }
-        let bin = testenv_bin_dir()?;
+        let bin = crate::setup::control_plane()?;
         let janitor = Janitor::new("vmmigrate-kube")?;
         let dir = janitor.dir().to_path_buf();
 
@@ -88,7 +88,7 @@ impl KubeEnv {
         )?;
         wait_until(Duration::from_secs(60), "etcd /health", || {
             janitor.check_alive()?;
-            Ok(super::process::http_get_plain(etcd_port, "/health")
+            Ok(crate::process::http_get_plain(etcd_port, "/health")
                 .map(|body| body.contains("\"health\":\"true\""))
                 .unwrap_or(false))
         })?;
@@ -160,18 +160,6 @@ fn runtime() -> tokio::runtime::Runtime {
 
 /// Directory holding the built control-plane binaries: `VMMIGRATE_TESTENV_BIN`,
 /// or whatever `tools/testenv/build.sh` prints (it builds only when the cache is empty).
-pub fn testenv_bin_dir() -> anyhow::Result<PathBuf> {
-    if let Some(dir) = std::env::var_os("VMMIGRATE_TESTENV_BIN") {
-        return Ok(PathBuf::from(dir));
-    }
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tools/testenv/build.sh");
-    let out = Command::new("bash").arg(&script).stderr(Stdio::inherit()).output()?;
-    anyhow::ensure!(out.status.success(), "{} failed", script.display());
-    let dir = String::from_utf8(out.stdout)?.lines().last().unwrap_or_default().trim().to_owned();
-    anyhow::ensure!(!dir.is_empty(), "{} printed no directory", script.display());
-    Ok(PathBuf::from(dir))
-}
-
 fn write_kubeconfig(path: &Path, port: u16, ca_pem: &[u8]) -> anyhow::Result<()> {
     use std::fmt::Write;
     let ca = base64_encode(ca_pem);
@@ -236,9 +224,10 @@ async fn prepare_cluster(kubeconfig: &Path) -> anyhow::Result<String> {
     let client = client_for(kubeconfig).await?;
     let version = client.apiserver_version().await?.git_version;
     let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let root = crate::repo_root();
     let mut files = Vec::new();
-    for dir in [root.join("crds"), root.join("tests/support/crds")] {
+    // Ours, then the CDI/KubeVirt definitions the simulators act on.
+    for dir in [root.join("crds"), Path::new(env!("CARGO_MANIFEST_DIR")).join("crds")] {
         for entry in std::fs::read_dir(&dir)? {
             let path = entry?.path();
             if path.extension().is_some_and(|e| e == "yaml") {

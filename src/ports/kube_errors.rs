@@ -1,0 +1,26 @@
+//! Kubernetes API errors as classified failures, shared by every adapter
+//! that talks to the API server (DataVolumes and VMs, conversion Jobs).
+
+use crate::machine::Failure;
+
+/// Classifies a Kubernetes API error.
+pub fn classify(what: &str, err: kube::Error) -> Failure {
+    match &err {
+        kube::Error::Api(status) => match status.code {
+            409 => Failure::retryable("Conflict", format!("{what}: {}", status.message)),
+            403 => Failure::needs_human(
+                "Forbidden",
+                format!("{what}: {} (check the controller's RBAC)", status.message),
+            ),
+            422 | 400 => Failure::needs_human("Invalid", format!("{what}: {}", status.message)),
+            404 => Failure::needs_human("NotFound", format!("{what}: {}", status.message)),
+            _ => Failure::retryable("APIError", format!("{what}: {}", status.message)),
+        },
+        _ => Failure::retryable("APIUnavailable", format!("{what}: {err}")),
+    }
+}
+
+/// Whether the API answered 404.
+pub fn is_not_found(err: &kube::Error) -> bool {
+    matches!(err, kube::Error::Api(s) if s.code == 404)
+}

@@ -1,0 +1,25 @@
+//! The test harness of vmmigrate, a crate of its own so the product crate
+//! holds nothing only tests use: the real Kubernetes control plane
+//! (`kube_env`), the ESXi emulator (a real `sshd`, `esxi_emulator`), the
+//! CDI/KubeVirt and Job simulators, a fake forge, network namespaces, and the
+//! process janitor that makes sure nothing outlives a test or the demo.
+//!
+//! `setup` prepares a fresh machine on first use: the Debian packages these
+//! parts need and the control-plane build, under a lock so parallel test
+//! processes wait instead of racing.
+
+pub mod esxi_emulator;
+pub mod fake_forge;
+pub mod job_sim;
+pub mod kube_env;
+pub mod kubevirt_sim;
+pub mod netns;
+pub mod process;
+pub mod setup;
+
+pub use kube_env::KubeEnv;
+
+/// The repository this harness is part of (`tools/harness/../..`).
+pub fn repo_root() -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}

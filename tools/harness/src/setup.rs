@@ -1,0 +1,163 @@
+//! First use on a fresh machine: the Debian packages the real parts need, and
+//! the control plane built from its Go modules, so that `cargo test` and
+//! `cargo run -- demo` need nothing run before them.
+//!
+//! Both steps take a file lock under the cache directory: parallel test
+//! processes (or a demo beside a test run) wait for the one that installs or
+//! builds instead of racing it, then find the result.
+
+use anyhow::Context as _;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::OnceLock;
+
+/// The Debian packages the harness runs: git (remotes), openssl (keys and
+/// certificates), qemu-utils (disks), openssh-server and -client (the ESXi
+/// emulator), busybox-static and lua5.4 (the emulated ESXi shell and
+/// `vim-cmd`), iproute2 (network namespaces), ca-certificates.
+pub const PACKAGES: &[&str] = &[
+    "git",
+    "openssl",
+    "ca-certificates",
+    "qemu-utils",
+    "openssh-server",
+    "openssh-client",
+    "busybox-static",
+    "iproute2",
+    "lua5.4",
+];
+
+/// Where the harness caches what it builds (`~/.cache/vmmigrate`).
+pub fn cache_root() -> PathBuf {
+    let home = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("/root"));
+    home.join(".cache/vmmigrate")
+}
+
+/// Installs the missing [`PACKAGES`] once per process: with apt-get when
+/// root, otherwise an error listing them.
+pub fn packages() -> anyhow::Result<()> {
+    static DONE: OnceLock<Result<(), String>> = OnceLock::new();
+    DONE.get_or_init(|| ensure_packages(PACKAGES).map_err(|e| format!("{e:#}")))
+        .clone()
+        .map_err(anyhow::Error::msg)
+}
+
+fn missing(packages: &[&str]) -> Vec<String> {
+    packages
+        .iter()
+        .filter(|pkg| {
+            let out =
+                Command::new("dpkg-query").args(["-W", "-f=${Status}", pkg]).stderr(Stdio::null()).output();
+            !out.is_ok_and(|o| String::from_utf8_lossy(&o.stdout).contains("install ok installed"))
+        })
+        .map(|p| p.to_string())
+        .collect()
+}
+
+fn ensure_packages(packages: &[&str]) -> anyhow::Result<()> {
+    if missing(packages).is_empty() {
+        return Ok(());
+    }
+    let _lock = lock("packages")?;
+    // Another process may have installed them while we waited.
+    let missing = missing(packages);
+    if missing.is_empty() {
+        return Ok(());
+    }
+    if !is_root() {
+        anyhow::bail!(
+            "missing Debian packages: {}; install them with `sudo apt-get install {}` (as root the harness does it itself)",
+            missing.join(" "),
+            missing.join(" ")
+        );
+    }
+    eprintln!("vmmigrate-harness: installing Debian packages (first run only): {}", missing.join(" "));
+    let run = |args: &[&str]| -> anyhow::Result<()> {
+        let status = Command::new("apt-get")
+            .args(args)
+            .env("DEBIAN_FRONTEND", "noninteractive")
+            .stdout(Stdio::null())
+            .status()
+            .context("running apt-get")?;
+        anyhow::ensure!(status.success(), "apt-get {} failed ({status})", args.join(" "));
+        Ok(())
+    };
+    run(&["update", "-qq"])?;
+    let mut install = vec!["install", "-y", "-qq", "--no-install-recommends"];
+    install.extend(missing.iter().map(String::as_str));
+    run(&install)
+}
+
+fn is_root() -> bool {
+    Command::new("id").arg("-u").output().is_ok_and(|o| o.stdout.trim_ascii() == b"0")
+}
+
+/// The directory of the control-plane binaries (etcd, kube-apiserver,
+/// kube-controller-manager): `VMMIGRATE_TESTENV_BIN` when set, else built by
+/// `tools/testenv/build.sh` into the cache on first use, under a lock.
+pub fn control_plane() -> anyhow::Result<PathBuf> {
+    static BIN: OnceLock<Result<PathBuf, String>> = OnceLock::new();
+    BIN.get_or_init(|| build_control_plane().map_err(|e| format!("{e:#}")))
+        .clone()
+        .map_err(anyhow::Error::msg)
+}
+
+fn build_control_plane() -> anyhow::Result<PathBuf> {
+    if let Some(dir) = std::env::var_os("VMMIGRATE_TESTENV_BIN") {
+        return Ok(PathBuf::from(dir));
+    }
+    packages()?;
+    let script = crate::repo_root().join("tools/testenv/build.sh");
+    // A built control plane answers at once; only a build prints progress.
+    let _lock = lock("testenv")?;
+    let cached = Command::new("bash")
+        .arg(&script)
+        .env("VMMIGRATE_TESTENV_CHECK_ONLY", "1")
+        .env("PATH", go_path())
+        .stderr(Stdio::null())
+        .output()?;
+    if !cached.status.success() {
+        eprintln!(
+            "vmmigrate-harness: building the test control plane (etcd, kube-apiserver, kube-controller-manager) \
+             from its Go modules into {} — first run only, about 9 minutes on 2 cores",
+            cache_root().join("testenv").display()
+        );
+    }
+    let out = Command::new("bash").arg(&script).env("PATH", go_path()).stderr(Stdio::inherit()).output()?;
+    anyhow::ensure!(out.status.success(), "{} failed", script.display());
+    let dir = String::from_utf8(out.stdout)?.lines().last().unwrap_or_default().trim().to_owned();
+    anyhow::ensure!(!dir.is_empty(), "{} printed no directory", script.display());
+    Ok(PathBuf::from(dir))
+}
+
+/// `PATH` with Go's usual install directories, where a fresh machine has it
+/// but a plain shell does not.
+fn go_path() -> String {
+    let path = std::env::var("PATH").unwrap_or_default();
+    let mut dirs: Vec<String> = path.split(':').filter(|d| !d.is_empty()).map(str::to_owned).collect();
+    for extra in ["/usr/local/go/bin", "/usr/lib/go/bin"] {
+        if Path::new(extra).join("go").exists() && !dirs.iter().any(|d| d == extra) {
+            dirs.push(extra.to_owned());
+        }
+    }
+    dirs.join(":")
+}
+
+/// An exclusive lock on `<cache>/<name>.lock`, held until dropped.
+fn lock(name: &str) -> anyhow::Result<File> {
+    let dir = cache_root();
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    let path = dir.join(format!("{name}.lock"));
+    let file = File::options()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .with_context(|| format!("opening {}", path.display()))?;
+    if file.try_lock().is_err() {
+        eprintln!("vmmigrate-harness: waiting for another process to finish ({})", path.display());
+        file.lock().with_context(|| format!("locking {}", path.display()))?;
+    }
+    Ok(file)
+}
