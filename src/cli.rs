@@ -23,7 +23,14 @@ pub enum Command {
     /// Reconcile VirtualMachineMigration resources in the cluster.
     Controller(crate::controller::service::ControllerOptions),
     /// Watch a Git repository, apply its migrations and write status back.
-    Gitops(crate::gitops::service::GitopsOptions),
+    Gitops {
+        #[command(flatten)]
+        gitops: crate::gitops::service::GitopsOptions,
+        /// Address of the metrics server (`/metrics`, `/healthz`, `/readyz`);
+        /// `vmmigrate run` takes the controller's flag of the same name.
+        #[arg(long, env = "VMMIGRATE_METRICS_LISTEN", default_value = crate::metrics::DEFAULT_LISTEN)]
+        metrics_listen: std::net::SocketAddr,
+    },
     /// Run the gitops loop and the controller in one process.
     Run {
         #[command(flatten)]
@@ -138,8 +145,8 @@ pub fn run(cli: Cli) -> ExitCode {
     let result = match cli.command {
         Command::Crd { output } => write_crd(output),
         Command::Controller(opts) => controller(opts),
-        Command::Gitops(opts) => gitops(opts, None),
-        Command::Run { gitops: g, controller: c } => gitops(g, Some(c)),
+        Command::Gitops { gitops: g, metrics_listen } => gitops(g, metrics_listen, None),
+        Command::Run { gitops: g, controller: c } => gitops(g, c.metrics_listen, Some(c)),
         Command::Render { repo, namespace } => render_local(&repo, &namespace, true),
         Command::Plan { repo, namespace, offline } => plan(&repo, &namespace, offline),
         Command::Validate { repo, namespace } => render_local(&repo, &namespace, false),
@@ -178,6 +185,7 @@ fn controller(opts: crate::controller::service::ControllerOptions) -> anyhow::Re
 /// The gitops side, and with `controller` the controller too, in one process.
 fn gitops(
     opts: crate::gitops::service::GitopsOptions,
+    metrics_listen: std::net::SocketAddr,
     controller: Option<crate::controller::service::ControllerOptions>,
 ) -> anyhow::Result<()> {
     use crate::controller::service as ctl;
@@ -193,8 +201,7 @@ fn gitops(
     }
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     runtime.block_on(async move {
-        let _metrics =
-            crate::metrics::serve_configured(controller.as_ref().map(|c| c.metrics_listen)).await?;
+        let _metrics = crate::metrics::serve_configured(Some(metrics_listen)).await?;
         let client = kube::Client::try_default().await?;
         let gitops = crate::gitops::service::start(client.clone(), opts).await?;
         // Err: the controller lost its Lease; the process exits so the Deployment restarts it.

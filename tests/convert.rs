@@ -29,6 +29,8 @@ struct Disk {
 }
 
 fn disk() -> Disk {
+    // qemu-img comes from a Debian package the harness installs on first use.
+    vmmigrate_harness::setup::packages().expect("the Debian packages the tests need");
     let dir = tempfile::tempdir().unwrap();
     let copies = dir.path().join("copies/ns/vm/uid");
     fs::create_dir_all(&copies).unwrap();

@@ -7,7 +7,6 @@ use crate::support::esxi_emulator::{EsxiEmulator, EsxiOptions};
 use std::io::Read;
 use std::process::{Command, Output, Stdio};
 use std::sync::OnceLock;
-use std::time::{Duration, Instant};
 
 /// One emulator for the tests that do not change its state or count bytes.
 fn shared() -> &'static EsxiEmulator {
@@ -269,7 +268,6 @@ fn cut_after_bytes_drops_the_connection_mid_read() {
     let emu = own(EsxiOptions::default());
     let (path, real, _, size) = emu.disk_files("1").remove(0);
     emu.set_cut_after_bytes(Some(100_000));
-    let started = Instant::now();
     let mut child = emu
         .ssh_command()
         .arg(format!("cat {}", sq(&path)))
@@ -284,7 +282,6 @@ fn cut_after_bytes_drops_the_connection_mid_read() {
     child.stderr.take().unwrap().read_to_string(&mut stderr).unwrap();
     // 255: ssh lost the connection (a closed channel would give cat's status).
     assert_eq!(status.code(), Some(255), "{stderr}");
-    assert!(started.elapsed() < Duration::from_secs(10));
     assert!(data.len() <= 100_000 && (data.len() as u64) < size, "{} bytes", data.len());
     assert_eq!(&data[..], &std::fs::read(&real).unwrap()[..data.len()]);
     assert_eq!(emu.bytes_served(), 100_000);

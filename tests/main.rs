@@ -20,7 +20,6 @@ mod gitops_render;
 mod http_check;
 mod leader_election;
 mod machine_simulation;
-mod metrics;
 mod migration_e2e;
 mod simulators;
 mod status_branch;

@@ -69,7 +69,7 @@ async fn a_migration_is_visible_by_name_phase_and_bytes_until_completed() {
         EnvFilter::new("info"),
         move || sink.clone(),
     ))
-    .expect("the only global subscriber of this test binary");
+    .expect("the only global subscriber of this process");
 
     let server = metrics::serve("127.0.0.1:0".parse().unwrap()).await.expect("metrics server");
     let addr = server.local_addr();

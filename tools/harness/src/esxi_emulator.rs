@@ -129,6 +129,7 @@ struct SshdState {
 
 impl EsxiEmulator {
     pub fn start(opts: EsxiOptions) -> anyhow::Result<EsxiEmulator> {
+        crate::setup::packages()?;
         let (uid, gid) = ensure_user()?;
         ensure_dir_root(Path::new("/run/sshd"))?; // sshd's privilege separation directory
 

@@ -57,6 +57,7 @@ static SETUP: Mutex<()> = Mutex::new(());
 impl Netns {
     /// Creates the namespace and the veth pair, both up and addressed.
     pub fn new() -> anyhow::Result<Netns> {
+        crate::setup::packages()?;
         let n = COUNTER.fetch_add(1, Ordering::Relaxed);
         let pid = std::process::id();
         let name = format!("vmmt-{pid}-{n}");
