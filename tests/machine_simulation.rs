@@ -21,7 +21,7 @@ use vmmigrate::api::{
     VirtualMachineMigrationSpec, condition,
 };
 use vmmigrate::controller::engine::{self, Checkpoint, StepInput};
-use vmmigrate::machine::{Action, conditions, reason};
+use vmmigrate::machine::{Action, Reason, conditions};
 
 const MAX_STEPS: usize = 6000;
 
@@ -29,8 +29,8 @@ const MAX_STEPS: usize = 6000;
 enum Expect {
     Completed,
     /// Passes through ManualInterventionRequired with this reason; a human fixes and retries.
-    HumanThenCompleted(&'static str),
-    Failed(&'static str),
+    HumanThenCompleted(Reason),
+    Failed(Reason),
 }
 
 struct Scenario {
@@ -69,26 +69,26 @@ fn scenario(seed: u64) -> Scenario {
         0 => {
             faults.guest_ignores_shutdown = true;
             policy = PowerOffPolicy::GracefulOnly;
-            expect = Expect::HumanThenCompleted(reason::GUEST_SHUTDOWN_TIMEOUT);
+            expect = Expect::HumanThenCompleted(Reason::GuestShutdownTimeout);
         }
         1 => {
             faults.tools_not_running = true;
             policy = PowerOffPolicy::GracefulOnly;
-            expect = Expect::HumanThenCompleted(reason::TOOLS_NOT_RUNNING);
+            expect = Expect::HumanThenCompleted(Reason::ToolsNotRunning);
         }
         2 => {
             faults.snapshot = rng.chance(0.5);
             faults.foreign_vm = !faults.snapshot;
-            expect = Expect::HumanThenCompleted(reason::VALIDATION_BLOCKED);
+            expect = Expect::HumanThenCompleted(Reason::ValidationBlocked);
         }
         3 => {
             faults.wrong_content = true;
-            expect = Expect::HumanThenCompleted(reason::APPLICATION_CHECK_FAILED);
+            expect = Expect::HumanThenCompleted(Reason::ApplicationCheckFailed);
         }
         4 => {
             faults.discovery_always_fails = true;
             retry_limit = rng.below(4) as i32;
-            expect = Expect::Failed(reason::RETRY_BUDGET_EXHAUSTED);
+            expect = Expect::Failed(Reason::RetryBudgetExhausted);
         }
         5 => {
             // The VM is already off; nothing may touch its power.
@@ -351,7 +351,7 @@ fn run_schedule(seed: u64, rt: &tokio::runtime::Runtime, totals: &mut Totals) ->
             let cause = status.errors.iter().rev().find(|e| e.phase.is_active());
             let last = cause.map(|e| e.reason.as_str()).unwrap_or_default();
             let stalled = status.conditions.iter().find(|c| c.type_ == condition::STALLED);
-            if stalled.map(|c| c.reason.as_str()) != Some(*reason) {
+            if stalled.map(|c| c.reason.as_str()) != Some(reason.as_str()) {
                 return Err(format!("Stalled condition {stalled:?} does not name {reason}"));
             }
             if last != *reason {

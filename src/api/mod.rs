@@ -3,10 +3,12 @@
 //! generating the CRD.
 
 mod phase;
+mod reason;
 mod spec;
 mod status;
 
 pub use phase::Phase;
+pub use reason::Reason;
 pub use spec::*;
 pub use status::*;
 

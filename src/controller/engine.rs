@@ -3,6 +3,7 @@
 //! status to record. The kube-runtime glue and the simulation tests both run
 //! exactly this code.
 
+use crate::api::Reason;
 use crate::api::{Phase, VirtualMachineMigration};
 use crate::machine::{self, Action, ArtifactState, CopyState, Decision, Failure, Input, Observed};
 use crate::ports::Adapters;
@@ -41,9 +42,10 @@ async fn bounded<T>(
 ) -> Result<T, Failure> {
     match tokio::time::timeout(limit, fut).await {
         Ok(result) => result,
-        Err(_) => {
-            Err(Failure::retryable("Timeout", format!("{what} did not answer within {}s", limit.as_secs())))
-        }
+        Err(_) => Err(Failure::retryable(
+            Reason::Timeout,
+            format!("{what} did not answer within {}s", limit.as_secs()),
+        )),
     }
 }
 
@@ -80,7 +82,7 @@ pub async fn observe(adapters: &Adapters, vmm: &VirtualMachineMigration) -> Obse
             for disk in 0..disks {
                 let state = tokio::time::timeout(CALL_TIMEOUT, adapters.disks.copy_state(vmm, disk)).await;
                 copies.push(state.unwrap_or_else(|_| CopyState::Failed {
-                    failure: Failure::retryable("Timeout", "the disk store did not answer"),
+                    failure: Failure::retryable(Reason::Timeout, "the disk store did not answer"),
                     discard: false,
                 }));
             }
@@ -96,7 +98,7 @@ pub async fn observe(adapters: &Adapters, vmm: &VirtualMachineMigration) -> Obse
                 let state = tokio::time::timeout(CALL_TIMEOUT, adapters.converter.artifact_state(vmm, disk))
                     .await
                     .unwrap_or_else(|_| {
-                        ArtifactState::Failed(Failure::retryable("Timeout", "converter hung"))
+                        ArtifactState::Failed(Failure::retryable(Reason::Timeout, "converter hung"))
                     });
                 let state = match state {
                     ArtifactState::Complete { sha256, staged_url: None } => {

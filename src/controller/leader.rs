@@ -114,10 +114,10 @@ pub enum LeaderError {
 
 impl LeaderError {
     /// Stable reason for logs and metrics.
-    pub fn reason(&self) -> &'static str {
+    pub fn reason(&self) -> crate::api::Reason {
         match self {
-            LeaderError::LostLease { .. } => "LostLease",
-            LeaderError::InvalidConfig(_) => "InvalidLeaderElectionConfig",
+            LeaderError::LostLease { .. } => crate::api::Reason::LostLease,
+            LeaderError::InvalidConfig(_) => crate::api::Reason::InvalidLeaderElectionConfig,
         }
     }
 }
@@ -296,7 +296,7 @@ impl LeaderElector {
                     Err(err) => {
                         self.leader.store(false, Ordering::SeqCst);
                         drop(work);
-                        tracing::error!(lease = %self.config.key(), identity = %self.config.identity, reason = err.reason(), "{err}; work stopped");
+                        tracing::error!(lease = %self.config.key(), identity = %self.config.identity, reason = err.reason().as_str(), "{err}; work stopped");
                         return Err(err);
                     }
                 },

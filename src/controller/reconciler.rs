@@ -8,6 +8,7 @@
 //! breaking the watch for every other migration.
 
 use super::engine::{self, StepInput};
+use crate::api::Reason;
 use crate::api::labels::{MIGRATION as LABEL_MIGRATION, MIGRATION_NAMESPACE as LABEL_MIGRATION_NAMESPACE};
 use crate::api::{Phase, RETRY_ANNOTATION, VirtualMachineMigration, VirtualMachineMigrationStatus};
 use crate::destination::cluster::{
@@ -77,14 +78,14 @@ pub enum Error {
 }
 
 impl Error {
-    pub fn reason(&self) -> String {
+    pub fn reason(&self) -> Reason {
         match self {
-            Error::Kube(..) => "KubeAPIError".into(),
-            Error::Step(f) => f.reason.clone(),
+            Error::Kube(..) => Reason::KubeAPIError,
+            Error::Step(f) => f.reason,
             // The reason of the step that failed inside the finalizer wrapper.
             Error::Finalizer(e) => match e.as_ref() {
                 FinalizerError::ApplyFailed(inner) | FinalizerError::CleanupFailed(inner) => inner.reason(),
-                _ => "FinalizerError".into(),
+                _ => Reason::FinalizerError,
             },
         }
     }
@@ -208,7 +209,7 @@ async fn reconcile(obj: Arc<DynamicObject>, ctx: Arc<Context>) -> Result<Action,
     let started = std::time::Instant::now();
     let result = reconcile_one(obj, ctx).instrument(span).await;
     let reason = result.as_ref().err().map(Error::reason);
-    crate::metrics::metrics().reconciled(started.elapsed(), reason.as_deref());
+    crate::metrics::metrics().reconciled(started.elapsed(), reason.map(Reason::as_str));
     result
 }
 

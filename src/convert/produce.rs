@@ -9,6 +9,7 @@
 
 use super::artifact::{self, Marker};
 use super::qemu::{self, QemuError};
+use crate::api::Reason;
 use crate::machine::Failure;
 use std::fmt;
 use std::future::Future;
@@ -19,19 +20,6 @@ use std::process::Stdio;
 use std::str::FromStr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
-
-/// Stable reasons of conversion failures.
-pub mod reason {
-    // The machine routes these two back to Preparing: one definition.
-    pub use crate::machine::reason::{ACQUIRED_COPY_CORRUPT, ACQUIRED_COPY_MISSING};
-    pub const VIRTUAL_SIZE_MISMATCH: &str = "VirtualSizeMismatch";
-    pub const INVALID_ARTIFACT: &str = "InvalidArtifact";
-    pub const VIRT_V2V_NOT_INSTALLED: &str = "VirtV2vNotInstalled";
-    pub const VIRT_V2V_FAILED: &str = "VirtV2vFailed";
-    pub const QEMU_IMG_FAILED: &str = "QemuImgFailed";
-    pub const QEMU_IMG_NOT_INSTALLED: &str = "QemuImgNotInstalled";
-    pub const CONVERSION_IO_ERROR: &str = "ConversionIoError";
-}
 
 /// Artifacts are disk contents: readable by the owner's group (the staging
 /// server), never by everyone.
@@ -129,18 +117,18 @@ impl ConvertError {
     pub fn failure(&self) -> Failure {
         let message = self.to_string();
         match self {
-            ConvertError::InputCorrupt { .. } => Failure::retryable(reason::ACQUIRED_COPY_CORRUPT, message),
-            ConvertError::InputMissing(_) => Failure::retryable(reason::ACQUIRED_COPY_MISSING, message),
-            ConvertError::SizeMismatch { .. } => Failure::needs_human(reason::VIRTUAL_SIZE_MISMATCH, message),
-            ConvertError::InvalidOutput(_) => Failure::retryable(reason::INVALID_ARTIFACT, message),
-            ConvertError::VirtV2vMissing => Failure::needs_human(reason::VIRT_V2V_NOT_INSTALLED, message),
+            ConvertError::InputCorrupt { .. } => Failure::retryable(Reason::AcquiredCopyCorrupt, message),
+            ConvertError::InputMissing(_) => Failure::retryable(Reason::AcquiredCopyMissing, message),
+            ConvertError::SizeMismatch { .. } => Failure::needs_human(Reason::VirtualSizeMismatch, message),
+            ConvertError::InvalidOutput(_) => Failure::retryable(Reason::InvalidArtifact, message),
+            ConvertError::VirtV2vMissing => Failure::needs_human(Reason::VirtV2vNotInstalled, message),
             // Its usual failures (guest not recognised, no drivers for it) do not go away on retry.
-            ConvertError::VirtV2vFailed(_) => Failure::needs_human(reason::VIRT_V2V_FAILED, message),
+            ConvertError::VirtV2vFailed(_) => Failure::needs_human(Reason::VirtV2vFailed, message),
             ConvertError::Qemu(QemuError::NotInstalled) => {
-                Failure::needs_human(reason::QEMU_IMG_NOT_INSTALLED, message)
+                Failure::needs_human(Reason::QemuImgNotInstalled, message)
             }
-            ConvertError::Qemu(_) => Failure::retryable(reason::QEMU_IMG_FAILED, message),
-            ConvertError::Io(_) => Failure::retryable(reason::CONVERSION_IO_ERROR, message),
+            ConvertError::Qemu(_) => Failure::retryable(Reason::QemuImgFailed, message),
+            ConvertError::Io(_) => Failure::retryable(Reason::ConversionIoError, message),
         }
     }
 }

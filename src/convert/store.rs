@@ -15,7 +15,7 @@ use super::artifact::{self, corrupt_path, marker_path, partial_path, read_marker
 use super::job::{self, JobInput, JobSettings};
 use super::produce::{self, ConversionRequest, OutputFormat};
 use crate::api::{ConversionRunner, DiskFormat, VirtualMachineMigration};
-use crate::machine::{ArtifactState, Failure, reason};
+use crate::machine::{ArtifactState, Failure, Reason};
 use crate::ports::kube_errors::classify;
 use crate::ports::workdir::{copies_root, copy_path};
 use crate::ports::{Converter, Staging};
@@ -62,7 +62,7 @@ fn uid_of(vmm: &VirtualMachineMigration) -> String {
 }
 
 fn io_failure(what: &str, err: std::io::Error) -> Failure {
-    Failure::retryable("WorkDirError", format!("{what}: {err}"))
+    Failure::retryable(Reason::WorkDirError, format!("{what}: {err}"))
 }
 
 impl ArtifactStore {
@@ -110,7 +110,7 @@ impl ArtifactStore {
             .unwrap_or(evidence.size_bytes);
         let input_sha256 = evidence.source_sha256.clone().ok_or_else(|| {
             Failure::retryable(
-                reason::ACQUIRED_COPY_MISSING,
+                Reason::AcquiredCopyMissing,
                 format!("disk {disk}: no checksum of the acquired copy is recorded"),
             )
         })?;
@@ -132,7 +132,7 @@ impl ArtifactStore {
     fn jobs(&self, vmm: &VirtualMachineMigration) -> Result<(Api<Job>, &JobSettings), Failure> {
         let (Some(settings), Some(client)) = (&self.settings.jobs, &self.client) else {
             return Err(Failure::needs_human(
-                "JobRunnerNotConfigured",
+                Reason::JobRunnerNotConfigured,
                 "spec.conversion.runner is job but this controller runs without --job-image; \
                  use runner: local or configure the job runner",
             ));
@@ -169,7 +169,7 @@ impl ArtifactStore {
         }
         if !self.copy(vmm, disk).exists() {
             return ArtifactState::Failed(Failure::retryable(
-                reason::ACQUIRED_COPY_MISSING,
+                Reason::AcquiredCopyMissing,
                 format!("disk {disk}: the acquired copy is gone; copying it again"),
             ));
         }
@@ -191,7 +191,7 @@ impl ArtifactStore {
         };
         if let Some(failed) = condition("Failed") {
             return Some(ArtifactState::Failed(Failure::retryable(
-                "ConversionJobFailed",
+                Reason::ConversionJobFailed,
                 format!(
                     "Job {}: {}",
                     job.metadata.name.unwrap_or_default(),
@@ -241,7 +241,7 @@ impl Converter for ArtifactStore {
                 Ok(Err(err)) => return ArtifactState::Failed(err.failure()),
                 Err(join) if join.is_panic() => {
                     return ArtifactState::Failed(Failure::retryable(
-                        "ConversionPanicked",
+                        Reason::ConversionPanicked,
                         "the conversion task panicked",
                     ));
                 }
@@ -271,7 +271,7 @@ impl Converter for ArtifactStore {
             };
             let body = job::conversion_job(settings, vmm, disk, &input);
             let job: Job = serde_json::from_value(body)
-                .map_err(|e| Failure::terminal("JobRenderError", format!("rendering the Job: {e}")))?;
+                .map_err(|e| Failure::terminal(Reason::JobRenderError, format!("rendering the Job: {e}")))?;
             return match api.create(&PostParams::default(), &job).await {
                 Ok(_) => Ok(()),
                 Err(kube::Error::Api(s)) if s.code == 409 => Ok(()),
@@ -349,7 +349,10 @@ impl Staging for ArtifactStore {
         let artifact = self.artifact_path(vmm, disk);
         let staged = self.staged_path(vmm, disk);
         let marker = read_marker(&artifact).ok_or_else(|| {
-            Failure::retryable("ArtifactMissing", format!("{} has no checksum marker", artifact.display()))
+            Failure::retryable(
+                Reason::ArtifactMissing,
+                format!("{} has no checksum marker", artifact.display()),
+            )
         })?;
         let io = |e| io_failure("staging the artifact", e);
         artifact::remove_with_markers(&staged).map_err(io)?;

@@ -3,6 +3,7 @@
 
 use super::http_check::{HttpTarget, run_http_check};
 use super::render;
+use crate::api::Reason;
 use crate::api::labels::MIGRATION_UID as LABEL_MIGRATION_UID;
 use crate::api::{CheckKindRef, ValidationCheck, VirtualMachineMigration};
 use crate::machine::{
@@ -87,8 +88,8 @@ impl KubeCluster {
         ar: &ApiResource,
         body: Value,
     ) -> Result<(), Failure> {
-        let obj: DynamicObject =
-            serde_json::from_value(body).map_err(|e| Failure::terminal("RenderError", e.to_string()))?;
+        let obj: DynamicObject = serde_json::from_value(body)
+            .map_err(|e| Failure::terminal(Reason::RenderError, e.to_string()))?;
         match self
             .dynamic(vmm, ar)
             .create(&PostParams { field_manager: Some(FIELD_MANAGER.into()), ..Default::default() }, &obj)
@@ -187,7 +188,7 @@ impl Cluster for KubeCluster {
         };
         if !is_ours(vmm, &dv) {
             return Err(Failure::needs_human(
-                "DataVolumeNotOwned",
+                Reason::DataVolumeNotOwned,
                 format!("DataVolume {name} exists and was not created by this migration"),
             ));
         }
@@ -208,7 +209,7 @@ impl Cluster for KubeCluster {
                     .unwrap_or("the import failed")
                     .to_owned();
                 DataVolumeState::Failed(Failure::retryable(
-                    "ImportFailed",
+                    Reason::ImportFailed,
                     format!("DataVolume {name}: {message}"),
                 ))
             }
@@ -277,17 +278,17 @@ impl Cluster for KubeCluster {
                 match (phase.as_str(), unschedulable) {
                     ("Running", _) => VmiState::Running,
                     ("Failed", _) => {
-                        VmiState::Failed(Failure::retryable("VMIFailed", format!("VMI {name} failed")))
+                        VmiState::Failed(Failure::retryable(Reason::VMIFailed, format!("VMI {name} failed")))
                     }
                     (_, Some(c)) => {
                         let message = c["message"].as_str().unwrap_or_default().to_owned();
                         if message.contains("devices.kubevirt.io/kvm") {
                             VmiState::Failed(Failure::needs_human(
-                                "NoKVM",
+                                Reason::NoKVM,
                                 format!("no node offers /dev/kvm: {message}"),
                             ))
                         } else {
-                            VmiState::Failed(Failure::retryable("Unschedulable", message))
+                            VmiState::Failed(Failure::retryable(Reason::Unschedulable, message))
                         }
                     }
                     _ => VmiState::Waiting { phase },

@@ -35,25 +35,7 @@ pub const POLL_SHUTDOWN: Duration = Duration::from_secs(3);
 pub const POLL_CHECKS: Duration = Duration::from_secs(10);
 
 /// Stable reasons of failures the machine itself decides.
-pub mod reason {
-    pub const RETRY_BUDGET_EXHAUSTED: &str = "RetryBudgetExhausted";
-    pub const VALIDATION_BLOCKED: &str = "ValidationBlocked";
-    pub const SOURCE_NOT_POWERED_OFF: &str = "SourceNotPoweredOff";
-    pub const SOURCE_SUSPENDED: &str = "SourceSuspended";
-    pub const SOURCE_POWERED_ON_AGAIN: &str = "SourcePoweredOnAgain";
-    pub const TOOLS_NOT_RUNNING: &str = "ToolsNotRunning";
-    pub const GUEST_SHUTDOWN_TIMEOUT: &str = "GuestShutdownTimeout";
-    pub const DESTINATION_VM_NOT_OWNED: &str = "DestinationVMNotOwned";
-    pub const START_TIMEOUT: &str = "StartTimeout";
-    pub const APPLICATION_CHECK_FAILED: &str = "ApplicationCheckFailed";
-    pub const VALIDATION_TIMEOUT: &str = "ValidationTimeout";
-    pub const INVENTORY_MISSING: &str = "InventoryMissing";
-    pub const OBSERVATION_MISMATCH: &str = "ObservationMismatch";
-    /// The acquired copy no longer matches the checksum taken while copying.
-    pub const ACQUIRED_COPY_CORRUPT: &str = "AcquiredCopyCorrupt";
-    /// The acquired copy disappeared before it was converted.
-    pub const ACQUIRED_COPY_MISSING: &str = "AcquiredCopyMissing";
-}
+pub use crate::api::Reason;
 
 /// Everything `decide` looks at.
 #[derive(Clone, Debug)]
@@ -255,7 +237,7 @@ impl<'a> Ctx<'a> {
         self.status.errors.push(MigrationError {
             time: self.now.clone(),
             phase,
-            reason: failure.reason.clone(),
+            reason: failure.reason.to_string(),
             message: failure.message.clone(),
             retryable: failure.class == FailureClass::Retryable,
         });
@@ -271,7 +253,7 @@ impl<'a> Ctx<'a> {
     /// Like `fail`, but a retry resumes from the earlier phase `resume`.
     fn fail_resuming(&mut self, phase: Phase, resume: Option<Phase>, failure: Failure) {
         self.record_error(phase, &failure);
-        self.event(EventType::Warning, &failure.reason, failure.message.clone());
+        self.event(EventType::Warning, failure.reason.as_str(), failure.message.clone());
         self.status.failed_phase = Some(phase);
         self.status.progress = None;
         match failure.class {
@@ -285,7 +267,7 @@ impl<'a> Ctx<'a> {
                             RetriesExhausted::Fail => FailureClass::Terminal,
                             RetriesExhausted::ManualIntervention => FailureClass::NeedsHuman,
                         },
-                        reason: reason::RETRY_BUDGET_EXHAUSTED.to_owned(),
+                        reason: Reason::RetryBudgetExhausted.to_owned(),
                         message: format!(
                             "{phase} failed {attempt} times (retryLimit {}); last error {}: {}",
                             self.spec.strategy.retry_limit, failure.reason, failure.message
@@ -426,7 +408,7 @@ pub fn action_failed(input: Input<'_>, decision_phase: Phase, failure: Failure) 
         // Actions of waiting or terminal phases (annotation removal, cleanup)
         // are retried by the controller's backoff without changing the phase.
         ctx.record_error(phase, &failure);
-        ctx.event(EventType::Warning, &failure.reason, failure.message.clone());
+        ctx.event(EventType::Warning, failure.reason.as_str(), failure.message.clone());
     }
     ctx.into_decision()
 }
@@ -451,7 +433,7 @@ pub fn cleanup_on_delete(
 fn mismatch(ctx: &mut Ctx<'_>, phase: Phase, what: &str) {
     // The controller observed something for another checkpoint; treat it as a
     // transient inconsistency (e.g. the status changed under us) and look again.
-    ctx.fail(phase, Failure::retryable(reason::OBSERVATION_MISMATCH, format!("expected {what} observation")));
+    ctx.fail(phase, Failure::retryable(Reason::ObservationMismatch, format!("expected {what} observation")));
 }
 
 fn discovering(ctx: &mut Ctx<'_>, observed: Observed) {
@@ -479,7 +461,12 @@ fn discovering(ctx: &mut Ctx<'_>, observed: Observed) {
             ctx.advance(Phase::Validated);
         }
         Observed::Discovery(Err(failure)) => {
-            ctx.condition(condition::SOURCE_DISCOVERED, false, &failure.reason, failure.message.clone());
+            ctx.condition(
+                condition::SOURCE_DISCOVERED,
+                false,
+                failure.reason.as_str(),
+                failure.message.clone(),
+            );
             ctx.fail(Phase::Discovering, failure);
         }
         _ => mismatch(ctx, Phase::Discovering, "discovery"),
@@ -495,7 +482,7 @@ fn validated(ctx: &mut Ctx<'_>, observed: Observed) {
     let Some(inventory) = ctx.status.source_inventory.clone() else {
         // Validation needs an inventory: discover again (never back to Pending).
         let failure =
-            Failure::retryable(reason::INVENTORY_MISSING, "no source inventory recorded; discovering again");
+            Failure::retryable(Reason::InventoryMissing, "no source inventory recorded; discovering again");
         ctx.status.retry = None;
         ctx.record_error(Phase::Validated, &failure);
         return ctx.enter(Phase::Discovering);
@@ -512,7 +499,7 @@ fn validated(ctx: &mut Ctx<'_>, observed: Observed) {
         ctx.status.blockers = blockers;
         ctx.condition(condition::VALIDATED, false, &first, message.clone());
         // After a fix, the retry re-reads the source: resume at Discovering.
-        ctx.fail(Phase::Validated, Failure::needs_human(reason::VALIDATION_BLOCKED, message));
+        ctx.fail(Phase::Validated, Failure::needs_human(Reason::ValidationBlocked, message));
         ctx.status.failed_phase = Some(Phase::Discovering);
     }
 }
@@ -548,7 +535,7 @@ fn preparing(ctx: &mut Ctx<'_>, observed: Observed) {
             return ctx.fail(
                 Phase::Preparing,
                 Failure::needs_human(
-                    reason::SOURCE_POWERED_ON_AGAIN,
+                    Reason::SourcePoweredOnAgain,
                     "the source VM was powered on again after vmmigrate recorded it off; its disks may have changed. Power it off and retry",
                 ),
             );
@@ -557,7 +544,7 @@ fn preparing(ctx: &mut Ctx<'_>, observed: Observed) {
             return ctx.fail(
                 Phase::Preparing,
                 Failure::needs_human(
-                    reason::SOURCE_SUSPENDED,
+                    Reason::SourceSuspended,
                     "the source VM is suspended; resume and shut it down (or power it off) on the host, then retry",
                 ),
             );
@@ -587,7 +574,12 @@ fn preparing(ctx: &mut Ctx<'_>, observed: Observed) {
                 if *discard {
                     ctx.actions.push(Action::DiscardDiskCopy { disk });
                 }
-                ctx.condition(condition::DISK_ACQUIRED, false, &failure.reason, failure.message.clone());
+                ctx.condition(
+                    condition::DISK_ACQUIRED,
+                    false,
+                    failure.reason.as_str(),
+                    failure.message.clone(),
+                );
                 return ctx.fail(Phase::Preparing, failure.clone());
             }
         };
@@ -652,7 +644,7 @@ fn power_down(ctx: &mut Ctx<'_>, facts: &PreparingFacts) {
         PowerOffPolicy::RequireAlreadyOff => ctx.fail(
             Phase::Preparing,
             Failure::needs_human(
-                reason::SOURCE_NOT_POWERED_OFF,
+                Reason::SourceNotPoweredOff,
                 "powerOffPolicy is RequireAlreadyOff and the source VM is powered on; shut it down on the host, then retry",
             ),
         ),
@@ -677,7 +669,7 @@ fn power_down(ctx: &mut Ctx<'_>, facts: &PreparingFacts) {
                     ctx.fail(
                         Phase::Preparing,
                         Failure::needs_human(
-                            reason::TOOLS_NOT_RUNNING,
+                            Reason::ToolsNotRunning,
                             "VMware Tools is not running, so a graceful shutdown is impossible and powerOffPolicy GracefulOnly forbids a hard power-off; shut the guest down yourself or change the policy",
                         ),
                     );
@@ -705,7 +697,7 @@ fn power_down(ctx: &mut Ctx<'_>, facts: &PreparingFacts) {
                 ctx.fail(
                     Phase::Preparing,
                     Failure::needs_human(
-                        reason::GUEST_SHUTDOWN_TIMEOUT,
+                        Reason::GuestShutdownTimeout,
                         format!(
                             "the guest did not shut down within {}s and powerOffPolicy GracefulOnly forbids a hard power-off",
                             timeout.as_secs()
@@ -753,9 +745,13 @@ fn converting(ctx: &mut Ctx<'_>, observed: Observed) {
             }
             ArtifactState::Complete { sha256, staged_url: Some(url) } => ready.push((disk, sha256, url)),
             ArtifactState::Failed(failure) => {
-                ctx.condition(condition::DISK_CONVERTED, false, &failure.reason, failure.message.clone());
-                if [reason::ACQUIRED_COPY_CORRUPT, reason::ACQUIRED_COPY_MISSING]
-                    .contains(&failure.reason.as_str())
+                ctx.condition(
+                    condition::DISK_CONVERTED,
+                    false,
+                    failure.reason.as_str(),
+                    failure.message.clone(),
+                );
+                if [Reason::AcquiredCopyCorrupt, Reason::AcquiredCopyMissing].contains(&failure.reason)
                     && failure.class == FailureClass::Retryable
                 {
                     // The source is off and its disks untouched: copy this disk again.
@@ -815,7 +811,12 @@ fn importing(ctx: &mut Ctx<'_>, observed: Observed) {
                 100
             }
             DataVolumeState::Failed(failure) => {
-                ctx.condition(condition::DISK_IMPORTED, false, &failure.reason, failure.message.clone());
+                ctx.condition(
+                    condition::DISK_IMPORTED,
+                    false,
+                    failure.reason.as_str(),
+                    failure.message.clone(),
+                );
                 if failure.class == FailureClass::Terminal {
                     return ctx.fail(Phase::Importing, failure.clone());
                 }
@@ -885,7 +886,7 @@ fn creating_vm(ctx: &mut Ctx<'_>, observed: Observed) {
         VmState::NotOurs => ctx.fail(
             Phase::CreatingVm,
             Failure::needs_human(
-                reason::DESTINATION_VM_NOT_OWNED,
+                Reason::DestinationVMNotOwned,
                 format!(
                     "VirtualMachine {namespace}/{} exists and was not created by this migration; rename spec.destination.name or remove that VM",
                     ctx.destination
@@ -916,7 +917,7 @@ fn starting(ctx: &mut Ctx<'_>, observed: Observed) {
             ctx.advance(Phase::Validating);
         }
         VmiState::Failed(failure) => {
-            ctx.condition(condition::VM_STARTED, false, &failure.reason, failure.message.clone());
+            ctx.condition(condition::VM_STARTED, false, failure.reason.as_str(), failure.message.clone());
             ctx.status.timestamps.start_requested = None;
             ctx.fail(Phase::Starting, failure);
         }
@@ -929,7 +930,7 @@ fn starting(ctx: &mut Ctx<'_>, observed: Observed) {
                 ctx.fail(
                     Phase::Starting,
                     Failure::retryable(
-                        reason::START_TIMEOUT,
+                        Reason::StartTimeout,
                         format!("the VirtualMachineInstance was not Running within {}s", timeout.as_secs()),
                     ),
                 );
@@ -980,9 +981,14 @@ fn validating(ctx: &mut Ctx<'_>, observed: Observed) {
         checks.iter().zip(results.iter()).find(|(_, r)| matches!(r, CheckResult::Wrong { .. }))
     {
         let message = format!("check {:?}: {message}", check.name);
-        ctx.condition(condition::GUEST_READY, false, reason::APPLICATION_CHECK_FAILED, message.clone());
+        ctx.condition(
+            condition::GUEST_READY,
+            false,
+            Reason::ApplicationCheckFailed.as_str(),
+            message.clone(),
+        );
         ctx.status.timestamps.validation_started = None;
-        return ctx.fail(Phase::Validating, Failure::needs_human(reason::APPLICATION_CHECK_FAILED, message));
+        return ctx.fail(Phase::Validating, Failure::needs_human(Reason::ApplicationCheckFailed, message));
     }
     let passing = results.iter().filter(|r| matches!(r, CheckResult::Pass { .. })).count();
     if passing == checks.len() && results.len() == checks.len() {
@@ -998,7 +1004,7 @@ fn validating(ctx: &mut Ctx<'_>, observed: Observed) {
         ctx.status.timestamps.validation_started = None;
         ctx.fail(
             Phase::Validating,
-            Failure::retryable(reason::VALIDATION_TIMEOUT, format!("{message} after {}s", timeout.as_secs())),
+            Failure::retryable(Reason::ValidationTimeout, format!("{message} after {}s", timeout.as_secs())),
         );
     } else {
         ctx.wait(POLL_CHECKS);

@@ -1,7 +1,7 @@
 //! What the controller saw when it looked at the world for the current
 //! checkpoint, and the classified failures adapters report. Plain data.
 
-use crate::api::{SourceInventory, SourcePowerState};
+use crate::api::{Reason, SourceInventory, SourcePowerState};
 
 /// How a failure should be handled. Every adapter error carries one.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -19,19 +19,19 @@ pub enum FailureClass {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Failure {
     pub class: FailureClass,
-    pub reason: String,
+    pub reason: Reason,
     pub message: String,
 }
 
 impl Failure {
-    pub fn retryable(reason: impl Into<String>, message: impl Into<String>) -> Failure {
-        Failure { class: FailureClass::Retryable, reason: reason.into(), message: message.into() }
+    pub fn retryable(reason: Reason, message: impl Into<String>) -> Failure {
+        Failure { class: FailureClass::Retryable, reason, message: message.into() }
     }
-    pub fn needs_human(reason: impl Into<String>, message: impl Into<String>) -> Failure {
-        Failure { class: FailureClass::NeedsHuman, reason: reason.into(), message: message.into() }
+    pub fn needs_human(reason: Reason, message: impl Into<String>) -> Failure {
+        Failure { class: FailureClass::NeedsHuman, reason, message: message.into() }
     }
-    pub fn terminal(reason: impl Into<String>, message: impl Into<String>) -> Failure {
-        Failure { class: FailureClass::Terminal, reason: reason.into(), message: message.into() }
+    pub fn terminal(reason: Reason, message: impl Into<String>) -> Failure {
+        Failure { class: FailureClass::Terminal, reason, message: message.into() }
     }
 }
 

@@ -2,21 +2,8 @@
 //! inventory comes from discovery, the cluster facts from the observation.
 
 use super::observe::{DestinationOccupancy, PreflightFacts};
+use crate::api::Reason;
 use crate::api::{Blocker, NetworkKind, SourceInventory, VirtualMachineMigrationSpec};
-
-/// Stable blocker reasons.
-pub mod reason {
-    pub const SNAPSHOTS_PRESENT: &str = "SnapshotsPresent";
-    pub const PENDING_QUESTION: &str = "PendingQuestion";
-    pub const UNSUPPORTED_DISK_TYPE: &str = "UnsupportedDiskType";
-    pub const INDEPENDENT_DISK: &str = "IndependentDisk";
-    pub const NO_DISKS: &str = "NoDisks";
-    pub const NETWORK_NOT_MAPPED: &str = "NetworkNotMapped";
-    pub const INVALID_DESTINATION_NAME: &str = "InvalidDestinationName";
-    pub const DESTINATION_NAME_TAKEN: &str = "DestinationNameTaken";
-    pub const STORAGE_CLASS_NOT_FOUND: &str = "StorageClassNotFound";
-    pub const NAMESPACE_NOT_FOUND: &str = "DestinationNamespaceNotFound";
-}
 
 /// Longest destination name: `<name>-disk-NN` must stay a 63-character label.
 pub const MAX_DESTINATION_NAME: usize = 55;
@@ -29,10 +16,11 @@ pub fn blockers(
     facts: &PreflightFacts,
 ) -> Vec<Blocker> {
     let mut out = Vec::new();
-    let mut block = |reason: &str, message: String| out.push(Blocker { reason: reason.to_owned(), message });
+    let mut block =
+        |reason: Reason, message: String| out.push(Blocker { reason: reason.to_string(), message });
     if inventory.snapshots > 0 {
         block(
-            reason::SNAPSHOTS_PRESENT,
+            Reason::SnapshotsPresent,
             format!(
                 "the source VM has {} snapshot(s); consolidate or delete them on the host, then retry",
                 inventory.snapshots
@@ -40,15 +28,15 @@ pub fn blockers(
         );
     }
     if let Some(question) = &inventory.pending_question {
-        block(reason::PENDING_QUESTION, format!("the source VM is waiting on a question: {question}"));
+        block(Reason::PendingQuestion, format!("the source VM is waiting on a question: {question}"));
     }
     if inventory.disks.is_empty() {
-        block(reason::NO_DISKS, "the source VM has no virtual disks".to_owned());
+        block(Reason::NoDisks, "the source VM has no virtual disks".to_owned());
     }
     for disk in &inventory.disks {
         if disk.create_type.contains("RawDeviceMap") {
             block(
-                reason::UNSUPPORTED_DISK_TYPE,
+                Reason::UnsupportedDiskType,
                 format!(
                     "disk {} ({}) is a raw device mapping, which cannot be copied",
                     disk.device, disk.descriptor_path
@@ -58,7 +46,7 @@ pub fn blockers(
             && !matches!(disk.create_type.as_str(), "vmfs" | "monolithicFlat")
         {
             block(
-                reason::UNSUPPORTED_DISK_TYPE,
+                Reason::UnsupportedDiskType,
                 format!(
                     "disk {} has type {}; only flat disks (vmfs, monolithicFlat) are supported",
                     disk.device, disk.create_type
@@ -67,7 +55,7 @@ pub fn blockers(
         }
         if disk.mode.starts_with("independent") {
             block(
-                reason::INDEPENDENT_DISK,
+                Reason::IndependentDisk,
                 format!("disk {} is {}; independent disks are not supported", disk.device, disk.mode),
             );
         }
@@ -76,7 +64,7 @@ pub fn blockers(
         let mapped = spec.network_map.iter().any(|m| m.source == nic.network);
         if !mapped {
             block(
-                reason::NETWORK_NOT_MAPPED,
+                Reason::NetworkNotMapped,
                 format!(
                     "NIC {} is on network {:?}, which spec.networkMap does not map (add an entry with type Pod or Multus)",
                     nic.device, nic.network
@@ -92,13 +80,13 @@ pub fn blockers(
         .count();
     if pod_nics > 1 {
         block(
-            reason::NETWORK_NOT_MAPPED,
+            Reason::NetworkNotMapped,
             format!("{pod_nics} NICs map to the pod network; at most one can (map the others to Multus)"),
         );
     }
     if !is_dns_label(destination_name) || destination_name.len() > MAX_DESTINATION_NAME {
         block(
-            reason::INVALID_DESTINATION_NAME,
+            Reason::InvalidDestinationName,
             format!(
                 "destination name {destination_name:?} must be a lowercase RFC 1123 label of at most {MAX_DESTINATION_NAME} characters (set spec.destination.name)"
             ),
@@ -106,13 +94,13 @@ pub fn blockers(
     }
     if !facts.destination_namespace_exists {
         block(
-            reason::NAMESPACE_NOT_FOUND,
+            Reason::DestinationNamespaceNotFound,
             format!("namespace {:?} does not exist", spec.destination.namespace),
         );
     }
     if facts.destination_vm == DestinationOccupancy::Taken {
         block(
-            reason::DESTINATION_NAME_TAKEN,
+            Reason::DestinationNameTaken,
             format!(
                 "a VirtualMachine {}/{destination_name} already exists and was not created by this migration",
                 spec.destination.namespace
@@ -121,7 +109,7 @@ pub fn blockers(
     }
     if !facts.storage_class_exists {
         block(
-            reason::STORAGE_CLASS_NOT_FOUND,
+            Reason::StorageClassNotFound,
             format!("StorageClass {:?} does not exist", spec.destination.storage_class_name),
         );
     }

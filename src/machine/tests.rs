@@ -1,6 +1,7 @@
 //! Unit tests of `decide`: one or more per row of the seed's tables.
 
 use super::*;
+use crate::api::Reason;
 use crate::api::{
     ConditionStatus, Firmware, NetworkKind, NetworkMapping, SourceDisk, SourceInventory, SourceNic,
     ValidationCheck, VirtualMachineMigrationSpec,
@@ -174,7 +175,7 @@ fn discovery_records_inventory_and_advances_in_the_same_status() {
 #[test]
 fn discovery_ssh_timeout_is_retryable_and_resumes_discovering_not_pending() {
     let mut run = Run::at(Phase::Discovering);
-    let d = run.step(Observed::Discovery(Err(Failure::retryable("SSHTimeout", "timed out"))), t(0));
+    let d = run.step(Observed::Discovery(Err(Failure::retryable(Reason::SSHTimeout, "timed out"))), t(0));
     assert_eq!(d.status.phase, Phase::Retryable);
     let retry = d.status.retry.clone().unwrap();
     assert_eq!((retry.phase, retry.attempt), (Phase::Discovering, 1));
@@ -306,7 +307,7 @@ fn graceful_only_timeout_needs_a_human_and_never_forces() {
     run.step(preparing(SourcePowerState::PoweredOn, vec![CopyState::Absent]), t(0));
     let d = run.step(preparing(SourcePowerState::PoweredOn, vec![CopyState::Absent]), t(301));
     assert_eq!(d.status.phase, Phase::ManualInterventionRequired);
-    assert_eq!(d.status.errors.last().unwrap().reason, reason::GUEST_SHUTDOWN_TIMEOUT);
+    assert_eq!(d.status.errors.last().unwrap().reason, Reason::GuestShutdownTimeout);
     assert!(!d.actions.contains(&Action::PowerOffHard));
 }
 
@@ -336,7 +337,7 @@ fn require_already_off_never_touches_power() {
     let d = run.decide_at(preparing(SourcePowerState::PoweredOn, vec![CopyState::Absent]), t(0));
     assert!(!has_power_action(&d));
     assert_eq!(d.status.phase, Phase::ManualInterventionRequired);
-    assert_eq!(d.status.errors.last().unwrap().reason, reason::SOURCE_NOT_POWERED_OFF);
+    assert_eq!(d.status.errors.last().unwrap().reason, Reason::SourceNotPoweredOff);
     // Already off: it proceeds to copy.
     let d = run.decide_at(preparing(SourcePowerState::PoweredOff, vec![CopyState::Absent]), t(0));
     assert_eq!(d.actions, vec![Action::StartDiskCopy { disk: 0 }]);
@@ -353,7 +354,7 @@ fn without_vmware_tools_graceful_only_needs_a_human_and_graceful_then_force_forc
     };
     let run = Run::at(Phase::Preparing);
     let d = run.decide_at(facts(false), t(0));
-    assert_eq!(d.status.errors.last().unwrap().reason, reason::TOOLS_NOT_RUNNING);
+    assert_eq!(d.status.errors.last().unwrap().reason, Reason::ToolsNotRunning);
     assert!(!has_power_action(&d));
     let mut run = Run::at(Phase::Preparing);
     run.spec.power_off_policy = PowerOffPolicy::GracefulThenForce;
@@ -387,7 +388,7 @@ fn source_powered_on_again_after_recorded_off_needs_a_human_and_is_not_powered_o
     let d = run.decide_at(preparing(SourcePowerState::PoweredOn, vec![CopyState::Absent]), t(5));
     assert!(!has_power_action(&d));
     assert_eq!(d.status.phase, Phase::ManualInterventionRequired);
-    assert_eq!(d.status.errors.last().unwrap().reason, reason::SOURCE_POWERED_ON_AGAIN);
+    assert_eq!(d.status.errors.last().unwrap().reason, Reason::SourcePoweredOnAgain);
 }
 
 #[test]
@@ -437,7 +438,7 @@ fn checksum_mismatch_discards_the_copy_and_is_retryable() {
         preparing(
             SourcePowerState::PoweredOff,
             vec![CopyState::Failed {
-                failure: Failure::retryable("ChecksumMismatch", "sha256 differs"),
+                failure: Failure::retryable(Reason::ChecksumMismatch, "sha256 differs"),
                 discard: true,
             }],
         ),
@@ -477,7 +478,8 @@ fn converting_starts_resumes_cleans_and_stages_per_disk() {
         conv(ArtifactState::Complete { sha256: "cd".into(), staged_url: None }).actions,
         vec![Action::StageArtifact { disk: 0 }]
     );
-    let killed = conv(ArtifactState::Failed(Failure::retryable("ConversionKilled", "qemu-img was killed")));
+    let killed =
+        conv(ArtifactState::Failed(Failure::retryable(Reason::ConversionKilled, "qemu-img was killed")));
     assert_eq!(killed.status.phase, Phase::Retryable);
     assert_eq!(killed.actions, vec![Action::DiscardArtifact { disk: 0 }], "the retry starts afresh");
 }
@@ -519,7 +521,7 @@ fn importing_creates_one_data_volume_per_disk_with_a_deterministic_name() {
 fn transient_data_volume_failure_deletes_it_for_recreation_within_the_budget() {
     let d = Run::at(Phase::Importing).decide_at(
         Observed::Importing(Ok(vec![DataVolumeState::Failed(Failure::retryable(
-            "PodEvicted",
+            Reason::ImportFailed,
             "importer evicted",
         ))])),
         t(0),
@@ -532,7 +534,7 @@ fn transient_data_volume_failure_deletes_it_for_recreation_within_the_budget() {
 fn failed_import_rechecks_the_artifact_in_converting_and_counts_against_the_importing_budget() {
     let failed_import = || {
         Observed::Importing(Ok(vec![DataVolumeState::Failed(Failure::retryable(
-            "ImportFailed",
+            Reason::ImportFailed,
             "unexpected EOF: got 1000 of 1048576 bytes",
         ))]))
     };
@@ -562,7 +564,7 @@ fn failed_import_rechecks_the_artifact_in_converting_and_counts_against_the_impo
     }
     let d = run.step(failed_import(), t(now));
     assert_eq!(d.status.phase, Phase::Failed, "a loop between phases stays within the budget");
-    assert_eq!(d.status.errors.last().unwrap().reason, reason::RETRY_BUDGET_EXHAUSTED);
+    assert_eq!(d.status.errors.last().unwrap().reason, Reason::RetryBudgetExhausted);
 }
 
 #[test]
@@ -585,7 +587,7 @@ fn corrupt_acquired_copy_is_discarded_and_copied_again_without_touching_power() 
     let mut run = Run::at(Phase::Converting);
     let d = run.step(
         Observed::Converting(Ok(vec![ArtifactState::Failed(Failure::retryable(
-            reason::ACQUIRED_COPY_CORRUPT,
+            Reason::AcquiredCopyCorrupt,
             "disk-0.raw no longer matches the sha256 taken while copying",
         ))])),
         t(0),
@@ -624,14 +626,14 @@ fn creating_vm_creates_updates_adopts_or_stops_on_a_foreign_vm() {
     assert_eq!(matching.status.destination_vm.unwrap().uid, "uid-1");
     let foreign = vm(VmState::NotOurs);
     assert_eq!(foreign.status.phase, Phase::ManualInterventionRequired);
-    assert_eq!(foreign.status.errors.last().unwrap().reason, reason::DESTINATION_VM_NOT_OWNED);
+    assert_eq!(foreign.status.errors.last().unwrap().reason, Reason::DestinationVMNotOwned);
     assert!(foreign.actions.is_empty(), "never touches a VM that is not ours");
 }
 
 #[test]
 fn vm_creation_conflict_is_retryable() {
     let d = Run::at(Phase::CreatingVm).decide_at(
-        Observed::CreatingVm(Err(Failure::retryable("Conflict", "resourceVersion changed"))),
+        Observed::CreatingVm(Err(Failure::retryable(Reason::Conflict, "resourceVersion changed"))),
         t(0),
     );
     assert_eq!(d.status.phase, Phase::Retryable);
@@ -668,11 +670,13 @@ fn starting_sets_run_strategy_and_advances_only_on_observed_running() {
 #[test]
 fn start_failures_are_classified_capacity_retryable_missing_kvm_needs_a_human() {
     let run = Run::at(Phase::Starting);
-    let capacity = run
-        .decide_at(starting(true, VmiState::Failed(Failure::retryable("Unschedulable", "0/3 nodes"))), t(0));
+    let capacity = run.decide_at(
+        starting(true, VmiState::Failed(Failure::retryable(Reason::Unschedulable, "0/3 nodes"))),
+        t(0),
+    );
     assert_eq!(capacity.status.phase, Phase::Retryable);
-    let kvm =
-        run.decide_at(starting(true, VmiState::Failed(Failure::needs_human("NoKVM", "/dev/kvm"))), t(0));
+    let kvm = run
+        .decide_at(starting(true, VmiState::Failed(Failure::needs_human(Reason::NoKVM, "/dev/kvm"))), t(0));
     assert_eq!(kvm.status.phase, Phase::ManualInterventionRequired);
 }
 
@@ -682,7 +686,7 @@ fn start_timeout_is_retryable() {
     run.step(starting(true, VmiState::Waiting { phase: "Pending".into() }), t(0));
     let d = run.step(starting(true, VmiState::Waiting { phase: "Pending".into() }), t(600));
     assert_eq!(d.status.phase, Phase::Retryable);
-    assert_eq!(d.status.errors.last().unwrap().reason, reason::START_TIMEOUT);
+    assert_eq!(d.status.errors.last().unwrap().reason, Reason::StartTimeout);
 }
 
 // ---- Validating / Completed ----
@@ -719,7 +723,7 @@ fn wrong_content_needs_a_human_and_not_ready_keeps_checking_until_the_timeout() 
     let d =
         run.step(Observed::Validating(Ok(vec![CheckResult::NotYet { message: "refused".into() }])), t(900));
     assert_eq!(d.status.phase, Phase::Retryable);
-    assert_eq!(d.status.errors.last().unwrap().reason, reason::VALIDATION_TIMEOUT);
+    assert_eq!(d.status.errors.last().unwrap().reason, Reason::ValidationTimeout);
 }
 
 #[test]
@@ -757,7 +761,7 @@ fn retries_back_off_exponentially_with_jitter_within_bounds() {
 fn exhausted_retry_budget_fails_with_the_reason_and_cleans_up() {
     let mut run = Run::at(Phase::Discovering);
     run.spec.strategy.retry_limit = 2;
-    let failure = || Observed::Discovery(Err(Failure::retryable("SSHTimeout", "timed out")));
+    let failure = || Observed::Discovery(Err(Failure::retryable(Reason::SSHTimeout, "timed out")));
     let mut now = 0;
     for attempt in 1..=2 {
         let d = run.step(failure(), t(now));
@@ -770,7 +774,7 @@ fn exhausted_retry_budget_fails_with_the_reason_and_cleans_up() {
     let d = run.step(failure(), t(now));
     assert_eq!(d.status.phase, Phase::Failed);
     let last = d.status.errors.last().unwrap();
-    assert_eq!(last.reason, reason::RETRY_BUDGET_EXHAUSTED);
+    assert_eq!(last.reason, Reason::RetryBudgetExhausted);
     assert!(last.message.contains("SSHTimeout"));
     let finish = run.decide_at(Observed::Nothing, t(now + 1));
     assert!(finish.actions.contains(&Action::CleanupStaging));
@@ -785,14 +789,14 @@ fn exhausted_budget_can_wait_for_a_human_instead() {
     let mut run = Run::at(Phase::Discovering);
     run.spec.strategy.retry_limit = 0;
     run.spec.strategy.on_retries_exhausted = RetriesExhausted::ManualIntervention;
-    let d = run.step(Observed::Discovery(Err(Failure::retryable("SSHTimeout", "x"))), t(0));
+    let d = run.step(Observed::Discovery(Err(Failure::retryable(Reason::SSHTimeout, "x"))), t(0));
     assert_eq!(d.status.phase, Phase::ManualInterventionRequired);
 }
 
 #[test]
 fn success_after_a_retry_clears_the_attempt_counter() {
     let mut run = Run::at(Phase::Discovering);
-    run.step(Observed::Discovery(Err(Failure::retryable("SSHTimeout", "x"))), t(0));
+    run.step(Observed::Discovery(Err(Failure::retryable(Reason::SSHTimeout, "x"))), t(0));
     run.step(Observed::Nothing, t(10_000));
     let d = run.step(Observed::Discovery(Ok(inventory())), t(10_001));
     assert_eq!(d.status.phase, Phase::Validated);
@@ -805,7 +809,7 @@ fn errors_list_is_bounded() {
     run.spec.strategy.retry_limit = 100;
     let mut now = 0;
     for _ in 0..30 {
-        run.step(Observed::Discovery(Err(Failure::retryable("SSHTimeout", "x"))), t(now));
+        run.step(Observed::Discovery(Err(Failure::retryable(Reason::SSHTimeout, "x"))), t(now));
         now += 100_000;
         run.step(Observed::Nothing, t(now));
     }
@@ -817,7 +821,7 @@ fn errors_list_is_bounded() {
 #[test]
 fn manual_intervention_is_left_only_by_the_retry_annotation_which_is_consumed() {
     let mut run = Run::at(Phase::Starting);
-    run.step(starting(true, VmiState::Failed(Failure::needs_human("NoKVM", "/dev/kvm missing"))), t(0));
+    run.step(starting(true, VmiState::Failed(Failure::needs_human(Reason::NoKVM, "/dev/kvm missing"))), t(0));
     assert_eq!(run.status.phase, Phase::ManualInterventionRequired);
     // Time alone changes nothing.
     let idle = run.decide_at(Observed::Nothing, t(1_000_000));
@@ -893,7 +897,7 @@ fn action_failure_is_recorded_against_the_phase_that_asked_for_it() {
             jitter: 0.0,
         },
         Phase::Importing,
-        Failure::retryable("WebhookTimeout", "admission webhook timed out"),
+        Failure::retryable(Reason::APIError, "admission webhook timed out"),
     );
     assert_eq!(d.status.phase, Phase::Retryable);
     assert_eq!(d.status.retry.unwrap().phase, Phase::Importing);
@@ -903,7 +907,7 @@ fn action_failure_is_recorded_against_the_phase_that_asked_for_it() {
 fn observation_for_another_checkpoint_is_not_mistaken_for_success() {
     let d = Run::at(Phase::Importing).decide_at(Observed::Discovery(Ok(inventory())), t(0));
     assert_ne!(d.status.phase, Phase::CreatingVm);
-    assert_eq!(d.status.errors.last().unwrap().reason, reason::OBSERVATION_MISMATCH);
+    assert_eq!(d.status.errors.last().unwrap().reason, Reason::ObservationMismatch);
 }
 
 #[test]

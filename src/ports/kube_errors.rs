@@ -1,22 +1,23 @@
 //! Kubernetes API errors as classified failures, shared by every adapter
 //! that talks to the API server (DataVolumes and VMs, conversion Jobs).
 
+use crate::api::Reason;
 use crate::machine::Failure;
 
 /// Classifies a Kubernetes API error.
 pub fn classify(what: &str, err: kube::Error) -> Failure {
     match &err {
         kube::Error::Api(status) => match status.code {
-            409 => Failure::retryable("Conflict", format!("{what}: {}", status.message)),
+            409 => Failure::retryable(Reason::Conflict, format!("{what}: {}", status.message)),
             403 => Failure::needs_human(
-                "Forbidden",
+                Reason::Forbidden,
                 format!("{what}: {} (check the controller's RBAC)", status.message),
             ),
-            422 | 400 => Failure::needs_human("Invalid", format!("{what}: {}", status.message)),
-            404 => Failure::needs_human("NotFound", format!("{what}: {}", status.message)),
-            _ => Failure::retryable("APIError", format!("{what}: {}", status.message)),
+            422 | 400 => Failure::needs_human(Reason::Invalid, format!("{what}: {}", status.message)),
+            404 => Failure::needs_human(Reason::NotFound, format!("{what}: {}", status.message)),
+            _ => Failure::retryable(Reason::APIError, format!("{what}: {}", status.message)),
         },
-        _ => Failure::retryable("APIUnavailable", format!("{what}: {err}")),
+        _ => Failure::retryable(Reason::APIUnavailable, format!("{what}: {err}")),
     }
 }
 

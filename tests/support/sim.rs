@@ -17,6 +17,7 @@ use async_trait::async_trait;
 use sha2::{Digest, Sha256};
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard};
+use vmmigrate::api::Reason;
 use vmmigrate::api::{
     Firmware, SourceDisk, SourceInventory, SourceNic, SourcePowerState, ValidationCheck,
     VirtualMachineMigration,
@@ -290,12 +291,12 @@ impl World {
         self.ledger.calls += 1;
         if self.faults.fail_nth_call == Some(self.ledger.calls) {
             return Err(Failure::retryable(
-                "InjectedFault",
+                Reason::APIUnavailable,
                 format!("{what}: injected failure of call {}", self.ledger.calls),
             ));
         }
         if self.rng.chance(self.faults.transient) {
-            return Err(Failure::retryable("TransientError", format!("{what}: transient failure")));
+            return Err(Failure::retryable(Reason::APIUnavailable, format!("{what}: transient failure")));
         }
         Ok(self.rng.chance(self.faults.hang))
     }
@@ -319,7 +320,7 @@ impl EsxiHost for SimWorld {
         call!(self, "discover");
         let w = self.lock();
         if w.faults.discovery_always_fails {
-            return Err(Failure::retryable("SSHConnectionRefused", "connection refused by the ESXi host"));
+            return Err(Failure::retryable(Reason::SSHConnectFailed, "connection refused by the ESXi host"));
         }
         let disks = w
             .source_disks
@@ -385,7 +386,7 @@ impl EsxiHost for SimWorld {
         w.ledger.shutdown_requests += 1;
         if w.faults.tools_not_running {
             return Err(Failure::needs_human(
-                "ToolsNotRunning",
+                Reason::ToolsNotRunning,
                 "Cannot complete operation because VMware Tools is not running in this virtual machine.",
             ));
         }
@@ -424,7 +425,7 @@ impl DiskStore for SimWorld {
         let World { copies, source_disks, .. } = &mut *w;
         let Some(copy) = copies.get_mut(disk) else {
             return CopyState::Failed {
-                failure: Failure::terminal("NoSuchDisk", format!("disk {disk}")),
+                failure: Failure::terminal(Reason::LocalDiskError, format!("disk {disk}")),
                 discard: false,
             };
         };
@@ -435,7 +436,10 @@ impl DiskStore for SimWorld {
             if roll_cut {
                 copy.running = false;
                 return CopyState::Failed {
-                    failure: Failure::retryable("ConnectionLost", "the SSH connection was lost mid-copy"),
+                    failure: Failure::retryable(
+                        Reason::ConnectionLost,
+                        "the SSH connection was lost mid-copy",
+                    ),
                     discard: false,
                 };
             }
@@ -468,7 +472,7 @@ impl DiskStore for SimWorld {
         if sha != sha_hex(&source_disks[disk]) {
             return CopyState::Failed {
                 failure: Failure::retryable(
-                    "ChecksumMismatch",
+                    Reason::ChecksumMismatch,
                     "the copy's sha256 differs from the source's",
                 ),
                 discard: true,
@@ -524,7 +528,7 @@ impl Converter for SimWorld {
         let killed = w.rng.chance(kill);
         let World { artifacts, copies, .. } = &mut *w;
         let Some(artifact) = artifacts.get_mut(disk) else {
-            return ArtifactState::Failed(Failure::terminal("NoSuchDisk", format!("disk {disk}")));
+            return ArtifactState::Failed(Failure::terminal(Reason::LocalDiskError, format!("disk {disk}")));
         };
         if let Some(failure) = artifact.pending_failure.take() {
             return ArtifactState::Failed(failure);
@@ -533,7 +537,10 @@ impl Converter for SimWorld {
             if killed {
                 artifact.running = None;
                 artifact.partial = true;
-                return ArtifactState::Failed(Failure::retryable("ConversionKilled", "qemu-img was killed"));
+                return ArtifactState::Failed(Failure::retryable(
+                    Reason::ConversionKilled,
+                    "qemu-img was killed",
+                ));
             }
             if ticks == 0 {
                 artifact.running = None;
@@ -601,9 +608,10 @@ impl Staging for SimWorld {
                 w.staged.insert(disk, sha);
                 Ok(())
             }
-            None => {
-                Err(Failure::retryable("ArtifactMissing", format!("no artifact for disk {disk} to stage")))
-            }
+            None => Err(Failure::retryable(
+                Reason::ArtifactMissing,
+                format!("no artifact for disk {disk} to stage"),
+            )),
         }
     }
 
@@ -644,9 +652,9 @@ impl Cluster for SimWorld {
             return Ok(DataVolumeState::Succeeded);
         }
         if evicted {
-            dv.failed = Some(Failure::retryable("ImporterEvicted", "the importer pod was evicted"));
+            dv.failed = Some(Failure::retryable(Reason::ImportFailed, "the importer pod was evicted"));
             return Ok(DataVolumeState::Failed(Failure::retryable(
-                "ImporterEvicted",
+                Reason::ImportFailed,
                 "the importer pod was evicted",
             )));
         }
@@ -669,7 +677,7 @@ impl Cluster for SimWorld {
         *w.ledger.dv_creates.entry(disk).or_default() += 1;
         let lost = w.faults.lost_response;
         if w.rng.chance(lost) {
-            return Err(Failure::retryable("Timeout", "the create's response was lost"));
+            return Err(Failure::retryable(Reason::Timeout, "the create's response was lost"));
         }
         Ok(())
     }
@@ -715,7 +723,7 @@ impl Cluster for SimWorld {
         w.ledger.vm_creates += 1;
         let lost = w.faults.lost_response;
         if w.rng.chance(lost) {
-            return Err(Failure::retryable("Timeout", "the create's response was lost"));
+            return Err(Failure::retryable(Reason::Timeout, "the create's response was lost"));
         }
         Ok(())
     }
@@ -729,7 +737,7 @@ impl Cluster for SimWorld {
                 vm.drifted = false;
                 Ok(())
             }
-            _ => Err(Failure::retryable("NotFound", "the VM is gone")),
+            _ => Err(Failure::retryable(Reason::NotFound, "the VM is gone")),
         }
     }
 
@@ -745,7 +753,7 @@ impl Cluster for SimWorld {
             Some(_) if unschedulable => {
                 w.vmi_ticks = Some(2);
                 VmiState::Failed(Failure::retryable(
-                    "Unschedulable",
+                    Reason::Unschedulable,
                     "0/3 nodes are available: insufficient memory",
                 ))
             }
@@ -770,7 +778,7 @@ impl Cluster for SimWorld {
                 }
                 Ok(())
             }
-            _ => Err(Failure::retryable("NotFound", "the VM is gone")),
+            _ => Err(Failure::retryable(Reason::NotFound, "the VM is gone")),
         }
     }
 

@@ -4,6 +4,7 @@
 use super::copy::{self, CopyError, CopyPlan, CopyResult};
 use super::parse;
 use super::ssh::{Credentials, Output, RemoteCommand, Secret, Session, SshError, Target};
+use crate::api::Reason;
 use crate::api::{SourceDisk, SourceInventory, SourcePowerState, VirtualMachineMigration};
 use crate::machine::{CopyState, Failure};
 use crate::ports::workdir::{copy_path, migration_copies_dir};
@@ -66,14 +67,16 @@ fn timeout_of(vmm: &VirtualMachineMigration) -> Duration {
 fn vim_fault(what: &str, out: &Output) -> Option<Failure> {
     let fault = parse::parse_fault(&out.text())?;
     Some(match fault.kind.as_str() {
-        "vim.fault.NotFound" => Failure::needs_human("SourceVMNotFound", format!("{what}: {}", fault.msg)),
+        "vim.fault.NotFound" => {
+            Failure::needs_human(Reason::SourceVMNotFound, format!("{what}: {}", fault.msg))
+        }
         "vim.fault.ToolsUnavailable" => {
-            Failure::needs_human("ToolsNotRunning", format!("{what}: {}", fault.msg))
+            Failure::needs_human(Reason::ToolsNotRunning, format!("{what}: {}", fault.msg))
         }
         "vim.fault.InvalidPowerState" => {
-            Failure::retryable("InvalidPowerState", format!("{what}: {}", fault.msg))
+            Failure::retryable(Reason::InvalidPowerState, format!("{what}: {}", fault.msg))
         }
-        kind => Failure::retryable("HostFault", format!("{what}: {kind}: {}", fault.msg)),
+        kind => Failure::retryable(Reason::HostFault, format!("{what}: {kind}: {}", fault.msg)),
     })
 }
 
@@ -98,9 +101,14 @@ impl EsxiSource {
         let secret = secrets
             .get_opt(name)
             .await
-            .map_err(|e| Failure::retryable("APIUnavailable", format!("reading Secret {ns}/{name}: {e}")))?
+            .map_err(|e| {
+                Failure::retryable(Reason::APIUnavailable, format!("reading Secret {ns}/{name}: {e}"))
+            })?
             .ok_or_else(|| {
-                Failure::needs_human("CredentialsSecretMissing", format!("Secret {ns}/{name} does not exist"))
+                Failure::needs_human(
+                    Reason::CredentialsSecretMissing,
+                    format!("Secret {ns}/{name} does not exist"),
+                )
             })?;
         let data = secret.data.unwrap_or_default();
         let field = |k: &str| data.get(k).map(|v| String::from_utf8_lossy(&v.0).into_owned());
@@ -110,7 +118,7 @@ impl EsxiSource {
             (Some(password), None) => Secret::Password(password),
             (None, None) => {
                 return Err(Failure::needs_human(
-                    "CredentialsSecretInvalid",
+                    Reason::CredentialsSecretInvalid,
                     format!("Secret {ns}/{name} has neither `password` nor `privateKey`"),
                 ));
             }
@@ -175,7 +183,7 @@ impl EsxiSource {
                 let known: Vec<_> =
                     vms.iter().take(20).map(|v| format!("{:?} (vmid {})", v.name, v.vmid)).collect();
                 Err(Failure::needs_human(
-                    "SourceVMNotFound",
+                    Reason::SourceVMNotFound,
                     format!(
                         "no VM {:?} on {}; the host has: {}",
                         wanted,
@@ -185,7 +193,7 @@ impl EsxiSource {
                 ))
             }
             many => Err(Failure::needs_human(
-                "AmbiguousVMName",
+                Reason::AmbiguousVMName,
                 format!("{} VMs are named {:?}; select one by spec.source.vm.id", many.len(), wanted.name),
             )),
         }
@@ -212,7 +220,7 @@ impl EsxiSource {
             return Err(fault);
         }
         parse::parse_power_state(&out.text()).ok_or_else(|| {
-            Failure::retryable("UnparsableOutput", format!("power.getstate printed {:?}", out.text()))
+            Failure::retryable(Reason::UnparsableOutput, format!("power.getstate printed {:?}", out.text()))
         })
     }
 
@@ -262,7 +270,7 @@ impl EsxiHost for EsxiSource {
         let vmx = self.run(vmm, head(&vmx_path)).await?;
         if vmx.exit_status != Some(0) {
             return Err(Failure::retryable(
-                "VmxUnreadable",
+                Reason::VmxUnreadable,
                 format!("cannot read {vmx_path}: {}", vmx.text().trim()),
             ));
         }
@@ -347,7 +355,7 @@ impl EsxiHost for EsxiSource {
         }
         let out = self.run(vmm, Self::vim_cmd("vmsvc/power.shutdown", &vmid)).await?;
         match vim_fault("power.shutdown", &out) {
-            Some(f) if f.reason == "InvalidPowerState" => Ok(()),
+            Some(f) if f.reason == Reason::InvalidPowerState => Ok(()),
             Some(f) => Err(f),
             None => Ok(()),
         }
@@ -366,9 +374,10 @@ impl EsxiHost for EsxiSource {
         }
         match self.power_state(vmm, &vmid).await? {
             SourcePowerState::PoweredOff => Ok(()),
-            other => {
-                Err(Failure::retryable("PowerOffNotObserved", format!("after power.off the VM is {other:?}")))
-            }
+            other => Err(Failure::retryable(
+                Reason::PowerOffNotObserved,
+                format!("after power.off the VM is {other:?}"),
+            )),
         }
     }
 }
@@ -402,7 +411,7 @@ impl DiskStore for EsxiSource {
                 }
                 Err(join) if join.is_panic() => {
                     return CopyState::Failed {
-                        failure: Failure::retryable("CopyTaskPanicked", "the copy task panicked"),
+                        failure: Failure::retryable(Reason::CopyTaskPanicked, "the copy task panicked"),
                         discard: true,
                     };
                 }
@@ -432,7 +441,7 @@ impl DiskStore for EsxiSource {
             return Ok(());
         }
         let source = Self::disk_of(vmm, disk).ok_or_else(|| {
-            Failure::retryable("InventoryMissing", format!("no disk {disk} in the inventory"))
+            Failure::retryable(Reason::InventoryMissing, format!("no disk {disk} in the inventory"))
         })?;
         let session = self.session(vmm).await?;
         let plan = CopyPlan {
@@ -462,7 +471,7 @@ impl DiskStore for EsxiSource {
             task.handle.abort();
         }
         copy::discard(&self.local_path(vmm, disk)).map_err(|e| {
-            Failure::retryable("LocalDiskError", format!("removing the copy of disk {disk}: {e}"))
+            Failure::retryable(Reason::LocalDiskError, format!("removing the copy of disk {disk}: {e}"))
         })
     }
 
@@ -484,6 +493,6 @@ fn remove_dir(dir: &Path) -> Result<(), Failure> {
     match std::fs::remove_dir_all(dir) {
         Ok(()) => Ok(()),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
-        Err(e) => Err(Failure::retryable("LocalDiskError", format!("removing {}: {e}", dir.display()))),
+        Err(e) => Err(Failure::retryable(Reason::LocalDiskError, format!("removing {}: {e}", dir.display()))),
     }
 }

@@ -12,6 +12,7 @@
 //! its digest is compared with ours, so the checksum is end to end.
 
 use super::ssh::{RemoteCommand, Session, SshError};
+use crate::api::Reason;
 use crate::machine::Failure;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
@@ -94,11 +95,13 @@ impl CopyError {
         let message = self.to_string();
         match self {
             CopyError::Ssh(e) => (e.failure(), false),
-            CopyError::ShortRead { .. } => (Failure::retryable("ConnectionLost", message), false),
-            CopyError::SourceChanged { .. } => (Failure::retryable("SourceChanged", message), true),
-            CopyError::ChecksumMismatch { .. } => (Failure::retryable("ChecksumMismatch", message), true),
-            CopyError::Stat(_) => (Failure::retryable("SourceUnreadable", message), false),
-            CopyError::Io(_) => (Failure::retryable("LocalDiskError", message), false),
+            CopyError::ShortRead { .. } => (Failure::retryable(Reason::ConnectionLost, message), false),
+            CopyError::SourceChanged { .. } => (Failure::retryable(Reason::SourceChanged, message), true),
+            CopyError::ChecksumMismatch { .. } => {
+                (Failure::retryable(Reason::ChecksumMismatch, message), true)
+            }
+            CopyError::Stat(_) => (Failure::retryable(Reason::SourceUnreadable, message), false),
+            CopyError::Io(_) => (Failure::retryable(Reason::LocalDiskError, message), false),
         }
     }
 }

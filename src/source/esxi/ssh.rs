@@ -3,6 +3,7 @@
 //! keyboard-interactive first (ESXi's PAM) and plain `password` second, and
 //! every remote command is built from validated, single-quoted arguments.
 
+use crate::api::Reason;
 use crate::machine::Failure;
 use russh::ChannelMsg;
 use russh::client::{self, Handle, KeyboardInteractiveAuthResponse};
@@ -72,13 +73,15 @@ impl SshError {
     pub fn failure(&self) -> Failure {
         let message = self.to_string();
         match self {
-            SshError::HostKeyMismatch { .. } => Failure::needs_human("HostKeyMismatch", message),
-            SshError::AuthenticationFailed { .. } => Failure::needs_human("SSHAuthenticationFailed", message),
-            SshError::BadKey(_) => Failure::needs_human("InvalidCredentials", message),
-            SshError::InvalidArgument(_) => Failure::terminal("UnsafeArgument", message),
-            SshError::Connect { .. } => Failure::retryable("SSHConnectFailed", message),
-            SshError::Timeout { .. } => Failure::retryable("SSHTimeout", message),
-            SshError::Protocol(_) => Failure::retryable("SSHError", message),
+            SshError::HostKeyMismatch { .. } => Failure::needs_human(Reason::HostKeyMismatch, message),
+            SshError::AuthenticationFailed { .. } => {
+                Failure::needs_human(Reason::SSHAuthenticationFailed, message)
+            }
+            SshError::BadKey(_) => Failure::needs_human(Reason::InvalidCredentials, message),
+            SshError::InvalidArgument(_) => Failure::terminal(Reason::UnsafeArgument, message),
+            SshError::Connect { .. } => Failure::retryable(Reason::SSHConnectFailed, message),
+            SshError::Timeout { .. } => Failure::retryable(Reason::SSHTimeout, message),
+            SshError::Protocol(_) => Failure::retryable(Reason::SSHError, message),
         }
     }
 }

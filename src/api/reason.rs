@@ -1,0 +1,166 @@
+//! The one type of every failure reason the machine, the controller and the
+//! status use. The variant's name is the stable string users see as the
+//! condition reason, the Event reason, the `status.errors[].reason`, the
+//! metric label and the STATUS.md cell: renaming a variant is an API change.
+
+/// Declares the reasons once: the enum, `ALL` and the stable strings.
+macro_rules! reasons {
+    ($($name:ident,)*) => {
+        /// A stable, CamelCase failure reason.
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+        pub enum Reason {
+            $($name,)*
+        }
+
+        impl Reason {
+            /// Every reason, in declaration order.
+            pub const ALL: &[Reason] = &[$(Reason::$name,)*];
+
+            /// The stable string.
+            pub fn as_str(self) -> &'static str {
+                match self {
+                    $(Reason::$name => stringify!($name),)*
+                }
+            }
+        }
+    };
+}
+
+reasons! {
+    // The machine's own decisions
+    RetryBudgetExhausted,
+    ValidationBlocked,
+    SourceNotPoweredOff,
+    SourceSuspended,
+    SourcePoweredOnAgain,
+    ToolsNotRunning,
+    GuestShutdownTimeout,
+    DestinationVMNotOwned,
+    StartTimeout,
+    ApplicationCheckFailed,
+    ValidationTimeout,
+    InventoryMissing,
+    ObservationMismatch,
+    AcquiredCopyCorrupt,
+    AcquiredCopyMissing,
+    Timeout,
+    // Pre-flight rules (Validated)
+    SnapshotsPresent,
+    PendingQuestion,
+    UnsupportedDiskType,
+    IndependentDisk,
+    NoDisks,
+    NetworkNotMapped,
+    InvalidDestinationName,
+    DestinationNameTaken,
+    StorageClassNotFound,
+    DestinationNamespaceNotFound,
+    // The ESXi host over SSH
+    SSHTimeout,
+    SSHConnectFailed,
+    SSHAuthenticationFailed,
+    SSHError,
+    HostKeyMismatch,
+    InvalidCredentials,
+    UnsafeArgument,
+    CredentialsSecretMissing,
+    CredentialsSecretInvalid,
+    SourceVMNotFound,
+    AmbiguousVMName,
+    VmxUnreadable,
+    UnparsableOutput,
+    InvalidPowerState,
+    PowerOffNotObserved,
+    HostFault,
+    APIUnavailable,
+    // The disk copy
+    ChecksumMismatch,
+    ConnectionLost,
+    SourceChanged,
+    SourceUnreadable,
+    LocalDiskError,
+    CopyTaskPanicked,
+    // Conversion and staging
+    VirtualSizeMismatch,
+    InvalidArtifact,
+    VirtV2vNotInstalled,
+    VirtV2vFailed,
+    QemuImgFailed,
+    QemuImgNotInstalled,
+    ConversionIoError,
+    ConversionJobFailed,
+    ConversionKilled,
+    ConversionPanicked,
+    JobRenderError,
+    JobRunnerNotConfigured,
+    ArtifactMissing,
+    WorkDirError,
+    // The Kubernetes API and the destination
+    Conflict,
+    Forbidden,
+    Invalid,
+    NotFound,
+    APIError,
+    DataVolumeNotOwned,
+    ImportFailed,
+    NoKVM,
+    Unschedulable,
+    VMIFailed,
+    RenderError,
+    // The controller process
+    FinalizerError,
+    KubeAPIError,
+    LostLease,
+    InvalidLeaderElectionConfig,
+}
+
+impl Reason {
+    /// The reason with this stable string, if there is one.
+    pub fn parse(text: &str) -> Option<Reason> {
+        Reason::ALL.iter().copied().find(|r| r.as_str() == text)
+    }
+}
+
+impl std::fmt::Display for Reason {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl PartialEq<&str> for Reason {
+    fn eq(&self, other: &&str) -> bool {
+        self.as_str() == *other
+    }
+}
+
+// Status fields hold the stable string; comparing them with a reason reads
+// naturally in tests and in the controller alike.
+impl PartialEq<Reason> for String {
+    fn eq(&self, other: &Reason) -> bool {
+        self == other.as_str()
+    }
+}
+
+impl PartialEq<Reason> for &str {
+    fn eq(&self, other: &Reason) -> bool {
+        *self == other.as_str()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Reason;
+
+    #[test]
+    fn every_reason_is_camel_case_unique_and_parses_back() {
+        let mut seen = std::collections::HashSet::new();
+        for &reason in Reason::ALL {
+            let text = reason.as_str();
+            assert!(text.starts_with(|c: char| c.is_ascii_uppercase()), "{text}");
+            assert!(text.chars().all(|c| c.is_ascii_alphanumeric()), "{text}");
+            assert!(seen.insert(text), "{text} twice");
+            assert_eq!(Reason::parse(text), Some(reason));
+        }
+        assert_eq!(Reason::parse("NoSuchReason"), None);
+    }
+}
