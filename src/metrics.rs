@@ -20,8 +20,6 @@
 //! GET routes, one request per connection.
 
 use crate::api::{Phase, VirtualMachineMigrationStatus};
-use crate::convert::staging::ServeStats;
-use crate::gitops::webhook::{Forge, WebhookEvent};
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
 use prometheus_client::metrics::MetricType;
@@ -33,7 +31,7 @@ use prometheus_client::registry::Registry;
 use std::collections::{BTreeMap, HashMap};
 use std::io;
 use std::net::SocketAddr;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -82,7 +80,8 @@ struct MigrationView {
 #[derive(Debug, Default)]
 struct Scraped {
     migrations: Mutex<BTreeMap<(String, String), MigrationView>>,
-    staging: Mutex<Option<Arc<ServeStats>>>,
+    /// The staging server's byte counter, read at scrape time.
+    staging: Mutex<Option<Arc<AtomicU64>>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -155,8 +154,8 @@ impl Collector for Scraped {
             MetricType::Gauge,
             [(Labels::new(), copying)],
         )?;
-        if let Some(stats) = lock(&self.staging).clone() {
-            let served = ConstCounter::new(stats.bytes_served.load(Ordering::Relaxed));
+        if let Some(bytes_served) = lock(&self.staging).clone() {
+            let served = ConstCounter::new(bytes_served.load(Ordering::Relaxed));
             let metric = encoder.encode_descriptor(
                 "vmmigrate_staging_bytes_served",
                 "Bytes the staging server sent to CDI importers",
@@ -327,9 +326,10 @@ impl Metrics {
         self.convert_bytes.inc_by(bytes);
     }
 
-    /// Reports `vmmigrate_staging_bytes_served_total` from this server's counters.
-    pub fn watch_staging(&self, stats: Arc<ServeStats>) {
-        *lock(&self.scraped.staging) = Some(stats);
+    /// Reports `vmmigrate_staging_bytes_served_total` from the staging
+    /// server's own counter (metrics knows no domain type).
+    pub fn watch_staging(&self, bytes_served: Arc<AtomicU64>) {
+        *lock(&self.scraped.staging) = Some(bytes_served);
     }
 
     pub fn git_fetch(&self, ok: bool) {
@@ -347,18 +347,9 @@ impl Metrics {
         self.git_applies.get_or_create(&labels([("result", result)])).inc();
     }
 
-    /// A verified webhook event reached the gitops loop.
-    pub fn webhook_delivered(&self, event: &WebhookEvent) {
-        let forge = match event {
-            WebhookEvent::Push { forge, .. }
-            | WebhookEvent::PullRequest { forge, .. }
-            | WebhookEvent::Ping { forge } => forge,
-        };
-        let forge = match forge {
-            Forge::GitHub => "github",
-            Forge::Gitea => "gitea",
-            Forge::GitLab => "gitlab",
-        };
+    /// A verified webhook event of `forge` (`github`, `gitea`, `gitlab`)
+    /// reached the gitops loop.
+    pub fn webhook_delivered(&self, forge: &str) {
         self.webhook_deliveries.get_or_create(&labels([("forge", forge), ("result", "accepted")])).inc();
     }
 
@@ -680,9 +671,8 @@ mod tests {
             assert!(text.contains(line), "no {line:?} in\n{text}");
         }
         assert!(!text.contains("vmmigrate_staging_bytes_served"), "absent until a staging server is watched");
-        let stats = Arc::new(ServeStats::default());
-        stats.bytes_served.store(77, Ordering::Relaxed);
-        m.watch_staging(stats);
+        let bytes_served = Arc::new(AtomicU64::new(77));
+        m.watch_staging(bytes_served);
         assert!(m.encode().contains("vmmigrate_staging_bytes_served_total 77"));
         assert!(m.encode().ends_with("# EOF\n"));
     }

@@ -99,7 +99,7 @@ pub async fn start_staging(opts: &ControllerOptions) -> anyhow::Result<StagingSe
         .await
         .with_context(|| format!("binding the staging server to {}", opts.staging_listen))?;
     let server = StagingServer::start(listener, staging_root).await.context("starting the staging server")?;
-    crate::metrics::metrics().watch_staging(server.stats());
+    crate::metrics::metrics().watch_staging(server.stats().bytes_served.clone());
     Ok(server)
 }
 

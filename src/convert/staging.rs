@@ -66,7 +66,7 @@ pub struct ServeStats {
     /// Requests answered, including refused and malformed ones.
     pub requests: AtomicU64,
     /// Body bytes written to clients.
-    pub bytes_served: AtomicU64,
+    pub bytes_served: Arc<AtomicU64>,
     /// Whole-file reads whose hash differed from the marker.
     pub corrupt_detected: AtomicU64,
     /// Malformed requests, paths outside the artifact shape, and symlinks or

@@ -616,7 +616,7 @@ pub async fn start(client: Client, opts: GitopsOptions) -> anyhow::Result<Gitops
                 _ = poll.tick() => looping.tick().await,
                 Some(event) = events.recv() => {
                     tracing::info!(?event, "webhook event");
-                    crate::metrics::metrics().webhook_delivered(&event);
+                    crate::metrics::metrics().webhook_delivered(event.forge().as_str());
                     if let WebhookEvent::PullRequest { number, merged: true, .. } = &event {
                         let _ = looping.follow_merged(*number).await;
                     }

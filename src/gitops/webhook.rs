@@ -119,6 +119,28 @@ pub enum Forge {
     GitLab,
 }
 
+impl Forge {
+    /// The metric label and log word.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Forge::GitHub => "github",
+            Forge::Gitea => "gitea",
+            Forge::GitLab => "gitlab",
+        }
+    }
+}
+
+impl WebhookEvent {
+    /// The forge that sent the event.
+    pub fn forge(&self) -> Forge {
+        match self {
+            WebhookEvent::Push { forge, .. }
+            | WebhookEvent::PullRequest { forge, .. }
+            | WebhookEvent::Ping { forge } => *forge,
+        }
+    }
+}
+
 /// Counters for the webhook receiver, shared with whoever started it.
 #[derive(Default, Debug)]
 pub struct WebhookStats {
