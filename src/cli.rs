@@ -150,7 +150,8 @@ pub fn run(cli: Cli) -> ExitCode {
         Command::Render { repo, namespace } => render_local(&repo, &namespace, true),
         Command::Plan { repo, namespace, offline } => plan(&repo, &namespace, offline),
         Command::Validate { repo, namespace } => render_local(&repo, &namespace, false),
-        Command::Demo(opts) => demo(opts),
+        // `main` runs the demo when it is built in.
+        Command::Demo(_) => Err(NotBuiltIn("demo").into()),
         Command::Status { repo, branch, all, watch } => status(repo, &branch, all, watch),
         Command::Convert { input, input_sha256, input_marker, expected_size, output, format, virt_v2v } => {
             format.parse().map_err(anyhow::Error::from).and_then(|format| {
@@ -166,6 +167,11 @@ pub fn run(cli: Cli) -> ExitCode {
             })
         }
     };
+    exit_code(result)
+}
+
+/// The exit code of a command's result, its error printed on one line.
+pub fn exit_code(result: anyhow::Result<()>) -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {
@@ -469,15 +475,4 @@ pub struct DemoOptions {
     /// Internal: this process is the demo itself, started by `vmmigrate demo`.
     #[arg(long = "in-own-process-group", hide = true)]
     pub in_own_process_group: bool,
-}
-
-#[cfg(feature = "demo")]
-fn demo(opts: DemoOptions) -> anyhow::Result<()> {
-    crate::demo::run(opts)
-}
-
-/// The release binary is built without the demo's harness (`--no-default-features`).
-#[cfg(not(feature = "demo"))]
-fn demo(_: DemoOptions) -> anyhow::Result<()> {
-    Err(NotBuiltIn("demo").into())
 }
