@@ -1,0 +1,81 @@
+//! The CRD's CEL rules, mirrored by hand.
+
+use super::JSONSchemaProps;
+use serde_json::{Map, Value};
+
+/// Every rule this file evaluates; a unit test checks the CRD has no other.
+#[cfg(test)]
+pub(super) const MIRRORED: &[&str] = &[
+    "has(self.name) != has(self.id)",
+    "self.type == 'Pod' ? !has(self.networkName) : has(self.networkName)",
+    "self.maxSeconds >= self.initialSeconds",
+    "(has(self.http) ? 1 : 0) + (has(self.guestAgent) ? 1 : 0) + (has(self.ip) ? 1 : 0) == 1",
+];
+
+/// `Some(passes)` for a mirrored rule, `None` for an unknown one or when a
+/// field has the wrong type (reported by the schema walk). Like the API
+/// server, the rule sees the object after the schema's defaults.
+pub(super) fn evaluate(rule: &str, object: &Map<String, Value>, schema: &JSONSchemaProps) -> Option<bool> {
+    let get = |field: &str| -> Option<Value> {
+        object
+            .get(field)
+            .filter(|v| !v.is_null())
+            .cloned()
+            .or_else(|| schema.properties.as_ref()?.get(field)?.default.as_ref().map(|d| d.0.clone()))
+    };
+    let has = |field: &str| get(field).is_some();
+    match rule {
+        "has(self.name) != has(self.id)" => Some(has("name") != has("id")),
+        "self.type == 'Pod' ? !has(self.networkName) : has(self.networkName)" => {
+            let pod = get("type")?.as_str()? == "Pod";
+            Some(if pod { !has("networkName") } else { has("networkName") })
+        }
+        "self.maxSeconds >= self.initialSeconds" => {
+            Some(get("maxSeconds")?.as_i64()? >= get("initialSeconds")?.as_i64()?)
+        }
+        "(has(self.http) ? 1 : 0) + (has(self.guestAgent) ? 1 : 0) + (has(self.ip) ? 1 : 0) == 1" => {
+            Some(["http", "guestAgent", "ip"].iter().filter(|f| has(f)).count() == 1)
+        }
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::tests::*;
+    use super::super::*;
+    use super::*;
+
+    #[test]
+    fn every_cel_rule_of_the_crd_is_mirrored() {
+        fn visit(s: &JSONSchemaProps, found: &mut Vec<String>) {
+            found.extend(s.x_kubernetes_validations.iter().flatten().map(|r| r.rule.clone()));
+            s.properties.iter().flat_map(|p| p.values()).for_each(|c| visit(c, found));
+            if let Some(JSONSchemaPropsOrArray::Schema(items)) = &s.items {
+                visit(items, found);
+            }
+        }
+        let mut found = Vec::new();
+        visit(spec_schema(), &mut found);
+        assert!(found.len() >= 4, "{found:?}");
+        for rule in found {
+            assert!(
+                MIRRORED.contains(&rule.as_str()),
+                "CEL rule not mirrored in gitops/render/cel.rs: {rule}"
+            );
+        }
+    }
+
+    #[test]
+    fn cel_rules_see_schema_defaults() {
+        let m = manifest("a", "a")
+            .replace("  destination:", "  strategy:\n    backoff:\n      maxSeconds: 5\n  destination:");
+        let errors = errors_of(&[file("migrations/a.yaml", &m)]);
+        assert_eq!(
+            errors,
+            vec![
+                "migrations/a.yaml:14: spec.strategy.backoff: backoff.maxSeconds must be at least initialSeconds"
+            ]
+        );
+    }
+}

@@ -1,0 +1,907 @@
+//! Rendering: the files of a repository at one commit → VirtualMachineMigration
+//! objects, or every error with its file, line and field.
+//!
+//! Pure and deterministic: files in, objects (or errors) out; no IO except
+//! [`read_dir_files`], which the CLI uses for a local directory. The format
+//! (`migrations/`, `defaults.yaml` per folder, `providers/`) is described in
+//! docs/gitops.md; this module is its single implementation.
+//!
+//! Validation walks each document against the CRD's own openAPI schema
+//! (`crate::api::crd()`), so a field the API server would silently prune is an
+//! error here, and mirrors the CRD's CEL rules by hand (a unit test fails when
+//! the CRD gains a rule `cel` does not know).
+//!
+//! Parts: `documents` (YAML documents and their errors), `positions` (the
+//! line of each key), `validate` (schema walk, metadata, secrets), `cel` and
+//! `pattern` (the CRD's rules and patterns); merging and the renderer are here.
+
+use super::{
+    ANNOTATION_COMMIT, ANNOTATION_ORPHANED, ANNOTATION_PATH, ANNOTATION_REPO, LABEL_GITOPS, Provenance,
+    RepoFile,
+};
+use crate::api::{GROUP, RETRY_ANNOTATION, VERSION, VirtualMachineMigration};
+use crate::machine::preflight::{MAX_DESTINATION_NAME, is_dns_label};
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::{
+    JSONSchemaProps, JSONSchemaPropsOrArray, JSONSchemaPropsOrBool,
+};
+use serde_json::{Map, Value};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::fmt;
+use std::path::Path;
+use std::sync::OnceLock;
+
+/// Namespace of a migration whose manifest and defaults do not set one.
+pub const DEFAULT_NAMESPACE: &str = "vmmigrate";
+/// `kind` of a provider definition in `providers/`.
+pub const PROVIDER_KIND: &str = "EsxiProvider";
+/// `kind` of every document under `migrations/`.
+pub const MIGRATION_KIND: &str = "VirtualMachineMigration";
+
+/// Settings that do not come from the repository.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RenderOptions {
+    /// `metadata.namespace` of migrations that set none (directly or through defaults).
+    pub default_namespace: String,
+}
+
+impl Default for RenderOptions {
+    fn default() -> Self {
+        RenderOptions { default_namespace: DEFAULT_NAMESPACE.to_owned() }
+    }
+}
+
+/// One migration, ready for server-side apply.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RenderedMigration {
+    /// Path of the manifest in the repository.
+    pub path: String,
+    /// Index of the document among the manifest's non-empty YAML documents (0-based).
+    pub doc_index: usize,
+    pub name: String,
+    pub namespace: String,
+    /// The full VirtualMachineMigration: defaults merged, provider resolved,
+    /// provenance annotations and the gitops label added. Keys are sorted.
+    pub object: Value,
+}
+
+/// One problem in the repository, located as precisely as the YAML allows.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct RenderError {
+    /// Path of the file in the repository.
+    pub path: String,
+    /// 1-based line: the key of `field` when it can be found, else the document's first line.
+    pub line: Option<usize>,
+    /// Field path such as `spec.networkMap[1].type`.
+    pub field: Option<String>,
+    pub message: String,
+}
+
+impl fmt::Display for RenderError {
+    /// `migrations/a.yaml:12: spec.source.hostKey: must look like …`; missing parts are left out.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.path)?;
+        if let Some(line) = self.line {
+            write!(f, ":{line}")?;
+        }
+        if let Some(field) = &self.field {
+            write!(f, ": {field}")?;
+        }
+        write!(f, ": {}", self.message)
+    }
+}
+
+impl std::error::Error for RenderError {}
+
+/// Renders every migration of one commit. All errors are collected (sorted by
+/// path, then line); the result is `Ok` only when there are none, so a commit
+/// with one bad manifest changes nothing in the cluster.
+pub fn render(
+    files: &[RepoFile],
+    provenance: &Provenance,
+    opts: &RenderOptions,
+) -> Result<Vec<RenderedMigration>, Vec<RenderError>> {
+    let mut r = Renderer { errors: Vec::new() };
+    let rendered = r.run(files, provenance, opts);
+    let mut errors = r.errors;
+    if errors.is_empty() {
+        return Ok(rendered);
+    }
+    // The same problem reached through several manifests (a bad value in a
+    // shared defaults.yaml) is reported once.
+    errors.sort();
+    errors.dedup();
+    Err(errors)
+}
+
+/// Multi-document YAML of the rendered migrations, sorted by (namespace, name):
+/// byte-identical for identical input.
+pub fn to_yaml(rendered: &[RenderedMigration]) -> String {
+    let mut sorted: Vec<&RenderedMigration> = rendered.iter().collect();
+    sorted.sort_by(|a, b| {
+        (&a.namespace, &a.name, &a.path, a.doc_index).cmp(&(&b.namespace, &b.name, &b.path, b.doc_index))
+    });
+    let docs: Vec<String> = sorted
+        .iter()
+        // A serde_json::Value always serializes; the fallback keeps the signature infallible.
+        .map(|r| serde_yaml::to_string(&r.object).unwrap_or_else(|e| format!("# cannot serialize: {e}\n")))
+        .collect();
+    docs.join("---\n")
+}
+
+/// Reads `migrations/` and `providers/` of a local checkout (recursively,
+/// skipping `.git` and symlinked directories). Paths are relative to `root`
+/// with `/` separators, sorted. A missing folder is an empty one.
+pub fn read_dir_files(root: &Path) -> std::io::Result<Vec<RepoFile>> {
+    let mut out = Vec::new();
+    for top in ["migrations", "providers"] {
+        let dir = root.join(top);
+        if dir.is_dir() {
+            read_tree(&dir, top, &mut out)?;
+        }
+    }
+    out.sort_by(|a, b| a.path.cmp(&b.path));
+    Ok(out)
+}
+
+fn read_tree(dir: &Path, rel: &str, out: &mut Vec<RepoFile>) -> std::io::Result<()> {
+    for entry in std::fs::read_dir(dir)? {
+        let entry = entry?;
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if name == ".git" {
+            continue;
+        }
+        let path = entry.path();
+        let rel_path = format!("{rel}/{name}");
+        let file_type = entry.file_type()?;
+        if file_type.is_dir() {
+            read_tree(&path, &rel_path, out)?;
+        } else if (file_type.is_file() || (file_type.is_symlink() && path.is_file())) && is_yaml(&name) {
+            out.push(RepoFile { path: rel_path, bytes: std::fs::read(&path)? });
+        }
+    }
+    Ok(())
+}
+
+fn is_yaml(name: &str) -> bool {
+    name.ends_with(".yaml") || name.ends_with(".yml")
+}
+
+// ---------------------------------------------------------------------------
+// Repository layout
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum FileKind {
+    /// A `VirtualMachineMigration` manifest under `migrations/`.
+    Manifest,
+    /// `defaults.yaml` of the folder (`migrations` or below).
+    Defaults {
+        dir: String,
+    },
+    /// `providers/<name>.yaml`.
+    Provider,
+    Ignored,
+}
+
+fn classify(path: &str) -> FileKind {
+    let Some(file_name) = path.rsplit('/').next() else { return FileKind::Ignored };
+    if !is_yaml(file_name) {
+        return FileKind::Ignored;
+    }
+    if path.starts_with("migrations/") {
+        if file_name == "defaults.yaml" || file_name == "defaults.yml" {
+            let dir = path[..path.len() - file_name.len() - 1].to_owned();
+            return FileKind::Defaults { dir };
+        }
+        return FileKind::Manifest;
+    }
+    if let Some(rest) = path.strip_prefix("providers/")
+        && !rest.contains('/')
+    {
+        return FileKind::Provider;
+    }
+    FileKind::Ignored
+}
+
+/// Folders whose defaults apply to a manifest, root (`migrations`) first.
+fn folder_chain(path: &str) -> Vec<&str> {
+    path.match_indices('/').map(|(i, _)| &path[..i]).collect()
+}
+
+// ---------------------------------------------------------------------------
+// Paths inside a document
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Seg {
+    Key(String),
+    Index(usize),
+}
+
+fn key(k: &str) -> Seg {
+    Seg::Key(k.to_owned())
+}
+
+fn segs(keys: &[&str]) -> Vec<Seg> {
+    keys.iter().map(|k| key(k)).collect()
+}
+
+fn child(path: &[Seg], seg: Seg) -> Vec<Seg> {
+    let mut out = path.to_vec();
+    out.push(seg);
+    out
+}
+
+/// `spec.networkMap[1].type`; keys that are not plain words are quoted:
+/// `metadata.annotations["example.com/owner"]`.
+fn format_path(path: &[Seg]) -> String {
+    let mut out = String::new();
+    for seg in path {
+        match seg {
+            Seg::Key(k)
+                if !k.is_empty() && k.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-') =>
+            {
+                if !out.is_empty() {
+                    out.push('.');
+                }
+                out.push_str(k);
+            }
+            Seg::Key(k) => out.push_str(&format!("[{k:?}]")),
+            Seg::Index(i) => out.push_str(&format!("[{i}]")),
+        }
+    }
+    out
+}
+
+fn lookup<'v>(value: &'v Value, path: &[Seg]) -> Option<&'v Value> {
+    let mut cur = value;
+    for seg in path {
+        cur = match seg {
+            Seg::Key(k) => cur.as_object()?.get(k)?,
+            Seg::Index(i) => cur.as_array()?.get(*i)?,
+        };
+    }
+    (!cur.is_null()).then_some(cur)
+}
+
+mod cel;
+mod documents;
+mod pattern;
+mod positions;
+mod validate;
+
+use documents::*;
+use positions::LineIndex;
+use validate::*;
+
+// ---------------------------------------------------------------------------
+// Merging
+
+/// Lays `upper` over `lower`: mappings merge key by key, everything else
+/// (scalars and lists) is replaced whole. Lists are never merged item by item:
+/// half of a defaults networkMap under half of a manifest's would map
+/// networks nobody asked for. A null in `upper` removes the key.
+fn overlay(lower: &mut Map<String, Value>, upper: &Map<String, Value>) {
+    for (k, v) in upper {
+        match (lower.get_mut(k), v) {
+            (Some(Value::Object(l)), Value::Object(u)) => overlay(l, u),
+            _ => {
+                lower.insert(k.clone(), v.clone());
+            }
+        }
+    }
+}
+
+/// Drops null map entries, as the API server prunes them (the CRD has no nullable fields).
+fn prune_nulls(value: &mut Value) {
+    match value {
+        Value::Object(map) => {
+            map.retain(|_, v| !v.is_null());
+            map.values_mut().for_each(prune_nulls);
+        }
+        Value::Array(items) => items.iter_mut().for_each(prune_nulls),
+        _ => {}
+    }
+}
+
+// ---------------------------------------------------------------------------
+// The renderer
+
+struct Provider {
+    doc: usize,
+    spec: Map<String, Value>,
+}
+
+/// A file a manifest's values may come from, most important first.
+struct Layer<'d> {
+    doc: &'d Doc,
+    /// A provider's `spec.X` is the migration's `spec.source.X`.
+    provider: bool,
+}
+
+impl Layer<'_> {
+    fn local_path(&self, path: &[Seg]) -> Option<Vec<Seg>> {
+        if !self.provider {
+            return Some(path.to_vec());
+        }
+        let rest = path.strip_prefix(&segs(&["spec", "source"])[..])?;
+        Some([vec![key("spec")], rest.to_vec()].concat())
+    }
+}
+
+/// Reports a finding against the file that holds the offending value: the
+/// manifest, one of its defaults.yaml files, or its provider.
+fn attribute(f: &Finding, layers: &[Layer]) -> RenderError {
+    // Where the value is, or for a missing field, where its parent is when
+    // that parent sits in a list (a list comes whole from one file).
+    let anchor = match f.blame {
+        Blame::Origin => Some(f.path.as_slice()),
+        Blame::Manifest if f.path.iter().any(|s| matches!(s, Seg::Index(_))) => {
+            f.path.split_last().map(|(_, parent)| parent)
+        }
+        Blame::Manifest => None,
+    };
+    if let Some(anchor) = anchor {
+        for layer in layers {
+            if let (Some(local_anchor), Some(local)) = (layer.local_path(anchor), layer.local_path(&f.path))
+                && lookup(&layer.doc.value, &local_anchor).is_some()
+            {
+                return layer.doc.error(&local, f.message.clone());
+            }
+        }
+    }
+    layers[0].doc.error(&f.path, f.message.clone())
+}
+
+struct Accepted {
+    doc: usize,
+    rendered: RenderedMigration,
+    source_key: String,
+    destination_key: String,
+}
+
+struct Renderer {
+    errors: Vec<RenderError>,
+}
+
+impl Renderer {
+    fn run(
+        &mut self,
+        files: &[RepoFile],
+        provenance: &Provenance,
+        opts: &RenderOptions,
+    ) -> Vec<RenderedMigration> {
+        // Input order must not matter.
+        let mut files: Vec<&RepoFile> = files.iter().collect();
+        files.sort_by(|a, b| a.path.cmp(&b.path));
+
+        let mut docs: Vec<Doc> = Vec::new();
+        let mut manifests: Vec<usize> = Vec::new();
+        let mut defaults: BTreeMap<String, usize> = BTreeMap::new();
+        let mut broken_defaults: BTreeSet<String> = BTreeSet::new();
+        let mut provider_docs: Vec<usize> = Vec::new();
+        let mut broken_providers: Vec<String> = Vec::new();
+
+        let mut previous: Option<&str> = None;
+        for file in &files {
+            if previous == Some(file.path.as_str()) {
+                self.errors.push(RenderError {
+                    path: file.path.clone(),
+                    line: None,
+                    field: None,
+                    message: "is listed twice".to_owned(),
+                });
+                continue;
+            }
+            previous = Some(&file.path);
+            let kind = classify(&file.path);
+            if kind == FileKind::Ignored {
+                continue;
+            }
+            let Some(parsed) = parse_file(file, &mut self.errors) else {
+                match kind {
+                    FileKind::Defaults { dir } => {
+                        broken_defaults.insert(dir);
+                    }
+                    FileKind::Provider => broken_providers.push(file.path.clone()),
+                    _ => {}
+                }
+                continue;
+            };
+            for doc in &parsed {
+                scan_secrets(doc, &doc.value, &mut Vec::new(), &mut self.errors);
+            }
+            for doc in parsed {
+                let i = docs.len();
+                match &kind {
+                    FileKind::Manifest => manifests.push(i),
+                    FileKind::Defaults { dir } => {
+                        if doc.doc_index > 0 {
+                            self.errors.push(doc.error(&[], "a defaults.yaml holds one document"));
+                        } else if let Some(&other) = defaults.get(dir) {
+                            let message =
+                                format!("{dir} has two defaults files; keep one ({})", docs[other].path);
+                            self.errors.push(doc.error(&[], message));
+                        } else {
+                            self.check_defaults(&doc);
+                            defaults.insert(dir.clone(), i);
+                        }
+                    }
+                    FileKind::Provider => provider_docs.push(i),
+                    FileKind::Ignored => {}
+                }
+                docs.push(doc);
+            }
+        }
+
+        let providers = self.providers(&docs, &provider_docs);
+        let mut accepted = Vec::new();
+        for &m in &manifests {
+            let chain: Vec<&str> = folder_chain(&docs[m].path);
+            if chain.iter().any(|dir| broken_defaults.contains(*dir)) {
+                // Its defaults did not parse (reported); checking it without them would only add noise.
+                continue;
+            }
+            let chain_docs: Vec<usize> =
+                chain.iter().rev().filter_map(|dir| defaults.get(*dir).copied()).collect();
+            if let Some(a) =
+                self.manifest(&docs, m, &chain_docs, &providers, &broken_providers, provenance, opts)
+            {
+                accepted.push(a);
+            }
+        }
+        self.duplicates(&docs, &accepted);
+        accepted.into_iter().map(|a| a.rendered).collect()
+    }
+
+    fn check_defaults(&mut self, doc: &Doc) {
+        let mut findings = Vec::new();
+        for (k, v) in doc.value.as_object().into_iter().flatten() {
+            match k.as_str() {
+                "metadata" => check_metadata(v, true, &mut findings),
+                "spec" => {
+                    let mut walk = SchemaWalk { mode: Mode::Partial, allow_provider: true, findings: Vec::new() };
+                    walk.walk(v, spec_schema(), &mut vec![key("spec")]);
+                    findings.extend(walk.findings);
+                }
+                "apiVersion" | "kind" => findings.push(finding(
+                    vec![key(k)],
+                    "a defaults.yaml is not a resource: it holds only metadata (namespace, labels, annotations) and spec",
+                )),
+                other if is_secret_like(other) => {}
+                other => findings.push(finding(vec![key(other)], unknown_field_message(other, &["metadata", "spec"]))),
+            }
+        }
+        self.errors.extend(findings.iter().map(|f| doc.error(&f.path, f.message.clone())));
+    }
+
+    fn providers(&mut self, docs: &[Doc], provider_docs: &[usize]) -> BTreeMap<String, Provider> {
+        let mut by_name: BTreeMap<String, Vec<usize>> = BTreeMap::new();
+        let mut specs: HashMap<usize, Map<String, Value>> = HashMap::new();
+        for &i in provider_docs {
+            let doc = &docs[i];
+            let value = &doc.value;
+            let mut findings = Vec::new();
+            match value.get("apiVersion") {
+                None => {}
+                Some(v) if v.as_str() == Some(&format!("{GROUP}/{VERSION}")) => {}
+                Some(v) => findings.push(finding(
+                    segs(&["apiVersion"]),
+                    format!("must be {GROUP}/{VERSION} (got {})", shown(v)),
+                )),
+            }
+            match value.get("kind") {
+                Some(v) if v.as_str() == Some(PROVIDER_KIND) => {}
+                Some(v) => findings.push(finding(
+                    segs(&["kind"]),
+                    format!("must be {PROVIDER_KIND} (got {}); migrations go in migrations/", shown(v)),
+                )),
+                None => findings.push(finding(segs(&["kind"]), format!("is required ({PROVIDER_KIND})"))),
+            }
+            let name = value.get("metadata").and_then(|m| m.get("name")).and_then(Value::as_str);
+            match name {
+                Some(n) if is_dns_subdomain(n) => {}
+                Some(_) => findings
+                    .push(finding(segs(&["metadata", "name"]), "must be a lowercase RFC 1123 subdomain")),
+                None => findings
+                    .push(finding(segs(&["metadata", "name"]), "is required (the name migrations refer to)")),
+            }
+            if let Some(meta) = value.get("metadata").and_then(Value::as_object) {
+                for (k, v) in meta {
+                    match k.as_str() {
+                        "name" => {}
+                        "labels" | "annotations" => {
+                            check_string_map(k, v, &segs(&["metadata", k]), &mut findings)
+                        }
+                        other => findings.push(finding(
+                            segs(&["metadata", other]),
+                            unknown_field_message(other, &["name", "labels", "annotations"]),
+                        )),
+                    }
+                }
+            }
+            for k in value.as_object().into_iter().flat_map(|m| m.keys()) {
+                if !matches!(k.as_str(), "apiVersion" | "kind" | "metadata" | "spec") && !is_secret_like(k) {
+                    findings.push(finding(
+                        vec![key(k)],
+                        unknown_field_message(k, &["apiVersion", "kind", "metadata", "spec"]),
+                    ));
+                }
+            }
+            let mut spec = value.get("spec").cloned().unwrap_or(Value::Null);
+            prune_nulls(&mut spec);
+            let mut walk = SchemaWalk { mode: Mode::Full, allow_provider: false, findings: Vec::new() };
+            walk.walk(&spec, provider_schema(), &mut vec![key("spec")]);
+            findings.extend(walk.findings);
+            self.errors.extend(findings.iter().map(|f| doc.error(&f.path, f.message.clone())));
+            if let (Some(name), Value::Object(mut spec)) = (name, spec) {
+                // Only the connection fields flow into migrations (others are errors above).
+                spec.retain(|k, _| PROVIDER_FIELDS.contains(&k.as_str()));
+                by_name.entry(name.to_owned()).or_default().push(i);
+                specs.insert(i, spec);
+            }
+        }
+        let mut out = BTreeMap::new();
+        for (name, defined) in by_name {
+            if defined.len() > 1 {
+                for &i in &defined {
+                    let others: Vec<String> =
+                        defined.iter().filter(|&&j| j != i).map(|&j| docs[j].path.clone()).collect();
+                    let message = format!("provider {name:?} is also defined in {}", others.join(", "));
+                    self.errors.push(docs[i].error(&segs(&["metadata", "name"]), message));
+                }
+            }
+            let first = defined[0];
+            out.insert(name, Provider { doc: first, spec: specs.remove(&first).unwrap_or_default() });
+        }
+        out
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn manifest(
+        &mut self,
+        docs: &[Doc],
+        m: usize,
+        chain: &[usize],
+        providers: &BTreeMap<String, Provider>,
+        broken_providers: &[String],
+        provenance: &Provenance,
+        opts: &RenderOptions,
+    ) -> Option<Accepted> {
+        let doc = &docs[m];
+        let raw = doc.value.as_object()?;
+        let mut errors = Vec::new();
+
+        // What this document is.
+        let api_version = format!("{GROUP}/{VERSION}");
+        match raw.get("apiVersion") {
+            Some(v) if v.as_str() == Some(&api_version) => {}
+            Some(v) => errors
+                .push(doc.error(&segs(&["apiVersion"]), format!("must be {api_version} (got {})", shown(v)))),
+            None => errors.push(doc.error(&segs(&["apiVersion"]), format!("is required ({api_version})"))),
+        }
+        match raw.get("kind").and_then(Value::as_str) {
+            Some(MIGRATION_KIND) => {}
+            Some(PROVIDER_KIND) => errors.push(doc.error(
+                &segs(&["kind"]),
+                format!("a {PROVIDER_KIND} belongs in providers/; migrations/ holds only {MIGRATION_KIND}s"),
+            )),
+            Some(other) => errors.push(doc.error(
+                &segs(&["kind"]),
+                format!("must be {MIGRATION_KIND} (got {other:?}); migrations/ holds only migrations"),
+            )),
+            None => errors.push(doc.error(&segs(&["kind"]), format!("is required ({MIGRATION_KIND})"))),
+        }
+        for k in raw.keys() {
+            match k.as_str() {
+                "apiVersion" | "kind" | "metadata" | "spec" => {}
+                "status" => errors.push(doc.error(
+                    &segs(&["status"]),
+                    "is written by the controller, never in Git; remove it from the manifest",
+                )),
+                other if is_secret_like(other) => {}
+                other => errors.push(doc.error(
+                    &[key(other)],
+                    unknown_field_message(other, &["apiVersion", "kind", "metadata", "spec"]),
+                )),
+            }
+        }
+        if !errors.is_empty() {
+            self.errors.extend(errors);
+            return None;
+        }
+
+        // Defaults beneath the manifest, nearest folder over its parents.
+        let mut merged = Map::new();
+        for &d in chain.iter().rev() {
+            if let Some(defaults) = docs[d].value.as_object() {
+                let mut defaults = defaults.clone();
+                defaults.retain(|k, _| k == "metadata" || k == "spec");
+                overlay(&mut merged, &defaults);
+            }
+        }
+        overlay(&mut merged, raw);
+        let mut merged = Value::Object(merged);
+        prune_nulls(&mut merged);
+
+        let mut layers: Vec<Layer> = vec![Layer { doc, provider: false }];
+        layers.extend(chain.iter().map(|&d| Layer { doc: &docs[d], provider: false }));
+
+        let mut findings = Vec::new();
+        check_metadata(merged.get("metadata").unwrap_or(&Value::Object(Map::new())), false, &mut findings);
+        if merged.pointer("/metadata/name").is_none() {
+            findings.push(Finding {
+                path: segs(&["metadata", "name"]),
+                message: "is required".to_owned(),
+                blame: Blame::Manifest,
+            });
+        }
+
+        // The provider, beneath everything written in the migration and its defaults.
+        let provider_name = merged.pointer("/spec/source/provider").cloned();
+        let mut provider_unresolved = false;
+        if let Some(name_value) = provider_name {
+            match name_value.as_str().and_then(|n| providers.get(n)) {
+                Some(provider) => {
+                    if let Some(Value::Object(source)) = merged.pointer_mut("/spec/source") {
+                        source.remove("provider");
+                        let mut resolved = provider.spec.clone();
+                        overlay(&mut resolved, source);
+                        *source = resolved;
+                    }
+                    layers.push(Layer { doc: &docs[provider.doc], provider: true });
+                }
+                None => {
+                    provider_unresolved = true;
+                    let known: Vec<&str> = providers.keys().map(String::as_str).collect();
+                    let mut message = match name_value.as_str() {
+                        Some(n) if known.is_empty() => {
+                            format!("unknown provider {n:?}: providers/ defines none")
+                        }
+                        Some(n) => format!("unknown provider {n:?} (known: {})", known.join(", ")),
+                        None => format!(
+                            "must be the name of a provider in providers/ (got {})",
+                            shown(&name_value)
+                        ),
+                    };
+                    if !broken_providers.is_empty() {
+                        message.push_str(&format!("; {} could not be read", broken_providers.join(", ")));
+                    }
+                    findings.push(finding(segs(&["spec", "source", "provider"]), message));
+                }
+            }
+        }
+
+        match merged.get("spec") {
+            None => findings.push(Finding {
+                path: segs(&["spec"]),
+                message: "is required".to_owned(),
+                blame: Blame::Manifest,
+            }),
+            Some(spec) if !provider_unresolved => {
+                let mut walk = SchemaWalk { mode: Mode::Full, allow_provider: false, findings: Vec::new() };
+                walk.walk(spec, spec_schema(), &mut vec![key("spec")]);
+                findings.extend(walk.findings);
+            }
+            Some(_) => {}
+        }
+
+        // The destination VM is named after the migration unless spec.destination.name is set.
+        let name = merged.pointer("/metadata/name").and_then(Value::as_str).unwrap_or_default().to_owned();
+        let destination_name =
+            merged.pointer("/spec/destination/name").and_then(Value::as_str).map(str::to_owned);
+        if destination_name.is_none()
+            && !name.is_empty()
+            && is_dns_subdomain(&name)
+            && (!is_dns_label(&name) || name.len() > MAX_DESTINATION_NAME)
+        {
+            findings.push(finding(
+                segs(&["metadata", "name"]),
+                format!(
+                    "is also the destination VM's name (spec.destination.name is not set), which must be a lowercase RFC 1123 label (no dots) of at most {MAX_DESTINATION_NAME} characters; set spec.destination.name"
+                ),
+            ));
+        }
+        let namespace = merged
+            .pointer("/metadata/namespace")
+            .and_then(Value::as_str)
+            .unwrap_or(&opts.default_namespace)
+            .to_owned();
+        if merged.pointer("/metadata/namespace").is_none() && !is_dns_label(&namespace) {
+            findings.push(Finding {
+                path: segs(&["metadata", "namespace"]),
+                message: format!(
+                    "is not set, and the default namespace {namespace:?} is not a valid namespace"
+                ),
+                blame: Blame::Manifest,
+            });
+        }
+
+        if !findings.is_empty() {
+            self.errors.extend(findings.iter().map(|f| attribute(f, &layers)));
+            return None;
+        }
+
+        // The object as it is applied.
+        let mut meta = Map::new();
+        meta.insert("name".into(), Value::String(name.clone()));
+        meta.insert("namespace".into(), Value::String(namespace.clone()));
+        let mut labels =
+            merged.pointer("/metadata/labels").and_then(Value::as_object).cloned().unwrap_or_default();
+        labels.insert(LABEL_GITOPS.into(), Value::String("true".into()));
+        meta.insert("labels".into(), Value::Object(labels));
+        let mut annotations =
+            merged.pointer("/metadata/annotations").and_then(Value::as_object).cloned().unwrap_or_default();
+        annotations.insert(ANNOTATION_REPO.into(), Value::String(provenance.repo_url.clone()));
+        annotations.insert(ANNOTATION_COMMIT.into(), Value::String(provenance.commit.clone()));
+        annotations.insert(ANNOTATION_PATH.into(), Value::String(doc.path.clone()));
+        meta.insert("annotations".into(), Value::Object(annotations));
+        let mut object = Map::new();
+        object.insert("apiVersion".into(), Value::String(api_version));
+        object.insert("kind".into(), Value::String(MIGRATION_KIND.into()));
+        object.insert("metadata".into(), Value::Object(meta));
+        object.insert("spec".into(), merged.get("spec").cloned().unwrap_or_default());
+        let object = Value::Object(object);
+
+        // The last word: the typed resource the controller will read.
+        let typed = match serde_json::from_value::<VirtualMachineMigration>(object.clone()) {
+            Ok(typed) => typed,
+            Err(err) => {
+                self.errors.push(doc.error(
+                    &segs(&["spec"]),
+                    format!("does not match the VirtualMachineMigration type: {err}"),
+                ));
+                return None;
+            }
+        };
+        let source = &typed.spec.source;
+        let vm = match (&source.vm.name, &source.vm.id) {
+            (Some(n), _) => format!("name {n:?}"),
+            (None, Some(id)) => format!("vmid {id}"),
+            (None, None) => String::new(),
+        };
+        Some(Accepted {
+            doc: m,
+            source_key: format!("{} on {}:{}", vm, source.host.to_ascii_lowercase(), source.port),
+            destination_key: format!(
+                "{}/{}",
+                typed.spec.destination.namespace,
+                destination_name.as_deref().unwrap_or(&name)
+            ),
+            rendered: RenderedMigration {
+                path: doc.path.clone(),
+                doc_index: doc.doc_index,
+                name,
+                namespace,
+                object,
+            },
+        })
+    }
+
+    /// One migration per (namespace, name), per source VM and per destination
+    /// VM across the whole commit; every manifest involved gets an error.
+    fn duplicates(&mut self, docs: &[Doc], accepted: &[Accepted]) {
+        type KeyFn = fn(&Accepted) -> String;
+        let checks: [(KeyFn, &[&str], &str); 3] = [
+            (|a| format!("{}/{}", a.rendered.namespace, a.rendered.name), &["metadata", "name"], "migration"),
+            (|a| a.source_key.clone(), &["spec", "source", "vm"], "source VM"),
+            (|a| a.destination_key.clone(), &["spec", "destination"], "destination VM"),
+        ];
+        for (key_of, field, what) in checks {
+            let mut groups: BTreeMap<String, Vec<&Accepted>> = BTreeMap::new();
+            for a in accepted {
+                groups.entry(key_of(a)).or_default().push(a);
+            }
+            for (k, group) in groups.into_iter().filter(|(_, g)| g.len() > 1) {
+                let field = segs(field);
+                let location =
+                    |a: &Accepted| format!("{}:{}", docs[a.doc].path, docs[a.doc].lines.line_of(&field));
+                for a in &group {
+                    let others: Vec<String> =
+                        group.iter().filter(|o| o.doc != a.doc).map(|o| location(o)).collect();
+                    let verb = match what {
+                        "migration" => "is also defined in",
+                        "source VM" => "is also migrated by",
+                        _ => "is also the destination of",
+                    };
+                    self.errors
+                        .push(docs[a.doc].error(&field, format!("{what} {k} {verb} {}", others.join(", "))));
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    pub(super) const HOST_KEY: &str = "SHA256:uNiVztksCsDhcc0u9e8BujQXVUpKZIDTMczCvj3tD2s";
+
+    pub(super) fn file(path: &str, text: &str) -> RepoFile {
+        RepoFile { path: path.to_owned(), bytes: text.as_bytes().to_vec() }
+    }
+
+    pub(super) fn manifest(name: &str, vm: &str) -> String {
+        format!(
+            "apiVersion: migration.platform.example/v1alpha1\nkind: VirtualMachineMigration\nmetadata:\n  name: {name}\nspec:\n  source:\n    host: esxi01\n    hostKey: {HOST_KEY}\n    credentialsSecretRef:\n      name: creds\n    vm:\n      name: {vm}\n  destination:\n    namespace: apps\n    storageClassName: standard\n"
+        )
+    }
+
+    pub(super) fn render_files(files: &[RepoFile]) -> Result<Vec<RenderedMigration>, Vec<RenderError>> {
+        render(
+            files,
+            &Provenance { repo_url: "file:///repo".into(), commit: "abc".into() },
+            &RenderOptions::default(),
+        )
+    }
+
+    pub(super) fn errors_of(files: &[RepoFile]) -> Vec<String> {
+        render_files(files).err().unwrap_or_default().iter().map(ToString::to_string).collect()
+    }
+
+    pub(super) fn p(s: &str) -> Vec<Seg> {
+        // "spec.networkMap[1].type" → segments (tests only use plain keys).
+        let mut out = Vec::new();
+        for part in s.split('.') {
+            let (name, rest) = part.split_once('[').unwrap_or((part, ""));
+            out.push(key(name));
+            for idx in rest.split('[').filter(|x| !x.is_empty()) {
+                out.push(Seg::Index(idx.trim_end_matches(']').parse().unwrap()));
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn error_display_leaves_out_missing_parts() {
+        let e = RenderError { path: "p".into(), line: None, field: None, message: "m".into() };
+        assert_eq!(e.to_string(), "p: m");
+        let e = RenderError { path: "p".into(), line: Some(3), field: Some("f".into()), message: "m".into() };
+        assert_eq!(e.to_string(), "p:3: f: m");
+    }
+
+    #[test]
+    fn a_minimal_manifest_renders_with_provenance_and_the_gitops_label() {
+        let out = render_files(&[file("migrations/a.yaml", &manifest("a", "vm a"))]).unwrap();
+        assert_eq!(out.len(), 1);
+        let obj = &out[0].object;
+        assert_eq!(out[0].namespace, DEFAULT_NAMESPACE);
+        assert_eq!(obj["metadata"]["labels"][LABEL_GITOPS], "true");
+        assert_eq!(obj["metadata"]["annotations"][ANNOTATION_COMMIT], "abc");
+        assert_eq!(obj["metadata"]["annotations"][ANNOTATION_PATH], "migrations/a.yaml");
+        assert_eq!(obj["metadata"]["annotations"][ANNOTATION_REPO], "file:///repo");
+    }
+
+    #[test]
+    fn null_in_a_manifest_unsets_a_default() {
+        let defaults = "spec:\n  destination:\n    memory: 4Gi\n";
+        let m = manifest("a", "a")
+            .replace("    storageClassName: standard\n", "    storageClassName: standard\n    memory:\n");
+        let out = render_files(&[file("migrations/defaults.yaml", defaults), file("migrations/a.yaml", &m)])
+            .unwrap();
+        assert!(out[0].object["spec"]["destination"].get("memory").is_none());
+    }
+
+    #[test]
+    fn other_files_are_ignored_and_providers_must_be_top_level() {
+        assert_eq!(classify("README.md"), FileKind::Ignored);
+        assert_eq!(classify("status/vmmigrate/a.yaml"), FileKind::Ignored);
+        assert_eq!(classify("migrations/notes.txt"), FileKind::Ignored);
+        assert_eq!(classify("migrations/a/defaults.yml"), FileKind::Defaults { dir: "migrations/a".into() });
+        assert_eq!(classify("providers/x.yaml"), FileKind::Provider);
+        assert_eq!(classify("providers/old/x.yaml"), FileKind::Ignored);
+        assert_eq!(
+            folder_chain("migrations/a/b/x.yaml"),
+            vec!["migrations", "migrations/a", "migrations/a/b"]
+        );
+    }
+
+    #[test]
+    fn a_list_item_from_defaults_missing_a_field_is_reported_at_the_defaults_file() {
+        let defaults = "spec:\n  networkMap:\n    - source: VM Network\n";
+        let errors = errors_of(&[
+            file("migrations/defaults.yaml", defaults),
+            file("migrations/a.yaml", &manifest("a", "b")),
+        ]);
+        assert_eq!(errors, vec!["migrations/defaults.yaml:3: spec.networkMap[0].type: is required"]);
+    }
+}
