@@ -3,26 +3,29 @@
 #
 # NOT BUILT HERE: the development machine has no Docker engine, so this file
 # has never been built; treat its first build as a test of it.
-#   docker build -t registry.example.net/platform/vmmigrate:0.1.0 .
+#   docker build --build-arg VERSION=0.1.0 -t registry.example.net/platform/vmmigrate:0.1.0 .
+# tools/image/build.sh builds the same image (same packages, user, directories,
+# config) without Docker, from a release binary and Debian packages; CI runs it
+# and tools/image/check.sh. Keep the two in step.
 
 FROM rust:1-bookworm AS build
 WORKDIR /src
-# Only what the build reads; Cargo.lock pins every dependency (--locked).
-COPY Cargo.toml Cargo.lock ./
-COPY src ./src
-# Cargo.toml declares the benches; cargo wants their files to exist.
-COPY benches ./benches
-RUN cargo build --release --locked --bin vmmigrate \
+# The whole workspace (members such as tools/harness, declared benches and
+# tests); .dockerignore keeps target/, .git and the rest out. Cargo.lock pins
+# every dependency (--locked); no default features leaves the demo harness out.
+COPY . .
+RUN cargo build --release --locked --no-default-features --bin vmmigrate \
  && install -m 0755 target/release/vmmigrate /vmmigrate
 
 FROM debian:bookworm-slim
+ARG VERSION=0.1.0
 # qemu-utils: qemu-img (conversion, artifact checks); git and openssh-client:
 # the status branch is pushed with the git CLI, ssh:// repositories;
 # ca-certificates: HTTPS to forges and repositories.
 RUN apt-get update \
  && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
-      qemu-utils git openssh-client ca-certificates \
- && rm -rf /var/lib/apt/lists/*
+      ca-certificates git openssh-client qemu-utils \
+ && rm -rf /var/lib/apt/lists/* /var/cache/apt/* /var/log/*.log /var/log/apt/*
 COPY --from=build /vmmigrate /usr/local/bin/vmmigrate
 # Non-root, numeric so runAsNonRoot can verify it. ssh refuses to run for a
 # uid without a passwd entry, hence the user; its home is /tmp, like $HOME in
@@ -30,7 +33,13 @@ COPY --from=build /vmmigrate /usr/local/bin/vmmigrate
 # The work directory and the Git cache are volumes in the Deployment; these
 # directories only make the image usable on its own.
 RUN groupadd --gid 65532 vmmigrate \
- && useradd --uid 65532 --gid 65532 --home-dir /tmp --no-create-home --shell /usr/sbin/nologin vmmigrate \
- && install -d -o 65532 -g 65532 /var/lib/vmmigrate /var/cache/vmmigrate
+ && useradd --uid 65532 --gid 65532 --comment vmmigrate --home-dir /tmp --no-create-home \
+      --shell /usr/sbin/nologin vmmigrate \
+ && install -d -m 0755 -o 65532 -g 65532 /var/lib/vmmigrate /var/cache/vmmigrate
+ENV HOME=/tmp
+LABEL org.opencontainers.image.title=vmmigrate \
+      org.opencontainers.image.version=$VERSION \
+      org.opencontainers.image.source=https://git.example.net/platform/vmmigrate \
+      org.opencontainers.image.licenses=Apache-2.0
 USER 65532:65532
 ENTRYPOINT ["/usr/local/bin/vmmigrate"]

@@ -23,7 +23,7 @@
 #                             the name deploy/ uses)
 #   VMMIGRATE_IMAGE_SOURCE    org.opencontainers.image.source label
 #   VMMIGRATE_IMAGE_REFRESH=1 rebuild the base even if cached (security updates)
-#   SOURCE_DATE_EPOCH         timestamps in the image (default: HEAD's commit time)
+#   SOURCE_DATE_EPOCH         timestamps in the image (default: commit times, below)
 set -euo pipefail
 
 here=$(cd "$(dirname "$0")" && pwd)
@@ -40,7 +40,12 @@ done
 [ -x "$bin" ] || { echo "image: $bin is not an executable" >&2; exit 1; }
 version=$("$bin" --version | awk '$1 == "vmmigrate" {print $2; exit}')
 [ -n "$version" ] || { echo "image: '$bin --version' did not print 'vmmigrate <version>'" >&2; exit 1; }
+# Timestamps: the image's from HEAD, the base's from the last change to this
+# script (its recipe), so two machines at different commits build the same
+# base layer from the same mirror content. SOURCE_DATE_EPOCH overrides both.
+base_epoch=${SOURCE_DATE_EPOCH:-$(git -C "$repo" log -1 --format=%ct -- tools/image/build.sh 2>/dev/null || true)}
 export SOURCE_DATE_EPOCH=${SOURCE_DATE_EPOCH:-$(git -C "$repo" log -1 --format=%ct 2>/dev/null || echo 0)}
+base_epoch=${base_epoch:-$SOURCE_DATE_EPOCH}
 created=$(date -u -d "@$SOURCE_DATE_EPOCH" +%Y-%m-%dT%H:%M:%SZ)
 
 # --- base root file system, cached by everything that decides its contents ---
@@ -60,6 +65,7 @@ dpkgopts=(
 )
 # Run on the finished tree ($1). resolv.conf and hostname are the host's
 # otherwise; runtimes mount their own over them.
+# shellcheck disable=SC2016
 cleanup='rm -rf "$1"/var/lib/apt/lists/* "$1"/var/cache/apt/* "$1"/var/cache/debconf/*-old \
   "$1"/var/lib/dpkg/*-old "$1"/var/log/*.log "$1"/var/log/apt/* "$1"/usr/share/info/* \
   "$1"/usr/share/doc/*/README* && : > "$1"/etc/resolv.conf && : > "$1"/etc/hostname'
@@ -75,13 +81,13 @@ if [ ! -s "$base" ] || [ -n "${VMMIGRATE_IMAGE_REFRESH:-}" ]; then
   opts=()
   for o in "${dpkgopts[@]}"; do opts+=(--dpkgopt="$o"); done
   # No mirror argument: deb.debian.org with bookworm-updates and -security.
-  mmdebstrap --quiet --mode=root --format=tar --variant="$variant" --include="$(IFS=,; echo "${packages[*]}")" \
+  SOURCE_DATE_EPOCH=$base_epoch mmdebstrap --quiet --mode=root --format=tar --variant="$variant" --include="$(IFS=,; echo "${packages[*]}")" \
     "${opts[@]}" --customize-hook="$cleanup" \
-    --customize-hook="dpkg-query --admindir=\"\$1\"/var/lib/dpkg -W -f='\${Package} \${Version}\n' > '$base.packages.tmp'" \
-    "$suite" "$base.tmp"
+    --customize-hook="dpkg-query --admindir=\"\$1\"/var/lib/dpkg -W -f='\${Package} \${Version}\n' > '$base.packages.tmp.$$'" \
+    "$suite" "$base.tmp.$$"
   printf '%s\n' "$recipe" > "$base.recipe"
-  mv "$base.packages.tmp" "$base.packages"
-  mv "$base.tmp" "$base"
+  mv "$base.packages.tmp.$$" "$base.packages"
+  mv "$base.tmp.$$" "$base"
   echo "image: base built in $(( $(date +%s) - start ))s: $base" >&2
 else
   echo "image: base cached: $base" >&2

@@ -5,7 +5,7 @@
 # program it runs: git, ssh, qemu-img.
 #
 #   tools/image/check.sh [LAYOUT[:TAG]]   default ~/.cache/vmmigrate/image/vmmigrate,
-#                                         its only tag
+#                                         its first tag (build.sh's OUT_DIR works too)
 #   VMMIGRATE_IMAGE_CHECK=containerd ...  import the oci-archive next to LAYOUT
 #                                         into a throwaway containerd and use
 #                                         `ctr run` instead of runc directly
@@ -16,6 +16,8 @@ set -euo pipefail
 image=${1:-$HOME/.cache/vmmigrate/image/vmmigrate}
 layout=${image%%:*}
 tag=${image#"$layout"}; tag=${tag#:}
+# build.sh's output directory works too.
+[ -f "$layout/vmmigrate/index.json" ] && layout="$layout/vmmigrate"
 [ -f "$layout/index.json" ] || { echo "check: $layout is not an OCI layout (run tools/image/build.sh)" >&2; exit 1; }
 [ -n "$tag" ] || tag=$(jq -r '.manifests[0].annotations["org.opencontainers.image.ref.name"]' "$layout/index.json")
 mode=${VMMIGRATE_IMAGE_CHECK:-runc}
@@ -31,9 +33,10 @@ entrypoint=$(jq -r '.config.Entrypoint[0]' "$layout/blobs/sha256/$config")
 probe='
 fails=0
 pass() { echo "  ok    $1"; }
-fail() { echo "  FAIL  $1" >&2; fails=$((fails + 1)); }
+fail() { echo "  FAIL  $1"; fails=$((fails + 1)); }
 try() { what=$1; shift; if out=$("$@" 2>&1); then pass "$what: $(echo "$out" | head -n1)"; else fail "$what: $(echo "$out" | head -n3)"; fi; }
 [ "$(id -u):$(id -g)" = 65532:65532 ] && pass "runs as 65532:65532 ($(id -un))" || fail "runs as $(id -u):$(id -g), want 65532:65532"
+grep -q "^CapEff:[[:space:]]*0*$" /proc/self/status && pass "no effective capabilities" || fail "effective capabilities: $(grep CapEff /proc/self/status)"
 [ "$HOME" = /tmp ] && pass "HOME=/tmp" || fail "HOME=$HOME, want /tmp"
 out=$("$1" --version 2>&1) && [ "$out" = "vmmigrate $2" ] && pass "$1 --version: $out" || fail "$1 --version printed \"$out\", want \"vmmigrate $2\""
 for p in git ssh qemu-img; do
@@ -44,7 +47,7 @@ try "ssh -V" ssh -V
 try "qemu-img --version" qemu-img --version
 # Beyond --version: ssh needs a passwd entry for the uid, git a writable HOME,
 # qemu-img all its libraries. None of it touches the network.
-try "ssh -G (passwd entry, config parsing)" sh -c "ssh -G -F none git.example.invalid </dev/null | grep -m1 \"^user \""
+try "ssh -G (passwd entry, config parsing)" sh -c "ssh -G -T -F none git.example.invalid </dev/null | grep -m1 \"^user \""
 try "git init and commit in /tmp" sh -c "git init -q /tmp/probe && git -C /tmp/probe -c user.name=probe -c user.email=probe@example.invalid commit -q --allow-empty -m probe && git -C /tmp/probe rev-parse HEAD"
 try "qemu-img create and info" sh -c "qemu-img create -q -f qcow2 /tmp/probe.qcow2 1M && qemu-img info /tmp/probe.qcow2 | grep -m1 \"file format\""
 [ -s /etc/ssl/certs/ca-certificates.crt ] && pass "CA bundle present" || fail "no /etc/ssl/certs/ca-certificates.crt"
@@ -54,7 +57,7 @@ for d in /var/lib/vmmigrate /var/cache/vmmigrate; do
 done
 nics=$(ls /sys/class/net | tr "\n" " ")
 [ "$nics" = "lo " ] && pass "network: loopback only" || fail "network interfaces: $nics"
-[ "$fails" -eq 0 ] || { echo "  $fails check(s) failed" >&2; exit 1; }
+[ "$fails" -eq 0 ] || { echo "  $fails check(s) failed"; exit 1; }
 echo "probe: all passed"
 '
 cmd=(/bin/sh -c "$probe" probe "$entrypoint" "$version")
@@ -62,15 +65,19 @@ cmd=(/bin/sh -c "$probe" probe "$entrypoint" "$version")
 work=$(mktemp -d "${TMPDIR:-/tmp}/vmmigrate-image-check.XXXXXX")
 id="vmmigrate-check-$$"
 ctrd_pid=
+run_created=
 cleanup() {
   rc=$?
   set +e
   if [ "$mode" = runc ]; then
     runc --root "$work/runc" delete --force "$id" >/dev/null 2>&1
   elif [ -n "$ctrd_pid" ]; then
-    ctr -a "$work/containerd.sock" -n vmmigrate-check task kill -s KILL "$id" >/dev/null 2>&1
-    ctr -a "$work/containerd.sock" -n vmmigrate-check container delete "$id" >/dev/null 2>&1
+    command ctr -a "$work/containerd.sock" -n vmmigrate-check task kill -s KILL "$id" >/dev/null 2>&1
+    command ctr -a "$work/containerd.sock" -n vmmigrate-check container delete "$id" >/dev/null 2>&1
     kill "$ctrd_pid" 2>/dev/null; wait "$ctrd_pid" 2>/dev/null
+    # The shim's socket directory is fixed at /run/containerd/s; leave no
+    # trace if this script created it.
+    [ -n "$run_created" ] && rm -rf /run/containerd
   fi
   # Snapshots or rootfs mounts left by a failed run would defeat rm -rf.
   findmnt -rn -o TARGET | grep "^$work/" | sort -r | xargs -r umount -l
@@ -117,6 +124,7 @@ disabled_plugins = ["io.containerd.grpc.v1.cri"]
 [plugins."io.containerd.internal.v1.opt"]
   path = "$work/opt"
 TOML
+  [ -e /run/containerd ] || run_created=1
   containerd --config "$work/containerd.toml" > "$work/containerd.log" 2>&1 &
   ctrd_pid=$!
   ctr() { command ctr -a "$work/containerd.sock" -n vmmigrate-check "$@"; }
@@ -126,7 +134,9 @@ TOML
   ref=$(ctr image ls -q | head -n1)
   [ -n "$ref" ] || { echo "check: ctr import named no image (missing ref.name annotation?)" >&2; exit 1; }
   echo "check: imported as $ref" >&2
-  ctr run --rm --read-only --user 65532:65532 \
+  # ctr 1.6 has no --user: the image's User applies, and the probe checks it
+  # (and that a non-root uid has no effective capabilities).
+  ctr run --rm --read-only --seccomp --runc-root "$work/runc" --fifo-dir "$work/fifo" \
     --mount type=tmpfs,src=tmpfs,dst=/tmp,options=nosuid:nodev:mode=1777 \
     "$ref" "$id" "${cmd[@]}" </dev/null | tee "$work/out"
   ;;
