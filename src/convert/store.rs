@@ -16,7 +16,7 @@ use super::job::{self, JobInput, JobSettings};
 use super::produce::{self, ConversionRequest, OutputFormat};
 use crate::api::{ConversionRunner, DiskFormat, VirtualMachineMigration};
 use crate::machine::{ArtifactState, Failure, Reason};
-use crate::ports::kube_errors::classify;
+use crate::ports::kube_errors::{classify, is_not_found};
 use crate::ports::workdir::{copies_root, copy_path};
 use crate::ports::{Converter, Staging};
 use async_trait::async_trait;
@@ -312,7 +312,7 @@ impl Converter for ArtifactStore {
             };
             match api.delete(&job::job_name(vmm, disk), &dp).await {
                 Ok(_) => {}
-                Err(kube::Error::Api(s)) if s.code == 404 => {}
+                Err(e) if is_not_found(&e) => {}
                 Err(e) => return Err(classify("deleting the conversion Job", e)),
             }
         }
@@ -384,7 +384,7 @@ impl Staging for ArtifactStore {
                 for j in list {
                     match api.delete(&j.name_any(), &dp).await {
                         Ok(_) => {}
-                        Err(kube::Error::Api(s)) if s.code == 404 => {}
+                        Err(e) if is_not_found(&e) => {}
                         Err(e) => return Err(classify("deleting a conversion Job", e)),
                     }
                 }

@@ -109,21 +109,9 @@ fn build_control_plane() -> anyhow::Result<PathBuf> {
     }
     packages()?;
     let script = crate::repo_root().join("tools/testenv/build.sh");
-    // A built control plane answers at once; only a build prints progress.
+    // A built control plane answers at once; only a build prints progress
+    // (the script's own lines on our stderr).
     let _lock = lock("testenv")?;
-    let cached = Command::new("bash")
-        .arg(&script)
-        .env("VMMIGRATE_TESTENV_CHECK_ONLY", "1")
-        .env("PATH", go_path())
-        .stderr(Stdio::null())
-        .output()?;
-    if !cached.status.success() {
-        eprintln!(
-            "vmmigrate-harness: building the test control plane (etcd, kube-apiserver, kube-controller-manager) \
-             from its Go modules into {} — first run only, about 9 minutes on 2 cores",
-            cache_root().join("testenv").display()
-        );
-    }
     let out = Command::new("bash").arg(&script).env("PATH", go_path()).stderr(Stdio::inherit()).output()?;
     anyhow::ensure!(out.status.success(), "{} failed", script.display());
     let dir = String::from_utf8(out.stdout)?.lines().last().unwrap_or_default().trim().to_owned();
