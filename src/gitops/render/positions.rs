@@ -1,10 +1,13 @@
-//! Line index: serde_yaml 0.9 has no spans per value, so the lines of keys are
-//! found by a small scanner for block-style YAML.
+//! Line index: serde_yaml 0.9 gives no span per value, so the lines of keys
+//! come from the events of a second, position-reporting parser (yaml-rust2).
+//! The events are read once, aliases are not expanded, and nothing is
+//! allocated per event beyond the path being walked.
 
 use super::{Seg, format_path};
 use std::collections::HashMap;
+use yaml_rust2::parser::{Event, Parser};
 
-/// Field path → 1-based line of its key (or of its `- ` for a list item).
+/// Field path → 1-based line of its key (or of the first token of a list item).
 #[derive(Clone, Debug, Default)]
 pub(super) struct LineIndex {
     keys: HashMap<String, usize>,
@@ -13,90 +16,107 @@ pub(super) struct LineIndex {
     first: usize,
 }
 
+/// Where the walk is inside one open collection.
+enum Open {
+    /// A mapping: the next scalar is a key when `key` is `None`; once read,
+    /// the key is held until its value has been walked. `seen` holds this
+    /// mapping's keys, to find a repeated one.
+    Mapping { key: Option<String>, seen: Vec<String> },
+    Sequence { next: usize },
+    /// A complex key (`? [a, b]: …`) is walked over, not indexed.
+    Skipped,
+}
+
 impl LineIndex {
     /// Indexes one YAML document whose first line is line `first_line` of its file.
-    /// Flow collections (`{…}`, `[…]`) are not entered: their fields resolve
-    /// to the line of the enclosing key.
+    /// A document that does not parse keeps what was indexed before the error
+    /// (serde_yaml reports the error itself).
     pub(super) fn build(text: &str, first_line: usize) -> LineIndex {
         let mut index = LineIndex { keys: HashMap::new(), repeated: Vec::new(), first: 0 };
-        // (column, segment): the path to the line being read.
-        let mut stack: Vec<(usize, Seg)> = Vec::new();
-        // Lines indented deeper than this belong to a block scalar (`|`, `>`).
-        let mut block_scalar: Option<usize> = None;
-        for (i, raw) in text.lines().enumerate() {
-            let line_no = first_line + i;
-            let indent = raw.len() - raw.trim_start_matches(' ').len();
-            let mut rest = &raw[indent..];
-            if rest.trim().is_empty() {
+        let mut open: Vec<Open> = Vec::new();
+        // The path to the node being read: one segment per open collection
+        // that has a current key or item.
+        let mut path: Vec<Seg> = Vec::new();
+        let mut parser = Parser::new_from_str(text);
+        while let Ok((event, mark)) = parser.next_token() {
+            let line = first_line + mark.line().saturating_sub(1);
+            let starts_node =
+                matches!(event, Event::Scalar(..) | Event::Alias(_) | Event::MappingStart(..) | Event::SequenceStart(..));
+            if starts_node && index.first == 0 {
+                index.first = line;
+            }
+            if starts_node && open.iter().any(|o| matches!(o, Open::Skipped)) {
+                match event {
+                    Event::MappingStart(..) | Event::SequenceStart(..) => open.push(Open::Skipped),
+                    _ => {}
+                }
                 continue;
             }
-            if let Some(limit) = block_scalar {
-                if indent > limit {
+            match event {
+                Event::Scalar(ref value, ..) if matches!(open.last(), Some(Open::Mapping { key: None, .. })) => {
+                    let Some(Open::Mapping { key, seen }) = open.last_mut() else { unreachable!() };
+                    path.push(Seg::Key(value.clone()));
+                    if seen.contains(value) {
+                        index.repeated.push((value.clone(), path.clone(), line));
+                    } else {
+                        seen.push(value.clone());
+                        index.keys.entry(format_path(&path)).or_insert(line);
+                    }
+                    *key = Some(value.clone());
                     continue;
                 }
-                block_scalar = None;
-            }
-            if rest.starts_with('#') || rest.starts_with('%') {
-                continue;
-            }
-            if indent == 0 && (is_marker(rest, "---") || is_marker(rest, "...")) {
-                continue;
-            }
-            if index.first == 0 {
-                index.first = line_no;
-            }
-            let mut col = indent;
-            loop {
-                if rest == "-" || rest.starts_with("- ") {
-                    while stack.last().is_some_and(|(c, _)| *c > col) {
-                        stack.pop();
-                    }
-                    match stack.last_mut() {
-                        Some((c, Seg::Index(n))) if *c == col => *n += 1,
-                        _ => stack.push((col, Seg::Index(0))),
-                    }
-                    index.record(&stack, line_no);
-                    let after = &rest[1..];
-                    let trimmed = after.trim_start_matches(' ');
-                    col += 1 + after.len() - trimmed.len();
-                    rest = trimmed;
-                    if starts_block_scalar(rest) {
-                        block_scalar = Some(col.saturating_sub(2));
-                        break;
+                Event::MappingStart(..) | Event::SequenceStart(..) | Event::Alias(_)
+                    if matches!(open.last(), Some(Open::Mapping { key: None, .. })) =>
+                {
+                    // A collection or an alias as a key: not a field name; its
+                    // value is indexed under an empty key.
+                    let Some(Open::Mapping { key, .. }) = open.last_mut() else { unreachable!() };
+                    *key = Some(String::new());
+                    path.push(Seg::Key(String::new()));
+                    if !matches!(event, Event::Alias(_)) {
+                        open.push(Open::Skipped);
                     }
                     continue;
                 }
-                if let Some((key, value)) = split_key(rest) {
-                    while stack.last().is_some_and(|(c, _)| *c >= col) {
-                        stack.pop();
-                    }
-                    stack.push((col, Seg::Key(key)));
-                    index.record(&stack, line_no);
-                    if starts_block_scalar(value.trim_start()) {
-                        block_scalar = Some(col);
+                _ => {}
+            }
+            if starts_node && let Some(Open::Sequence { next }) = open.last_mut() {
+                path.push(Seg::Index(*next));
+                *next += 1;
+                index.keys.entry(format_path(&path)).or_insert(line);
+            }
+            match event {
+                Event::MappingStart(..) => {
+                    open.push(Open::Mapping { key: None, seen: Vec::new() });
+                    continue;
+                }
+                Event::SequenceStart(..) => {
+                    open.push(Open::Sequence { next: 0 });
+                    continue;
+                }
+                Event::MappingEnd | Event::SequenceEnd => {
+                    // The end of a complex key leaves its (unnamed) key open for the value.
+                    if matches!(open.pop(), Some(Open::Skipped)) {
+                        continue;
                     }
                 }
-                break;
+                Event::StreamEnd => break,
+                Event::Scalar(..) | Event::Alias(_) => {}
+                _ => continue,
+            }
+            // A node ended: the value of the enclosing key or item is done.
+            if let Some(Open::Mapping { key, .. }) = open.last_mut() {
+                if key.take().is_some() {
+                    path.pop();
+                }
+            } else if let Some(Open::Sequence { .. }) = open.last() {
+                path.pop();
             }
         }
         if index.first == 0 {
             index.first = first_line;
         }
         index
-    }
-
-    fn record(&mut self, stack: &[(usize, Seg)], line: usize) {
-        let path: Vec<Seg> = stack.iter().map(|(_, s)| s.clone()).collect();
-        match self.keys.entry(format_path(&path)) {
-            std::collections::hash_map::Entry::Vacant(slot) => {
-                slot.insert(line);
-            }
-            std::collections::hash_map::Entry::Occupied(_) => {
-                if let Some(Seg::Key(k)) = path.last() {
-                    self.repeated.push((k.clone(), path.clone(), line));
-                }
-            }
-        }
     }
 
     /// Where key `key` appears a second time in one mapping.
@@ -117,60 +137,6 @@ impl LineIndex {
     pub(super) fn first(&self) -> usize {
         self.first
     }
-}
-
-fn is_marker(line: &str, marker: &str) -> bool {
-    line.strip_prefix(marker).is_some_and(|r| r.is_empty() || r.starts_with([' ', '\t']))
-}
-
-fn starts_block_scalar(value: &str) -> bool {
-    let value = value.split(" #").next().unwrap_or("").trim_end();
-    (value.starts_with('|') || value.starts_with('>'))
-        && value[1..].chars().all(|c| c.is_ascii_digit() || c == '-' || c == '+')
-}
-
-/// `key: value` → (key, value); quoted keys are unquoted. Anything else
-/// (a scalar, a flow collection, `key:value`) is not a key.
-pub(super) fn split_key(line: &str) -> Option<(String, &str)> {
-    let (key, after) = match line.chars().next()? {
-        '"' => {
-            let mut escaped = false;
-            let end = line[1..].char_indices().find_map(|(i, c)| {
-                let found = c == '"' && !escaped;
-                escaped = c == '\\' && !escaped;
-                found.then_some(i + 1)
-            })?;
-            let key =
-                serde_json::from_str::<String>(&line[..=end]).unwrap_or_else(|_| line[1..end].to_owned());
-            (key, line[end + 1..].trim_start_matches(' '))
-        }
-        '\'' => {
-            let mut i = 1;
-            let bytes = line.as_bytes();
-            loop {
-                match bytes.get(i) {
-                    None => return None,
-                    Some(b'\'') if bytes.get(i + 1) == Some(&b'\'') => i += 2,
-                    Some(b'\'') => break,
-                    Some(_) => i += 1,
-                }
-            }
-            (line[1..i].replace("''", "'"), line[i + 1..].trim_start_matches(' '))
-        }
-        '[' | '{' | '&' | '*' | '!' | '|' | '>' | '%' | '@' | '`' | '?' | '#' => return None,
-        _ => {
-            let bytes = line.as_bytes();
-            let colon = (0..bytes.len()).find(|&i| {
-                bytes[i] == b':' && (i + 1 == bytes.len() || bytes[i + 1] == b' ' || bytes[i + 1] == b'\t')
-            })?;
-            if line[..colon].contains(" #") {
-                return None;
-            }
-            (line[..colon].trim_end().to_owned(), &line[colon..])
-        }
-    };
-    let value = after.strip_prefix(':')?;
-    (value.is_empty() || value.starts_with([' ', '\t'])).then_some((key, value))
 }
 
 #[cfg(test)]
@@ -234,6 +200,25 @@ spec:
         assert_eq!(idx.line_of(&[key("metadata"), key("annotations"), key("it's")]), 4);
         assert_eq!(idx.line_of(&[key("m"), Seg::Index(0), Seg::Index(1), key("b")]), 7);
         assert_eq!(format_path(&owner), "metadata.annotations[\"example.com/owner\"]");
+    }
+
+    #[test]
+    fn line_index_enters_flow_collections_and_walks_over_complex_keys() {
+        let text = "spec:\n  networkMap: [\n    {source: a, type: Pod},\n    {source: b,\n     type: Multus}]\n  ? [x, y]\n  : {inner: 1}\n  after: &a 2\n  alias: *a\n";
+        let idx = LineIndex::build(text, 1);
+        assert_eq!(idx.line_of(&p("spec.networkMap[0].type")), 3);
+        assert_eq!(idx.line_of(&p("spec.networkMap[1].source")), 4);
+        assert_eq!(idx.line_of(&p("spec.networkMap[1].type")), 5);
+        assert_eq!(idx.line_of(&p("spec.after")), 8);
+        assert_eq!(idx.line_of(&p("spec.alias")), 9);
+        assert_eq!(idx.line_of(&p("spec.inner")), 1);
+    }
+
+    #[test]
+    fn line_index_keeps_what_it_read_before_a_syntax_error() {
+        let idx = LineIndex::build("a:\n  b: 1\n  c: [\n", 5);
+        assert_eq!(idx.line_of(&p("a.b")), 6);
+        assert_eq!(idx.first(), 5);
     }
 
     #[test]
