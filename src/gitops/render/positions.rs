@@ -21,8 +21,13 @@ enum Open {
     /// A mapping: the next scalar is a key when `key` is `None`; once read,
     /// the key is held until its value has been walked. `seen` holds this
     /// mapping's keys, to find a repeated one.
-    Mapping { key: Option<String>, seen: Vec<String> },
-    Sequence { next: usize },
+    Mapping {
+        key: Option<String>,
+        seen: Vec<String>,
+    },
+    Sequence {
+        next: usize,
+    },
     /// A complex key (`? [a, b]: …`) is walked over, not indexed.
     Skipped,
 }
@@ -40,8 +45,10 @@ impl LineIndex {
         let mut parser = Parser::new_from_str(text);
         while let Ok((event, mark)) = parser.next_token() {
             let line = first_line + mark.line().saturating_sub(1);
-            let starts_node =
-                matches!(event, Event::Scalar(..) | Event::Alias(_) | Event::MappingStart(..) | Event::SequenceStart(..));
+            let starts_node = matches!(
+                event,
+                Event::Scalar(..) | Event::Alias(_) | Event::MappingStart(..) | Event::SequenceStart(..)
+            );
             if starts_node && index.first == 0 {
                 index.first = line;
             }
@@ -53,7 +60,9 @@ impl LineIndex {
                 continue;
             }
             match event {
-                Event::Scalar(ref value, ..) if matches!(open.last(), Some(Open::Mapping { key: None, .. })) => {
+                Event::Scalar(ref value, ..)
+                    if matches!(open.last(), Some(Open::Mapping { key: None, .. })) =>
+                {
                     let Some(Open::Mapping { key, seen }) = open.last_mut() else { unreachable!() };
                     path.push(Seg::Key(value.clone()));
                     if seen.contains(value) {
