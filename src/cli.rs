@@ -207,20 +207,22 @@ fn gitops(
     }
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     runtime.block_on(async move {
-        let _metrics = crate::metrics::serve_configured(Some(metrics_listen)).await?;
+        let metrics = std::sync::Arc::new(crate::metrics::Metrics::new());
+        let _server = crate::metrics::serve_configured(Some(metrics_listen), metrics.clone()).await?;
         let client = kube::Client::try_default().await?;
-        let gitops = crate::gitops::service::start(client.clone(), opts).await?;
+        let gitops = crate::gitops::service::start(client.clone(), opts, metrics.clone()).await?;
         // Err: the controller lost its Lease; the process exits so the Deployment restarts it.
         let result = match controller {
             Some(c) => {
-                let staging = ctl::start_staging(&c).await?;
+                let staging = ctl::start_staging(&c, &metrics).await?;
                 let url = c.staging_url.clone().unwrap_or_else(|| format!("http://{}", staging.local_addr()));
-                let adapters = ctl::adapters(client.clone(), &c, url);
+                let adapters = ctl::adapters(client.clone(), &c, url, &metrics);
                 let config = crate::controller::reconciler::ControllerConfig {
                     namespace: c.namespace.clone(),
                     max_requeue: None,
                     instance: c.instance.clone(),
                     interrupt: None,
+                    metrics,
                 };
                 let result = ctl::run_reconciler(client, adapters, config, &c.leader_election).await;
                 drop(staging);

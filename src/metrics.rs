@@ -1,8 +1,8 @@
 //! Prometheus metrics, liveness and readiness of the process.
 //!
-//! One process-wide [`Metrics`] ([`metrics()`]) that the controller, the
-//! gitops loop and the adapters record into, and a small HTTP server
-//! ([`serve`]) in front of it:
+//! One [`Metrics`] per process, created by the entry point and handed (as an
+//! `Arc`) to the controller, the gitops loop and the adapters that record
+//! into it, and a small HTTP server ([`serve`]) in front of it:
 //!
 //! | route | answer |
 //! |---|---|
@@ -32,7 +32,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::io;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -193,7 +193,7 @@ impl Default for Metrics {
 }
 
 impl Metrics {
-    /// A fresh registry; the process uses the one [`metrics()`] returns.
+    /// A fresh registry; an entry point creates one and shares it.
     pub fn new() -> Metrics {
         let m = Metrics {
             registry: Registry::default(),
@@ -353,6 +353,7 @@ impl Metrics {
         self.webhook_deliveries.get_or_create(&labels([("forge", forge), ("result", "accepted")])).inc();
     }
 
+    /// Whether this process holds the leader Lease.
     pub fn set_leader(&self, leader: bool) {
         self.leader.set(i64::from(leader));
     }
@@ -384,41 +385,26 @@ impl Metrics {
     }
 }
 
-/// The process-wide metrics.
-pub fn metrics() -> &'static Metrics {
-    static METRICS: OnceLock<Metrics> = OnceLock::new();
-    METRICS.get_or_init(Metrics::new)
-}
-
-/// Marks `component` ready or not in the process-wide registry.
-pub fn set_ready(component: &str, ready: bool) {
-    metrics().set_ready(component, ready);
-}
-
-/// Sets `vmmigrate_leader` (for the leader election).
-pub fn set_leader(leader: bool) {
-    metrics().set_leader(leader);
-}
-
 /// Registers `component` as not ready, and marks it not ready again when
 /// dropped: a long-running task holds one, so its death (return, panic,
 /// abort) takes readiness down with it.
 #[must_use = "the component is marked not ready when the guard is dropped"]
 #[derive(Debug)]
 pub struct ReadinessGuard {
+    metrics: Arc<Metrics>,
     component: String,
 }
 
 impl ReadinessGuard {
-    pub fn new(component: &str) -> ReadinessGuard {
-        set_ready(component, false);
-        ReadinessGuard { component: component.to_owned() }
+    pub fn new(metrics: &Arc<Metrics>, component: &str) -> ReadinessGuard {
+        metrics.set_ready(component, false);
+        ReadinessGuard { metrics: metrics.clone(), component: component.to_owned() }
     }
 }
 
 impl Drop for ReadinessGuard {
     fn drop(&mut self) {
-        set_ready(&self.component, false);
+        self.metrics.set_ready(&self.component, false);
     }
 }
 
@@ -453,32 +439,35 @@ impl Drop for MetricsServer {
     }
 }
 
-/// Serves `/metrics`, `/healthz` and `/readyz` of the process-wide [`metrics()`] on `addr`.
-pub async fn serve(addr: SocketAddr) -> io::Result<MetricsServer> {
+/// Serves `/metrics`, `/healthz` and `/readyz` of `metrics` on `addr`.
+pub async fn serve(addr: SocketAddr, metrics: Arc<Metrics>) -> io::Result<MetricsServer> {
     let listener = TcpListener::bind(addr).await?;
-    start(listener, metrics())
+    start(listener, metrics)
 }
 
 /// [`serve`] on [`listen_addr`]`(configured)`; errors name the address.
-pub async fn serve_configured(configured: Option<SocketAddr>) -> io::Result<MetricsServer> {
+pub async fn serve_configured(
+    configured: Option<SocketAddr>,
+    metrics: Arc<Metrics>,
+) -> io::Result<MetricsServer> {
     let addr = listen_addr(configured)?;
-    serve(addr).await.map_err(|e| io::Error::new(e.kind(), format!("metrics server on {addr}: {e}")))
+    serve(addr, metrics).await.map_err(|e| io::Error::new(e.kind(), format!("metrics server on {addr}: {e}")))
 }
 
-fn start(listener: TcpListener, metrics: &'static Metrics) -> io::Result<MetricsServer> {
+fn start(listener: TcpListener, metrics: Arc<Metrics>) -> io::Result<MetricsServer> {
     let addr = listener.local_addr()?;
     tracing::info!(%addr, "metrics server listening");
     Ok(MetricsServer { addr, task: tokio::spawn(accept_loop(listener, metrics)) })
 }
 
-async fn accept_loop(listener: TcpListener, metrics: &'static Metrics) {
+async fn accept_loop(listener: TcpListener, metrics: Arc<Metrics>) {
     // Connections belong to this task's JoinSet: aborting the task aborts them.
     let mut connections = JoinSet::new();
     loop {
         tokio::select! {
             accepted = listener.accept() => match accepted {
                 Ok((stream, _)) => {
-                    connections.spawn(serve_connection(stream, metrics));
+                    connections.spawn(serve_connection(stream, metrics.clone()));
                 }
                 Err(e) => {
                     // Out of descriptors and the like: back off instead of spinning.
@@ -491,9 +480,9 @@ async fn accept_loop(listener: TcpListener, metrics: &'static Metrics) {
     }
 }
 
-async fn serve_connection(mut stream: TcpStream, metrics: &'static Metrics) {
+async fn serve_connection(mut stream: TcpStream, metrics: Arc<Metrics>) {
     let answer = match tokio::time::timeout(IO_TIMEOUT, read_head(&mut stream)).await {
-        Ok(Some(head)) => route(&head, metrics),
+        Ok(Some(head)) => route(&head, &metrics),
         Ok(None) => return,
         Err(_) => Answer::text(408, "request head not received in time\n"),
     };
@@ -617,6 +606,17 @@ mod tests {
     }
 
     #[test]
+    fn a_readiness_guard_takes_its_component_down_when_dropped() {
+        let m = Arc::new(Metrics::new());
+        let guard = ReadinessGuard::new(&m, "controller");
+        assert_eq!(m.readiness_report(), "controller not ready\n");
+        m.set_ready("controller", true);
+        assert!(m.is_ready());
+        drop(guard);
+        assert_eq!(m.readiness_report(), "controller not ready\n");
+    }
+
+    #[test]
     fn a_phase_change_replaces_the_info_label_set_and_bytes_keep_their_kind() {
         let m = Metrics::new();
         m.observe_migration("ns", "web-01", &status(Phase::Preparing, 4096, 1000));
@@ -679,8 +679,8 @@ mod tests {
 
     #[tokio::test]
     async fn routes_answer_get_only_and_readyz_follows_the_registry() {
-        let m: &'static Metrics = Box::leak(Box::new(Metrics::new()));
-        let server = start(TcpListener::bind("127.0.0.1:0").await.unwrap(), m).unwrap();
+        let m = Arc::new(Metrics::new());
+        let server = start(TcpListener::bind("127.0.0.1:0").await.unwrap(), m.clone()).unwrap();
         let addr = server.local_addr();
         let req = |path: &str| format!("GET {path} HTTP/1.1\r\nHost: x\r\n\r\n");
         assert!(get(addr, &req("/healthz")).await.starts_with("HTTP/1.1 200 "));

@@ -53,6 +53,7 @@ impl Harness {
             max_requeue: Some(Duration::from_millis(200)),
             instance: "test".into(),
             interrupt: self.interrupt.clone(),
+            ..Default::default()
         };
         let task = reconciler::run(self.client.clone(), self.adapters(), config, std::future::pending());
         self.controller = Some(tokio::spawn(task));

@@ -36,7 +36,12 @@ fn password(emu: &EsxiEmulator) -> Credentials {
 
 fn source(_emu: &EsxiEmulator, credentials: Credentials) -> (EsxiSource, tempfile::TempDir) {
     let store = tempfile::tempdir().expect("store");
-    let config = StoreConfig { root: store.path().to_path_buf(), streams: 4, chunk_size: 4 << 20 };
+    let config = StoreConfig {
+        root: store.path().to_path_buf(),
+        streams: 4,
+        chunk_size: 4 << 20,
+        metrics: Default::default(),
+    };
     (EsxiSource::new(CredentialSource::Fixed(credentials), config), store)
 }
 
@@ -278,7 +283,12 @@ async fn credentials_come_from_the_kubernetes_secret_and_a_missing_one_needs_a_h
     .unwrap();
     Api::<KubeSecret>::namespaced(client.clone(), &ns).create(&PostParams::default(), &secret).await.unwrap();
     let store = tempfile::tempdir().unwrap();
-    let config = StoreConfig { root: store.path().to_path_buf(), streams: 2, chunk_size: 4 << 20 };
+    let config = StoreConfig {
+        root: store.path().to_path_buf(),
+        streams: 2,
+        chunk_size: 4 << 20,
+        metrics: Default::default(),
+    };
     let esxi = EsxiSource::new(CredentialSource::Kubernetes(client), config);
     let mut vmm = migration(&emu, "web 01");
     vmm.metadata.namespace = Some(ns.clone());

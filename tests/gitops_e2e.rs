@@ -12,11 +12,13 @@ use kube::{Client, ResourceExt};
 use serde_json::json;
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 use vmmigrate::api::{Phase, VirtualMachineMigration};
 use vmmigrate::controller::reconciler::{self, ControllerConfig};
 use vmmigrate::gitops::service::{self, Gitops, GitopsOptions, SyncOutcome};
+use vmmigrate::metrics::Metrics;
 
 const WAIT: Duration = Duration::from_secs(120);
 const SECRET: &str = "webhook-secret-for-tests";
@@ -192,7 +194,7 @@ fn start_controller(client: &Client, ns: &str) -> SimController {
         namespace: Some(ns.to_owned()),
         max_requeue: Some(Duration::from_millis(200)),
         instance: "gitops-e2e".into(),
-        interrupt: None,
+        ..Default::default()
     };
     let task = tokio::spawn(reconciler::run(client.clone(), adapters, config, std::future::pending()));
     SimController { _sims: sims, task }
@@ -239,7 +241,10 @@ async fn merged_manifest_is_applied_run_to_completed_and_reported_on_the_status_
     let remote = Remote::new();
     let cache = tempfile::tempdir().unwrap();
     let _controller = start_controller(&client, &ns);
-    let gitops = service::start(client.clone(), options(&remote, cache.path(), &ns)).await.expect("gitops");
+    let metrics = Arc::new(Metrics::new());
+    let gitops = service::start(client.clone(), options(&remote, cache.path(), &ns), metrics.clone())
+        .await
+        .expect("gitops");
 
     // The merge: the manifest lands on the tracked branch.
     let pushed = Instant::now();
@@ -280,6 +285,17 @@ async fn merged_manifest_is_applied_run_to_completed_and_reported_on_the_status_
         poll_latency.as_secs_f64() * 1000.0
     );
     assert!(commits < phase_changes, "coalescing: {commits} commits for {phase_changes} phase changes");
+    // The loop and the writer recorded into the registry they were given.
+    let text = metrics.encode();
+    let count = |sample: &str| {
+        let line =
+            text.lines().find(|l| l.starts_with(sample)).unwrap_or_else(|| panic!("no {sample}:\n{text}"));
+        line.rsplit(' ').next().unwrap().parse::<usize>().unwrap()
+    };
+    assert_eq!(count(r#"vmmigrate_git_push_total{result="pushed"}"#), commits, "one per status commit");
+    assert!(count(r#"vmmigrate_git_fetch_total{result="ok"}"#) >= 1, "{text}");
+    assert!(count(r#"vmmigrate_git_apply_total{result="applied"}"#) >= 1, "{text}");
+    assert_eq!(metrics.readiness_report(), "gitops ready\n");
     let status_md = remote.show("migration-status:STATUS.md").unwrap();
     assert!(status_md.contains("web-01") && status_md.contains("Completed"), "{status_md}");
     let log = git(&remote.bare(), &["log", "-1", "--format=%an%n%B", "migration-status"]);
@@ -341,7 +357,8 @@ async fn webhook_push_applies_at_once_and_a_bad_signature_changes_nothing() {
     opts.no_status = true;
     opts.webhook_listen = Some("127.0.0.1:0".parse().unwrap());
     opts.github_webhook_secret = Some(SECRET.into());
-    let gitops = service::start(client.clone(), opts).await.expect("gitops");
+    let metrics = Arc::new(Metrics::new());
+    let gitops = service::start(client.clone(), opts, metrics.clone()).await.expect("gitops");
     let addr = gitops.webhook_addr.unwrap();
     let stats = gitops.webhook_stats.clone().unwrap();
     wait_for("the first poll", async || (gitops.gitops.ticks() >= 1).then_some(())).await;
@@ -365,6 +382,8 @@ async fn webhook_push_applies_at_once_and_a_bad_signature_changes_nothing() {
     wait_for("the CR", async || api.get_opt("db-02").await.unwrap()).await;
     eprintln!("push → CR with the webhook: {:.0} ms", sent.elapsed().as_secs_f64() * 1000.0);
     assert_eq!(stats.accepted.load(Ordering::SeqCst), 1);
+    let accepted = r#"vmmigrate_webhook_deliveries_total{forge="github",result="accepted"} 1"#;
+    assert!(metrics.encode().lines().any(|l| l == accepted), "{}", metrics.encode());
     gitops.stop().await;
 }
 
@@ -462,7 +481,7 @@ async fn a_local_work_tree_is_applied_on_every_file_change_through_notify() {
     opts.repo = String::new();
     opts.watch_path = Some(tree.path().to_path_buf());
     opts.poll_seconds = 3600; // only the first, immediate poll: changes arrive through inotify
-    let gitops = service::start(client.clone(), opts).await.expect("gitops");
+    let gitops = service::start(client.clone(), opts, Arc::default()).await.expect("gitops");
     wait_for("the first poll", async || (gitops.gitops.ticks() >= 1).then_some(())).await;
 
     std::fs::write(tree.path().join("migrations/web.yaml"), manifest(&ns, "web-01", "web 01")).unwrap();

@@ -31,6 +31,7 @@ use vmmigrate::destination::cluster::{data_volume_resource, virtual_machine_reso
 use vmmigrate::machine::{
     ArtifactState, CheckResult, CopyState, DataVolumeState, Failure, PreflightFacts, StartingFacts, VmState,
 };
+use vmmigrate::metrics::Metrics;
 use vmmigrate::ports::{
     Adapters, Cluster, Converter, DiskStore, EsxiHost, PowerObservation, Prober, Staging,
 };
@@ -253,7 +254,7 @@ impl Instance {
             namespace: Some(ns.to_owned()),
             max_requeue: Some(Duration::from_millis(200)),
             instance: identity.clone(),
-            interrupt: None,
+            ..Default::default()
         };
         let work = reconciler::run(client.clone(), adapters, config, std::future::pending());
         let (stop, stopped) = oneshot::channel::<()>();
@@ -464,18 +465,20 @@ fn flagged_work(running: Arc<AtomicBool>) -> impl Future<Output = ()> + Send + '
     }
 }
 
-/// An elector around `flagged_work`.
+/// An elector around `flagged_work`, with a registry of its own.
 struct Candidate {
     elector: LeaderElector,
     /// Whether its work runs (set by the work, cleared when it is dropped).
     running: Arc<AtomicBool>,
+    metrics: Arc<Metrics>,
     stop: Option<oneshot::Sender<()>>,
     task: Option<JoinHandle<Result<(), LeaderError>>>,
 }
 
 impl Candidate {
     fn start(client: &Client, lease: LeaseConfig) -> Candidate {
-        let elector = LeaderElector::new(client.clone(), lease);
+        let metrics = Arc::new(Metrics::new());
+        let elector = LeaderElector::new(client.clone(), lease).with_metrics(metrics.clone());
         let running = Arc::new(AtomicBool::new(false));
         let (stop, stopped) = oneshot::channel::<()>();
         let (e, work) = (elector.clone(), flagged_work(running.clone()));
@@ -485,11 +488,18 @@ impl Candidate {
             })
             .await
         });
-        Candidate { elector, running, stop: Some(stop), task: Some(task) }
+        Candidate { elector, running, metrics, stop: Some(stop), task: Some(task) }
     }
 
     fn leads(&self) -> bool {
         self.elector.is_leader() && self.running.load(Ordering::SeqCst)
+    }
+
+    /// `vmmigrate_leader` as its registry reports it.
+    fn leader_gauge(&self) -> i64 {
+        let text = self.metrics.encode();
+        let line = text.lines().find(|l| l.starts_with("vmmigrate_leader ")).expect("vmmigrate_leader");
+        line.rsplit(' ').next().unwrap().parse().unwrap()
     }
 
     fn identity(&self) -> &str {
@@ -522,14 +532,17 @@ async fn a_released_lease_is_taken_at_once() {
     let mut b = Candidate::start(&client, lease("b"));
     assert_eq!(lease_holder(&leases, &name).await.as_deref(), Some("a"));
     assert!(!b.elector.is_leader() && !b.running.load(Ordering::SeqCst));
+    assert_eq!((a.leader_gauge(), b.leader_gauge()), (1, 0));
 
     let (_, last_renewal) = lease_times(&leases, &name).await;
     let result = a.finish(true).await;
     assert!(result.is_ok(), "{result:?}");
     assert!(!a.elector.is_leader());
     assert!(!a.running.load(Ordering::SeqCst), "a's work was cancelled");
+    assert_eq!(a.leader_gauge(), 0);
 
     poll("b to lead", WAIT, || async { b.leads().then_some(()) }).await;
+    assert_eq!(b.leader_gauge(), 1);
     // a released the Lease, so b took it before a's last renewal expired.
     let (acquired, _) = lease_times(&leases, &name).await;
     assert!(
@@ -554,6 +567,7 @@ async fn a_leader_whose_lease_was_taken_stops_its_work_and_reports_the_loss() {
     let config = short_lease(&ns, &name, "a");
     let mut a = Candidate::start(&client, config);
     poll("a to lead", WAIT, || async { a.leads().then_some(()) }).await;
+    assert_eq!(a.leader_gauge(), 1);
 
     // Another party overwrites the Lease (say, a replica that saw it expire
     // while this one was partitioned away).
@@ -568,6 +582,7 @@ async fn a_leader_whose_lease_was_taken_stops_its_work_and_reports_the_loss() {
     assert_eq!(result.unwrap_err().reason(), "LostLease");
     assert!(!a.elector.is_leader());
     assert!(!a.running.load(Ordering::SeqCst), "the work was cancelled");
+    assert_eq!(a.leader_gauge(), 0, "vmmigrate_leader follows the loss");
     assert_eq!(lease_holder(&leases, &name).await.as_deref(), Some("intruder"), "nothing released");
 }
 
@@ -600,6 +615,8 @@ async fn candidates_racing_for_a_new_lease_elect_exactly_one() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     assert_eq!(leading(&candidates), vec![holder]);
+    let gauges: Vec<i64> = candidates.iter().map(Candidate::leader_gauge).collect();
+    assert_eq!(gauges.iter().sum::<i64>(), 1, "sum(vmmigrate_leader) is 1: {gauges:?}");
     assert_eq!(lease_transitions(&leases, &name).await, Some(0), "created once, never taken over");
     for c in &mut candidates {
         let result = c.finish(true).await;

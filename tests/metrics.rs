@@ -2,46 +2,23 @@
 //! kube-apiserver and the real kube-runtime glue; CDI and KubeVirt are the
 //! simulators of tests/support and ESXi, the disk store and staging are the
 //! in-memory world (the same setup as controller_e2e.rs). Scrapes go over
-//! plain TCP, as Prometheus would send them.
+//! plain TCP, as Prometheus would send them. Each controller records into the
+//! registry its config names, so tests running side by side do not see each
+//! other's counts.
 
 use crate::support::sim::{FaultPlan, SimWorld};
 use crate::support::{KubeEnv, ensure_storage_class, kubevirt_sim, phase_of, test_namespace};
 use kube::api::{Api, PostParams};
 use serde_json::json;
-use std::io::Write;
 use std::net::SocketAddr;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tracing_subscriber::EnvFilter;
 use vmmigrate::api::{Phase, VirtualMachineMigration};
-use vmmigrate::cli::{LogFormat, log_subscriber};
 use vmmigrate::controller::reconciler::{self, ControllerConfig};
-use vmmigrate::metrics;
+use vmmigrate::metrics::{self, Metrics};
 
 const WAIT: Duration = Duration::from_secs(90);
-
-/// Log output captured in memory.
-#[derive(Clone, Default)]
-struct Captured(Arc<Mutex<Vec<u8>>>);
-
-impl Write for Captured {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(buf);
-        Ok(buf.len())
-    }
-
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
-impl Captured {
-    fn json_lines(&self) -> Vec<serde_json::Value> {
-        let text = String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned();
-        text.lines().map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}"))).collect()
-    }
-}
 
 /// One GET over a fresh connection: (status code, body).
 async fn get(addr: SocketAddr, path: &str) -> (u16, String) {
@@ -59,19 +36,46 @@ fn sample(text: &str, prefix: &str) -> Option<i64> {
     text.lines().find(|l| l.starts_with(prefix))?.rsplit(' ').next()?.parse().ok()
 }
 
+/// A controller on the simulated world watching `ns`, recording into `metrics`.
+fn controller(
+    client: &kube::Client,
+    ns: &str,
+    world: &Arc<SimWorld>,
+    metrics: &Arc<Metrics>,
+) -> tokio::task::JoinHandle<()> {
+    let config = ControllerConfig {
+        namespace: Some(ns.to_owned()),
+        max_requeue: Some(Duration::from_millis(200)),
+        instance: "metrics-test".into(),
+        metrics: metrics.clone(),
+        ..Default::default()
+    };
+    let adapters = crate::support::sim_adapters(client, world);
+    tokio::spawn(reconciler::run(client.clone(), adapters, config, std::future::pending()))
+}
+
+async fn create_migration(client: &kube::Client, ns: &str) -> Api<VirtualMachineMigration> {
+    let api: Api<VirtualMachineMigration> = Api::namespaced(client.clone(), ns);
+    let mut body = crate::support::sim_migration_json(ns);
+    body["spec"]["validation"]["checks"] = json!([{"name": "agent", "guestAgent": {}}]);
+    let vmm: VirtualMachineMigration = serde_json::from_value(body).unwrap();
+    api.create(&PostParams::default(), &vmm).await.expect("create migration");
+    api
+}
+
+async fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while !done() {
+        assert!(tokio::time::Instant::now() < deadline, "never {what}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_migration_is_visible_by_name_phase_and_bytes_until_completed() {
-    // Process-wide JSON logs, to check the reconciler's lines carry the migration.
-    let logs = Captured::default();
-    let sink = logs.clone();
-    tracing::subscriber::set_global_default(log_subscriber(
-        LogFormat::Json,
-        EnvFilter::new("info"),
-        move || sink.clone(),
-    ))
-    .expect("the only global subscriber of this process");
-
-    let server = metrics::serve("127.0.0.1:0".parse().unwrap()).await.expect("metrics server");
+    let registry = Arc::new(Metrics::new());
+    let server =
+        metrics::serve("127.0.0.1:0".parse().unwrap(), registry.clone()).await.expect("metrics server");
     let addr = server.local_addr();
     assert_eq!(get(addr, "/healthz").await.0, 200);
     let (status, body) = get(addr, "/readyz").await;
@@ -83,14 +87,7 @@ async fn a_migration_is_visible_by_name_phase_and_bytes_until_completed() {
     let world = SimWorld::new(11, FaultPlan::default());
     crate::support::publish_sim_staging(&world);
     let _sims = kubevirt_sim::start(client.clone(), &ns);
-    let adapters = crate::support::sim_adapters(&client, &world);
-    let config = ControllerConfig {
-        namespace: Some(ns.clone()),
-        max_requeue: Some(Duration::from_millis(200)),
-        instance: "metrics-test".into(),
-        interrupt: None,
-    };
-    let controller = tokio::spawn(reconciler::run(client.clone(), adapters, config, std::future::pending()));
+    let controller = controller(&client, &ns, &world, &registry);
 
     // Ready once the controller's cache has synced.
     let deadline = tokio::time::Instant::now() + WAIT;
@@ -104,11 +101,7 @@ async fn a_migration_is_visible_by_name_phase_and_bytes_until_completed() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 
-    let api: Api<VirtualMachineMigration> = Api::namespaced(client.clone(), &ns);
-    let mut body = crate::support::sim_migration_json(&ns);
-    body["spec"]["validation"]["checks"] = json!([{"name": "agent", "guestAgent": {}}]);
-    let vmm: VirtualMachineMigration = serde_json::from_value(body).unwrap();
-    api.create(&PostParams::default(), &vmm).await.expect("create migration");
+    let api = create_migration(&client, &ns).await;
 
     // Scrape while it runs: the bytes of each stage show up while it happens.
     let bytes_of =
@@ -150,19 +143,16 @@ async fn a_migration_is_visible_by_name_phase_and_bytes_until_completed() {
     assert!(!last.contains(r#"name="web-01",phase="Preparing"}"#), "old phases are dropped");
     assert!(sample(&last, r#"vmmigrate_reconcile_total{result="ok"}"#).is_some_and(|n| n > 0), "{last}");
     assert!(sample(&last, "vmmigrate_reconcile_duration_seconds_count").is_some_and(|n| n > 0));
-    assert!(sample(&last, r#"vmmigrate_migrations{phase="Completed"}"#).is_some_and(|n| n >= 1));
+    assert_eq!(
+        sample(&last, r#"vmmigrate_migrations{phase="Completed"}"#),
+        Some(1),
+        "this controller's only"
+    );
     assert!(sample(&last, &bytes_of("copied")).is_some_and(|n| n > 0), "{last}");
     assert!(last.ends_with("# EOF\n"));
     let excerpt: Vec<&str> =
         last.lines().filter(|l| l.contains("web-01") || l.starts_with("vmmigrate_reconcile_total")).collect();
     eprintln!("/metrics excerpt:\n{}", excerpt.join("\n"));
-
-    // Every line the reconciler logged for this migration names it.
-    let key = format!("{ns}/web-01");
-    let reconciling: Vec<_> =
-        logs.json_lines().into_iter().filter(|l| l["fields"]["message"] == "reconciling").collect();
-    assert!(reconciling.iter().any(|l| l["span"]["migration"] == key.as_str()), "{reconciling:?}");
-    assert!(reconciling.iter().all(|l| l["span"]["migration"].is_string()), "{reconciling:?}");
 
     // A controller that dies takes readiness down with it.
     controller.abort();
@@ -171,28 +161,31 @@ async fn a_migration_is_visible_by_name_phase_and_bytes_until_completed() {
     assert_eq!((status, body.as_str()), (503, "controller not ready\n"));
 }
 
-#[test]
-fn json_log_lines_carry_the_migration_of_the_reconcile_span() {
-    let logs = Captured::default();
-    let sink = logs.clone();
-    let subscriber = log_subscriber(LogFormat::Json, EnvFilter::new("info"), move || sink.clone());
-    tracing::subscriber::with_default(subscriber, || {
-        let span = tracing::info_span!("reconcile", migration = %"team-a/web-01");
-        let _in = span.enter();
-        tracing::info!(phase = %Phase::Preparing, "reconciling");
-    });
-    let lines = logs.json_lines();
-    assert_eq!(lines.len(), 1, "{lines:?}");
-    assert_eq!(lines[0]["fields"]["message"], "reconciling");
-    assert_eq!(lines[0]["fields"]["phase"], "Preparing");
-    assert_eq!(lines[0]["span"]["migration"], "team-a/web-01");
-    assert_eq!(lines[0]["span"]["name"], "reconcile");
-}
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_controllers_in_one_process_count_and_report_readiness_in_their_own_registries() {
+    let client = KubeEnv::shared().client().await;
+    ensure_storage_class(&client).await;
+    let (ns_a, ns_b) =
+        (test_namespace(&client, "metrics-a").await, test_namespace(&client, "metrics-b").await);
+    let world = SimWorld::new(12, FaultPlan::default());
+    let (a, b) = (Arc::new(Metrics::new()), Arc::new(Metrics::new()));
+    let controller_a = controller(&client, &ns_a, &world, &a);
+    let _controller_b = controller(&client, &ns_b, &world, &b);
+    wait_until("both ready", || a.is_ready() && b.is_ready()).await;
 
-#[test]
-fn log_format_is_text_unless_json_is_asked_for() {
-    assert_eq!(LogFormat::parse(""), Some(LogFormat::Text));
-    assert_eq!(LogFormat::parse("text"), Some(LogFormat::Text));
-    assert_eq!(LogFormat::parse("JSON"), Some(LogFormat::Json));
-    assert_eq!(LogFormat::parse("yaml"), None);
+    // A migration only A watches: A records it, B sees none of it.
+    create_migration(&client, &ns_a).await;
+    let in_a = format!(r#"vmmigrate_migration_info{{namespace="{ns_a}",name="web-01""#);
+    wait_until("the migration in A's registry", || a.encode().contains(&in_a)).await;
+    let (text_a, text_b) = (a.encode(), b.encode());
+    assert!(sample(&text_a, r#"vmmigrate_reconcile_total{result="ok"}"#).is_some_and(|n| n > 0), "{text_a}");
+    assert!(!text_b.contains(&ns_a), "B shows A's migration:\n{text_b}");
+    assert_eq!(sample(&text_b, r#"vmmigrate_reconcile_total{result="ok"}"#), Some(0), "{text_b}");
+    assert_eq!(sample(&text_b, "vmmigrate_reconcile_duration_seconds_count"), Some(0), "{text_b}");
+
+    // A's death takes A's readiness down, not B's.
+    controller_a.abort();
+    let _ = controller_a.await;
+    assert_eq!(a.readiness_report(), "controller not ready\n");
+    assert!(b.is_ready(), "{}", b.readiness_report());
 }

@@ -18,6 +18,7 @@ use kube::api::{Api, DynamicObject, ListParams, PostParams};
 use kube::{Client, ResourceExt};
 use serde_json::{Value, json};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 use vmmigrate::api::{Phase, VirtualMachineMigration};
@@ -27,6 +28,7 @@ use vmmigrate::convert::artifact::sha256_file;
 use vmmigrate::convert::staging::StagingServer;
 use vmmigrate::destination::cluster::{data_volume_resource, virtual_machine_resource};
 use vmmigrate::destination::http_check::SERVICE_NAME_LABEL;
+use vmmigrate::metrics::Metrics;
 
 const WAIT: Duration = Duration::from_secs(180);
 const VM: &str = "db-02";
@@ -44,6 +46,9 @@ struct Migration {
     sims: kubevirt_sim::Simulators,
     jobs: job_sim::JobSimulator,
     _netns: Netns,
+    /// What the adapters and the staging server record into (one registry
+    /// across controller restarts, like the Service's view of the pods).
+    metrics: Arc<Metrics>,
     controller: Option<tokio::task::JoinHandle<()>>,
 }
 
@@ -80,7 +85,8 @@ impl Migration {
             leader_election: Default::default(),
             metrics_listen: "127.0.0.1:0".parse().unwrap(),
         };
-        let staging = service::start_staging(&opts).await.expect("staging server");
+        let metrics = Arc::new(Metrics::new());
+        let staging = service::start_staging(&opts, &metrics).await.expect("staging server");
         let pvc_root = work.path().join("pvcs");
         let sims = kubevirt_sim::start_with(
             client.clone(),
@@ -101,6 +107,7 @@ impl Migration {
             sims,
             jobs,
             _netns: netns,
+            metrics,
             controller: None,
         };
         m.start_controller();
@@ -112,12 +119,13 @@ impl Migration {
     /// the controller pods and outlives them.
     fn start_controller(&mut self) {
         let url = format!("http://{}", self.staging.local_addr());
-        let adapters = service::adapters(self.client.clone(), &self.opts, url);
+        let adapters = service::adapters(self.client.clone(), &self.opts, url, &self.metrics);
         let config = ControllerConfig {
             namespace: Some(self.ns.clone()),
             max_requeue: Some(Duration::from_millis(250)),
             instance: "e2e".into(),
-            interrupt: None,
+            metrics: self.metrics.clone(),
+            ..Default::default()
         };
         let task = reconciler::run(self.client.clone(), adapters, config, std::future::pending());
         self.controller = Some(tokio::spawn(task));
@@ -362,6 +370,17 @@ async fn two_disk_efi_vm_with_two_nics_migrates_to_completed_with_checksums_end_
         status.validation_results
     );
     assert_eq!(m.list(&data_volume_resource()).await.len(), 2);
+
+    // The real adapters and the staging server counted every byte once.
+    let text = m.metrics.encode();
+    let counter = |name: &str| -> u64 {
+        let line =
+            text.lines().find(|l| l.starts_with(&format!("{name} "))).unwrap_or_else(|| panic!("no {name}"));
+        line.rsplit(' ').next().unwrap().parse().unwrap()
+    };
+    assert_eq!(counter("vmmigrate_copy_bytes_total"), total, "read from the host");
+    assert_eq!(counter("vmmigrate_convert_bytes_total"), total, "raw artifacts of the copies' size");
+    assert_eq!(counter("vmmigrate_staging_bytes_served_total"), total, "each artifact imported once");
 
     // Nothing staged or copied is left; the source is off and untouched.
     assert_eq!(m.leftovers(&uid), Vec::<PathBuf>::new());

@@ -17,6 +17,7 @@
 //!   (holder cleared), so a successor takes over at its next retry instead of
 //!   waiting for the Lease to expire.
 
+use crate::metrics::Metrics;
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
@@ -221,6 +222,7 @@ pub struct LeaderElector {
     api: Api<Lease>,
     config: Arc<LeaseConfig>,
     leader: Arc<AtomicBool>,
+    metrics: Arc<Metrics>,
 }
 
 impl LeaderElector {
@@ -229,12 +231,24 @@ impl LeaderElector {
             api: Api::namespaced(client, &config.namespace),
             config: Arc::new(config),
             leader: Arc::new(AtomicBool::new(false)),
+            metrics: Arc::default(),
         }
+    }
+
+    /// Reports leadership as `vmmigrate_leader` in `metrics`.
+    pub fn with_metrics(mut self, metrics: Arc<Metrics>) -> Self {
+        self.metrics = metrics;
+        self
     }
 
     /// Whether this process holds the Lease now (for /readyz and metrics).
     pub fn is_leader(&self) -> bool {
         self.leader.load(Ordering::SeqCst)
+    }
+
+    fn set_leader(&self, leader: bool) {
+        self.leader.store(leader, Ordering::SeqCst);
+        self.metrics.set_leader(leader);
     }
 
     pub fn config(&self) -> &LeaseConfig {
@@ -273,28 +287,28 @@ impl LeaderElector {
             }
             at = self.acquire() => at,
         };
-        self.leader.store(true, Ordering::SeqCst);
+        self.set_leader(true);
         // Boxed so it can be dropped, and its work cancelled, before the release.
         let mut work = Box::pin(work);
         loop {
             tokio::select! {
                 biased;
                 () = &mut shutdown => {
-                    self.leader.store(false, Ordering::SeqCst);
+                    self.set_leader(false);
                     drop(work);
                     self.release().await;
                     return Ok(());
                 }
                 () = &mut work => {
                     tracing::info!(lease = %self.config.key(), identity = %self.config.identity, "work finished; releasing the lease");
-                    self.leader.store(false, Ordering::SeqCst);
+                    self.set_leader(false);
                     self.release().await;
                     return Ok(());
                 }
                 renewal = self.keep(renewed_at) => match renewal {
                     Ok(at) => renewed_at = at,
                     Err(err) => {
-                        self.leader.store(false, Ordering::SeqCst);
+                        self.set_leader(false);
                         drop(work);
                         tracing::error!(lease = %self.config.key(), identity = %self.config.identity, reason = err.reason().as_str(), "{err}; work stopped");
                         return Err(err);

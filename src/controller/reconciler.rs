@@ -53,6 +53,9 @@ pub struct ControllerConfig {
     pub instance: String,
     /// Crash injection for tests; `None` in production.
     pub interrupt: Option<Interrupt>,
+    /// Where reconciles, migrations and readiness are recorded (the
+    /// default: a registry of its own, which nobody serves).
+    pub metrics: Arc<crate::metrics::Metrics>,
 }
 
 impl std::fmt::Debug for ControllerConfig {
@@ -163,8 +166,9 @@ pub async fn run(
     // installed, RBAC granted); not ready once this returns or is dropped.
     // Not `Store::wait_until_ready`: the store wakes only its latest waiter,
     // and the controller's own runner waits on it.
-    let _ready = crate::metrics::ReadinessGuard::new("controller");
+    let _ready = crate::metrics::ReadinessGuard::new(&ctx.config.metrics, "controller");
     let probe = migrations.clone();
+    let metrics = ctx.config.metrics.clone();
     let ready = async move {
         let mut delay = Duration::from_millis(500);
         while let Err(err) = probe.list_metadata(&ListParams::default().limit(1)).await {
@@ -172,7 +176,7 @@ pub async fn run(
             tokio::time::sleep(delay).await;
             delay = (delay * 2).min(Duration::from_secs(30));
         }
-        crate::metrics::set_ready("controller", true);
+        metrics.set_ready("controller", true);
         std::future::pending::<()>().await
     };
     let mut controller = Controller::new_with(migrations, watcher::Config::default(), ar);
@@ -207,9 +211,9 @@ async fn reconcile(obj: Arc<DynamicObject>, ctx: Arc<Context>) -> Result<Action,
     // Every log line of a reconcile carries the migration key.
     let span = tracing::info_span!("reconcile", migration = %key(&obj));
     let started = std::time::Instant::now();
-    let result = reconcile_one(obj, ctx).instrument(span).await;
+    let result = reconcile_one(obj, ctx.clone()).instrument(span).await;
     let reason = result.as_ref().err().map(Error::reason);
-    crate::metrics::metrics().reconciled(started.elapsed(), reason.map(Reason::as_str));
+    ctx.config.metrics.reconciled(started.elapsed(), reason.map(Reason::as_str));
     result
 }
 
@@ -239,7 +243,7 @@ async fn reconcile_one(obj: Arc<DynamicObject>, ctx: Arc<Context>) -> Result<Act
     let Some(fresh) =
         api.get_opt(&vmm.name_any()).await.map_err(|e| Error::Kube("reading the migration", e))?
     else {
-        crate::metrics::metrics().forget_migration(&ns, &vmm.name_any());
+        ctx.config.metrics.forget_migration(&ns, &vmm.name_any());
         return Ok(Action::await_change());
     };
     let result = finalizer(&api, FINALIZER, Arc::new(fresh), |event| async {
@@ -304,7 +308,7 @@ async fn apply(
     publish(ctx, vmm, &step.decision.events).await;
     record(api, vmm, &step.decision.status, resource_version).await?;
     let ns = vmm.namespace().unwrap_or_default();
-    crate::metrics::metrics().observe_migration(&ns, &vmm.name_any(), &step.decision.status);
+    ctx.config.metrics.observe_migration(&ns, &vmm.name_any(), &step.decision.status);
     if let Some((action, failure)) = &step.failed {
         tracing::warn!(?action, reason = %failure.reason, "action failed: {}", failure.message);
         if step.decision.requeue.is_none() {
@@ -354,7 +358,7 @@ async fn cleanup(vmm: &VirtualMachineMigration, ctx: &Context) -> Result<Action,
         "kept the destination objects"
     };
     let note = if status.phase == Phase::Completed { "the migrated VM stays" } else { kept };
-    crate::metrics::metrics().forget_migration(&vmm.namespace().unwrap_or_default(), &vmm.name_any());
+    ctx.config.metrics.forget_migration(&vmm.namespace().unwrap_or_default(), &vmm.name_any());
     publish(
         ctx,
         vmm,

@@ -9,6 +9,7 @@ use crate::convert::job::JobSettings;
 use crate::convert::staging::StagingServer;
 use crate::convert::store::{ArtifactStore, StoreSettings};
 use crate::destination::cluster::{KubeCluster, KubeProber};
+use crate::metrics::Metrics;
 use crate::ports::Adapters;
 use crate::source::esxi::adapter::{CredentialSource, EsxiSource, StoreConfig};
 use anyhow::Context as _;
@@ -90,8 +91,9 @@ impl Default for LeaderElectionOptions {
     }
 }
 
-/// Starts the staging server on the work directory's `staging/`.
-pub async fn start_staging(opts: &ControllerOptions) -> anyhow::Result<StagingServer> {
+/// Starts the staging server on the work directory's `staging/`; `metrics`
+/// reports the bytes it serves.
+pub async fn start_staging(opts: &ControllerOptions, metrics: &Metrics) -> anyhow::Result<StagingServer> {
     let staging_root = ArtifactStore::staging_root(&opts.work_dir);
     std::fs::create_dir_all(&staging_root)
         .with_context(|| format!("creating the staging directory {}", staging_root.display()))?;
@@ -99,12 +101,18 @@ pub async fn start_staging(opts: &ControllerOptions) -> anyhow::Result<StagingSe
         .await
         .with_context(|| format!("binding the staging server to {}", opts.staging_listen))?;
     let server = StagingServer::start(listener, staging_root).await.context("starting the staging server")?;
-    crate::metrics::metrics().watch_staging(server.stats().bytes_served.clone());
+    metrics.watch_staging(server.stats().bytes_served.clone());
     Ok(server)
 }
 
-/// The real adapters; `staging_url` is where CDI reaches the staging server.
-pub fn adapters(client: Client, opts: &ControllerOptions, staging_url: String) -> Adapters {
+/// The real adapters, recording into `metrics`; `staging_url` is where CDI
+/// reaches the staging server.
+pub fn adapters(
+    client: Client,
+    opts: &ControllerOptions,
+    staging_url: String,
+    metrics: &Arc<Metrics>,
+) -> Adapters {
     let jobs = opts.job_image.clone().map(|image| JobSettings {
         namespace: opts.job_namespace.clone(),
         image,
@@ -118,6 +126,7 @@ pub fn adapters(client: Client, opts: &ControllerOptions, staging_url: String) -
             staging_url,
             local_concurrency: opts.conversions,
             jobs,
+            metrics: metrics.clone(),
         },
         Some(client.clone()),
     ));
@@ -127,6 +136,7 @@ pub fn adapters(client: Client, opts: &ControllerOptions, staging_url: String) -
             root: crate::ports::workdir::copies_root(&opts.work_dir),
             streams: opts.copy_streams.max(1),
             chunk_size: crate::source::esxi::copy::DEFAULT_CHUNK_SIZE,
+            metrics: metrics.clone(),
         },
     ));
     Adapters {
@@ -141,11 +151,12 @@ pub fn adapters(client: Client, opts: &ControllerOptions, staging_url: String) -
 
 /// Runs the controller until Ctrl-C or SIGTERM.
 pub async fn run(opts: ControllerOptions) -> anyhow::Result<()> {
-    let _metrics = crate::metrics::serve_configured(Some(opts.metrics_listen)).await?;
+    let metrics = Arc::new(Metrics::new());
+    let _server = crate::metrics::serve_configured(Some(opts.metrics_listen), metrics.clone()).await?;
     let client = Client::try_default().await.context("connecting to the Kubernetes API")?;
-    let staging = start_staging(&opts).await?;
+    let staging = start_staging(&opts, &metrics).await?;
     let staging_url = opts.staging_url.clone().unwrap_or_else(|| format!("http://{}", staging.local_addr()));
-    let adapters = adapters(client.clone(), &opts, staging_url);
+    let adapters = adapters(client.clone(), &opts, staging_url, &metrics);
     tracing::info!(
         staging = %staging.local_addr(),
         work_dir = %opts.work_dir.display(),
@@ -156,6 +167,7 @@ pub async fn run(opts: ControllerOptions) -> anyhow::Result<()> {
         max_requeue: None,
         instance: opts.instance.clone(),
         interrupt: None,
+        metrics,
     };
     let result = run_reconciler(client, adapters, config, &opts.leader_election).await;
     drop(staging);
@@ -163,8 +175,8 @@ pub async fn run(opts: ControllerOptions) -> anyhow::Result<()> {
 }
 
 /// Runs the reconciler until Ctrl-C or SIGTERM; with `--leader-elect` only
-/// while this process holds the Lease. Losing the Lease is an error: the
-/// process must exit (see `LeaderElector::run`).
+/// while this process holds the Lease (reported in `config.metrics`). Losing
+/// the Lease is an error: the process must exit (see `LeaderElector::run`).
 pub async fn run_reconciler(
     client: Client,
     adapters: Adapters,
@@ -178,7 +190,7 @@ pub async fn run_reconciler(
     let lease =
         LeaseConfig::new(&election.lease_namespace, &election.lease_name, unique_identity(&config.instance))
             .with_lease_seconds(election.lease_seconds);
-    let elector = LeaderElector::new(client.clone(), lease);
+    let elector = LeaderElector::new(client.clone(), lease).with_metrics(config.metrics.clone());
     // The elector cancels the reconciler on shutdown and on a lost Lease.
     let work = reconciler::run(client, adapters, config, std::future::pending());
     elector.run(work, shutdown_signal()).await.context("leader election")

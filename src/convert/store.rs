@@ -16,6 +16,7 @@ use super::job::{self, JobInput, JobSettings};
 use super::produce::{self, ConversionRequest, OutputFormat};
 use crate::api::{ConversionRunner, DiskFormat, VirtualMachineMigration};
 use crate::machine::{ArtifactState, Failure, Reason};
+use crate::metrics::Metrics;
 use crate::ports::kube_errors::{classify, is_not_found};
 use crate::ports::workdir::{copies_root, copy_path};
 use crate::ports::{Converter, Staging};
@@ -41,6 +42,8 @@ pub struct StoreSettings {
     pub local_concurrency: usize,
     /// The `job` runner; `None` refuses migrations that ask for it.
     pub jobs: Option<JobSettings>,
+    /// Where in-process conversions count the bytes they wrote.
+    pub metrics: Arc<Metrics>,
 }
 
 struct LocalTask {
@@ -287,11 +290,12 @@ impl Converter for ArtifactStore {
         let permits = self.permits.clone();
         let task_progress = progress.clone();
         let total = request.expected_virtual_size;
+        let metrics = self.settings.metrics.clone();
         let handle = tokio::spawn(async move {
             let _permit = permits.acquire_owned().await;
             let result = produce::produce(&request, &task_progress).await;
             if let Ok(marker) = &result {
-                crate::metrics::metrics().converted_bytes(marker.size);
+                metrics.converted_bytes(marker.size);
             }
             result
         });

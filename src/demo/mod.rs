@@ -350,26 +350,30 @@ async fn start_services(
     *sims.control.kubevirt.vmi_ip.lock().unwrap_or_else(|p| p.into_inner()) = guest_ip.to_string();
     screen.line(&format!("✓ CDI + KubeVirt simulators (\"PVCs\" in {})", work.join("pvcs").display()));
 
-    let metrics = match crate::metrics::serve(([127, 0, 0, 1], METRICS_PORT).into()).await {
+    let registry = Arc::new(crate::metrics::Metrics::new());
+    let metrics = match crate::metrics::serve(([127, 0, 0, 1], METRICS_PORT).into(), registry.clone()).await {
         Ok(server) => Some(server),
-        Err(_) => crate::metrics::serve(([127, 0, 0, 1], 0).into()).await.ok(),
+        Err(_) => crate::metrics::serve(([127, 0, 0, 1], 0).into(), registry.clone()).await.ok(),
     };
 
     let flags = run_flags(remote.bare(), work);
     let RunFlags { gitops, controller } =
         RunFlags::try_parse_from(std::iter::once("vmmigrate run".to_owned()).chain(flags.iter().cloned()))
             .context("the demo's `vmmigrate run` flags")?;
-    let gitops =
-        crate::gitops::service::start(client.clone(), gitops).await.context("starting the gitops loop")?;
+    let gitops = crate::gitops::service::start(client.clone(), gitops, registry.clone())
+        .await
+        .context("starting the gitops loop")?;
     screen.line("✓ vmmigrate gitops loop: polls main every 2 s, writes status to branch migration-status");
 
-    let staging = ctl::start_staging(&controller).await?;
-    let adapters = ctl::adapters(client.clone(), &controller, format!("http://{}", staging.local_addr()));
+    let staging = ctl::start_staging(&controller, &registry).await?;
+    let staging_url = format!("http://{}", staging.local_addr());
+    let adapters = ctl::adapters(client.clone(), &controller, staging_url, &registry);
     let config = ControllerConfig {
         namespace: controller.namespace.clone(),
         // The machine polls running work every 5 s; every second makes the bars move.
         max_requeue: Some(Duration::from_secs(1)),
         instance: controller.instance.clone(),
+        metrics: registry,
         ..Default::default()
     };
     let (stop_controller, stopped_rx) = tokio::sync::oneshot::channel::<()>();

@@ -17,6 +17,7 @@ use super::status_files::{StatusInput, status_files};
 use super::webhook::{WebhookConfig, WebhookEvent, WebhookServer};
 use super::{LABEL_GITOPS, Provenance, RepoFile};
 use crate::api::{Phase, VirtualMachineMigration};
+use crate::metrics::Metrics;
 use crate::ports::EsxiHost;
 use anyhow::Context as _;
 use kube::api::{Api, ListParams};
@@ -148,6 +149,7 @@ pub struct Gitops {
     discoverer: Option<Arc<dyn EsxiHost>>,
     state: Mutex<State>,
     ticks: std::sync::atomic::AtomicU64,
+    metrics: Arc<Metrics>,
 }
 
 impl Gitops {
@@ -187,7 +189,15 @@ impl Gitops {
             discoverer: None,
             state: Mutex::new(State::default()),
             ticks: Default::default(),
+            metrics: Arc::default(),
         })
+    }
+
+    /// Records fetches, applies, webhook deliveries and readiness in
+    /// `metrics` (the default: a registry of its own).
+    pub fn with_metrics(mut self, metrics: Arc<Metrics>) -> Gitops {
+        self.metrics = metrics;
+        self
     }
 
     /// Plans include a read-only discovery of each source VM through `esxi`.
@@ -235,7 +245,7 @@ impl Gitops {
             }
             None => {
                 let fetched = self.fetch().await;
-                crate::metrics::metrics().git_fetch(fetched.is_ok());
+                self.metrics.git_fetch(fetched.is_ok());
                 (fetched?, None)
             }
         };
@@ -255,7 +265,7 @@ impl Gitops {
             Err(errors) => {
                 let errors: Vec<String> = errors.iter().map(ToString::to_string).collect();
                 tracing::error!(%commit, errors = errors.len(), first = %errors[0], "commit rejected: nothing applied");
-                crate::metrics::metrics().git_apply("rejected");
+                self.metrics.git_apply("rejected");
                 self.state().last_rejected = Some((commit.clone(), errors.clone()));
                 return Ok(SyncOutcome::Rejected { commit, errors });
             }
@@ -265,7 +275,7 @@ impl Gitops {
             return Ok(SyncOutcome::Rendered { commit, migrations: rendered.len() });
         }
         let applied = apply_commit(&self.client, &rendered, &[]).await;
-        crate::metrics::metrics().git_apply(match &applied {
+        self.metrics.git_apply(match &applied {
             Ok(_) => "applied",
             Err(ApplyError::Refused(_)) => "rejected",
             Err(_) => "error",
@@ -478,12 +488,12 @@ impl Gitops {
     /// Everything one trigger does.
     pub async fn tick(&self) {
         self.ticks.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        crate::metrics::metrics().register_readiness("gitops");
+        self.metrics.register_readiness("gitops");
         let synced = self.sync().await;
         if synced.is_ok() {
             // Ready after the first sync that reached the repository (a
             // rejected commit included: the loop works, the commit does not).
-            crate::metrics::set_ready("gitops", true);
+            self.metrics.set_ready("gitops", true);
         }
         match synced {
             Ok(SyncOutcome::Rejected { commit, errors }) => {
@@ -557,9 +567,14 @@ impl Drop for GitopsHandle {
     }
 }
 
-/// Starts the gitops side: webhook receiver, status writer, poll loop.
-pub async fn start(client: Client, opts: GitopsOptions) -> anyhow::Result<GitopsHandle> {
-    let gitops = Arc::new(Gitops::new(client, opts.clone())?);
+/// Starts the gitops side: webhook receiver, status writer, poll loop, all
+/// recording into `metrics`.
+pub async fn start(
+    client: Client,
+    opts: GitopsOptions,
+    metrics: Arc<Metrics>,
+) -> anyhow::Result<GitopsHandle> {
+    let gitops = Arc::new(Gitops::new(client, opts.clone())?.with_metrics(metrics.clone()));
     let (events_tx, mut events) = mpsc::channel::<WebhookEvent>(64);
     let webhooks = match opts.webhook_listen {
         Some(addr) => {
@@ -592,6 +607,7 @@ pub async fn start(client: Client, opts: GitopsOptions) -> anyhow::Result<Gitops
         };
         let mut cfg = StatusWriterConfig::new(opts.repo.clone(), opts.cache_dir.join("status.git"));
         cfg.target = target;
+        cfg.metrics = metrics;
         if let Some(key) = &opts.ssh_key {
             let auth = RepoAuth::SshKey { key: key.clone(), known_hosts: opts.known_hosts.clone() };
             if let Some(cmd) = TrackedRepo::ssh_command(&auth) {
@@ -616,7 +632,7 @@ pub async fn start(client: Client, opts: GitopsOptions) -> anyhow::Result<Gitops
                 _ = poll.tick() => looping.tick().await,
                 Some(event) = events.recv() => {
                     tracing::info!(?event, "webhook event");
-                    crate::metrics::metrics().webhook_delivered(event.forge().as_str());
+                    looping.metrics.webhook_delivered(event.forge().as_str());
                     if let WebhookEvent::PullRequest { number, merged: true, .. } = &event {
                         let _ = looping.follow_merged(*number).await;
                     }
@@ -651,9 +667,10 @@ pub async fn start(client: Client, opts: GitopsOptions) -> anyhow::Result<Gitops
 pub async fn run(
     client: Client,
     opts: GitopsOptions,
+    metrics: Arc<Metrics>,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
-    let handle = start(client, opts).await?;
+    let handle = start(client, opts, metrics).await?;
     shutdown.await;
     handle.stop().await;
     Ok(())

@@ -20,6 +20,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use super::status_files::STATUS_MD;
+use crate::metrics::Metrics;
 
 /// Branch written by default; the bot owns it.
 pub const DEFAULT_BRANCH: &str = "migration-status";
@@ -97,6 +98,9 @@ pub struct StatusWriterConfig {
     pub git_env: Vec<(String, String)>,
     /// Test hook: runs before each push.
     pub before_push: Option<BeforePush>,
+    /// Where [`run_coalescing`] counts its pushes (the default: a registry
+    /// of its own).
+    pub metrics: Arc<Metrics>,
 }
 
 impl StatusWriterConfig {
@@ -111,6 +115,7 @@ impl StatusWriterConfig {
             max_push_attempts: DEFAULT_MAX_PUSH_ATTEMPTS,
             git_env: Vec::new(),
             before_push: None,
+            metrics: Arc::default(),
         }
     }
 }
@@ -762,7 +767,7 @@ pub async fn run_coalescing(
         let publisher = writer.clone();
         let result = tokio::task::spawn_blocking(move || publisher.publish(&files, &source_commit)).await;
         next_allowed = Some(tokio::time::Instant::now() + window);
-        crate::metrics::metrics().git_push(match &result {
+        writer.config().metrics.git_push(match &result {
             Ok(Ok(Publish::Committed { .. })) => "pushed",
             Ok(Ok(Publish::Unchanged)) => "unchanged",
             _ => "error",

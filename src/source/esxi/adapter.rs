@@ -7,6 +7,7 @@ use super::ssh::{Credentials, Output, RemoteCommand, Secret, Session, SshError, 
 use crate::api::Reason;
 use crate::api::{SourceDisk, SourceInventory, SourcePowerState, VirtualMachineMigration};
 use crate::machine::{CopyState, Failure};
+use crate::metrics::Metrics;
 use crate::ports::workdir::{copy_path, migration_copies_dir};
 use crate::ports::{DiskStore, EsxiHost, PowerObservation};
 use async_trait::async_trait;
@@ -38,6 +39,8 @@ pub struct StoreConfig {
     pub root: PathBuf,
     pub streams: usize,
     pub chunk_size: u64,
+    /// Where finished copy runs count their bytes.
+    pub metrics: Arc<Metrics>,
 }
 
 /// ESXi hosts over SSH plus the local disk store.
@@ -451,11 +454,12 @@ impl DiskStore for EsxiSource {
         };
         let progress = Arc::new(AtomicU64::new(0));
         let task_progress = progress.clone();
+        let metrics = self.store.metrics.clone();
         let handle = tokio::spawn(async move {
             let result = copy::copy_disk(session, &plan, task_progress).await;
             // Counted when the run ends: `bytes_read` excludes what a resume skipped.
             if let Ok(done) = &result {
-                crate::metrics::metrics().copied_bytes(done.bytes_read);
+                metrics.copied_bytes(done.bytes_read);
             }
             result
         });
