@@ -372,7 +372,7 @@ fn convert(req: ConversionRequest) -> anyhow::Result<()> {
 /// The repository's manifests were rendered and found wrong (each error printed already).
 #[derive(Debug, thiserror::Error)]
 #[error("{0} error(s) in the repository")]
-pub struct InvalidRepository(pub usize);
+pub(crate) struct InvalidRepository(pub usize);
 
 /// `render` (print the YAML) and `validate` (print a count) of a local directory.
 fn render_local(repo: &str, namespace: &str, print_yaml: bool) -> anyhow::Result<()> {

@@ -39,11 +39,12 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::task::{JoinHandle, JoinSet};
 
 /// Where the metrics server listens unless told otherwise.
-pub const DEFAULT_LISTEN: &str = "0.0.0.0:9090";
+pub(crate) const DEFAULT_LISTEN: &str = "0.0.0.0:9090";
 /// Environment variable naming the metrics server's address.
-pub const LISTEN_ENV: &str = "VMMIGRATE_METRICS_LISTEN";
+pub(crate) const LISTEN_ENV: &str = "VMMIGRATE_METRICS_LISTEN";
 /// Content type of `/metrics`.
-pub const OPENMETRICS_CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+pub(crate) const OPENMETRICS_CONTENT_TYPE: &str =
+    "application/openmetrics-text; version=1.0.0; charset=utf-8";
 /// Largest request head read; the routes take no headers that matter.
 const MAX_HEAD: usize = 8 * 1024;
 /// Time a client has to send its request head, and to take the answer.
@@ -57,7 +58,7 @@ fn labels<const N: usize>(pairs: [(&'static str, &str); N]) -> Labels {
 
 /// Which byte count a phase's `status.progress` is: `copied` while
 /// Preparing, `converted` while Converting, `imported` while Importing.
-pub fn bytes_kind(phase: Phase) -> Option<&'static str> {
+pub(crate) fn bytes_kind(phase: Phase) -> Option<&'static str> {
     match phase {
         Phase::Preparing => Some("copied"),
         Phase::Converting => Some("converted"),
@@ -275,7 +276,7 @@ impl Metrics {
     }
 
     /// One reconcile finished after `elapsed`; `error` is the reason when it failed.
-    pub fn reconciled(&self, elapsed: Duration, error: Option<&str>) {
+    pub(crate) fn reconciled(&self, elapsed: Duration, error: Option<&str>) {
         self.reconcile_duration.observe(elapsed.as_secs_f64());
         let result = if error.is_some() { "error" } else { "ok" };
         self.reconciles.get_or_create(&labels([("result", result)])).inc();
@@ -285,7 +286,12 @@ impl Metrics {
     }
 
     /// The status just recorded for `namespace/name`.
-    pub fn observe_migration(&self, namespace: &str, name: &str, status: &VirtualMachineMigrationStatus) {
+    pub(crate) fn observe_migration(
+        &self,
+        namespace: &str,
+        name: &str,
+        status: &VirtualMachineMigrationStatus,
+    ) {
         let mut migrations = lock(&self.scraped.migrations);
         let view = migrations.entry((namespace.to_owned(), name.to_owned())).or_default();
         view.phase = status.phase;
@@ -312,59 +318,59 @@ impl Metrics {
     }
 
     /// The migration is gone: its label sets go too.
-    pub fn forget_migration(&self, namespace: &str, name: &str) {
+    pub(crate) fn forget_migration(&self, namespace: &str, name: &str) {
         lock(&self.scraped.migrations).remove(&(namespace.to_owned(), name.to_owned()));
     }
 
     /// A disk copy run read `bytes` from the host.
-    pub fn copied_bytes(&self, bytes: u64) {
+    pub(crate) fn copied_bytes(&self, bytes: u64) {
         self.copy_bytes.inc_by(bytes);
     }
 
     /// A conversion wrote an artifact of `bytes`.
-    pub fn converted_bytes(&self, bytes: u64) {
+    pub(crate) fn converted_bytes(&self, bytes: u64) {
         self.convert_bytes.inc_by(bytes);
     }
 
     /// Reports `vmmigrate_staging_bytes_served_total` from the staging
     /// server's own counter (metrics knows no domain type).
-    pub fn watch_staging(&self, bytes_served: Arc<AtomicU64>) {
+    pub(crate) fn watch_staging(&self, bytes_served: Arc<AtomicU64>) {
         *lock(&self.scraped.staging) = Some(bytes_served);
     }
 
-    pub fn git_fetch(&self, ok: bool) {
+    pub(crate) fn git_fetch(&self, ok: bool) {
         let result = if ok { "ok" } else { "error" };
         self.git_fetches.get_or_create(&labels([("result", result)])).inc();
     }
 
     /// `result`: `pushed`, `unchanged` or `error`.
-    pub fn git_push(&self, result: &str) {
+    pub(crate) fn git_push(&self, result: &str) {
         self.git_pushes.get_or_create(&labels([("result", result)])).inc();
     }
 
     /// `result`: `applied`, `rejected` or `error`.
-    pub fn git_apply(&self, result: &str) {
+    pub(crate) fn git_apply(&self, result: &str) {
         self.git_applies.get_or_create(&labels([("result", result)])).inc();
     }
 
     /// A verified webhook event of `forge` (`github`, `gitea`, `gitlab`)
     /// reached the gitops loop.
-    pub fn webhook_delivered(&self, forge: &str) {
+    pub(crate) fn webhook_delivered(&self, forge: &str) {
         self.webhook_deliveries.get_or_create(&labels([("forge", forge), ("result", "accepted")])).inc();
     }
 
     /// Whether this process holds the leader Lease.
-    pub fn set_leader(&self, leader: bool) {
+    pub(crate) fn set_leader(&self, leader: bool) {
         self.leader.set(i64::from(leader));
     }
 
     /// Registers `component` (or updates it); `/readyz` needs every one ready.
-    pub fn set_ready(&self, component: &str, ready: bool) {
+    pub(crate) fn set_ready(&self, component: &str, ready: bool) {
         lock(&self.readiness).insert(component.to_owned(), ready);
     }
 
     /// Registers `component` as not ready unless it is registered already.
-    pub fn register_readiness(&self, component: &str) {
+    pub(crate) fn register_readiness(&self, component: &str) {
         lock(&self.readiness).entry(component.to_owned()).or_insert(false);
     }
 
@@ -390,13 +396,13 @@ impl Metrics {
 /// abort) takes readiness down with it.
 #[must_use = "the component is marked not ready when the guard is dropped"]
 #[derive(Debug)]
-pub struct ReadinessGuard {
+pub(crate) struct ReadinessGuard {
     metrics: Arc<Metrics>,
     component: String,
 }
 
 impl ReadinessGuard {
-    pub fn new(metrics: &Arc<Metrics>, component: &str) -> ReadinessGuard {
+    pub(crate) fn new(metrics: &Arc<Metrics>, component: &str) -> ReadinessGuard {
         metrics.set_ready(component, false);
         ReadinessGuard { metrics: metrics.clone(), component: component.to_owned() }
     }
@@ -410,7 +416,7 @@ impl Drop for ReadinessGuard {
 
 /// `configured` (the controller's `--metrics-listen`), else
 /// `VMMIGRATE_METRICS_LISTEN`, else [`DEFAULT_LISTEN`].
-pub fn listen_addr(configured: Option<SocketAddr>) -> io::Result<SocketAddr> {
+pub(crate) fn listen_addr(configured: Option<SocketAddr>) -> io::Result<SocketAddr> {
     if let Some(addr) = configured {
         return Ok(addr);
     }
@@ -446,7 +452,7 @@ pub async fn serve(addr: SocketAddr, metrics: Arc<Metrics>) -> io::Result<Metric
 }
 
 /// [`serve`] on [`listen_addr`]`(configured)`; errors name the address.
-pub async fn serve_configured(
+pub(crate) async fn serve_configured(
     configured: Option<SocketAddr>,
     metrics: Arc<Metrics>,
 ) -> io::Result<MetricsServer> {

@@ -17,29 +17,29 @@ use kube::CustomResourceExt;
 
 /// Labels on every object vmmigrate creates: the link back to the migration
 /// that the controller, the conversion Jobs and the garbage collection share.
-pub mod labels {
+pub(crate) mod labels {
     /// The migration's name.
-    pub const MIGRATION: &str = "migration.platform.example/migration";
+    pub(crate) const MIGRATION: &str = "migration.platform.example/migration";
     /// The migration's namespace.
-    pub const MIGRATION_NAMESPACE: &str = "migration.platform.example/migration-namespace";
+    pub(crate) const MIGRATION_NAMESPACE: &str = "migration.platform.example/migration-namespace";
     /// The migration's uid: the proof an object is ours.
-    pub const MIGRATION_UID: &str = "migration.platform.example/migration-uid";
+    pub(crate) const MIGRATION_UID: &str = "migration.platform.example/migration-uid";
     /// The disk index on DataVolumes and conversion Jobs.
-    pub const DISK: &str = "migration.platform.example/disk";
+    pub(crate) const DISK: &str = "migration.platform.example/disk";
 }
 
 /// Condition types written by the controller.
 pub mod condition {
     pub const READY: &str = "Ready";
-    pub const RECONCILING: &str = "Reconciling";
+    pub(crate) const RECONCILING: &str = "Reconciling";
     pub const STALLED: &str = "Stalled";
-    pub const SOURCE_DISCOVERED: &str = "SourceDiscovered";
+    pub(crate) const SOURCE_DISCOVERED: &str = "SourceDiscovered";
     pub const VALIDATED: &str = "Validated";
-    pub const SOURCE_POWERED_OFF: &str = "SourcePoweredOff";
-    pub const DISK_ACQUIRED: &str = "DiskAcquired";
-    pub const DISK_CONVERTED: &str = "DiskConverted";
+    pub(crate) const SOURCE_POWERED_OFF: &str = "SourcePoweredOff";
+    pub(crate) const DISK_ACQUIRED: &str = "DiskAcquired";
+    pub(crate) const DISK_CONVERTED: &str = "DiskConverted";
     pub const DISK_IMPORTED: &str = "DiskImported";
-    pub const VM_CREATED: &str = "VMCreated";
+    pub(crate) const VM_CREATED: &str = "VMCreated";
     pub const VM_STARTED: &str = "VMStarted";
     pub const GUEST_READY: &str = "GuestReady";
 }
@@ -47,7 +47,7 @@ pub mod condition {
 /// The CRD, with `nullable: true` removed from optional fields: we never send
 /// nulls, and without `nullable` the API server prunes a null a user wrote
 /// instead of storing it (which would satisfy `has()` in the CEL rules).
-pub fn crd() -> apiext::CustomResourceDefinition {
+pub(crate) fn crd() -> apiext::CustomResourceDefinition {
     let mut crd = VirtualMachineMigration::crd();
     for version in &mut crd.spec.versions {
         if let Some(schema) = version.schema.as_mut().and_then(|s| s.open_api_v3_schema.as_mut()) {

@@ -14,7 +14,8 @@ macro_rules! reasons {
 
         impl Reason {
             /// Every reason, in declaration order.
-            pub const ALL: &[Reason] = &[$(Reason::$name,)*];
+            #[cfg(test)]
+            pub(crate) const ALL: &[Reason] = &[$(Reason::$name,)*];
 
             /// The stable string.
             pub fn as_str(self) -> &'static str {
@@ -114,13 +115,6 @@ reasons! {
     InvalidLeaderElectionConfig,
 }
 
-impl Reason {
-    /// The reason with this stable string, if there is one.
-    pub fn parse(text: &str) -> Option<Reason> {
-        Reason::ALL.iter().copied().find(|r| r.as_str() == text)
-    }
-}
-
 impl std::fmt::Display for Reason {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(self.as_str())
@@ -152,15 +146,13 @@ mod tests {
     use super::Reason;
 
     #[test]
-    fn every_reason_is_camel_case_unique_and_parses_back() {
+    fn every_reason_is_camel_case_and_unique() {
         let mut seen = std::collections::HashSet::new();
         for &reason in Reason::ALL {
             let text = reason.as_str();
             assert!(text.starts_with(|c: char| c.is_ascii_uppercase()), "{text}");
             assert!(text.chars().all(|c| c.is_ascii_alphanumeric()), "{text}");
             assert!(seen.insert(text), "{text} twice");
-            assert_eq!(Reason::parse(text), Some(reason));
         }
-        assert_eq!(Reason::parse("NoSuchReason"), None);
     }
 }

@@ -13,9 +13,9 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 /// API group of every vmmigrate resource.
-pub const GROUP: &str = "migration.platform.example";
+pub(crate) const GROUP: &str = "migration.platform.example";
 /// API version of `VirtualMachineMigration`.
-pub const VERSION: &str = "v1alpha1";
+pub(crate) const VERSION: &str = "v1alpha1";
 /// Annotation that moves a migration out of ManualInterventionRequired; removed when consumed.
 pub const RETRY_ANNOTATION: &str = "migration.platform.example/retry";
 
@@ -235,7 +235,7 @@ pub enum DiskFormat {
 
 impl DiskFormat {
     /// File extension of an artifact in this format.
-    pub fn extension(self) -> &'static str {
+    pub(crate) fn extension(self) -> &'static str {
         match self {
             DiskFormat::Raw => "raw",
             DiskFormat::Qcow2 => "qcow2",
@@ -457,7 +457,7 @@ pub enum CleanupAction {
 
 /// Which kind of check a `ValidationCheck` is.
 #[derive(Clone, Copy, Debug, PartialEq)]
-pub enum CheckKindRef<'a> {
+pub(crate) enum CheckKindRef<'a> {
     Http(&'a HttpCheck),
     GuestAgent,
     Ip,
@@ -465,7 +465,7 @@ pub enum CheckKindRef<'a> {
 
 impl ValidationCheck {
     /// The one member that is set (the CRD's CEL rule enforces exactly one).
-    pub fn kind(&self) -> Option<CheckKindRef<'_>> {
+    pub(crate) fn kind(&self) -> Option<CheckKindRef<'_>> {
         match (&self.http, &self.guest_agent, &self.ip) {
             (Some(http), None, None) => Some(CheckKindRef::Http(http)),
             (None, Some(_), None) => Some(CheckKindRef::GuestAgent),

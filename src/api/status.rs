@@ -7,9 +7,9 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 /// Most entries kept in `status.errors`; older ones are dropped first.
-pub const MAX_ERRORS: usize = 10;
+pub(crate) const MAX_ERRORS: usize = 10;
 /// Most entries kept in `status.history`.
-pub const MAX_HISTORY: usize = 64;
+pub(crate) const MAX_HISTORY: usize = 64;
 
 /// Observed state of a migration.
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]

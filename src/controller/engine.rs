@@ -12,7 +12,7 @@ use std::future::Future;
 use std::time::Duration;
 
 /// Longest any single adapter call may take before it counts as hung.
-pub const CALL_TIMEOUT: Duration = Duration::from_secs(120);
+pub(crate) const CALL_TIMEOUT: Duration = Duration::from_secs(120);
 
 /// Where a reconcile can be interrupted; the simulation crashes the
 /// controller at each of these.
@@ -63,7 +63,7 @@ fn disk_count(vmm: &VirtualMachineMigration) -> usize {
 }
 
 /// Looks at the world for the migration's current checkpoint.
-pub async fn observe(adapters: &Adapters, vmm: &VirtualMachineMigration) -> Observed {
+pub(crate) async fn observe(adapters: &Adapters, vmm: &VirtualMachineMigration) -> Observed {
     let phase = vmm.status.as_ref().map(|s| s.phase).unwrap_or_default();
     let disks = disk_count(vmm);
     match phase {
@@ -155,7 +155,7 @@ pub async fn observe(adapters: &Adapters, vmm: &VirtualMachineMigration) -> Obse
 }
 
 /// Performs one action. Annotation removal is done by the caller (it needs the API).
-pub async fn perform(
+pub(crate) async fn perform(
     adapters: &Adapters,
     vmm: &VirtualMachineMigration,
     action: &Action,

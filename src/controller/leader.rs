@@ -60,7 +60,7 @@ impl LeaseConfig {
 
     /// A lease of `seconds`, with the renew deadline and retry period in
     /// client-go's default proportions (15 : 10 : 2).
-    pub fn with_lease_seconds(mut self, seconds: u64) -> Self {
+    pub(crate) fn with_lease_seconds(mut self, seconds: u64) -> Self {
         self.lease_duration = Duration::from_secs(seconds.max(1));
         self.renew_deadline = self.lease_duration * 2 / 3;
         self.retry_period = self.lease_duration * 2 / 15;
@@ -96,7 +96,7 @@ impl LeaseConfig {
 
 /// `<instance>_<random>`: the pod name for people, a suffix so a restarted
 /// process never mistakes its predecessor's lease for its own.
-pub fn unique_identity(instance: &str) -> String {
+pub(crate) fn unique_identity(instance: &str) -> String {
     use std::hash::{BuildHasher, RandomState};
     let salt = RandomState::new().hash_one((std::process::id(), Timestamp::now().as_nanosecond()));
     format!("{instance}_{:08x}", salt as u32)
@@ -125,7 +125,7 @@ impl LeaderError {
 
 /// What a candidate does with the Lease it read.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Action {
+pub(crate) enum Action {
     /// There is no Lease: create it, holding it.
     Create,
     /// We hold it: write a new renewTime.
@@ -137,7 +137,7 @@ pub enum Action {
 }
 
 /// The next step for candidate `me` given the Lease as read at `now`.
-pub fn decide(lease: Option<&Lease>, me: &str, now: Timestamp) -> Action {
+pub(crate) fn decide(lease: Option<&Lease>, me: &str, now: Timestamp) -> Action {
     let Some(lease) = lease else { return Action::Create };
     let spec = lease.spec.as_ref();
     match spec.and_then(|s| s.holder_identity.as_deref()).filter(|h| !h.is_empty()) {

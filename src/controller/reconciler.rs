@@ -36,7 +36,7 @@ use tracing::Instrument;
 /// Finalizer that runs cleanup before a migration disappears.
 pub const FINALIZER: &str = "migration.platform.example/cleanup";
 /// Longest per-object backoff after reconcile errors.
-pub const MAX_ERROR_BACKOFF: Duration = Duration::from_secs(300);
+pub(crate) const MAX_ERROR_BACKOFF: Duration = Duration::from_secs(300);
 
 /// Asked at every checkpoint of a reconcile with the phase it started in;
 /// returning true abandons the reconcile there, as if the process died.
@@ -71,7 +71,7 @@ impl std::fmt::Debug for ControllerConfig {
 
 /// Errors of one reconcile; each has a stable reason for Events and metrics.
 #[derive(Debug, thiserror::Error)]
-pub enum Error {
+pub(crate) enum Error {
     #[error("Kubernetes API error while {0}: {1}")]
     Kube(&'static str, #[source] kube::Error),
     #[error("{0}")]
@@ -81,7 +81,7 @@ pub enum Error {
 }
 
 impl Error {
-    pub fn reason(&self) -> Reason {
+    pub(crate) fn reason(&self) -> Reason {
         match self {
             Error::Kube(..) => Reason::KubeAPIError,
             Error::Step(f) => f.reason,
@@ -95,7 +95,7 @@ impl Error {
 }
 
 /// Shared state of the controller.
-pub struct Context {
+pub(crate) struct Context {
     client: Client,
     adapters: Adapters,
     recorder: Recorder,
@@ -108,7 +108,7 @@ pub struct Context {
 }
 
 impl Context {
-    pub fn new(client: Client, adapters: Adapters, config: ControllerConfig) -> Context {
+    pub(crate) fn new(client: Client, adapters: Adapters, config: ControllerConfig) -> Context {
         let reporter = Reporter { controller: FIELD_MANAGER.into(), instance: Some(config.instance.clone()) };
         Context {
             recorder: Recorder::new(client.clone(), reporter),
@@ -199,7 +199,7 @@ pub async fn run(
 }
 
 /// The typed migration, or why this object cannot be read.
-pub fn parse(obj: &DynamicObject) -> Result<VirtualMachineMigration, serde_json::Error> {
+pub(crate) fn parse(obj: &DynamicObject) -> Result<VirtualMachineMigration, serde_json::Error> {
     serde_json::to_value(obj).and_then(serde_json::from_value)
 }
 
@@ -392,7 +392,7 @@ fn error_policy(obj: Arc<DynamicObject>, err: &Error, ctx: Arc<Context>) -> Acti
 
 /// Per-object backoff after reconcile errors: 2^attempts seconds with equal
 /// jitter, capped at `MAX_ERROR_BACKOFF`.
-pub fn error_backoff(attempts: u32, jitter: f64) -> Duration {
+pub(crate) fn error_backoff(attempts: u32, jitter: f64) -> Duration {
     let base = Duration::from_secs(1u64 << attempts.min(9)).min(MAX_ERROR_BACKOFF);
     base.mul_f64(0.5 + jitter.clamp(0.0, 1.0) / 2.0)
 }

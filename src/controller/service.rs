@@ -150,7 +150,7 @@ pub fn adapters(
 }
 
 /// Runs the controller until Ctrl-C or SIGTERM.
-pub async fn run(opts: ControllerOptions) -> anyhow::Result<()> {
+pub(crate) async fn run(opts: ControllerOptions) -> anyhow::Result<()> {
     let metrics = Arc::new(Metrics::new());
     let _server = crate::metrics::serve_configured(Some(opts.metrics_listen), metrics.clone()).await?;
     let client = Client::try_default().await.context("connecting to the Kubernetes API")?;
@@ -177,7 +177,7 @@ pub async fn run(opts: ControllerOptions) -> anyhow::Result<()> {
 /// Runs the reconciler until Ctrl-C or SIGTERM; with `--leader-elect` only
 /// while this process holds the Lease (reported in `config.metrics`). Losing
 /// the Lease is an error: the process must exit (see `LeaderElector::run`).
-pub async fn run_reconciler(
+pub(crate) async fn run_reconciler(
     client: Client,
     adapters: Adapters,
     config: ControllerConfig,
@@ -197,7 +197,7 @@ pub async fn run_reconciler(
 }
 
 /// Resolves on Ctrl-C or SIGTERM.
-pub async fn shutdown_signal() {
+pub(crate) async fn shutdown_signal() {
     let ctrl_c = async {
         let _ = tokio::signal::ctrl_c().await;
     };

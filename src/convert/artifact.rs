@@ -39,7 +39,7 @@ pub fn partial_path(file: &Path) -> PathBuf {
 }
 
 /// Whether `s` is 64 lowercase hex digits.
-pub fn is_sha256_hex(s: &str) -> bool {
+pub(crate) fn is_sha256_hex(s: &str) -> bool {
     s.len() == 64 && s.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
 }
 
@@ -66,7 +66,7 @@ pub fn write_marker(file: &Path, marker: &Marker) -> io::Result<()> {
 
 /// Whether the marker is at least as new as the data: a file written after
 /// its checksum was recorded is no longer known to match it.
-pub fn marker_is_fresh(file: &Path, marker_file: &Path) -> bool {
+pub(crate) fn marker_is_fresh(file: &Path, marker_file: &Path) -> bool {
     let modified = |p: &Path| fs::metadata(p).and_then(|m| m.modified()).ok();
     match (modified(file), modified(marker_file)) {
         (Some(data), Some(marker)) => marker >= data,
@@ -75,7 +75,7 @@ pub fn marker_is_fresh(file: &Path, marker_file: &Path) -> bool {
 }
 
 /// Removes `file` if present. "Not found" is success.
-pub fn remove_if_present(file: &Path) -> io::Result<()> {
+pub(crate) fn remove_if_present(file: &Path) -> io::Result<()> {
     match fs::remove_file(file) {
         Err(e) if e.kind() != io::ErrorKind::NotFound => Err(e),
         _ => Ok(()),
@@ -83,7 +83,7 @@ pub fn remove_if_present(file: &Path) -> io::Result<()> {
 }
 
 /// Removes a file with its `.sha256`, `.corrupt` and `.partial` companions.
-pub fn remove_with_markers(file: &Path) -> io::Result<()> {
+pub(crate) fn remove_with_markers(file: &Path) -> io::Result<()> {
     for path in [file.to_path_buf(), marker_path(file), corrupt_path(file), partial_path(file)] {
         remove_if_present(&path)?;
     }
@@ -111,7 +111,7 @@ pub fn sha256_file(path: &Path, progress: Option<&AtomicU64>) -> io::Result<(u64
 }
 
 /// Lowercase hex of a digest.
-pub fn hex(bytes: &[u8]) -> String {
+pub(crate) fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 

@@ -14,12 +14,12 @@ use sha2::{Digest, Sha256};
 use std::path::{Path, PathBuf};
 
 /// Label with the role of a helper object (`convert`).
-pub const LABEL_ROLE: &str = "migration.platform.example/role";
-pub use crate::api::labels::DISK as LABEL_DISK;
+pub(crate) const LABEL_ROLE: &str = "migration.platform.example/role";
+pub(crate) use crate::api::labels::DISK as LABEL_DISK;
 
 /// How conversion Jobs are run.
 #[derive(Clone, Debug)]
-pub struct JobSettings {
+pub(crate) struct JobSettings {
     /// Namespace of the Jobs; `None`: the migration's own namespace (then the
     /// Job is owned by the migration). The work volume must exist there.
     pub namespace: Option<String>,
@@ -35,7 +35,7 @@ pub struct JobSettings {
 
 /// Everything one conversion needs, as paths on the work volume.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct JobInput {
+pub(crate) struct JobInput {
     pub input: PathBuf,
     pub input_sha256: String,
     pub input_marker: PathBuf,
@@ -46,7 +46,7 @@ pub struct JobInput {
 }
 
 /// The Job's name: `<migration>-convert-<n>`, at most 63 characters.
-pub fn job_name(vmm: &VirtualMachineMigration, disk: usize) -> String {
+pub(crate) fn job_name(vmm: &VirtualMachineMigration, disk: usize) -> String {
     let name = vmm.metadata.name.clone().unwrap_or_default();
     let suffix = format!("-convert-{disk}");
     if name.len() + suffix.len() <= 63 {
@@ -59,7 +59,7 @@ pub fn job_name(vmm: &VirtualMachineMigration, disk: usize) -> String {
 }
 
 /// The namespace the Job runs in.
-pub fn job_namespace(settings: &JobSettings, vmm: &VirtualMachineMigration) -> String {
+pub(crate) fn job_namespace(settings: &JobSettings, vmm: &VirtualMachineMigration) -> String {
     settings.namespace.clone().unwrap_or_else(|| vmm.metadata.namespace.clone().unwrap_or_default())
 }
 
@@ -68,7 +68,7 @@ fn path_arg(p: &Path) -> String {
 }
 
 /// The `vmmigrate convert` argument list (after the command name).
-pub fn convert_args(input: &JobInput) -> Vec<String> {
+pub(crate) fn convert_args(input: &JobInput) -> Vec<String> {
     let mut args = vec![
         "convert".to_owned(),
         "--input".to_owned(),
@@ -91,7 +91,7 @@ pub fn convert_args(input: &JobInput) -> Vec<String> {
 }
 
 /// The Job converting disk `disk`.
-pub fn conversion_job(
+pub(crate) fn conversion_job(
     settings: &JobSettings,
     vmm: &VirtualMachineMigration,
     disk: usize,

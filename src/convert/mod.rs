@@ -13,8 +13,8 @@
 //! ```
 
 pub mod artifact;
-pub mod job;
+pub(crate) mod job;
 pub mod produce;
 pub mod qemu;
 pub mod staging;
-pub mod store;
+pub(crate) mod store;

@@ -38,7 +38,7 @@ pub enum OutputFormat {
 
 impl OutputFormat {
     /// The qemu-img format name, also the artifact's file extension.
-    pub fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             OutputFormat::Raw => "raw",
             OutputFormat::Qcow2 => "qcow2",

@@ -85,7 +85,7 @@ pub struct StagingServer {
 impl StagingServer {
     /// Serves files under `root` (layout: `root/<migration-uid>/disk-<n>.<raw|qcow2>`)
     /// at URL path `/artifacts/<migration-uid>/disk-<n>.<raw|qcow2>`.
-    pub async fn start(listener: TcpListener, root: PathBuf) -> io::Result<StagingServer> {
+    pub(crate) async fn start(listener: TcpListener, root: PathBuf) -> io::Result<StagingServer> {
         if !tokio::fs::metadata(&root).await?.is_dir() {
             let message = format!("staging root {} is not a directory", root.display());
             return Err(io::Error::new(io::ErrorKind::NotADirectory, message));
@@ -112,7 +112,7 @@ impl Drop for StagingServer {
 }
 
 /// The URL path of an artifact: `/artifacts/<uid>/disk-<n>.<ext>`.
-pub fn artifact_path(uid: &str, disk: usize, ext: &str) -> String {
+pub(crate) fn artifact_path(uid: &str, disk: usize, ext: &str) -> String {
     format!("/artifacts/{uid}/disk-{disk}.{ext}")
 }
 

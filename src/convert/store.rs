@@ -32,7 +32,7 @@ use tokio::sync::Semaphore;
 
 /// Settings of the artifact store.
 #[derive(Clone, Debug)]
-pub struct StoreSettings {
+pub(crate) struct StoreSettings {
     /// The work directory (`copies/`, `artifacts/`, `staging/` below it).
     pub work_dir: PathBuf,
     /// Base URL CDI reaches the staging server at, e.g.
@@ -53,7 +53,7 @@ struct LocalTask {
 }
 
 /// Converter + Staging over the work directory.
-pub struct ArtifactStore {
+pub(crate) struct ArtifactStore {
     settings: StoreSettings,
     client: Option<Client>,
     permits: Arc<Semaphore>,
@@ -70,13 +70,13 @@ fn io_failure(what: &str, err: std::io::Error) -> Failure {
 
 impl ArtifactStore {
     /// `client` is needed for the `job` runner only.
-    pub fn new(settings: StoreSettings, client: Option<Client>) -> ArtifactStore {
+    pub(crate) fn new(settings: StoreSettings, client: Option<Client>) -> ArtifactStore {
         let permits = Arc::new(Semaphore::new(settings.local_concurrency.max(1)));
         ArtifactStore { settings, client, permits, tasks: Mutex::new(HashMap::new()) }
     }
 
     /// `<work>/staging`: the root the staging server serves.
-    pub fn staging_root(work_dir: &Path) -> PathBuf {
+    pub(crate) fn staging_root(work_dir: &Path) -> PathBuf {
         work_dir.join("staging")
     }
 
@@ -85,12 +85,12 @@ impl ArtifactStore {
     }
 
     /// `<work>/artifacts/<uid>/disk-<n>.<fmt>`.
-    pub fn artifact_path(&self, vmm: &VirtualMachineMigration, disk: usize) -> PathBuf {
+    pub(crate) fn artifact_path(&self, vmm: &VirtualMachineMigration, disk: usize) -> PathBuf {
         self.settings.work_dir.join("artifacts").join(uid_of(vmm)).join(Self::file_name(vmm, disk))
     }
 
     /// `<work>/staging/<uid>/disk-<n>.<fmt>`.
-    pub fn staged_path(&self, vmm: &VirtualMachineMigration, disk: usize) -> PathBuf {
+    pub(crate) fn staged_path(&self, vmm: &VirtualMachineMigration, disk: usize) -> PathBuf {
         Self::staging_root(&self.settings.work_dir).join(uid_of(vmm)).join(Self::file_name(vmm, disk))
     }
 

@@ -24,7 +24,7 @@ where
 }
 
 /// Namespace `ns`, Secret `secret` with the ESXi login, StorageClass `standard`.
-pub async fn prepare(
+pub(crate) async fn prepare(
     client: &Client,
     ns: &str,
     secret: &str,
@@ -60,7 +60,7 @@ pub async fn prepare(
 /// Service `name` port 80 → `address:port`. The EndpointSlice is written
 /// here, standing in for the endpoint controller that would point it at the
 /// virt-launcher pod of the migrated VM.
-pub async fn web_service(
+pub(crate) async fn web_service(
     client: &Client,
     ns: &str,
     name: &str,

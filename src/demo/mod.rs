@@ -15,7 +15,7 @@ mod supervisor;
 use vmmigrate_harness as support;
 
 use crate::api::{DiskProgress, Phase, PhaseTransition, VirtualMachineMigration};
-pub use crate::cli::DemoOptions;
+pub(crate) use crate::cli::DemoOptions;
 use crate::controller::reconciler::{self, ControllerConfig};
 use crate::controller::service::{self as ctl, ControllerOptions};
 use crate::gitops::service::{GitopsHandle, GitopsOptions};

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 /// The bare remote and the engineer's clone of it.
-pub struct GitRemote {
+pub(crate) struct GitRemote {
     bare: PathBuf,
     laptop: PathBuf,
 }
@@ -15,7 +15,7 @@ pub struct GitRemote {
 impl GitRemote {
     /// Creates `<dir>/remote.git` with one commit on `main` holding the
     /// example repository's README and providers, and clones it to `<dir>/laptop`.
-    pub fn create(dir: &Path, examples: &Path) -> anyhow::Result<GitRemote> {
+    pub(crate) fn create(dir: &Path, examples: &Path) -> anyhow::Result<GitRemote> {
         let remote = GitRemote { bare: dir.join("remote.git"), laptop: dir.join("laptop") };
         git(dir, &["init", "-q", "--bare", "-b", "main", &path_str(&remote.bare)?])?;
         git(dir, &["clone", "-q", &path_str(&remote.bare)?, &path_str(&remote.laptop)?])?;
@@ -39,18 +39,23 @@ impl GitRemote {
         Ok(remote)
     }
 
-    pub fn bare(&self) -> &Path {
+    pub(crate) fn bare(&self) -> &Path {
         &self.bare
     }
 
     /// The engineer's work tree (on the last branch pushed).
-    pub fn laptop(&self) -> &Path {
+    pub(crate) fn laptop(&self) -> &Path {
         &self.laptop
     }
 
     /// Commits `files` on a new `branch` from `main` and pushes it: the pull request.
     /// Returns the commit.
-    pub fn push_branch(&self, branch: &str, files: &[(&str, &str)], message: &str) -> anyhow::Result<String> {
+    pub(crate) fn push_branch(
+        &self,
+        branch: &str,
+        files: &[(&str, &str)],
+        message: &str,
+    ) -> anyhow::Result<String> {
         git(&self.laptop, &["fetch", "-q", "origin"])?;
         git(&self.laptop, &["checkout", "-q", "-B", branch, "origin/main"])?;
         for (path, content) in files {
@@ -67,7 +72,7 @@ impl GitRemote {
     }
 
     /// Fast-forwards `main` to `branch` and pushes it: the merge. Returns the commit.
-    pub fn merge(&self, branch: &str) -> anyhow::Result<String> {
+    pub(crate) fn merge(&self, branch: &str) -> anyhow::Result<String> {
         git(&self.laptop, &["checkout", "-q", "-B", "main", "origin/main"])?;
         git(&self.laptop, &["merge", "-q", "--ff-only", branch])?;
         git(&self.laptop, &["push", "-q", "origin", "main"])?;
@@ -75,14 +80,14 @@ impl GitRemote {
     }
 
     /// `git show <rev>:<path>` in the remote, when it exists.
-    pub fn show(&self, rev_path: &str) -> Option<String> {
+    pub(crate) fn show(&self, rev_path: &str) -> Option<String> {
         let out =
             Command::new("git").arg("--git-dir").arg(&self.bare).args(["show", rev_path]).output().ok()?;
         out.status.success().then(|| String::from_utf8_lossy(&out.stdout).into_owned())
     }
 
     /// The abbreviated commit a ref of the remote points at.
-    pub fn short(&self, rev: &str) -> Option<String> {
+    pub(crate) fn short(&self, rev: &str) -> Option<String> {
         let out = Command::new("git")
             .arg("--git-dir")
             .arg(&self.bare)

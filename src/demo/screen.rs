@@ -12,7 +12,7 @@ const PLAIN_EVERY: Duration = Duration::from_secs(2);
 const BAR_CELLS: usize = 20;
 
 /// Standard output, with an optional live block at the bottom.
-pub struct Screen {
+pub(crate) struct Screen {
     interactive: bool,
     /// The live block as last drawn (interactive) or last printed (plain).
     live: Vec<String>,
@@ -22,12 +22,12 @@ pub struct Screen {
 
 impl Screen {
     /// `interactive`: redraw the live block in place (stdout is a terminal).
-    pub fn new(interactive: bool) -> Screen {
+    pub(crate) fn new(interactive: bool) -> Screen {
         Screen { interactive, live: Vec::new(), printed_at: Vec::new() }
     }
 
     /// Prints a permanent line (above the live block).
-    pub fn line(&mut self, text: &str) {
+    pub(crate) fn line(&mut self, text: &str) {
         let mut out = std::io::stdout().lock();
         if self.interactive && !self.live.is_empty() {
             let _ = write!(out, "{}", erase_lines(self.live.len()));
@@ -43,7 +43,7 @@ impl Screen {
 
     /// Replaces the live block. Plain mode prints a line when it changed and
     /// was not printed in the last two seconds.
-    pub fn live(&mut self, lines: Vec<String>) {
+    pub(crate) fn live(&mut self, lines: Vec<String>) {
         let mut out = std::io::stdout().lock();
         if self.interactive {
             if lines != self.live {
@@ -70,7 +70,7 @@ impl Screen {
 
     /// Leaves the live block as it is, drawn one last time with `last`, and
     /// starts a new one below it.
-    pub fn freeze(&mut self, last: Vec<String>) {
+    pub(crate) fn freeze(&mut self, last: Vec<String>) {
         if self.interactive {
             self.live(last);
         } else {
@@ -93,18 +93,18 @@ fn erase_lines(n: usize) -> String {
 }
 
 /// The elapsed-time column: `+  12.3s`.
-pub fn elapsed(d: Duration) -> String {
+pub(crate) fn elapsed(d: Duration) -> String {
     format!("+{:6.1}s", d.as_secs_f64())
 }
 
 /// Bytes as MiB with one decimal.
-pub fn mib(bytes: i64) -> String {
+pub(crate) fn mib(bytes: i64) -> String {
     format!("{:.1} MiB", bytes.max(0) as f64 / (1024.0 * 1024.0))
 }
 
 /// One disk's progress, under 80 columns (a wrapped line would break the
 /// redraw): `disk 0  █████░░░…  25%   8.0/32.0 MiB   12.5 MiB/s`.
-pub fn disk_bar(disk: &DiskProgress) -> String {
+pub(crate) fn disk_bar(disk: &DiskProgress) -> String {
     let percent = if disk.bytes_total > 0 {
         (disk.bytes_done.clamp(0, disk.bytes_total) as i128 * 100 / disk.bytes_total as i128) as usize
     } else {
@@ -127,17 +127,17 @@ pub fn disk_bar(disk: &DiskProgress) -> String {
 }
 
 /// A finished disk: the bar full, with its size.
-pub fn disk_done(disk: &DiskProgress) -> String {
+pub(crate) fn disk_done(disk: &DiskProgress) -> String {
     disk_bar(&DiskProgress { bytes_done: disk.bytes_total, bytes_per_second: 0, ..disk.clone() })
 }
 
 /// Phases whose work is measured in bytes per disk.
-pub fn has_disk_progress(phase: Phase) -> bool {
+pub(crate) fn has_disk_progress(phase: Phase) -> bool {
     matches!(phase, Phase::Preparing | Phase::Converting | Phase::Importing)
 }
 
 /// What a phase is doing, for someone seeing vmmigrate for the first time.
-pub fn caption(phase: Phase) -> &'static str {
+pub(crate) fn caption(phase: Phase) -> &'static str {
     match phase {
         Phase::Pending => "accepted; the controller adds its finalizer",
         Phase::Discovering => "reading the VM over SSH: vim-cmd, the .vmx, the VMDK descriptors",

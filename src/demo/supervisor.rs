@@ -11,11 +11,11 @@
 use std::process::Stdio;
 
 /// The hidden flag that marks the child.
-pub const CHILD_FLAG: &str = "--in-own-process-group";
+pub(crate) const CHILD_FLAG: &str = "--in-own-process-group";
 
 /// Starts `vmmigrate <same arguments> --in-own-process-group`, forwards
 /// signals to it and exits with its exit code.
-pub fn run_child_in_own_process_group() -> anyhow::Result<()> {
+pub(crate) fn run_child_in_own_process_group() -> anyhow::Result<()> {
     let exe = std::env::current_exe()?;
     let args: Vec<std::ffi::OsString> = std::env::args_os().skip(1).collect();
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;

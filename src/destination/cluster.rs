@@ -21,7 +21,7 @@ use kube::{Client, ResourceExt};
 use serde_json::{Value, json};
 
 /// Field manager of every write the controller makes.
-pub const FIELD_MANAGER: &str = "vmmigrate-controller";
+pub(crate) const FIELD_MANAGER: &str = "vmmigrate-controller";
 
 pub fn data_volume_resource() -> ApiResource {
     ApiResource::from_gvk_with_plural(

@@ -26,11 +26,11 @@ use kube::api::{Api, ListParams};
 use std::net::IpAddr;
 use std::time::Duration;
 
-pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+pub(crate) const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// Connect, request and response together.
-pub const TOTAL_TIMEOUT: Duration = Duration::from_secs(10);
+pub(crate) const TOTAL_TIMEOUT: Duration = Duration::from_secs(10);
 /// Body bytes kept for the `bodyContains` test; the rest is not read.
-pub const BODY_LIMIT: usize = 1024 * 1024;
+pub(crate) const BODY_LIMIT: usize = 1024 * 1024;
 /// Label that ties an EndpointSlice to its Service.
 pub const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
 const EXCERPT_CHARS: usize = 200;
@@ -47,28 +47,28 @@ pub enum HttpTarget {
 
 /// Where the GET goes: an IP address or DNS name, and a port.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct HttpEndpoint {
+pub(crate) struct HttpEndpoint {
     pub host: String,
     pub port: u16,
 }
 
 impl HttpEndpoint {
     /// `host:port` with IPv6 addresses in brackets: the URL authority and the Host header.
-    pub fn authority(&self) -> String {
+    pub(crate) fn authority(&self) -> String {
         match self.host.parse::<IpAddr>() {
             Ok(IpAddr::V6(ip)) => format!("[{ip}]:{}", self.port),
             _ => format!("{}:{}", self.host, self.port),
         }
     }
 
-    pub fn url(&self, path: &str) -> String {
+    pub(crate) fn url(&self, path: &str) -> String {
         format!("http://{}{}", self.authority(), request_target(path))
     }
 }
 
 /// A response, its body cut at `BODY_LIMIT`.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct HttpResponse {
+pub(crate) struct HttpResponse {
     pub status: u16,
     pub body: Vec<u8>,
     /// The body was longer than `BODY_LIMIT` and only its start was read.
@@ -77,7 +77,7 @@ pub struct HttpResponse {
 
 /// Why a GET produced no usable response.
 #[derive(Debug, thiserror::Error)]
-pub enum HttpError {
+pub(crate) enum HttpError {
     #[error("cannot connect: {0}")]
     Connect(String),
     #[error("no connection within {}s", .0.as_secs())]
@@ -96,7 +96,7 @@ pub enum HttpError {
 
 impl HttpError {
     /// Something answered, just not in HTTP: waiting will not fix that.
-    pub fn is_answer(&self) -> bool {
+    pub(crate) fn is_answer(&self) -> bool {
         matches!(self, HttpError::Malformed(_))
     }
 }
@@ -127,7 +127,7 @@ pub async fn run_http_check(
 }
 
 /// The Service's DNS name in the cluster, for `HttpTarget::ClusterDns`.
-pub fn cluster_dns_endpoint(namespace: &str, check: &HttpCheck) -> Result<HttpEndpoint, String> {
+pub(crate) fn cluster_dns_endpoint(namespace: &str, check: &HttpCheck) -> Result<HttpEndpoint, String> {
     let port = u16::try_from(check.port).map_err(|_| format!("port {} is out of range", check.port))?;
     Ok(HttpEndpoint { host: format!("{}.{namespace}.svc", check.service), port })
 }
@@ -154,7 +154,7 @@ async fn resolve_endpoint(
 }
 
 /// The Service's TCP port numbered `port`. Errors complete "Service ns/name …".
-pub fn service_port(service: &Service, port: i32) -> Result<&ServicePort, String> {
+pub(crate) fn service_port(service: &Service, port: i32) -> Result<&ServicePort, String> {
     let ports = service.spec.as_ref().and_then(|s| s.ports.as_deref()).unwrap_or_default();
     ports.iter().find(|p| p.port == port && is_tcp(p.protocol.as_deref())).ok_or_else(|| {
         let known: Vec<String> = ports
@@ -175,7 +175,7 @@ pub fn service_port(service: &Service, port: i32) -> Result<&ServicePort, String
 /// The first ready address (slices in name order) and the port it serves
 /// `port` on: the slice's port with the same name as the Service port, else
 /// the Service's numeric targetPort. Errors complete "Service ns/name …".
-pub fn select_endpoint(port: &ServicePort, slices: &[EndpointSlice]) -> Result<HttpEndpoint, String> {
+pub(crate) fn select_endpoint(port: &ServicePort, slices: &[EndpointSlice]) -> Result<HttpEndpoint, String> {
     let mut ordered: Vec<&EndpointSlice> = slices.iter().collect();
     ordered.sort_by(|a, b| a.metadata.name.cmp(&b.metadata.name));
     let mut not_ready = 0;
@@ -239,7 +239,7 @@ fn is_tcp(protocol: Option<&str>) -> bool {
 }
 
 /// One GET with `Connection: close`, bounded by `CONNECT_TIMEOUT` and `TOTAL_TIMEOUT`.
-pub async fn http_get(endpoint: &HttpEndpoint, path: &str) -> Result<HttpResponse, HttpError> {
+pub(crate) async fn http_get(endpoint: &HttpEndpoint, path: &str) -> Result<HttpResponse, HttpError> {
     match tokio::time::timeout(TOTAL_TIMEOUT, exchange(endpoint, path)).await {
         Ok(result) => result,
         Err(_) => Err(HttpError::Timeout(TOTAL_TIMEOUT)),
@@ -322,7 +322,7 @@ fn error_chain(err: &dyn std::error::Error) -> String {
 
 /// The path as a request target: leading `/`, and every byte outside visible
 /// ASCII percent-encoded, so a path from the spec can never break the request line.
-pub fn request_target(path: &str) -> String {
+pub(crate) fn request_target(path: &str) -> String {
     let mut out = String::with_capacity(path.len() + 1);
     if !path.starts_with('/') {
         out.push('/');
@@ -338,7 +338,7 @@ pub fn request_target(path: &str) -> String {
 }
 
 /// Status first, then `bodyContains`.
-pub fn judge(url: &str, check: &HttpCheck, response: &HttpResponse) -> CheckResult {
+pub(crate) fn judge(url: &str, check: &HttpCheck, response: &HttpResponse) -> CheckResult {
     let status = response.status;
     if i32::from(status) != check.expected_status {
         return CheckResult::Wrong {

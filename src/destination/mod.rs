@@ -3,4 +3,4 @@
 
 pub mod cluster;
 pub mod http_check;
-pub mod render;
+pub(crate) mod render;

@@ -17,7 +17,7 @@ use crate::api::labels::{
 };
 
 /// Labels linking an object back to its migration.
-pub fn labels(vmm: &VirtualMachineMigration) -> serde_json::Map<String, Value> {
+pub(crate) fn labels(vmm: &VirtualMachineMigration) -> serde_json::Map<String, Value> {
     let mut labels = serde_json::Map::new();
     labels.insert("app.kubernetes.io/managed-by".into(), json!("vmmigrate"));
     labels.insert(LABEL_MIGRATION.into(), json!(vmm.metadata.name.clone().unwrap_or_default()));
@@ -30,7 +30,7 @@ pub fn labels(vmm: &VirtualMachineMigration) -> serde_json::Map<String, Value> {
 /// An owner reference to the migration, only when the object lives in the
 /// migration's namespace: Kubernetes does not allow cross-namespace owners,
 /// and the garbage collector would delete such a dependent at once.
-pub fn owner_references(vmm: &VirtualMachineMigration) -> Value {
+pub(crate) fn owner_references(vmm: &VirtualMachineMigration) -> Value {
     if vmm.metadata.namespace.as_deref() != Some(vmm.spec.destination.namespace.as_str()) {
         return json!([]);
     }
@@ -45,7 +45,7 @@ pub fn owner_references(vmm: &VirtualMachineMigration) -> Value {
 }
 
 /// The DataVolume of disk `disk`, importing the staged artifact over HTTP.
-pub fn data_volume(vmm: &VirtualMachineMigration, disk: usize) -> Value {
+pub(crate) fn data_volume(vmm: &VirtualMachineMigration, disk: usize) -> Value {
     let status = vmm.status.clone().unwrap_or_default();
     let name =
         data_volume_name(destination_name(&vmm.spec, vmm.metadata.name.as_deref().unwrap_or_default()), disk);
@@ -79,7 +79,7 @@ pub fn data_volume(vmm: &VirtualMachineMigration, disk: usize) -> Value {
 }
 
 /// The VirtualMachine, created with runStrategy Halted.
-pub fn virtual_machine(vmm: &VirtualMachineMigration) -> Value {
+pub(crate) fn virtual_machine(vmm: &VirtualMachineMigration) -> Value {
     let status = vmm.status.clone().unwrap_or_default();
     let inventory = status.source_inventory.clone().unwrap_or_default();
     let name = destination_name(&vmm.spec, vmm.metadata.name.as_deref().unwrap_or_default()).to_owned();
@@ -175,7 +175,7 @@ pub fn virtual_machine(vmm: &VirtualMachineMigration) -> Value {
 
 /// Whether `live` contains everything in `wanted` (extra fields in `live`,
 /// such as server defaults, are fine). Arrays must match element by element.
-pub fn contains(live: &Value, wanted: &Value) -> bool {
+pub(crate) fn contains(live: &Value, wanted: &Value) -> bool {
     match (live, wanted) {
         (Value::Object(l), Value::Object(w)) => {
             w.iter().all(|(k, v)| l.get(k).is_some_and(|lv| contains(lv, v)))

@@ -28,7 +28,8 @@ use serde_json::{Value, json};
 use std::collections::BTreeSet;
 
 /// Spec fields a migration keeps once it is past `Validated`.
-pub const HELD_FIELDS: &[&str] = &["source", "destination", "networkMap", "powerOffPolicy", "conversion"];
+pub(crate) const HELD_FIELDS: &[&str] =
+    &["source", "destination", "networkMap", "powerOffPolicy", "conversion"];
 
 /// What applying one commit did.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -67,7 +68,10 @@ fn identity_fixed(live: &VirtualMachineMigration) -> bool {
 
 /// The object to apply for `rendered` given the live migration, plus a
 /// note when changes were held back.
-pub fn reconcile_spec(rendered: &Value, live: Option<&VirtualMachineMigration>) -> (Value, Option<String>) {
+pub(crate) fn reconcile_spec(
+    rendered: &Value,
+    live: Option<&VirtualMachineMigration>,
+) -> (Value, Option<String>) {
     let Some(live) = live else { return (rendered.clone(), None) };
     let live_spec = serde_json::to_value(&live.spec).unwrap_or(Value::Null);
     let mut object = rendered.clone();
@@ -112,7 +116,10 @@ pub fn reconcile_spec(rendered: &Value, live: Option<&VirtualMachineMigration>) 
 /// (what `kubectl diff` shows). `Ok(None)`: not allowed to ask (with
 /// `--no-apply` the ServiceAccount may lack `create`); `Err` carries the
 /// server's refusal of the manifest.
-pub async fn server_spec(client: &Client, rendered: &RenderedMigration) -> Result<Option<Value>, String> {
+pub(crate) async fn server_spec(
+    client: &Client,
+    rendered: &RenderedMigration,
+) -> Result<Option<Value>, String> {
     let api: Api<VirtualMachineMigration> = Api::namespaced(client.clone(), &rendered.namespace);
     let live = api.get_opt(&rendered.name).await.map_err(|e| e.to_string())?;
     let (object, _) = reconcile_spec(&rendered.object, live.as_ref());

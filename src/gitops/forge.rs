@@ -17,9 +17,6 @@ use std::fmt;
 use std::time::Duration;
 use tokio::sync::OnceCell;
 
-/// The public GitHub API; GitHub Enterprise Server uses `https://<host>/api/v3`.
-pub const GITHUB_API: &str = "https://api.github.com";
-
 /// Every request, connect to last byte.
 const TIMEOUT: Duration = Duration::from_secs(30);
 /// GitHub's maximum `per_page`.
@@ -59,7 +56,7 @@ pub enum CommitState {
 
 impl CommitState {
     /// The value of the API's `state` field.
-    pub fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             CommitState::Pending => "pending",
             CommitState::Success => "success",
@@ -81,7 +78,7 @@ pub struct ForgeError {
 }
 
 impl ForgeError {
-    pub fn new(status: Option<u16>, message: impl Into<String>) -> Self {
+    pub(crate) fn new(status: Option<u16>, message: impl Into<String>) -> Self {
         ForgeError { status, message: message.into() }
     }
 
@@ -180,16 +177,10 @@ pub trait Forge: Send + Sync {
 pub struct GitHub(Rest);
 
 impl GitHub {
-    /// `api_base` is [`GITHUB_API`] or `https://<host>/api/v3`; `token` a PAT or an app installation token.
+    /// `api_base` is `https://api.github.com` or, for GitHub Enterprise
+    /// Server, `https://<host>/api/v3`; `token` a PAT or an app installation token.
     pub fn new(api_base: &str, owner: &str, repo: &str, token: &str) -> Result<Self, ForgeError> {
         Rest::new(Dialect::GitHub, api_base, owner, repo, token).map(GitHub)
-    }
-
-    /// The login the token acts as, when known in advance. App installation
-    /// tokens cannot call `GET /user`; without this they fall back to the
-    /// oldest marker comment.
-    pub fn with_login(self, login: &str) -> Self {
-        GitHub(self.0.with_login(login))
     }
 }
 
@@ -201,11 +192,6 @@ impl Gitea {
     /// `api_base` is `https://<host>/api/v1`.
     pub fn new(api_base: &str, owner: &str, repo: &str, token: &str) -> Result<Self, ForgeError> {
         Rest::new(Dialect::Gitea, api_base, owner, repo, token).map(Gitea)
-    }
-
-    /// The login the token acts as, when known in advance (saves one `GET /user`).
-    pub fn with_login(self, login: &str) -> Self {
-        Gitea(self.0.with_login(login))
     }
 }
 
@@ -389,11 +375,6 @@ impl Rest {
             token: token.to_owned(),
             login: OnceCell::new(),
         })
-    }
-
-    fn with_login(mut self, login: &str) -> Self {
-        self.login = OnceCell::from(Some(login.to_owned()));
-        self
     }
 
     fn repo_url(&self, rest: &str) -> String {
@@ -732,6 +713,7 @@ mod tests {
     }
 
     const MARKER: &str = "<!-- vmmigrate:plan -->";
+    const GITHUB_API: &str = "https://api.github.com";
 
     #[test]
     fn the_bots_comment_wins_over_an_older_human_quote() {

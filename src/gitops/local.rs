@@ -15,7 +15,7 @@ use std::path::Path;
 
 /// The plan of a local work tree against the live cluster (when reachable).
 /// Returns the comment text and whether it passes.
-pub async fn plan_local(
+pub(crate) async fn plan_local(
     root: &Path,
     namespace: &str,
     client: Option<&Client>,
@@ -42,7 +42,7 @@ pub async fn plan_local(
 /// server stores them (a server-side dry run adds the server's defaults, so
 /// only real changes show). Without a cluster the rendered spec is shown as
 /// written. `Ok(Err(_))`: the API server would refuse the manifest.
-pub async fn plan_entry(
+pub(crate) async fn plan_entry(
     client: Option<&Client>,
     r: &RenderedMigration,
 ) -> anyhow::Result<Result<PlanEntry, String>> {
@@ -87,7 +87,7 @@ fn project(live: &serde_json::Value, shape: &serde_json::Value) -> serde_json::V
 }
 
 /// One line per migration: name, phase, a progress bar, the last error.
-pub fn status_table(migrations: &[VirtualMachineMigration]) -> String {
+pub(crate) fn status_table(migrations: &[VirtualMachineMigration]) -> String {
     let mut rows = vec![format!("{:<40} {:<27} {:<16} {}", "MIGRATION", "PHASE", "PROGRESS", "LAST ERROR")];
     for m in migrations {
         let status = m.status.clone().unwrap_or_default();
@@ -110,7 +110,10 @@ pub fn status_table(migrations: &[VirtualMachineMigration]) -> String {
 }
 
 /// The migrations vmmigrate's gitops side manages, from the cluster.
-pub async fn live_migrations(client: &Client, all: bool) -> anyhow::Result<Vec<VirtualMachineMigration>> {
+pub(crate) async fn live_migrations(
+    client: &Client,
+    all: bool,
+) -> anyhow::Result<Vec<VirtualMachineMigration>> {
     let lp = if all {
         ListParams::default()
     } else {

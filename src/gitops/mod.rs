@@ -27,7 +27,7 @@ pub struct Provenance {
 }
 
 /// Annotation with the repository URL.
-pub const ANNOTATION_REPO: &str = "migration.platform.example/git-repository";
+pub(crate) const ANNOTATION_REPO: &str = "migration.platform.example/git-repository";
 /// Annotation with the commit a migration was rendered from.
 pub const ANNOTATION_COMMIT: &str = "migration.platform.example/git-commit";
 /// Annotation with the manifest's path in the repository.
@@ -35,17 +35,17 @@ pub const ANNOTATION_PATH: &str = "migration.platform.example/git-path";
 /// Label on every object the gitops side applied (prune and orphan detection).
 pub const LABEL_GITOPS: &str = "migration.platform.example/gitops";
 /// Annotation set when the manifest of a live migration left Git.
-pub const ANNOTATION_ORPHANED: &str = "migration.platform.example/orphaned";
+pub(crate) const ANNOTATION_ORPHANED: &str = "migration.platform.example/orphaned";
 /// Field manager of the gitops side's server-side apply.
 pub const FIELD_MANAGER: &str = "vmmigrate-gitops";
 
 pub mod apply;
 pub mod forge;
-pub mod local;
+pub(crate) mod local;
 pub mod plan;
 pub mod render;
-pub mod repo;
+pub(crate) mod repo;
 pub mod service;
 pub mod status_branch;
 pub mod status_files;
-pub mod webhook;
+pub(crate) mod webhook;

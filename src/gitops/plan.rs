@@ -111,7 +111,7 @@ impl Counts {
 }
 
 /// The whole comment for one pull request head; starts with [`PLAN_MARKER`].
-pub fn plan_comment(input: &PlanInput) -> String {
+pub(crate) fn plan_comment(input: &PlanInput) -> String {
     let full = render_plan(input, Detail::Full);
     if full.chars().count() <= MAX_PLAN_CHARS { full } else { render_plan(input, Detail::Compact) }
 }
@@ -304,7 +304,7 @@ pub fn commit_state(input: &PlanInput) -> (CommitState, String) {
 /// date until every migration has ended, and the merged plan collapsed below.
 /// `plan` is the text [`plan_comment`] produced; `progress` is
 /// `(name, phase, percent, last error)` per migration.
-pub fn progress_comment(plan: &str, progress: &[(String, String, i32, Option<String>)]) -> String {
+pub(crate) fn progress_comment(plan: &str, progress: &[(String, String, i32, Option<String>)]) -> String {
     let mut rows: Vec<&(String, String, i32, Option<String>)> = progress.iter().collect();
     rows.sort_by(|a, b| a.0.cmp(&b.0));
     let ended = rows.iter().filter(|(_, phase, _, _)| is_terminal(phase)).count();

@@ -16,7 +16,7 @@ use std::sync::atomic::AtomicBool;
 
 /// How to authenticate to a private repository.
 #[derive(Clone, Default)]
-pub enum RepoAuth {
+pub(crate) enum RepoAuth {
     #[default]
     None,
     /// An SSH private key file (from a mounted Secret), used as
@@ -39,7 +39,7 @@ impl std::fmt::Debug for RepoAuth {
 
 /// The repository to track.
 #[derive(Clone, Debug)]
-pub struct RepoConfig {
+pub(crate) struct RepoConfig {
     /// Clone URL or local path.
     pub url: String,
     /// The tracked branch, e.g. `main`.
@@ -53,7 +53,7 @@ pub struct RepoConfig {
 /// credentials.
 #[derive(Debug, thiserror::Error)]
 #[error("{what}: {message}")]
-pub struct GitError {
+pub(crate) struct GitError {
     pub what: String,
     pub message: String,
 }
@@ -63,7 +63,7 @@ fn err(what: &str, e: impl std::fmt::Display) -> GitError {
 }
 
 /// The tracked repository's local bare clone.
-pub struct TrackedRepo {
+pub(crate) struct TrackedRepo {
     config: RepoConfig,
 }
 
@@ -71,12 +71,8 @@ pub struct TrackedRepo {
 const REMOTE_REFS: &str = "refs/remotes/origin";
 
 impl TrackedRepo {
-    pub fn new(config: RepoConfig) -> TrackedRepo {
+    pub(crate) fn new(config: RepoConfig) -> TrackedRepo {
         TrackedRepo { config }
-    }
-
-    pub fn config(&self) -> &RepoConfig {
-        &self.config
     }
 
     fn open(&self) -> Result<gix::Repository, GitError> {
@@ -92,7 +88,7 @@ impl TrackedRepo {
     /// The `GIT_SSH_COMMAND` for an SSH key, to be set in the process
     /// environment once, before any thread starts (gix's ssh and file
     /// transports run `ssh`/`git`, which honour it like git itself).
-    pub fn ssh_command(auth: &RepoAuth) -> Option<String> {
+    pub(crate) fn ssh_command(auth: &RepoAuth) -> Option<String> {
         let RepoAuth::SshKey { key, known_hosts } = auth else { return None };
         let mut cmd = format!("ssh -i {} -o IdentitiesOnly=yes -o BatchMode=yes", shell_quote(key));
         if let Some(k) = known_hosts {
@@ -103,7 +99,7 @@ impl TrackedRepo {
 
     /// Fetches every branch (pull-request heads are branches too) and returns
     /// the tracked branch's tip.
-    pub fn fetch(&self) -> Result<String, GitError> {
+    pub(crate) fn fetch(&self) -> Result<String, GitError> {
         let repo = self.open()?;
         let remote = repo
             .remote_at(self.config.url.as_str())
@@ -141,7 +137,7 @@ impl TrackedRepo {
     }
 
     /// The last fetched tip of `branch`.
-    pub fn tip(&self, branch: &str) -> Result<String, GitError> {
+    pub(crate) fn tip(&self, branch: &str) -> Result<String, GitError> {
         let repo = self.open()?;
         let name = format!("{REMOTE_REFS}/{branch}");
         let mut reference =
@@ -150,25 +146,8 @@ impl TrackedRepo {
         Ok(id.to_string())
     }
 
-    /// Every fetched branch with its tip, sorted by name.
-    pub fn branches(&self) -> Result<Vec<(String, String)>, GitError> {
-        let repo = self.open()?;
-        let platform = repo.references().map_err(|e| err("listing branches", e))?;
-        let prefix = format!("{REMOTE_REFS}/");
-        let mut out = Vec::new();
-        for reference in platform.prefixed(prefix.as_str()).map_err(|e| err("listing branches", e))? {
-            let mut reference = reference.map_err(|e| err("listing branches", e))?;
-            let name = reference.name().as_bstr().to_str_lossy().trim_start_matches(&prefix).to_owned();
-            if let Ok(id) = reference.peel_to_id() {
-                out.push((name, id.to_string()));
-            }
-        }
-        out.sort();
-        Ok(out)
-    }
-
     /// The files of `commit` under any of `prefixes` (all when empty), sorted by path.
-    pub fn files_at(&self, commit: &str, prefixes: &[&str]) -> Result<Vec<RepoFile>, GitError> {
+    pub(crate) fn files_at(&self, commit: &str, prefixes: &[&str]) -> Result<Vec<RepoFile>, GitError> {
         let repo = self.open()?;
         let id = gix::ObjectId::from_hex(commit.as_bytes()).map_err(|e| err("commit id", e))?;
         let tree = repo
@@ -192,37 +171,6 @@ impl TrackedRepo {
         }
         files.sort_by(|a, b| a.path.cmp(&b.path));
         Ok(files)
-    }
-
-    /// Paths that differ between two commits, under `prefixes`.
-    pub fn changed_paths(&self, base: &str, head: &str, prefixes: &[&str]) -> Result<Vec<String>, GitError> {
-        let before = self.files_at(base, prefixes)?;
-        let after = self.files_at(head, prefixes)?;
-        let mut changed: Vec<String> = Vec::new();
-        let map = |files: &[RepoFile]| {
-            files
-                .iter()
-                .map(|f| (f.path.clone(), f.bytes.clone()))
-                .collect::<std::collections::BTreeMap<_, _>>()
-        };
-        let (a, b) = (map(&before), map(&after));
-        for path in a.keys().chain(b.keys()) {
-            if a.get(path) != b.get(path) && !changed.contains(path) {
-                changed.push(path.clone());
-            }
-        }
-        changed.sort();
-        Ok(changed)
-    }
-
-    /// The merge base of two commits, when they share history.
-    pub fn merge_base(&self, a: &str, b: &str) -> Result<Option<String>, GitError> {
-        let repo = self.open()?;
-        let parse = |s: &str| gix::ObjectId::from_hex(s.as_bytes()).map_err(|e| err("commit id", e));
-        match repo.merge_base(parse(a)?, parse(b)?) {
-            Ok(id) => Ok(id.map(|i| i.to_string())),
-            Err(_) => Ok(None),
-        }
     }
 }
 

@@ -195,7 +195,7 @@ impl Gitops {
 
     /// Records fetches, applies, webhook deliveries and readiness in
     /// `metrics` (the default: a registry of its own).
-    pub fn with_metrics(mut self, metrics: Arc<Metrics>) -> Gitops {
+    pub(crate) fn with_metrics(mut self, metrics: Arc<Metrics>) -> Gitops {
         self.metrics = metrics;
         self
     }
@@ -230,7 +230,7 @@ impl Gitops {
     }
 
     /// The last commit applied (or validated, with `--no-apply`).
-    pub fn last_applied(&self) -> Option<String> {
+    pub(crate) fn last_applied(&self) -> Option<String> {
         self.state().last_applied.clone()
     }
 
@@ -302,7 +302,7 @@ impl Gitops {
     }
 
     /// The status files for the current state of the cluster.
-    pub async fn status_snapshot(&self) -> anyhow::Result<Option<Snapshot>> {
+    pub(crate) async fn status_snapshot(&self) -> anyhow::Result<Option<Snapshot>> {
         let Some(commit) = self.last_applied() else { return Ok(None) };
         let mut migrations = self.live().await?;
         migrations.sort_by_key(|m| (m.namespace(), m.name_any()));
@@ -436,7 +436,7 @@ impl Gitops {
 
     /// After a merge, keeps the PR's comment up to date with the progress of
     /// its migrations until all of them end.
-    pub async fn follow_merged(&self, number: u64) -> anyhow::Result<()> {
+    pub(crate) async fn follow_merged(&self, number: u64) -> anyhow::Result<()> {
         let Some(forge) = self.forge.clone() else { return Ok(()) };
         let pr = forge.pull_request(number).await?;
         if !pr.merged {
@@ -486,7 +486,7 @@ impl Gitops {
     }
 
     /// Everything one trigger does.
-    pub async fn tick(&self) {
+    pub(crate) async fn tick(&self) {
         self.ticks.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         self.metrics.register_readiness("gitops");
         let synced = self.sync().await;
@@ -663,21 +663,8 @@ pub async fn start(
     Ok(GitopsHandle { gitops, webhook_addr, webhook_stats, shutdown: Some(shutdown_tx), task })
 }
 
-/// Runs the gitops side until `shutdown` resolves.
-pub async fn run(
-    client: Client,
-    opts: GitopsOptions,
-    metrics: Arc<Metrics>,
-    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
-) -> anyhow::Result<()> {
-    let handle = start(client, opts, metrics).await?;
-    shutdown.await;
-    handle.stop().await;
-    Ok(())
-}
-
 /// The status files as `vmmigrate status` shows them from the status branch.
-pub fn read_status_branch(
+pub(crate) fn read_status_branch(
     remote: &str,
     branch: &str,
     cache: PathBuf,

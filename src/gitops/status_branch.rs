@@ -23,18 +23,14 @@ use super::status_files::STATUS_MD;
 use crate::metrics::Metrics;
 
 /// Branch written by default; the bot owns it.
-pub const DEFAULT_BRANCH: &str = "migration-status";
-/// Directory on the tracked branch for the `Directory` target.
-pub const DEFAULT_DIR: &str = "status/";
-pub const DEFAULT_AUTHOR_NAME: &str = "vmmigrate";
-pub const DEFAULT_AUTHOR_EMAIL: &str = "vmmigrate@users.noreply.local";
-pub const DEFAULT_MAX_PUSH_ATTEMPTS: u32 = 5;
-/// At most one status commit per window.
-pub const DEFAULT_WINDOW: Duration = Duration::from_secs(10);
+pub(crate) const DEFAULT_BRANCH: &str = "migration-status";
+pub(crate) const DEFAULT_AUTHOR_NAME: &str = "vmmigrate";
+pub(crate) const DEFAULT_AUTHOR_EMAIL: &str = "vmmigrate@users.noreply.local";
+pub(crate) const DEFAULT_MAX_PUSH_ATTEMPTS: u32 = 5;
 /// Trailer with the tracked-branch commit the status was computed against.
-pub const TRAILER_SOURCE_COMMIT: &str = "Vmmigrate-Source-Commit";
+pub(crate) const TRAILER_SOURCE_COMMIT: &str = "Vmmigrate-Source-Commit";
 /// Trailer with the number of migration files in the commit.
-pub const TRAILER_MIGRATIONS: &str = "Vmmigrate-Migrations";
+pub(crate) const TRAILER_MIGRATIONS: &str = "Vmmigrate-Migrations";
 
 /// The remote tip lands here in the scratch repository. Forced, but only this
 /// private ref: the remote branch itself is never forced.
@@ -73,7 +69,7 @@ impl Default for Target {
 }
 
 impl Target {
-    pub fn branch(&self) -> &str {
+    pub(crate) fn branch(&self) -> &str {
         match self {
             Target::Branch(branch) | Target::Directory { branch, .. } => branch,
         }
@@ -81,7 +77,7 @@ impl Target {
 }
 
 /// Runs before every push attempt (tests use it to move the remote in between).
-pub type BeforePush = Arc<dyn Fn() + Send + Sync>;
+pub(crate) type BeforePush = Arc<dyn Fn() + Send + Sync>;
 
 #[derive(Clone)]
 pub struct StatusWriterConfig {
@@ -168,7 +164,7 @@ pub enum StatusError {
 
 impl StatusError {
     /// Stable reason for logs, Events and metric labels.
-    pub fn reason(&self) -> &'static str {
+    pub(crate) fn reason(&self) -> &'static str {
         match self {
             StatusError::InvalidConfig(_) => "StatusConfigInvalid",
             StatusError::InvalidPath(_) => "StatusPathInvalid",
@@ -219,7 +215,7 @@ impl StatusWriter {
         StatusWriter { cfg, prefix, cache_dir, invalid, scratch: Mutex::new(()) }
     }
 
-    pub fn config(&self) -> &StatusWriterConfig {
+    pub(crate) fn config(&self) -> &StatusWriterConfig {
         &self.cfg
     }
 
@@ -733,7 +729,7 @@ fn redact_url(url: &str) -> String {
 }
 
 /// A snapshot for `run_coalescing`: the status files and the source commit.
-pub type Snapshot = (BTreeMap<String, String>, String);
+pub(crate) type Snapshot = (BTreeMap<String, String>, String);
 
 /// Publishes the snapshots from `rx`: at most one commit per `window`, always
 /// the latest snapshot, and a final flush when the sender is dropped. A publish

@@ -19,11 +19,11 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write as _;
 
 /// Name of the overview file at the root of the status target.
-pub const STATUS_MD: &str = "STATUS.md";
+pub(crate) const STATUS_MD: &str = "STATUS.md";
 /// Newest errors copied into a migration's status file.
-pub const ERRORS_SHOWN: usize = 5;
+pub(crate) const ERRORS_SHOWN: usize = 5;
 /// Characters of the last error shown in the `STATUS.md` table.
-pub const LAST_ERROR_WIDTH: usize = 80;
+pub(crate) const LAST_ERROR_WIDTH: usize = 80;
 /// Cells of the text progress bar.
 const BAR_CELLS: usize = 10;
 
@@ -39,7 +39,7 @@ pub struct StatusInput {
 }
 
 /// Path of a migration's status file, relative to the status target.
-pub fn status_file_path(namespace: &str, name: &str) -> String {
+pub(crate) fn status_file_path(namespace: &str, name: &str) -> String {
     format!("{namespace}/{name}.yaml")
 }
 
@@ -281,14 +281,14 @@ fn percent_of(done: i64, total: i64) -> i32 {
 }
 
 /// `████░░░░░░ 42%`: one cell per ten percent, rounded down.
-pub fn progress_bar(percent: i32) -> String {
+pub(crate) fn progress_bar(percent: i32) -> String {
     let percent = percent.clamp(0, 100);
     let filled = percent as usize * BAR_CELLS / 100;
     format!("{}{} {percent}%", "█".repeat(filled), "░".repeat(BAR_CELLS - filled))
 }
 
 /// Text safe inside one Markdown table cell: one line, no column breaks, no HTML.
-pub fn markdown_cell(text: &str) -> String {
+pub(crate) fn markdown_cell(text: &str) -> String {
     let mut out = String::with_capacity(text.len());
     for c in text.chars() {
         match c {
@@ -306,7 +306,7 @@ pub fn markdown_cell(text: &str) -> String {
 }
 
 /// At most `width` characters, the last one `…` when cut.
-pub fn truncate(text: &str, width: usize) -> String {
+pub(crate) fn truncate(text: &str, width: usize) -> String {
     if text.chars().count() <= width {
         return text.to_string();
     }
@@ -317,7 +317,7 @@ pub fn truncate(text: &str, width: usize) -> String {
 
 /// Text safe in a Mermaid title or task name: no `:` `;` `#` `%` or line breaks,
 /// which Mermaid reads as syntax, and nothing that could close the code fence.
-pub fn mermaid_text(text: &str) -> String {
+pub(crate) fn mermaid_text(text: &str) -> String {
     let cleaned: String = text
         .chars()
         .map(|c| if c.is_ascii_alphanumeric() || matches!(c, ' ' | '.' | '_' | '-' | '/') { c } else { '_' })

@@ -56,9 +56,9 @@ type HmacSha256 = Hmac<Sha256>;
 
 /// Largest body accepted. GitHub caps payloads at 25 MB but a push touching
 /// `migrations/` is a few KiB; anything this large is not for us.
-pub const MAX_BODY: usize = 5 * 1024 * 1024;
+pub(crate) const MAX_BODY: usize = 5 * 1024 * 1024;
 /// Time a client has to send its whole request, head and body.
-pub const READ_TIMEOUT: Duration = Duration::from_secs(10);
+pub(crate) const READ_TIMEOUT: Duration = Duration::from_secs(10);
 /// Largest request head (request line and headers) accepted.
 const MAX_HEAD: usize = 16 * 1024;
 /// A client that accepts none of our (short) answer for this long is dropped.
@@ -69,7 +69,7 @@ const LINGER: Duration = Duration::from_secs(2);
 /// Secrets per forge. A forge left `None` has no route, so it cannot send
 /// unsigned events.
 #[derive(Clone, Default)]
-pub struct WebhookConfig {
+pub(crate) struct WebhookConfig {
     /// The webhook secret configured on GitHub (HMAC-SHA256 key).
     pub github_secret: Option<String>,
     /// The webhook secret configured on Gitea (HMAC-SHA256 key).
@@ -92,7 +92,7 @@ impl fmt::Debug for WebhookConfig {
 
 /// A verified event, reduced to what the gitops loop acts on.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub enum WebhookEvent {
+pub(crate) enum WebhookEvent {
     /// A branch moved (or was deleted: `after` is all zeros then).
     Push { forge: Forge, branch: String, after: String },
     /// A pull request (GitLab: merge request) was opened, updated, closed, ...
@@ -113,7 +113,7 @@ pub enum WebhookEvent {
 
 /// The forge an event came from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Forge {
+pub(crate) enum Forge {
     GitHub,
     Gitea,
     GitLab,
@@ -121,7 +121,7 @@ pub enum Forge {
 
 impl Forge {
     /// The metric label and log word.
-    pub fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             Forge::GitHub => "github",
             Forge::Gitea => "gitea",
@@ -132,7 +132,7 @@ impl Forge {
 
 impl WebhookEvent {
     /// The forge that sent the event.
-    pub fn forge(&self) -> Forge {
+    pub(crate) fn forge(&self) -> Forge {
         match self {
             WebhookEvent::Push { forge, .. }
             | WebhookEvent::PullRequest { forge, .. }
@@ -160,7 +160,7 @@ pub struct WebhookStats {
 
 /// A running webhook receiver. Dropping it stops the server and every open
 /// connection.
-pub struct WebhookServer {
+pub(crate) struct WebhookServer {
     addr: SocketAddr,
     stats: Arc<WebhookStats>,
     task: JoinHandle<()>,
@@ -168,7 +168,7 @@ pub struct WebhookServer {
 
 impl WebhookServer {
     /// Serves the webhook routes on `listener`, sending verified events to `events`.
-    pub async fn start(
+    pub(crate) async fn start(
         listener: TcpListener,
         config: WebhookConfig,
         events: mpsc::Sender<WebhookEvent>,
@@ -180,11 +180,11 @@ impl WebhookServer {
         Ok(WebhookServer { addr, stats, task })
     }
 
-    pub fn local_addr(&self) -> SocketAddr {
+    pub(crate) fn local_addr(&self) -> SocketAddr {
         self.addr
     }
 
-    pub fn stats(&self) -> Arc<WebhookStats> {
+    pub(crate) fn stats(&self) -> Arc<WebhookStats> {
         self.stats.clone()
     }
 }
@@ -197,7 +197,7 @@ impl Drop for WebhookServer {
 
 /// Checks a GitHub-style `X-Hub-Signature-256` value (`sha256=<64 hex>`)
 /// against the HMAC-SHA256 of `body` under `secret`, in constant time.
-pub fn verify_hub_signature(secret: &[u8], body: &[u8], header: &str) -> bool {
+pub(crate) fn verify_hub_signature(secret: &[u8], body: &[u8], header: &str) -> bool {
     match header.trim().strip_prefix("sha256=") {
         Some(hex) => verify_hex_signature(secret, body, hex),
         None => false,

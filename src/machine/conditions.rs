@@ -6,7 +6,7 @@ use crate::api::{Condition, ConditionStatus, Phase, VirtualMachineMigrationStatu
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 
 /// Sets a condition, keeping `lastTransitionTime` unless the status flips.
-pub fn set(
+pub(crate) fn set(
     status: &mut VirtualMachineMigrationStatus,
     type_: &str,
     value: bool,
@@ -45,7 +45,7 @@ pub fn is_true(status: &VirtualMachineMigrationStatus, type_: &str) -> bool {
 
 /// Derives `Ready`, `Reconciling` and `Stalled` from the phase, refreshes
 /// `observedGeneration` on every condition, and orders conditions stably.
-pub fn summarize(status: &mut VirtualMachineMigrationStatus, generation: i64, now: &Time) {
+pub(crate) fn summarize(status: &mut VirtualMachineMigrationStatus, generation: i64, now: &Time) {
     let phase = status.phase;
     // The cause is the last error of a working phase; errors of finishing work
     // in a terminal phase (a cleanup that will be retried) do not replace it.

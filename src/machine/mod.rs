@@ -14,7 +14,7 @@
 
 pub mod conditions;
 mod observe;
-pub mod preflight;
+pub(crate) mod preflight;
 
 pub use observe::*;
 
@@ -28,18 +28,18 @@ use k8s_openapi::jiff::{SignedDuration, Timestamp};
 use std::time::Duration;
 
 /// How soon to look again while something outside is in progress.
-pub const POLL_IN_PROGRESS: Duration = Duration::from_secs(5);
+pub(crate) const POLL_IN_PROGRESS: Duration = Duration::from_secs(5);
 /// How soon to look again while waiting for a guest to shut down.
-pub const POLL_SHUTDOWN: Duration = Duration::from_secs(3);
+pub(crate) const POLL_SHUTDOWN: Duration = Duration::from_secs(3);
 /// How soon to re-run validation checks that are not passing yet.
-pub const POLL_CHECKS: Duration = Duration::from_secs(10);
+pub(crate) const POLL_CHECKS: Duration = Duration::from_secs(10);
 
 /// Stable reasons of failures the machine itself decides.
 pub use crate::api::Reason;
 
 /// Everything `decide` looks at.
 #[derive(Clone, Debug)]
-pub struct Input<'a> {
+pub(crate) struct Input<'a> {
     pub spec: &'a VirtualMachineMigrationSpec,
     pub status: &'a VirtualMachineMigrationStatus,
     /// `metadata.name` of the migration.
@@ -120,12 +120,15 @@ pub struct Decision {
 }
 
 /// The destination VM name: `spec.destination.name`, else the migration's name.
-pub fn destination_name<'a>(spec: &'a VirtualMachineMigrationSpec, migration_name: &'a str) -> &'a str {
+pub(crate) fn destination_name<'a>(
+    spec: &'a VirtualMachineMigrationSpec,
+    migration_name: &'a str,
+) -> &'a str {
     spec.destination.name.as_deref().unwrap_or(migration_name)
 }
 
 /// Deterministic DataVolume name of disk `n`.
-pub fn data_volume_name(destination: &str, disk: usize) -> String {
+pub(crate) fn data_volume_name(destination: &str, disk: usize) -> String {
     format!("{destination}-disk-{disk}")
 }
 
@@ -135,7 +138,7 @@ pub fn artifact_key(migration_uid: &str, disk: usize, extension: &str) -> String
 }
 
 /// Exponential backoff with equal jitter: half the delay fixed, half random.
-pub fn backoff(spec: &VirtualMachineMigrationSpec, attempt: i32, jitter: f64) -> Duration {
+pub(crate) fn backoff(spec: &VirtualMachineMigrationSpec, attempt: i32, jitter: f64) -> Duration {
     let initial = spec.strategy.backoff.initial_seconds.max(1) as f64;
     let max = spec.strategy.backoff.max_seconds.max(1) as f64;
     let exp = (attempt.max(1) - 1).min(30);
@@ -145,7 +148,7 @@ pub fn backoff(spec: &VirtualMachineMigrationSpec, attempt: i32, jitter: f64) ->
 }
 
 /// Second-precision API time (what the API server stores).
-pub fn api_time(now: Timestamp) -> Time {
+pub(crate) fn api_time(now: Timestamp) -> Time {
     Time(Timestamp::from_second(now.as_second()).unwrap_or(now))
 }
 
@@ -325,7 +328,7 @@ impl<'a> Ctx<'a> {
 }
 
 /// The decision for one reconcile.
-pub fn decide(input: Input<'_>) -> Decision {
+pub(crate) fn decide(input: Input<'_>) -> Decision {
     let mut ctx = Ctx::new(&input);
     let spec_changed = input.status.observed_generation.is_some_and(|g| g < input.generation);
     let phase = ctx.status.phase;
@@ -399,7 +402,7 @@ pub fn decide(input: Input<'_>) -> Decision {
 
 /// The decision after action `failed` of `decision` failed: the failure is
 /// recorded against the phase that asked for the action.
-pub fn action_failed(input: Input<'_>, decision_phase: Phase, failure: Failure) -> Decision {
+pub(crate) fn action_failed(input: Input<'_>, decision_phase: Phase, failure: Failure) -> Decision {
     let mut ctx = Ctx::new(&input);
     let phase = if decision_phase.is_active() { decision_phase } else { input.status.phase };
     if phase.is_active() {
@@ -414,7 +417,7 @@ pub fn action_failed(input: Input<'_>, decision_phase: Phase, failure: Failure) 
 }
 
 /// Actions of the finalizer when the migration is deleted. The source is never touched.
-pub fn cleanup_on_delete(
+pub(crate) fn cleanup_on_delete(
     spec: &VirtualMachineMigrationSpec,
     status: &VirtualMachineMigrationStatus,
 ) -> Vec<Action> {

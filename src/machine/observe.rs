@@ -46,7 +46,7 @@ impl std::error::Error for Failure {}
 /// The observation for the current phase. Phases that only wait (Pending,
 /// Retryable, ManualInterventionRequired, Completed, Failed) observe `Nothing`.
 #[derive(Clone, Debug, PartialEq)]
-pub enum Observed {
+pub(crate) enum Observed {
     Nothing,
     /// Discovering: the inventory read from the host (read-only).
     Discovery(Result<SourceInventory, Failure>),
@@ -86,7 +86,7 @@ pub enum DestinationOccupancy {
 
 /// Power and copy state while preparing.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct PreparingFacts {
+pub(crate) struct PreparingFacts {
     pub power: SourcePowerState,
     /// Whether VMware Tools runs in the guest (a graceful shutdown needs it).
     pub tools_running: bool,

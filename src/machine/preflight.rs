@@ -6,10 +6,10 @@ use crate::api::Reason;
 use crate::api::{Blocker, NetworkKind, SourceInventory, VirtualMachineMigrationSpec};
 
 /// Longest destination name: `<name>-disk-NN` must stay a 63-character label.
-pub const MAX_DESTINATION_NAME: usize = 55;
+pub(crate) const MAX_DESTINATION_NAME: usize = 55;
 
 /// Every rule that does not pass, in a stable order.
-pub fn blockers(
+pub(crate) fn blockers(
     spec: &VirtualMachineMigrationSpec,
     destination_name: &str,
     inventory: &SourceInventory,
@@ -117,7 +117,7 @@ pub fn blockers(
 }
 
 /// RFC 1123 label: lowercase alphanumerics and '-', starting and ending alphanumeric, 1..=63.
-pub fn is_dns_label(s: &str) -> bool {
+pub(crate) fn is_dns_label(s: &str) -> bool {
     let bytes = s.as_bytes();
     !bytes.is_empty()
         && bytes.len() <= 63

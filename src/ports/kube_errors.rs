@@ -5,7 +5,7 @@ use crate::api::Reason;
 use crate::machine::Failure;
 
 /// Classifies a Kubernetes API error.
-pub fn classify(what: &str, err: kube::Error) -> Failure {
+pub(crate) fn classify(what: &str, err: kube::Error) -> Failure {
     match &err {
         kube::Error::Api(status) => match status.code {
             409 => Failure::retryable(Reason::Conflict, format!("{what}: {}", status.message)),
@@ -22,6 +22,6 @@ pub fn classify(what: &str, err: kube::Error) -> Failure {
 }
 
 /// Whether the API answered 404.
-pub fn is_not_found(err: &kube::Error) -> bool {
+pub(crate) fn is_not_found(err: &kube::Error) -> bool {
     matches!(err, kube::Error::Api(s) if s.code == 404)
 }

@@ -17,8 +17,8 @@ use crate::machine::{
 use async_trait::async_trait;
 use std::sync::Arc;
 
-pub mod kube_errors;
-pub mod workdir;
+pub(crate) mod kube_errors;
+pub(crate) mod workdir;
 
 /// Power as `power.getstate` and `get.guest` report it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

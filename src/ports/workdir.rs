@@ -13,13 +13,13 @@ use kube::ResourceExt;
 use std::path::{Path, PathBuf};
 
 /// The root of the acquired copies under a work directory.
-pub fn copies_root(work_dir: &Path) -> PathBuf {
+pub(crate) fn copies_root(work_dir: &Path) -> PathBuf {
     work_dir.join("copies")
 }
 
 /// Where the copies of one migration live under the copies root:
 /// `<root>/<namespace>/<name>/<uid>`.
-pub fn migration_copies_dir(root: &Path, vmm: &VirtualMachineMigration) -> PathBuf {
+pub(crate) fn migration_copies_dir(root: &Path, vmm: &VirtualMachineMigration) -> PathBuf {
     let safe = |s: String| s.replace(['/', '.'], "_");
     root.join(safe(vmm.namespace().unwrap_or_default()))
         .join(safe(vmm.name_any()))
@@ -28,6 +28,6 @@ pub fn migration_copies_dir(root: &Path, vmm: &VirtualMachineMigration) -> PathB
 
 /// The local copy of disk `disk`: `<root>/<namespace>/<name>/<uid>/disk-<n>.raw`.
 /// Its marker (`size sha256 [verified]`) is the same path with extension `sha256`.
-pub fn copy_path(root: &Path, vmm: &VirtualMachineMigration, disk: usize) -> PathBuf {
+pub(crate) fn copy_path(root: &Path, vmm: &VirtualMachineMigration, disk: usize) -> PathBuf {
     migration_copies_dir(root, vmm).join(format!("disk-{disk}.raw"))
 }

@@ -31,11 +31,11 @@ use std::path::Path;
 use std::sync::OnceLock;
 
 /// Namespace of a migration whose manifest and defaults do not set one.
-pub const DEFAULT_NAMESPACE: &str = "vmmigrate";
+pub(crate) const DEFAULT_NAMESPACE: &str = "vmmigrate";
 /// `kind` of a provider definition in `providers/`.
-pub const PROVIDER_KIND: &str = "EsxiProvider";
+pub(crate) const PROVIDER_KIND: &str = "EsxiProvider";
 /// `kind` of every document under `migrations/`.
-pub const MIGRATION_KIND: &str = "VirtualMachineMigration";
+pub(crate) const MIGRATION_KIND: &str = "VirtualMachineMigration";
 
 /// Settings that do not come from the repository.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -26,9 +26,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
 
 /// `dd` block size; chunk sizes are multiples of it.
-pub const BLOCK: u64 = 1 << 20;
+pub(crate) const BLOCK: u64 = 1 << 20;
 /// Bytes per chunk (the unit of resume and of one `dd` read): 16 MiB.
-pub const DEFAULT_CHUNK_SIZE: u64 = 16 << 20;
+pub(crate) const DEFAULT_CHUNK_SIZE: u64 = 16 << 20;
 /// Granularity of hole detection.
 const ZERO_BLOCK: usize = 64 * 1024;
 /// Bytes handed to the writer at a time.
@@ -91,7 +91,7 @@ pub enum CopyError {
 
 impl CopyError {
     /// The controller's view; `discard` says whether the partial copy must go.
-    pub fn failure(&self) -> (Failure, bool) {
+    pub(crate) fn failure(&self) -> (Failure, bool) {
         let message = self.to_string();
         match self {
             CopyError::Ssh(e) => (e.failure(), false),
@@ -134,12 +134,12 @@ fn write_sidecar(local: &Path, sidecar: &Sidecar) -> std::io::Result<()> {
 }
 
 /// Bytes already copied according to the sidecar (for progress after a restart).
-pub fn bytes_present(local: &Path) -> u64 {
+pub(crate) fn bytes_present(local: &Path) -> u64 {
     read_sidecar(local).map(|s| (s.done.len() as u64 * s.chunk_size).min(s.size)).unwrap_or(0)
 }
 
 /// A finished copy, as its marker records it: (size, sha256, verified by the host).
-pub fn is_complete(local: &Path) -> Option<(u64, String, bool)> {
+pub(crate) fn is_complete(local: &Path) -> Option<(u64, String, bool)> {
     let marker = std::fs::read_to_string(local.with_extension("sha256")).ok()?;
     let mut parts = marker.split_whitespace();
     let size = parts.next()?.parse().ok()?;
@@ -161,7 +161,7 @@ pub fn discard(local: &Path) -> std::io::Result<()> {
 }
 
 /// `size mtime` of the source, as the host reports it.
-pub async fn source_identity(session: &Session, path: &str) -> Result<(u64, String), CopyError> {
+pub(crate) async fn source_identity(session: &Session, path: &str) -> Result<(u64, String), CopyError> {
     let cmd = RemoteCommand::new("stat")?.arg("-c")?.arg("%s %Y")?.arg(path)?;
     let out = session.run(&cmd).await?;
     let text = out.stdout_text();
@@ -174,7 +174,7 @@ pub async fn source_identity(session: &Session, path: &str) -> Result<(u64, Stri
 }
 
 /// The host's own sha256 of `path`, if it has a tool for it.
-pub async fn remote_sha256(session: &Session, path: &str) -> Result<Option<String>, CopyError> {
+pub(crate) async fn remote_sha256(session: &Session, path: &str) -> Result<Option<String>, CopyError> {
     let quoted = super::ssh::quote(path)?;
     let script = format!(
         "if command -v sha256sum >/dev/null 2>&1; then sha256sum {quoted}; elif command -v openssl >/dev/null 2>&1; then openssl dgst -sha256 -r {quoted}; else echo NOHASHTOOL; fi"
@@ -392,7 +392,7 @@ pub async fn copy_disk(
 
 /// Groups missing chunks into runs of consecutive chunks `(first, count)`,
 /// splitting the longest until there is work for every stream.
-pub fn plan_runs(missing: &[u64], streams: usize) -> Vec<(u64, u64)> {
+pub(crate) fn plan_runs(missing: &[u64], streams: usize) -> Vec<(u64, u64)> {
     let mut runs: Vec<(u64, u64)> = Vec::new();
     for &chunk in missing {
         match runs.last_mut() {

@@ -2,5 +2,5 @@
 //! control, streaming disk copy with sha256.
 pub mod adapter;
 pub mod copy;
-pub mod parse;
+pub(crate) mod parse;
 pub mod ssh;

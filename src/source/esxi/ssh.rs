@@ -70,7 +70,7 @@ pub enum SshError {
 
 impl SshError {
     /// The controller's view of this error.
-    pub fn failure(&self) -> Failure {
+    pub(crate) fn failure(&self) -> Failure {
         let message = self.to_string();
         match self {
             SshError::HostKeyMismatch { .. } => Failure::needs_human(Reason::HostKeyMismatch, message),
@@ -95,7 +95,7 @@ impl From<russh::Error> for SshError {
 /// Quotes one argument for a POSIX shell (ESXi's BusyBox ash): the result is
 /// always exactly one word, whatever it contains. NUL cannot be passed and is
 /// rejected.
-pub fn quote(arg: &str) -> Result<String, SshError> {
+pub(crate) fn quote(arg: &str) -> Result<String, SshError> {
     if arg.contains('\0') {
         return Err(SshError::InvalidArgument(format!("{arg:?} contains a NUL byte")));
     }
@@ -128,13 +128,13 @@ impl RemoteCommand {
     }
 
     /// Appends shell syntax written by us (redirections, `||`), never user data.
-    pub fn raw(mut self, text: &'static str) -> RemoteCommand {
+    pub(crate) fn raw(mut self, text: &'static str) -> RemoteCommand {
         self.line.push(' ');
         self.line.push_str(text);
         self
     }
 
-    pub fn line(&self) -> &str {
+    pub(crate) fn line(&self) -> &str {
         &self.line
     }
 }
@@ -149,17 +149,17 @@ pub struct Output {
 }
 
 impl Output {
-    pub fn stdout_text(&self) -> String {
+    pub(crate) fn stdout_text(&self) -> String {
         String::from_utf8_lossy(&self.stdout).into_owned()
     }
     /// stdout and stderr together (vim-cmd prints faults on either).
-    pub fn text(&self) -> String {
+    pub(crate) fn text(&self) -> String {
         format!("{}{}", String::from_utf8_lossy(&self.stdout), String::from_utf8_lossy(&self.stderr))
     }
 }
 
 /// The fingerprint as `ssh-keygen -lf` prints it.
-pub fn fingerprint(key: &PublicKey) -> String {
+pub(crate) fn fingerprint(key: &PublicKey) -> String {
     key.fingerprint(HashAlg::Sha256).to_string()
 }
 
@@ -275,7 +275,7 @@ impl Session {
         }
     }
 
-    pub fn is_closed(&self) -> bool {
+    pub(crate) fn is_closed(&self) -> bool {
         self.handle.is_closed()
     }
 
@@ -284,7 +284,11 @@ impl Session {
         self.run_with_timeout(cmd, self.timeout).await
     }
 
-    pub async fn run_with_timeout(&self, cmd: &RemoteCommand, timeout: Duration) -> Result<Output, SshError> {
+    pub(crate) async fn run_with_timeout(
+        &self,
+        cmd: &RemoteCommand,
+        timeout: Duration,
+    ) -> Result<Output, SshError> {
         match tokio::time::timeout(timeout, self.run_unbounded(cmd)).await {
             Ok(result) => result,
             Err(_) => Err(SshError::Timeout { what: cmd.what.clone(), secs: timeout.as_secs() }),
@@ -312,7 +316,7 @@ impl Session {
     /// (no overall timeout; the connection's inactivity timeout applies).
     /// Returns the exit status, or `None` when the channel closed without one
     /// (for instance when the connection was cut).
-    pub async fn stream(
+    pub(crate) async fn stream(
         &self,
         cmd: &RemoteCommand,
         mut sink: impl FnMut(&[u8]) -> Result<(), SshError>,
@@ -337,7 +341,10 @@ impl Session {
     }
 
     /// Opens a channel running `cmd`; the caller reads its messages.
-    pub async fn exec_channel(&self, cmd: &RemoteCommand) -> Result<russh::Channel<client::Msg>, SshError> {
+    pub(crate) async fn exec_channel(
+        &self,
+        cmd: &RemoteCommand,
+    ) -> Result<russh::Channel<client::Msg>, SshError> {
         let channel = self.handle.channel_open_session().await?;
         channel.exec(true, cmd.line()).await?;
         Ok(channel)

@@ -2,7 +2,7 @@
 
 /// One extent line of a VMDK descriptor, e.g. `RW 4194304 VMFS "vm-flat.vmdk"`.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct Extent {
+pub(crate) struct Extent {
     /// `RW`, `RDONLY` or `NOACCESS`.
     pub access: String,
     /// Size in 512-byte sectors.
@@ -16,7 +16,7 @@ pub struct Extent {
 
 /// A parsed VMDK descriptor.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct Descriptor {
+pub(crate) struct Descriptor {
     pub create_type: String,
     pub extents: Vec<Extent>,
     /// `ddb.thinProvisioned = "1"`.
@@ -28,7 +28,7 @@ pub struct Descriptor {
 
 impl Descriptor {
     /// Sum of the extents' sizes in bytes (saturating).
-    pub fn capacity_bytes(&self) -> u64 {
+    pub(crate) fn capacity_bytes(&self) -> u64 {
         self.extents.iter().fold(0u64, |acc, e| acc.saturating_add(e.sectors.saturating_mul(512)))
     }
 }
@@ -73,7 +73,7 @@ fn unquote(v: &str) -> &str {
 
 /// Parses a VMDK text descriptor. `None` if it has neither a `createType` nor
 /// an extent line (e.g. binary data).
-pub fn parse_descriptor(text: &str) -> Option<Descriptor> {
+pub(crate) fn parse_descriptor(text: &str) -> Option<Descriptor> {
     let mut d = Descriptor::default();
     let mut has_create_type = false;
     for raw in text.lines() {

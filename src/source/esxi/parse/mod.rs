@@ -15,14 +15,21 @@ mod vim_cmd;
 mod vmodl;
 mod vmx;
 
-pub use descriptor::{Descriptor, Extent, parse_descriptor};
-pub use version::parse_version;
-pub use vim_cmd::{
-    Fault, GuestInfo, GuestNic, Snapshot, Summary, VmListEntry, parse_fault, parse_getallvms,
-    parse_guest_info, parse_message, parse_power_state, parse_snapshots, parse_summary, split_datastore_path,
+pub(crate) use descriptor::parse_descriptor;
+pub(crate) use version::parse_version;
+pub(crate) use vim_cmd::{
+    VmListEntry, parse_fault, parse_getallvms, parse_guest_info, parse_message, parse_power_state,
+    parse_snapshots,
 };
-pub use vmodl::{VMODL_MAX_DEPTH, Vmodl, parse_vmodl};
-pub use vmx::{Vmx, VmxDisk, VmxFacts, VmxNic, parse_vmx, vmx_facts};
+pub(crate) use vmx::{parse_vmx, vmx_facts};
+// What only the tests name.
+#[cfg(test)]
+use {
+    descriptor::{Descriptor, Extent},
+    vim_cmd::{Fault, GuestInfo, GuestNic, Snapshot, Summary, parse_summary, split_datastore_path},
+    vmodl::{Vmodl, parse_vmodl},
+    vmx::{VmxDisk, VmxFacts, VmxNic},
+};
 
 #[cfg(test)]
 mod tests;

@@ -3,7 +3,7 @@
 /// `vmware -v` -> `VMware ESXi 8.0.2 build-22380479`. Also accepts
 /// `esxcli system version get` (`Product:`, `Version:`, `Build:` lines) and
 /// builds the same form from it.
-pub fn parse_version(text: &str) -> Option<String> {
+pub(crate) fn parse_version(text: &str) -> Option<String> {
     if let Some(line) =
         text.lines().map(str::trim).find(|l| l.starts_with("VMware ") && !l.contains(':') && l.len() > 7)
     {

@@ -12,7 +12,7 @@ use super::vmodl::{Vmodl, parse_vmodl};
 
 /// One row of `vim-cmd vmsvc/getallvms`.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct VmListEntry {
+pub(crate) struct VmListEntry {
     pub vmid: String,
     pub name: String,
     /// Datastore name between the brackets; empty for `[] /var/run/...` system VMs.
@@ -29,7 +29,7 @@ pub struct VmListEntry {
 /// more spaces (header widths differ from row widths); names and datastores may
 /// contain spaces; `Skipping invalid VM 'N'` lines and the header are ignored;
 /// lines without a leading Vmid continue the previous row's annotation.
-pub fn parse_getallvms(text: &str) -> Vec<VmListEntry> {
+pub(crate) fn parse_getallvms(text: &str) -> Vec<VmListEntry> {
     let mut out: Vec<VmListEntry> = Vec::new();
     let mut pending_blank_lines = 0usize;
     for raw in text.lines() {
@@ -171,7 +171,7 @@ fn parse_getallvms_row(line: &str) -> Option<VmListEntry> {
 }
 
 /// `[ds] dir/vm.vmx` -> (`ds`, `dir/vm.vmx`); without brackets, (`""`, input).
-pub fn split_datastore_path(file: &str) -> (&str, &str) {
+pub(crate) fn split_datastore_path(file: &str) -> (&str, &str) {
     let file = file.trim();
     if let Some(inner) = file.strip_prefix('[')
         && let Some(close) = inner.find(']')
@@ -189,7 +189,7 @@ pub fn split_datastore_path(file: &str) -> (&str, &str) {
 
 /// Parses `vim-cmd vmsvc/power.getstate`: the first line that is exactly
 /// `Powered on`, `Powered off` or `Suspended` (case-insensitive, trimmed).
-pub fn parse_power_state(text: &str) -> Option<SourcePowerState> {
+pub(crate) fn parse_power_state(text: &str) -> Option<SourcePowerState> {
     text.lines().find_map(|line| {
         let line = line.trim();
         if line.eq_ignore_ascii_case("Powered on") {
@@ -210,7 +210,7 @@ pub fn parse_power_state(text: &str) -> Option<SourcePowerState> {
 
 /// A vim-cmd fault, e.g. `vim.fault.NotFound` with its `msg`.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct Fault {
+pub(crate) struct Fault {
     pub kind: String,
     pub msg: String,
 }
@@ -224,7 +224,7 @@ const TOOLS_NOT_RUNNING: &str = "Cannot complete operation because VMware Tools 
 /// operation because VMware Tools is not running...` is reported as
 /// `vim.fault.ToolsUnavailable`. vim-cmd's exit code is unreliable: callers
 /// should check this on every output.
-pub fn parse_fault(text: &str) -> Option<Fault> {
+pub(crate) fn parse_fault(text: &str) -> Option<Fault> {
     if let Some((kind, body)) = find_fault_block(text) {
         return Some(Fault { kind: kind.to_string(), msg: fault_block_msg(body).unwrap_or_default() });
     }
@@ -324,7 +324,7 @@ fn line_quoted_value(v: &str) -> String {
 
 /// One snapshot of `vim-cmd vmsvc/snapshot.get`, in printed (pre-order) order.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct Snapshot {
+pub(crate) struct Snapshot {
     pub name: String,
     pub id: String,
     /// 0 for a root snapshot, 1 for its children, ...
@@ -366,7 +366,7 @@ fn snapshot_label(rest: &str) -> Option<(SnapshotLabel, &str)> {
 /// Parses `vim-cmd vmsvc/snapshot.get`. `Get Snapshot:` alone yields nothing.
 /// Each nesting level adds two dashes; `|-ROOT`/`|-CHILD` lines separate
 /// snapshots; a description may wrap onto lines without dashes.
-pub fn parse_snapshots(text: &str) -> Vec<Snapshot> {
+pub(crate) fn parse_snapshots(text: &str) -> Vec<Snapshot> {
     let mut out = Vec::new();
     let mut current: Option<Snapshot> = None;
     let mut in_description = false;
@@ -430,7 +430,7 @@ pub fn parse_snapshots(text: &str) -> Vec<Snapshot> {
 /// is not a `Virtual machine message N: ...` block), else the question text
 /// (e.g. `msg.uuid.altered:This virtual machine may have been moved or
 /// copied.`) without the numbered choices line.
-pub fn parse_message(text: &str) -> Option<String> {
+pub(crate) fn parse_message(text: &str) -> Option<String> {
     const MARKER: &str = "Virtual machine message";
     let mut lines = text.lines();
     let first = lines.by_ref().find(|l| l.contains(MARKER))?;
@@ -470,7 +470,7 @@ fn is_choice_line(t: &str) -> bool {
 
 /// One guest NIC as VMware Tools reports it.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct GuestNic {
+pub(crate) struct GuestNic {
     pub network: String,
     /// Lowercased.
     pub mac_address: String,
@@ -479,7 +479,7 @@ pub struct GuestNic {
 
 /// The useful part of `vim-cmd vmsvc/get.guest`.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct GuestInfo {
+pub(crate) struct GuestInfo {
     pub tools_status: String,
     pub tools_running_status: String,
     pub guest_id: String,
@@ -490,7 +490,7 @@ pub struct GuestInfo {
 
 impl GuestInfo {
     /// `toolsRunningStatus == "guestToolsRunning"` or `toolsStatus == "toolsOk"`.
-    pub fn tools_running(&self) -> bool {
+    pub(crate) fn tools_running(&self) -> bool {
         self.tools_running_status == "guestToolsRunning" || self.tools_status == "toolsOk"
     }
 }
@@ -499,6 +499,7 @@ fn vmodl_string(v: &Vmodl, path: &[&str]) -> String {
     v.path(path).and_then(Vmodl::as_str).unwrap_or("").to_string()
 }
 
+#[cfg(test)]
 fn vmodl_int(v: &Vmodl, path: &[&str]) -> Option<i64> {
     v.path(path).and_then(Vmodl::as_str).and_then(|s| s.trim().parse().ok())
 }
@@ -514,7 +515,7 @@ fn non_fault_object(text: &str) -> Option<Vmodl> {
 
 /// Parses `vim-cmd vmsvc/get.guest` (`Guest information:` then a
 /// `(vim.vm.GuestInfo) {` dump). `None` if there is no dump or it is a fault.
-pub fn parse_guest_info(text: &str) -> Option<GuestInfo> {
+pub(crate) fn parse_guest_info(text: &str) -> Option<GuestInfo> {
     let v = non_fault_object(text)?;
     let ip_address = v.field("ipAddress").and_then(Vmodl::as_str).map(str::trim).filter(|s| !s.is_empty());
     let nics = v
@@ -548,9 +549,11 @@ pub fn parse_guest_info(text: &str) -> Option<GuestInfo> {
 // vim-cmd vmsvc/get.summary
 // ---------------------------------------------------------------------------
 
-/// The useful part of `vim-cmd vmsvc/get.summary`.
+/// The useful part of `vim-cmd vmsvc/get.summary`. The adapter reads the
+/// `.vmx` instead; the parser stays with its tests as the record of the format.
+#[cfg(test)]
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct Summary {
+pub(crate) struct Summary {
     /// `poweredOn`, `poweredOff` or `suspended`.
     pub power_state: String,
     pub name: String,
@@ -568,7 +571,8 @@ pub struct Summary {
 /// `(vim.vm.Summary) {` dump): `runtime.powerState`, `config.name`,
 /// `config.vmPathName`, `config.memorySizeMB`, `config.numCpu`, `config.uuid`,
 /// `config.annotation`. `None` if there is no dump or it is a fault.
-pub fn parse_summary(text: &str) -> Option<Summary> {
+#[cfg(test)]
+pub(crate) fn parse_summary(text: &str) -> Option<Summary> {
     let v = non_fault_object(text)?;
     Some(Summary {
         power_state: vmodl_string(&v, &["runtime", "powerState"]),

@@ -5,7 +5,7 @@ use super::vim_cmd::find_typed_brace;
 
 /// A VMODL pretty-print value, as in `get.guest` / `get.summary` dumps.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub enum Vmodl {
+pub(crate) enum Vmodl {
     Object {
         type_name: String,
         fields: Vec<(String, Vmodl)>,
@@ -28,7 +28,7 @@ pub enum Vmodl {
 
 impl Vmodl {
     /// The first field called `name` of an object.
-    pub fn field(&self, name: &str) -> Option<&Vmodl> {
+    pub(crate) fn field(&self, name: &str) -> Option<&Vmodl> {
         match self {
             Vmodl::Object { fields, .. } => fields.iter().find(|(k, _)| k == name).map(|(_, v)| v),
             _ => None,
@@ -36,12 +36,12 @@ impl Vmodl {
     }
 
     /// Follows nested object fields, e.g. `["config", "name"]`.
-    pub fn path(&self, path: &[&str]) -> Option<&Vmodl> {
+    pub(crate) fn path(&self, path: &[&str]) -> Option<&Vmodl> {
         path.iter().try_fold(self, |v, name| v.field(name))
     }
 
     /// The text of a string, reference or scalar.
-    pub fn as_str(&self) -> Option<&str> {
+    pub(crate) fn as_str(&self) -> Option<&str> {
         match self {
             Vmodl::Str(s) | Vmodl::Ref(s) | Vmodl::Scalar(s) => Some(s),
             _ => None,
@@ -49,7 +49,7 @@ impl Vmodl {
     }
 
     /// The items of an array; empty for anything else.
-    pub fn items(&self) -> &[Vmodl] {
+    pub(crate) fn items(&self) -> &[Vmodl] {
         match self {
             Vmodl::Array { items, .. } => items,
             _ => &[],
@@ -57,7 +57,7 @@ impl Vmodl {
     }
 
     /// The type of an object or array.
-    pub fn type_name(&self) -> Option<&str> {
+    pub(crate) fn type_name(&self) -> Option<&str> {
         match self {
             Vmodl::Object { type_name, .. } | Vmodl::Array { type_name, .. } => Some(type_name),
             _ => None,
@@ -66,13 +66,13 @@ impl Vmodl {
 }
 
 /// Nesting deeper than this makes [`parse_vmodl`] give up (returns `None`).
-pub const VMODL_MAX_DEPTH: usize = 64;
+pub(crate) const VMODL_MAX_DEPTH: usize = 64;
 
 /// Finds the first `(type) {` in `text` and parses the object up to its
 /// matching `}`. Tolerates `, ` / `,` line ends, missing commas, `dynamicType`
 /// lines, truncation (returns what was read) and stray text. `None` if there is
 /// no object or nesting exceeds [`VMODL_MAX_DEPTH`].
-pub fn parse_vmodl(text: &str) -> Option<Vmodl> {
+pub(crate) fn parse_vmodl(text: &str) -> Option<Vmodl> {
     let start = find_object_start(text)?;
     let mut p = VmodlParser { s: text, pos: start, too_deep: false, no_string_end_from: usize::MAX };
     let v = p.value(0);

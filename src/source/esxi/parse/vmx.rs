@@ -8,19 +8,19 @@ use super::vim_cmd::ends_with_ignore_ascii_case;
 
 /// A parsed `.vmx` file: keys lowercased, values unquoted and `|XX`-decoded.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct Vmx {
+pub(crate) struct Vmx {
     pub entries: BTreeMap<String, String>,
 }
 
 impl Vmx {
     /// Case-insensitive lookup.
-    pub fn get(&self, key: &str) -> Option<&str> {
+    pub(crate) fn get(&self, key: &str) -> Option<&str> {
         self.entries.get(&key.to_ascii_lowercase()).map(String::as_str)
     }
 
     /// `TRUE`/`true`/`yes`/`1` and `FALSE`/`false`/`no`/`0`, case-insensitive;
     /// `None` if absent or anything else.
-    pub fn get_bool(&self, key: &str) -> Option<bool> {
+    pub(crate) fn get_bool(&self, key: &str) -> Option<bool> {
         let v = self.get(key)?.trim();
         if ["true", "yes", "on", "1"].iter().any(|t| v.eq_ignore_ascii_case(t)) {
             Some(true)
@@ -35,7 +35,7 @@ impl Vmx {
 /// Parses a `.vmx` (or `.vmsd`) file: `key = "value"` lines. Comments, blank
 /// and garbage lines are ignored; the last occurrence of a key wins; values may
 /// contain `=`; VMware's `|XX` hex escapes (e.g. `|22` for `"`) are decoded.
-pub fn parse_vmx(text: &str) -> Vmx {
+pub(crate) fn parse_vmx(text: &str) -> Vmx {
     let mut entries = BTreeMap::new();
     for raw in text.lines() {
         let line = raw.trim();
@@ -89,7 +89,7 @@ fn decode_vmx_escapes(v: &str) -> String {
 
 /// A virtual hard disk of a `.vmx`.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct VmxDisk {
+pub(crate) struct VmxDisk {
     /// e.g. `scsi0:0` (lowercase).
     pub device: String,
     /// `scsi`, `sata`, `ide` or `nvme`.
@@ -104,7 +104,7 @@ pub struct VmxDisk {
 
 /// A virtual NIC of a `.vmx`.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct VmxNic {
+pub(crate) struct VmxNic {
     /// e.g. `ethernet0`.
     pub device: String,
     /// `virtualDev`, `e1000` if absent.
@@ -116,7 +116,7 @@ pub struct VmxNic {
 
 /// What the migration needs from a `.vmx`.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct VmxFacts {
+pub(crate) struct VmxFacts {
     pub display_name: String,
     /// Short form, e.g. `rhel8-64`.
     pub guest_os: String,
@@ -153,7 +153,7 @@ fn positive_i32(v: Option<&str>) -> Option<i32> {
 }
 
 /// Extracts CPU, memory, firmware, disks and NICs from a parsed `.vmx`.
-pub fn vmx_facts(vmx: &Vmx) -> VmxFacts {
+pub(crate) fn vmx_facts(vmx: &Vmx) -> VmxFacts {
     let get = |k: &str| vmx.get(k).unwrap_or("").to_string();
     let mut disks: Vec<((usize, u32, u32), VmxDisk)> = Vec::new();
     let mut nic_ids: BTreeSet<u32> = BTreeSet::new();
