@@ -79,6 +79,9 @@ const CALLS: &[Call] = &[
     ("list", "batch", "jobs", "", SYSTEM),
     ("create", "batch", "jobs", "", SYSTEM),
     ("delete", "batch", "jobs", "", SYSTEM),
+    // Why a conversion Job failed: its pod's termination message.
+    ("get", "", "pods", "", SYSTEM),
+    ("list", "", "pods", "", SYSTEM),
     // HTTP checks.
     ("get", "", "services", "", ANY),
     ("list", "discovery.k8s.io", "endpointslices", "", ANY),
@@ -124,7 +127,7 @@ const FORBIDDEN: &[Call] = &[
 ];
 
 /// Held for writing by tests that change the shared ClusterRole.
-static CLUSTER_RBAC: RwLock<()> = RwLock::const_new(());
+pub(crate) static CLUSTER_RBAC: RwLock<()> = RwLock::const_new(());
 
 fn deploy_dir(rel: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy").join(rel)

@@ -5,14 +5,15 @@
 //! DataVolume, VirtualMachine and VMI objects in the real kube-apiserver →
 //! the KubeVirt simulator → a real HTTP check through a real Service and
 //! EndpointSlice to busybox httpd in a network namespace → Completed.
-//! Conversion Jobs run through the Job simulator, which executes the real
-//! `vmmigrate convert` binary.
+//! Conversion Jobs are real Jobs: the scheduler places their pods on the test
+//! cluster's node and the kubelet runs them from the release image, on a
+//! PersistentVolume holding the controller's work directory.
 
 use crate::support::esxi_emulator::{EsxiEmulator, EsxiOptions};
 use crate::support::netns::Netns;
-use crate::support::{KubeEnv, ensure_storage_class, job_sim, kubevirt_sim, phase_of, test_namespace};
+use crate::support::{KubeEnv, ensure_storage_class, kubevirt_sim, phase_of, test_namespace};
 use k8s_openapi::api::batch::v1::Job;
-use k8s_openapi::api::core::v1::{Secret, Service};
+use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim, Secret, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::api::{Api, DynamicObject, ListParams, PostParams};
 use kube::{Client, ResourceExt};
@@ -44,7 +45,9 @@ struct Migration {
     opts: ControllerOptions,
     staging: StagingServer,
     sims: kubevirt_sim::Simulators,
-    jobs: job_sim::JobSimulator,
+    /// Every conversion Job ever created in the namespace, by uid.
+    jobs_seen: Arc<std::sync::Mutex<std::collections::HashSet<String>>>,
+    job_watch: tokio::task::JoinHandle<()>,
     _netns: Netns,
     /// What the adapters and the staging server record into (one registry
     /// across controller restarts, like the Service's view of the pods).
@@ -54,7 +57,10 @@ struct Migration {
 
 impl Migration {
     async fn new(prefix: &str) -> Migration {
-        let client = KubeEnv::shared().client().await;
+        let env = KubeEnv::shared();
+        // The conversion Jobs' image; built and imported on first use.
+        let image = tokio::task::block_in_place(|| env.controller_image()).expect("the release image");
+        let client = env.client().await;
         ensure_storage_class(&client).await;
         let ns = test_namespace(&client, prefix).await;
         let emu = EsxiEmulator::start(EsxiOptions::default()).expect("ESXi emulator");
@@ -78,7 +84,7 @@ impl Migration {
             staging_url: None,
             conversions: 2,
             copy_streams: 2,
-            job_image: Some("vmmigrate:e2e".into()),
+            job_image: Some(image),
             job_namespace: None,
             work_claim: Some("vmmigrate-work".into()),
             instance: "e2e".into(),
@@ -94,7 +100,8 @@ impl Migration {
             kubevirt_sim::SimOptions { pvc_root: Some(pvc_root) },
         );
         *sims.control.kubevirt.vmi_ip.lock().unwrap() = netns.ip.to_string();
-        let jobs = job_sim::start(client.clone(), &ns, PathBuf::from(env!("CARGO_BIN_EXE_vmmigrate")));
+        work_volume(&client, &ns, work.path()).await;
+        let (jobs_seen, job_watch) = watch_jobs(&client, &ns);
         let api = Api::namespaced(client.clone(), &ns);
         let mut m = Migration {
             client,
@@ -105,7 +112,8 @@ impl Migration {
             opts,
             staging,
             sims,
-            jobs,
+            jobs_seen,
+            job_watch,
             _netns: netns,
             metrics,
             controller: None,
@@ -253,6 +261,70 @@ impl Migration {
     }
 }
 
+impl Drop for Migration {
+    fn drop(&mut self) {
+        self.job_watch.abort();
+    }
+}
+
+/// The work volume of the conversion Jobs: a PersistentVolume on the node's
+/// path of the controller's work directory (the controller runs in the test
+/// process, on the same machine), bound ahead to the claim `vmmigrate-work`
+/// that [`create_work_claim`] creates. Until it exists the Jobs' pods cannot
+/// be scheduled: the test's way of holding conversions.
+async fn work_volume(client: &Client, ns: &str, work: &Path) {
+    let pv: PersistentVolume = serde_json::from_value(json!({
+        "apiVersion": "v1", "kind": "PersistentVolume",
+        "metadata": {"name": format!("{ns}-work")},
+        "spec": {
+            "capacity": {"storage": "10Gi"}, "accessModes": ["ReadWriteOnce"],
+            "persistentVolumeReclaimPolicy": "Retain", "storageClassName": "",
+            "hostPath": {"path": work.to_string_lossy(), "type": "Directory"},
+            "claimRef": {"namespace": ns, "name": "vmmigrate-work"},
+        },
+    }))
+    .unwrap();
+    Api::<PersistentVolume>::all(client.clone()).create(&PostParams::default(), &pv).await.expect("work PV");
+}
+
+async fn create_work_claim(client: &Client, ns: &str) {
+    let pvc: PersistentVolumeClaim = serde_json::from_value(json!({
+        "apiVersion": "v1", "kind": "PersistentVolumeClaim",
+        "metadata": {"name": "vmmigrate-work"},
+        "spec": {
+            "accessModes": ["ReadWriteOnce"], "storageClassName": "", "volumeName": format!("{ns}-work"),
+            "resources": {"requests": {"storage": "10Gi"}},
+        },
+    }))
+    .unwrap();
+    Api::<PersistentVolumeClaim>::namespaced(client.clone(), ns)
+        .create(&PostParams::default(), &pvc)
+        .await
+        .expect("work PVC");
+}
+
+/// Records the uid of every Job created in `ns` (a watch sees each one,
+/// however short-lived).
+fn watch_jobs(
+    client: &Client,
+    ns: &str,
+) -> (Arc<std::sync::Mutex<std::collections::HashSet<String>>>, tokio::task::JoinHandle<()>) {
+    use futures::StreamExt as _;
+    use kube::runtime::watcher;
+    let seen = Arc::new(std::sync::Mutex::new(std::collections::HashSet::new()));
+    let jobs: Api<Job> = Api::namespaced(client.clone(), ns);
+    let record = seen.clone();
+    let task = tokio::spawn(async move {
+        let mut events = std::pin::pin!(watcher(jobs, watcher::Config::default()));
+        while let Some(event) = events.next().await {
+            if let Ok(watcher::Event::Apply(job) | watcher::Event::InitApply(job)) = event {
+                record.lock().unwrap().insert(job.uid().unwrap_or_default());
+            }
+        }
+    });
+    (seen, task)
+}
+
 fn walk(dir: &Path, f: &mut impl FnMut(&Path)) {
     for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
         let path = entry.path();
@@ -390,7 +462,7 @@ async fn two_disk_efi_vm_with_two_nics_migrates_to_completed_with_checksums_end_
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn controller_killed_during_converting_and_importing_completes_with_one_job_and_data_volume_per_disk() {
     let mut m = Migration::new("e2e-kill").await;
-    m.jobs.control.hold.store(true, Ordering::SeqCst);
+    // The Jobs' pods wait for the work claim, created after the first kill.
     m.sims.control.hold_imports.store(true, Ordering::SeqCst);
     m.create(|body| {
         body["spec"]["conversion"] = json!({"format": "qcow2", "runner": "job"});
@@ -406,7 +478,7 @@ async fn controller_killed_during_converting_and_importing_completes_with_one_jo
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     m.kill_and_restart_controller().await;
-    m.jobs.control.hold.store(false, Ordering::SeqCst);
+    create_work_claim(&m.client, &m.ns).await;
 
     // Importing: both DataVolumes exist (held); kill again, release the imports.
     m.wait_for("Importing", |v| phase_of(v) == Phase::Importing).await;
@@ -419,7 +491,7 @@ async fn controller_killed_during_converting_and_importing_completes_with_one_jo
 
     let vmm = m.wait_completed().await;
     let status = vmm.status.unwrap();
-    assert_eq!(m.jobs.control.job_uids_seen.lock().unwrap().len(), 2, "one conversion Job per disk");
+    assert_eq!(m.jobs_seen.lock().unwrap().len(), 2, "one conversion Job per disk");
     assert_eq!(m.sims.control.dv_uids_seen.lock().unwrap().len(), 2, "one DataVolume per disk");
     assert!(jobs.list(&ListParams::default()).await.unwrap().items.is_empty(), "Jobs are cleaned up");
     // qcow2 artifacts: CDI converted them back to raw; the bytes are the source's.

@@ -119,6 +119,7 @@ pub fn adapters(
         work_claim: opts.work_claim.clone(),
         work_dir: opts.work_dir.clone(),
         service_account: None,
+        run_as: own_ids(),
     });
     let store = Arc::new(ArtifactStore::new(
         StoreSettings {
@@ -213,4 +214,10 @@ pub(crate) async fn shutdown_signal() {
         _ = ctrl_c => {}
         _ = term => {}
     }
+}
+
+/// This process's uid and gid (the owner of `/proc/self`).
+fn own_ids() -> Option<(u32, u32)> {
+    use std::os::unix::fs::MetadataExt as _;
+    std::fs::metadata("/proc/self").ok().map(|m| (m.uid(), m.gid()))
 }

@@ -31,6 +31,11 @@ pub(crate) struct JobSettings {
     /// Where the work directory is mounted, the same path as in the controller.
     pub work_dir: PathBuf,
     pub service_account: Option<String>,
+    /// The uid and gid the Job runs as: the controller's own, so that files
+    /// either writes on the shared work volume are the other's to read and
+    /// replace (65532 from the release image; whoever runs an out-of-cluster
+    /// controller otherwise). `None`: the image's user.
+    pub run_as: Option<(u32, u32)>,
 }
 
 /// Everything one conversion needs, as paths on the work volume.
@@ -120,6 +125,8 @@ pub(crate) fn conversion_job(
             "image": settings.image,
             "command": ["vmmigrate"],
             "args": convert_args(input),
+            // The controller reads why a conversion failed from here.
+            "terminationMessagePolicy": "FallbackToLogsOnError",
             "resources": {
                 "requests": { "cpu": "500m", "memory": "256Mi" },
                 "limits": { "memory": "1Gi" },
@@ -134,6 +141,10 @@ pub(crate) fn conversion_job(
     });
     if let Some(sa) = &settings.service_account {
         pod_spec["serviceAccountName"] = json!(sa);
+    }
+    if let Some((uid, gid)) = settings.run_as {
+        pod_spec["securityContext"] =
+            json!({ "runAsUser": uid, "runAsGroup": gid, "runAsNonRoot": uid != 0 });
     }
     json!({
         "apiVersion": "batch/v1",
@@ -193,6 +204,7 @@ mod tests {
             work_claim: Some("vmmigrate-work".into()),
             work_dir: "/work".into(),
             service_account: None,
+            run_as: Some((65532, 65532)),
         }
     }
 
@@ -221,6 +233,21 @@ mod tests {
         assert_eq!(job["metadata"]["ownerReferences"][0]["uid"], "u-1");
         assert_eq!(job["metadata"]["labels"][LABEL_ROLE], "convert");
         assert!(container["resources"]["requests"]["cpu"].is_string());
+    }
+
+    #[test]
+    fn the_job_runs_as_the_controllers_user_and_never_as_root_unless_the_controller_is() {
+        let job = conversion_job(&settings(None), &vmm("web"), 0, &input());
+        let security = &job["spec"]["template"]["spec"]["securityContext"];
+        assert_eq!(security["runAsUser"], 65532);
+        assert_eq!(security["runAsGroup"], 65532);
+        assert_eq!(security["runAsNonRoot"], true);
+        let root = JobSettings { run_as: Some((0, 0)), ..settings(None) };
+        let job = conversion_job(&root, &vmm("web"), 0, &input());
+        assert_eq!(job["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"], false);
+        let image_user = JobSettings { run_as: None, ..settings(None) };
+        let job = conversion_job(&image_user, &vmm("web"), 0, &input());
+        assert!(job["spec"]["template"]["spec"].get("securityContext").is_none());
     }
 
     #[test]

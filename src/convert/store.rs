@@ -180,10 +180,11 @@ impl ArtifactStore {
     }
 
     async fn job_state(&self, vmm: &VirtualMachineMigration, disk: usize) -> Option<ArtifactState> {
-        let (api, _) = match self.jobs(vmm) {
+        let (api, settings) = match self.jobs(vmm) {
             Ok(j) => j,
             Err(failure) => return Some(ArtifactState::Failed(failure)),
         };
+        let namespace = job::job_namespace(settings, vmm);
         let job = match api.get_opt(&job::job_name(vmm, disk)).await {
             Ok(job) => job?,
             Err(e) => return Some(ArtifactState::Failed(classify("reading the conversion Job", e))),
@@ -193,13 +194,17 @@ impl ArtifactStore {
             status.conditions.iter().flatten().find(|c| c.type_ == t && c.status == "True").cloned()
         };
         if let Some(failed) = condition("Failed") {
+            let name = job.metadata.name.unwrap_or_default();
+            // The Job controller only says a limit was reached; what went
+            // wrong is the last line `vmmigrate convert` printed, which the
+            // kubelet keeps as the container's termination message.
+            let said = match self.pod_error(&namespace, &name).await {
+                Some(line) => line,
+                None => failed.message.unwrap_or_else(|| failed.reason.unwrap_or_default()),
+            };
             return Some(ArtifactState::Failed(Failure::retryable(
                 Reason::ConversionJobFailed,
-                format!(
-                    "Job {}: {}",
-                    job.metadata.name.unwrap_or_default(),
-                    failed.message.unwrap_or_else(|| failed.reason.unwrap_or_default())
-                ),
+                format!("Job {name}: {said}"),
             )));
         }
         if condition("Complete").is_some() {
@@ -209,6 +214,28 @@ impl ArtifactStore {
         let done =
             std::fs::metadata(partial_path(&self.artifact_path(vmm, disk))).map(|m| m.len()).unwrap_or(0);
         Some(ArtifactState::InProgress { bytes_done: done.min(total) as i64, bytes_total: total as i64 })
+    }
+}
+
+impl ArtifactStore {
+    /// The last line of the termination message of a failed pod of Job `job`.
+    async fn pod_error(&self, namespace: &str, job: &str) -> Option<String> {
+        use k8s_openapi::api::core::v1::Pod;
+        let pods: Api<Pod> = Api::namespaced(self.client.clone()?, namespace);
+        let params = kube::api::ListParams::default().labels(&format!("batch.kubernetes.io/job-name={job}"));
+        let list = pods.list(&params).await.ok()?;
+        list.items.iter().find_map(|pod| {
+            let statuses = pod.status.as_ref()?.container_statuses.as_ref()?;
+            statuses.iter().find_map(|s| {
+                let message = s.state.as_ref()?.terminated.as_ref()?.message.as_ref()?;
+                message
+                    .lines()
+                    .rev()
+                    .map(str::trim)
+                    .find(|l| !l.is_empty())
+                    .map(|l| l.chars().take(1024).collect())
+            })
+        })
     }
 }
 

@@ -180,7 +180,7 @@ fn build_control_plane(screen: &mut Screen) -> anyhow::Result<()> {
 fn start_local_parts() -> anyhow::Result<LocalParts> {
     let (kube, esxi, web) = std::thread::scope(|s| {
         // `shared()` panics when the control plane cannot start (the message is printed).
-        let kube = s.spawn(KubeEnv::shared);
+        let kube = s.spawn(KubeEnv::shared_control_plane);
         let esxi = s.spawn(|| EsxiEmulator::start(EsxiOptions::default()));
         let web = s.spawn(|| -> anyhow::Result<Netns> {
             let netns = Netns::new()?;

@@ -54,6 +54,16 @@ emu_bytes() {
     echo $((n * m))
 }
 
+# The slow-disk knob: /var/lib/esxi-emu/read_delay holds seconds (BusyBox
+# sleep takes fractions); every disk read waits that long before it is served,
+# so that a copy lasts long enough to be interrupted on purpose.
+emu_throttle() {
+    local delay=
+    read -r delay 2>/dev/null <"$EMU_ST/read_delay"
+    [ -n "$delay" ] && $bb sleep "$delay"
+    return 0
+}
+
 emu_record() {
     printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "$4" "$5" "$6" >>"$EMU_LOG/reads.log"
 }
@@ -104,6 +114,7 @@ emu_take_cut() {
 # emu_serve TOOL PATH OFFSET LENGTH EXPECTED STDERR-MODE DD-ARGS...
 # Runs `busybox dd DD-ARGS...` to stdout and records the read.
 emu_serve() {
+    emu_throttle
     local tool=$1 path=$2 off=$3 len=$4 expect=$5 mode=$6 cut err rc full line
     shift 6
     if cut=$(emu_take_cut "$expect"); then

@@ -71,11 +71,14 @@ pub struct EsxiOptions {
     pub big_disk_mib: Option<u64>,
     /// Whether the shell has `sha256sum`.
     pub with_sha256sum: bool,
+    /// An address sshd listens on besides 127.0.0.1, on the same port: the
+    /// host end of the test node's veth, where pods reach the host.
+    pub also_listen: Option<std::net::Ipv4Addr>,
 }
 
 impl Default for EsxiOptions {
     fn default() -> Self {
-        EsxiOptions { big_disk_mib: None, with_sha256sum: true }
+        EsxiOptions { big_disk_mib: None, with_sha256sum: true, also_listen: None }
     }
 }
 
@@ -117,6 +120,7 @@ pub struct EsxiEmulator {
     disks: BTreeMap<String, Vec<DiskFile>>,
     uid: u32,
     gid: u32,
+    also_listen: Option<std::net::Ipv4Addr>,
 }
 
 struct SshdState {
@@ -175,6 +179,7 @@ impl EsxiEmulator {
             disks,
             uid,
             gid,
+            also_listen: opts.also_listen,
         };
         // A free port can be taken by someone else before sshd binds it: retry.
         let mut last_err = None;
@@ -347,6 +352,17 @@ impl EsxiEmulator {
         }
     }
 
+    /// Makes every disk read wait `seconds` before it is served (`None`:
+    /// full speed), so a copy can be interrupted mid-way on purpose.
+    pub fn set_read_delay(&self, seconds: Option<f64>) {
+        match seconds {
+            Some(s) => self.put_state("read_delay", &format!("{s:.3}")),
+            None => {
+                let _ = fs::remove_file(self.state_dir().join("read_delay"));
+            }
+        }
+    }
+
     pub fn set_tools_running(&self, vmid: &str, running: bool) {
         self.vm_dir(vmid);
         self.put_state(&format!("vms/{vmid}/tools"), if running { "running" } else { "notrunning" });
@@ -408,6 +424,10 @@ impl EsxiEmulator {
         fs::write(self.known_hosts_path(), format!("[127.0.0.1]:{} {}\n", self.port, state.host_public))?;
 
         let config = SSHD_CONFIG_TEMPLATE
+            .replace(
+                "@ALSO_LISTEN@",
+                &self.also_listen.map(|ip| format!("ListenAddress {ip}:{}", self.port)).unwrap_or_default(),
+            )
             .replace("@PORT@", &self.port.to_string())
             .replace("@HOST_KEY@", &host_key.display().to_string())
             .replace("@AUTHORIZED_KEYS@", &self.dir.join("authorized_keys").display().to_string())

@@ -1,17 +1,26 @@
-//! A real Kubernetes control plane for the tests: etcd, kube-apiserver and
-//! kube-controller-manager (garbage collector and namespace controllers only),
-//! built from their Go modules by `tools/testenv/build.sh` (`crate::setup`) and started on free
-//! loopback ports in a temporary directory.
+//! A real Kubernetes cluster for the tests, built from its Go modules by
+//! `tools/testenv/build.sh` (`crate::setup`) and started in a temporary
+//! directory: etcd, kube-apiserver, kube-controller-manager and, in the
+//! one-node shape, kube-scheduler and a real node (`crate::node`: kubelet,
+//! containerd, kube-proxy, CNI, local-path-provisioner).
 //!
-//! One environment per test binary (`KubeEnv::shared()`); each test makes its
-//! own `kube::Client` (a client belongs to the tokio runtime it was made in)
-//! and its own namespace. When `VMMIGRATE_TEST_KUBECONFIG` is set, that
-//! cluster is used instead and nothing is started.
+//! Two shapes:
+//! - [`KubeEnv::shared`]: the one-node cluster, once per test binary. Pods
+//!   run; the API server listens on the host end of the node's veth.
+//! - [`KubeEnv::shared_control_plane`]: the control plane alone on loopback
+//!   (garbage collector and namespace controllers only), for what needs no
+//!   pods: the in-process demo starts in a few seconds with it.
+//!
+//! Each test makes its own `kube::Client` (a client belongs to the tokio
+//! runtime it was made in) and its own namespace. When
+//! `VMMIGRATE_TEST_KUBECONFIG` is set, that cluster is used instead and
+//! nothing is started.
 //!
 //! Nothing is left behind: every process we start is recorded in `pids`, and a
 //! small janitor shell (its stdin is a pipe only this process holds) kills them
 //! and removes the directory as soon as the test process exits, however it exits.
 
+use crate::node::{ControlPlane, Node, NodeNet};
 use crate::process::{Janitor, free_port, wait_until};
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::{Api, Client, Config};
@@ -21,27 +30,86 @@ use std::sync::OnceLock;
 use std::time::Duration;
 
 const ADMIN_TOKEN: &str = "vmmigrate-test-admin-token";
+const NODE_TOKEN: &str = "vmmigrate-test-node-token";
+const PROXY_TOKEN: &str = "vmmigrate-test-kube-proxy-token";
+const SCHEDULER_TOKEN: &str = "vmmigrate-test-scheduler-token";
 
 /// A running (or borrowed) cluster.
 pub struct KubeEnv {
     kubeconfig: PathBuf,
     /// The API server's reported version, e.g. `v1.35.4`.
     pub version: String,
+    /// The node, in the one-node shape.
+    pub node: Option<Node>,
+    /// The cluster's binaries (kubectl among them); `None` when borrowed.
+    pub bin: Option<PathBuf>,
+    /// How long the cluster took to start, node and provisioner included.
+    pub startup: Duration,
+    /// The release image, once imported into the node.
+    imported: std::sync::Mutex<Option<String>>,
+    // Dropped in this order: processes (janitor), then the node's network,
+    // cgroups and mounts (its guard).
     _janitor: Option<Janitor>,
+    _net: Option<NodeNet>,
 }
 
 static SHARED: OnceLock<KubeEnv> = OnceLock::new();
+static SHARED_CONTROL_PLANE: OnceLock<KubeEnv> = OnceLock::new();
 
 impl KubeEnv {
-    /// The environment of this test binary, started on first use.
+    /// The one-node cluster of this test binary, started on first use.
     pub fn shared() -> &'static KubeEnv {
-        // Started on a plain thread: callers are usually inside a tokio runtime,
-        // and start-up blocks on its own small runtime.
-        SHARED.get_or_init(|| match std::thread::spawn(KubeEnv::start).join() {
-            Ok(Ok(env)) => env,
-            Ok(Err(err)) => panic!("cannot start the Kubernetes test environment: {err:#}"),
-            Err(_) => panic!("the Kubernetes test environment panicked while starting"),
-        })
+        SHARED.get_or_init(|| start_blocking(true))
+    }
+
+    /// The control plane alone (no node, no scheduler), started on first use.
+    pub fn shared_control_plane() -> &'static KubeEnv {
+        SHARED_CONTROL_PLANE.get_or_init(|| start_blocking(false))
+    }
+
+    /// A cluster of its own, stopped when dropped (for tests of the harness).
+    pub fn start_owned(with_node: bool) -> anyhow::Result<KubeEnv> {
+        std::thread::spawn(move || KubeEnv::start(with_node))
+            .join()
+            .map_err(|_| anyhow::anyhow!("the Kubernetes test environment panicked while starting"))?
+    }
+
+    /// Resident memory of the cluster: every process it started (etcd, the
+    /// control plane, containerd, the kubelet, kube-proxy), the containerd
+    /// shims in the node's network namespace and every process in its pods.
+    pub fn memory_bytes(&self) -> u64 {
+        let mut pids = std::collections::BTreeSet::new();
+        if let Some(janitor) = &self._janitor {
+            let recorded = std::fs::read_to_string(janitor.dir().join("pids")).unwrap_or_default();
+            pids.extend(recorded.lines().filter_map(|l| l.trim().parse::<u32>().ok()));
+        }
+        if let Some(node) = &self.node {
+            pids.extend(node.processes());
+        }
+        pids.iter().map(|pid| crate::process::rss_bytes(*pid)).sum()
+    }
+
+    /// The release image, built on first use and imported into the node
+    /// once; returns its name (`registry.example.net/platform/vmmigrate:<v>`).
+    pub fn controller_image(&self) -> anyhow::Result<String> {
+        let node = self.node.as_ref().ok_or_else(|| anyhow::anyhow!("this cluster has no node"))?;
+        let mut imported = self.imported.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(name) = imported.as_ref() {
+            return Ok(name.clone());
+        }
+        let (archive, name) = crate::setup::release_image()?;
+        node.import_image(&archive)?;
+        *imported = Some(name.clone());
+        Ok(name)
+    }
+
+    /// `kubectl ARGS…` against this cluster.
+    pub fn kubectl(&self, args: &[&str]) -> anyhow::Result<String> {
+        let bin = match &self.bin {
+            Some(bin) => bin.clone(),
+            None => crate::setup::control_plane()?,
+        };
+        Node::kubectl(&bin, &self.kubeconfig, args)
     }
 
     /// A client for this cluster, bound to the calling tokio runtime.
@@ -58,15 +126,31 @@ impl KubeEnv {
         &self.kubeconfig
     }
 
-    fn start() -> anyhow::Result<KubeEnv> {
+    fn start(with_node: bool) -> anyhow::Result<KubeEnv> {
+        let started = std::time::Instant::now();
         if let Some(path) = std::env::var_os("VMMIGRATE_TEST_KUBECONFIG") {
             let kubeconfig = PathBuf::from(path);
             let version = runtime().block_on(prepare_cluster(&kubeconfig))?;
-            return Ok(KubeEnv { kubeconfig, version, _janitor: None });
+            return Ok(KubeEnv {
+                kubeconfig,
+                version,
+                node: None,
+                bin: None,
+                startup: started.elapsed(),
+                imported: Default::default(),
+                _janitor: None,
+                _net: None,
+            });
         }
         let bin = crate::setup::control_plane()?;
+        if with_node {
+            // Built (or found) before anything starts: a first build takes minutes.
+            crate::setup::node_images()?;
+        }
         let janitor = Janitor::new("vmmigrate-kube")?;
         let dir = janitor.dir().to_path_buf();
+        let net = if with_node { Some(NodeNet::create()?) } else { None };
+        let api_ip = net.as_ref().map_or_else(|| "127.0.0.1".to_owned(), |n| n.host_ip.to_string());
 
         // etcd
         let etcd_port = free_port()?;
@@ -94,7 +178,16 @@ impl KubeEnv {
         })?;
 
         // kube-apiserver
-        std::fs::write(dir.join("tokens.csv"), format!("{ADMIN_TOKEN},admin,admin,system:masters\n"))?;
+        std::fs::write(
+            dir.join("tokens.csv"),
+            format!(
+                "{ADMIN_TOKEN},admin,admin,system:masters\n\
+                 {NODE_TOKEN},system:node:{node},node,system:nodes\n\
+                 {PROXY_TOKEN},system:kube-proxy,kube-proxy\n\
+                 {SCHEDULER_TOKEN},system:kube-scheduler,kube-scheduler\n",
+                node = crate::node::NODE_NAME
+            ),
+        )?;
         let sa_key = dir.join("sa.key");
         let status = Command::new("openssl")
             .args(["genpkey", "-algorithm", "RSA", "-pkeyopt", "rsa_keygen_bits:2048", "-out"])
@@ -103,54 +196,130 @@ impl KubeEnv {
             .status()?;
         anyhow::ensure!(status.success(), "openssl genpkey failed");
         let api_port = free_port()?;
-        janitor.spawn(
-            "kube-apiserver",
-            Command::new(bin.join("kube-apiserver")).args([
-                &format!("--etcd-servers={etcd_url}"),
-                &format!("--cert-dir={}", dir.join("certs").display()),
-                "--bind-address=127.0.0.1",
-                "--advertise-address=127.0.0.1",
-                &format!("--secure-port={api_port}"),
-                "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
-                &format!("--service-account-key-file={}", sa_key.display()),
-                &format!("--service-account-signing-key-file={}", sa_key.display()),
-                "--service-cluster-ip-range=10.96.0.0/16",
-                &format!("--token-auth-file={}", dir.join("tokens.csv").display()),
-                "--authorization-mode=RBAC",
-                "--endpoint-reconciler-type=none",
-                "--enable-priority-and-fairness=false",
-                "--v=0",
-            ]),
-        )?;
+        let mut apiserver = Command::new(bin.join("kube-apiserver"));
+        apiserver.args([
+            &format!("--etcd-servers={etcd_url}"),
+            &format!("--cert-dir={}", dir.join("certs").display()),
+            &format!("--bind-address={api_ip}"),
+            &format!("--advertise-address={api_ip}"),
+            &format!("--secure-port={api_port}"),
+            "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
+            &format!("--service-account-key-file={}", sa_key.display()),
+            &format!("--service-account-signing-key-file={}", sa_key.display()),
+            "--service-cluster-ip-range=10.96.0.0/16",
+            &format!("--token-auth-file={}", dir.join("tokens.csv").display()),
+            "--enable-priority-and-fairness=false",
+            "--v=0",
+        ]);
+        if with_node {
+            // The `kubernetes` Service gets the API server's address (pods'
+            // in-cluster clients); the node authorizer for the kubelet;
+            // logs and exec through the node's InternalIP.
+            apiserver.args([
+                "--authorization-mode=Node,RBAC",
+                "--allow-privileged=true",
+                "--kubelet-preferred-address-types=InternalIP",
+            ]);
+        } else {
+            apiserver.args(["--authorization-mode=RBAC", "--endpoint-reconciler-type=none"]);
+        }
+        janitor.spawn("kube-apiserver", &mut apiserver)?;
         // The self-signed serving certificate appears once the server has started.
         let cert = dir.join("certs/apiserver.crt");
         wait_until(Duration::from_secs(120), "kube-apiserver serving certificate", || {
             janitor.check_alive()?;
             Ok(cert.exists())
         })?;
+        let ca_pem = std::fs::read(&cert)?;
+        let server = format!("https://{api_ip}:{api_port}");
         let kubeconfig = dir.join("kubeconfig");
-        write_kubeconfig(&kubeconfig, api_port, &std::fs::read(&cert)?)?;
+        crate::node::write_token_kubeconfig(&kubeconfig, &server, &ca_pem, ADMIN_TOKEN)?;
 
-        // kube-controller-manager: only what makes owner references and namespace deletion work.
-        janitor.spawn(
-            "kube-controller-manager",
-            Command::new(bin.join("kube-controller-manager")).args([
-                &format!("--kubeconfig={}", kubeconfig.display()),
+        let mut kcm = Command::new(bin.join("kube-controller-manager"));
+        kcm.args([
+            &format!("--kubeconfig={}", kubeconfig.display()),
+            "--leader-elect=false",
+            "--bind-address=127.0.0.1",
+            &format!("--secure-port={}", free_port()?),
+            &format!("--cert-dir={}", dir.join("kcm-certs").display()),
+            "--v=0",
+        ]);
+        if with_node {
+            // Every default controller (Deployments, Jobs, service account
+            // tokens, PV binding, EndpointSlices, TTL-after-finished…), each
+            // with its own service account's permissions, as in a cluster.
+            kcm.args([
+                "--controllers=*",
+                "--use-service-account-credentials=true",
+                &format!("--service-account-private-key-file={}", sa_key.display()),
+                &format!("--root-ca-file={}", cert.display()),
+            ]);
+        } else {
+            // Only what makes owner references and namespace deletion work.
+            kcm.args([
                 "--controllers=garbage-collector-controller,namespace-controller",
-                "--leader-elect=false",
                 "--use-service-account-credentials=false",
-                "--bind-address=127.0.0.1",
-                &format!("--secure-port={}", free_port()?),
-                &format!("--cert-dir={}", dir.join("kcm-certs").display()),
-                "--v=0",
-            ]),
-        )?;
+            ]);
+        }
+        janitor.spawn("kube-controller-manager", &mut kcm)?;
 
         let version = runtime().block_on(async {
             wait_ready(&kubeconfig, &janitor).await?;
             prepare_cluster(&kubeconfig).await
         })?;
-        Ok(KubeEnv { kubeconfig, version, _janitor: Some(janitor) })
+        let node = match &net {
+            Some(net) => {
+                let scheduler_kubeconfig = dir.join("scheduler.kubeconfig");
+                crate::node::write_token_kubeconfig(
+                    &scheduler_kubeconfig,
+                    &server,
+                    &ca_pem,
+                    SCHEDULER_TOKEN,
+                )?;
+                janitor.spawn(
+                    "kube-scheduler",
+                    Command::new(bin.join("kube-scheduler")).args([
+                        &format!("--kubeconfig={}", scheduler_kubeconfig.display()),
+                        "--leader-elect=false",
+                        "--bind-address=127.0.0.1",
+                        &format!("--secure-port={}", free_port()?),
+                        "--v=0",
+                    ]),
+                )?;
+                let cp = ControlPlane {
+                    bin: &bin,
+                    server: &server,
+                    ca_pem: &ca_pem,
+                    node_token: NODE_TOKEN,
+                    proxy_token: PROXY_TOKEN,
+                };
+                Some(crate::node::start(net, &janitor, &cp, &kubeconfig)?)
+            }
+            None => None,
+        };
+        Ok(KubeEnv {
+            kubeconfig,
+            version,
+            node,
+            bin: Some(bin),
+            startup: started.elapsed(),
+            imported: Default::default(),
+            _janitor: Some(janitor),
+            _net: net,
+        })
+    }
+}
+
+fn start_blocking(with_node: bool) -> KubeEnv {
+    // Started on a plain thread: callers are usually inside a tokio runtime,
+    // and start-up blocks on its own small runtime.
+    match KubeEnv::start_owned(with_node) {
+        Ok(env) => {
+            let shape = if with_node { "one-node cluster" } else { "control plane" };
+            eprintln!("vmmigrate-harness: {shape} started in {:.1}s", env.startup.as_secs_f64());
+            env
+        }
+        Err(err) => panic!("cannot start the Kubernetes test environment: {err:#}"),
     }
 }
 
@@ -158,22 +327,8 @@ fn runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_current_thread().enable_all().build().expect("tokio runtime")
 }
 
-/// Directory holding the built control-plane binaries: `VMMIGRATE_TESTENV_BIN`,
-/// or whatever `tools/testenv/build.sh` prints (it builds only when the cache is empty).
-fn write_kubeconfig(path: &Path, port: u16, ca_pem: &[u8]) -> anyhow::Result<()> {
-    use std::fmt::Write;
-    let ca = base64_encode(ca_pem);
-    let mut out = String::new();
-    writeln!(out, "apiVersion: v1\nkind: Config\ncurrent-context: test")?;
-    writeln!(out, "clusters:\n- name: test\n  cluster:\n    server: https://127.0.0.1:{port}")?;
-    writeln!(out, "    certificate-authority-data: {ca}")?;
-    writeln!(out, "users:\n- name: admin\n  user:\n    token: {ADMIN_TOKEN}")?;
-    writeln!(out, "contexts:\n- name: test\n  context:\n    cluster: test\n    user: admin")?;
-    std::fs::write(path, out)?;
-    Ok(())
-}
-
-fn base64_encode(data: &[u8]) -> String {
+/// Standard base64 with padding.
+pub(crate) fn base64_encode(data: &[u8]) -> String {
     const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
     let mut out = String::with_capacity(data.len().div_ceil(3) * 4);
     for chunk in data.chunks(3) {

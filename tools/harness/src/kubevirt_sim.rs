@@ -7,7 +7,8 @@
 //!   through `ImportScheduled` and `ImportInProgress` (with `progress`) to
 //!   `Succeeded` or `Failed`, with CDI-like `Bound`/`Ready`/`Running`
 //!   conditions. The "importer" streams `spec.source.http.url` (plain HTTP,
-//!   loopback only) into a local directory standing in for the PVC,
+//!   loopback or a Service of the cluster, resolved to a ready endpoint as
+//!   cluster DNS and kube-proxy would) into a local directory standing in for the PVC,
 //!   `<pvc_root>/<namespace>/<dv>/disk.img`, hashing as it writes; only a
 //!   download matching `spec.source.http.checksum` is kept. A qcow2 image is
 //!   converted to raw with `qemu-img`, like CDI does. Deleting a DataVolume
@@ -372,7 +373,7 @@ async fn run_import(
 
     control.downloads.fetch_add(1, Ordering::SeqCst);
     let partial = dir.join("disk.img.partial");
-    let (got, magic) = download(url, &partial, &mut progress).await?;
+    let (got, magic) = download(&writer.client, url, &partial, &mut progress).await?;
     if got != want {
         return Err(format!("checksum mismatch: got sha256:{got}, want sha256:{want}"));
     }
@@ -479,21 +480,31 @@ fn last_line(bytes: &[u8]) -> String {
     text.lines().rev().find(|l| !l.trim().is_empty()).unwrap_or("").trim().to_owned()
 }
 
-/// Streams an HTTP/1.1 GET of `url` (loopback only) into `dest`, calling
-/// `progress` after every chunk. Returns the sha256 (hex) of the
-/// body and its first four bytes.
+/// Streams an HTTP/1.1 GET of `url` into `dest`, calling `progress` after
+/// every chunk. Returns the sha256 (hex) of the body and its first four
+/// bytes. The host is loopback, or a Service name
+/// (`<service>.<namespace>.svc[.cluster.local]`), which an importer pod
+/// reaches through cluster DNS and kube-proxy; the simulator, outside the
+/// cluster, resolves it the way they would: to a ready endpoint of the
+/// Service's EndpointSlices, a pod address the test node routes to the host.
 async fn download(
+    client: &Client,
     url: &str,
     dest: &Path,
     progress: &mut ProgressReport<'_>,
 ) -> Result<(String, [u8; 4]), String> {
     let rest = url.strip_prefix("http://").ok_or_else(|| format!("not an http URL: {url}"))?;
     let (host, path) = rest.split_once('/').map(|(h, p)| (h, format!("/{p}"))).unwrap_or((rest, "/".into()));
-    if !["127.0.0.1:", "localhost:", "[::1]:"].iter().any(|p| host.starts_with(p)) {
-        return Err(format!("refusing to fetch from {host}: the simulator only talks to loopback"));
-    }
-    let mut stream =
-        tokio::net::TcpStream::connect(host).await.map_err(|e| format!("connect {host}: {e}"))?;
+    let connect_to = if ["127.0.0.1:", "localhost:", "[::1]:"].iter().any(|p| host.starts_with(p)) {
+        host.to_owned()
+    } else if let Some(endpoint) = resolve_service(client, host).await? {
+        endpoint
+    } else {
+        return Err(format!("refusing to fetch from {host}: neither loopback nor a Service of the cluster"));
+    };
+    let mut stream = tokio::net::TcpStream::connect(&connect_to)
+        .await
+        .map_err(|e| format!("connect {host} ({connect_to}): {e}"))?;
     let request = format!(
         "GET {path} HTTP/1.1\r\nHost: {host}\r\nUser-Agent: cdi-importer-sim\r\nConnection: close\r\n\r\n"
     );
@@ -758,6 +769,53 @@ fn generated_mac(uid: &str, index: usize) -> String {
 }
 
 // ------------------------------------------------------ HTTP source
+
+/// `<service>.<namespace>.svc[.cluster.local]:<port>` → `<pod ip>:<target
+/// port>` of a ready endpoint; `None` when `host` is not a Service name.
+async fn resolve_service(client: &Client, host: &str) -> Result<Option<String>, String> {
+    use k8s_openapi::api::core::v1::Service;
+    use k8s_openapi::api::discovery::v1::EndpointSlice;
+    let (name, port) = host.rsplit_once(':').unwrap_or((host, "80"));
+    let name = name.strip_suffix(".cluster.local").unwrap_or(name);
+    let Some(name) = name.strip_suffix(".svc") else { return Ok(None) };
+    let Some((service, namespace)) = name.split_once('.') else { return Ok(None) };
+    let port: i32 = port.parse().map_err(|_| format!("bad port in {host}"))?;
+    let svc = Api::<Service>::namespaced(client.clone(), namespace)
+        .get(service)
+        .await
+        .map_err(|e| format!("resolving {host}: Service {namespace}/{service}: {e}"))?;
+    let port_name = svc
+        .spec
+        .and_then(|s| s.ports)
+        .unwrap_or_default()
+        .into_iter()
+        .find(|p| p.port == port)
+        .map(|p| p.name.unwrap_or_default())
+        .ok_or_else(|| format!("resolving {host}: Service {namespace}/{service} has no port {port}"))?;
+    let slices = Api::<EndpointSlice>::namespaced(client.clone(), namespace)
+        .list(&ListParams::default().labels(&format!("kubernetes.io/service-name={service}")))
+        .await
+        .map_err(|e| format!("resolving {host}: {e}"))?;
+    for slice in slices.items {
+        let Some(target) = slice
+            .ports
+            .unwrap_or_default()
+            .into_iter()
+            .find(|p| p.name.clone().unwrap_or_default() == port_name)
+            .and_then(|p| p.port)
+        else {
+            continue;
+        };
+        let ready = slice
+            .endpoints
+            .into_iter()
+            .find(|e| e.conditions.as_ref().and_then(|c| c.ready).unwrap_or(true) && !e.addresses.is_empty());
+        if let Some(endpoint) = ready {
+            return Ok(Some(format!("{}:{target}", endpoint.addresses[0])));
+        }
+    }
+    Err(format!("resolving {host}: Service {namespace}/{service} has no ready endpoint"))
+}
 
 /// A plain HTTP server on loopback serving whatever `serve(path)` returns;
 /// used to publish staged artifacts for the CDI simulator to download.

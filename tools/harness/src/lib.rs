@@ -1,8 +1,9 @@
 //! The test harness of vmmigrate, a crate of its own so the product crate
 //! holds nothing only tests use: the real Kubernetes control plane
-//! (`kube_env`), the ESXi emulator (a real `sshd`, `esxi_emulator`), the
-//! CDI/KubeVirt and Job simulators, a fake forge, network namespaces, and the
-//! process janitor that makes sure nothing outlives a test or the demo.
+//! with its one node (`kube_env`, `node`), the ESXi emulator (a real `sshd`,
+//! `esxi_emulator`), the CDI/KubeVirt simulators, a fake forge, network
+//! namespaces, and the process janitor that makes sure nothing outlives a
+//! test or the demo.
 //!
 //! `setup` prepares a fresh machine on first use: the Debian packages these
 //! parts need and the control-plane build, under a lock so parallel test
@@ -10,10 +11,11 @@
 
 pub mod esxi_emulator;
 pub mod fake_forge;
-pub mod job_sim;
+pub mod git_daemon;
 pub mod kube_env;
 pub mod kubevirt_sim;
 pub mod netns;
+pub mod node;
 pub mod process;
 pub mod setup;
 

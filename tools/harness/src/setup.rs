@@ -15,7 +15,9 @@ use std::sync::OnceLock;
 /// The Debian packages the harness runs: git (remotes), openssl (keys and
 /// certificates), qemu-utils (disks), openssh-server and -client (the ESXi
 /// emulator), busybox-static and lua5.4 (the emulated ESXi shell and
-/// `vim-cmd`), iproute2 (network namespaces), ca-certificates.
+/// `vim-cmd`), iproute2 (network namespaces), ca-certificates; for the test
+/// node: containerd, runc, the CNI plugins, iptables and conntrack
+/// (kube-proxy), umoci, jq and mmdebstrap (images without a registry).
 pub const PACKAGES: &[&str] = &[
     "git",
     "openssl",
@@ -26,6 +28,14 @@ pub const PACKAGES: &[&str] = &[
     "busybox-static",
     "iproute2",
     "lua5.4",
+    "containerd",
+    "runc",
+    "containernetworking-plugins",
+    "iptables",
+    "conntrack",
+    "umoci",
+    "jq",
+    "mmdebstrap",
 ];
 
 /// Where the harness caches what it builds (`~/.cache/vmmigrate`).
@@ -117,6 +127,105 @@ fn build_control_plane() -> anyhow::Result<PathBuf> {
     let dir = String::from_utf8(out.stdout)?.lines().last().unwrap_or_default().trim().to_owned();
     anyhow::ensure!(!dir.is_empty(), "{} printed no directory", script.display());
     Ok(PathBuf::from(dir))
+}
+
+/// The directory of the node's image archives (pause, busybox,
+/// local-path-provisioner), built by `tools/testenv/images.sh` on first use.
+pub fn node_images() -> anyhow::Result<PathBuf> {
+    static DIR: OnceLock<Result<PathBuf, String>> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let build = || -> anyhow::Result<PathBuf> {
+            let bin = control_plane()?;
+            let _lock = lock("testenv-images")?;
+            let script = crate::repo_root().join("tools/testenv/images.sh");
+            let out = Command::new("bash")
+                .arg(&script)
+                .arg(&bin)
+                .arg(cache_root().join("testenv-images"))
+                .stderr(Stdio::inherit())
+                .output()?;
+            anyhow::ensure!(out.status.success(), "{} failed", script.display());
+            let dir = String::from_utf8(out.stdout)?.lines().last().unwrap_or_default().trim().to_owned();
+            Ok(PathBuf::from(dir))
+        };
+        build().map_err(|e| format!("{e:#}"))
+    })
+    .clone()
+    .map_err(anyhow::Error::msg)
+}
+
+/// The release image (`tools/image/build.sh` on the release binary, built
+/// from this checkout with `cargo build --release --no-default-features`)
+/// as an oci-archive, with the name containerd gives it on import. Built on
+/// first use under a lock; cargo and the image script skip what is current.
+pub fn release_image() -> anyhow::Result<(PathBuf, String)> {
+    static IMAGE: OnceLock<Result<(PathBuf, String), String>> = OnceLock::new();
+    IMAGE
+        .get_or_init(|| build_release_image().map_err(|e| format!("{e:#}")))
+        .clone()
+        .map_err(anyhow::Error::msg)
+}
+
+fn build_release_image() -> anyhow::Result<(PathBuf, String)> {
+    packages()?;
+    let _lock = lock("release-image")?;
+    let repo = crate::repo_root();
+    let target = target_dir()?;
+    let started = std::time::Instant::now();
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let status = Command::new(&cargo)
+        .args([
+            "build",
+            "--release",
+            "--locked",
+            "--no-default-features",
+            "--bin",
+            "vmmigrate",
+            "--manifest-path",
+        ])
+        .arg(repo.join("Cargo.toml"))
+        .env("CARGO_TARGET_DIR", &target)
+        .stdout(Stdio::null())
+        .status()
+        .context("running cargo build --release")?;
+    anyhow::ensure!(status.success(), "cargo build --release of vmmigrate failed ({status})");
+    let binary = target.join("release/vmmigrate");
+    let out_dir = cache_root().join("image");
+    let out = Command::new("bash")
+        .arg(repo.join("tools/image/build.sh"))
+        .arg(&binary)
+        .arg(&out_dir)
+        .stderr(Stdio::null())
+        .output()
+        .context("running tools/image/build.sh")?;
+    anyhow::ensure!(
+        out.status.success(),
+        "tools/image/build.sh failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // It prints `<dir>/vmmigrate:<version>`.
+    let printed = String::from_utf8(out.stdout)?;
+    let version = printed.trim().rsplit(':').next().unwrap_or_default().to_owned();
+    anyhow::ensure!(!version.is_empty(), "tools/image/build.sh printed no image");
+    let archive = out_dir.join(format!("vmmigrate-{version}.oci.tar"));
+    let name = format!("registry.example.net/platform/vmmigrate:{version}");
+    eprintln!("vmmigrate-harness: release image {name} ready in {:.0}s", started.elapsed().as_secs_f64());
+    Ok((archive, name))
+}
+
+/// The cargo target directory this process was built into: `CARGO_TARGET_DIR`
+/// when set, else the parent of the `debug` (or `release`) directory above
+/// the running executable.
+fn target_dir() -> anyhow::Result<PathBuf> {
+    if let Some(dir) = std::env::var_os("CARGO_TARGET_DIR") {
+        return Ok(PathBuf::from(dir));
+    }
+    let exe = std::env::current_exe()?;
+    exe.ancestors()
+        .find(|dir| dir.file_name().is_some_and(|n| n == "debug" || n == "release"))
+        .and_then(Path::parent)
+        .map(Path::to_path_buf)
+        .ok_or_else(|| anyhow::anyhow!("cannot tell the cargo target directory from {}", exe.display()))
 }
 
 /// `PATH` with Go's usual install directories, where a fresh machine has it

@@ -1,0 +1,403 @@
+//! vmmigrate as a user installs it: the release image imported into the test
+//! node, `kubectl apply -k` of an overlay of `deploy/base` (Namespace, CRD,
+//! RBAC, ConfigMap, PVC, Deployment with two replicas and leader election,
+//! Services, probes, non-root, read-only root file system), the migrations
+//! repository served by a real `git daemon`, the ESXi emulator's real sshd on
+//! the host address pods reach. The controller pod runs with the
+//! ServiceAccount and RBAC of `deploy/` only; its conversion Jobs are real
+//! pods from the same image. CDI and KubeVirt are the simulators (they reach
+//! the staging server through its Service's endpoints).
+
+use crate::support::esxi_emulator::{EsxiEmulator, EsxiOptions};
+use crate::support::{KubeEnv, ensure_storage_class, kubevirt_sim, test_namespace};
+use k8s_openapi::api::core::v1::Pod;
+use kube::ResourceExt;
+use kube::api::{Api, ListParams};
+use std::path::Path;
+use std::process::Command;
+use std::time::{Duration, Instant};
+use vmmigrate::convert::artifact::sha256_file;
+use vmmigrate_harness::git_daemon::GitDaemon;
+
+const SYSTEM: &str = "vmmigrate-system";
+const VM: &str = "db-02";
+const VMID: &str = "2";
+const WAIT: Duration = Duration::from_secs(300);
+
+fn git(dir: &Path, args: &[&str]) -> String {
+    let out = Command::new("git")
+        .arg("-C")
+        .arg(dir)
+        .args(["-c", "user.name=platform", "-c", "user.email=platform@example.net"])
+        .args(args)
+        .output()
+        .expect("git");
+    assert!(out.status.success(), "git {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// The overlay a user on a one-node cluster writes: the image they imported,
+/// a ReadWriteOnce claim of the node's provisioner, their repository, a
+/// short lease, and smaller CPU requests (the node has two cores).
+fn overlay(dir: &Path, image: &str, repo_url: &str) {
+    let (name, tag) = image.rsplit_once(':').expect("image tag");
+    // kustomize takes bases by relative path only.
+    let base = vmmigrate_harness::repo_root().join("deploy/base").canonicalize().unwrap();
+    let here = dir.canonicalize().unwrap();
+    let up = "../".repeat(here.components().count() - 1);
+    let base = format!("{up}{}", base.strip_prefix("/").unwrap().display());
+    std::fs::write(
+        dir.join("kustomization.yaml"),
+        format!(
+            r#"apiVersion: kustomize.config.k8s.io/v1beta1
+kind: Kustomization
+resources:
+  - {base}
+images:
+  - name: {name}
+    newTag: "{tag}"
+patches:
+  - target: {{kind: PersistentVolumeClaim, name: vmmigrate-work}}
+    patch: |-
+      - {{op: replace, path: /spec/accessModes, value: [ReadWriteOnce]}}
+      - {{op: replace, path: /spec/resources/requests/storage, value: 10Gi}}
+      - {{op: add, path: /spec/storageClassName, value: local-path}}
+  - target: {{kind: Deployment, name: vmmigrate}}
+    patch: |-
+      - {{op: replace, path: /spec/template/spec/containers/0/imagePullPolicy, value: Never}}
+      - {{op: replace, path: /spec/template/spec/containers/0/resources/requests/cpu, value: 100m}}
+  - target: {{kind: ConfigMap, name: vmmigrate-config}}
+    patch: |-
+      - {{op: replace, path: /data/VMMIGRATE_REPO, value: "{repo_url}"}}
+      - {{op: add, path: /data/VMMIGRATE_POLL_SECONDS, value: "2"}}
+      - {{op: add, path: /data/VMMIGRATE_LEASE_SECONDS, value: "6"}}
+      - {{op: add, path: /data/VMMIGRATE_NAMESPACE, value: {SYSTEM}}}
+"#,
+        ),
+    )
+    .unwrap();
+}
+
+struct Installed<'a> {
+    env: &'a KubeEnv,
+}
+
+impl Drop for Installed<'_> {
+    /// Prints what a failure needs, then stops the controller pods (the
+    /// cluster outlives this test; the CRD and RBAC stay for the others).
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            for args in [
+                vec!["-n", SYSTEM, "get", "pods,jobs,pvc,lease", "-o", "wide"],
+                vec!["-n", SYSTEM, "get", "virtualmachinemigrations", "-o", "yaml"],
+                vec![
+                    "-n",
+                    SYSTEM,
+                    "logs",
+                    "-l",
+                    "app.kubernetes.io/component=controller",
+                    "--tail=60",
+                    "--prefix",
+                ],
+            ] {
+                eprintln!("{}", self.env.kubectl(&args).unwrap_or_else(|e| format!("{e:#}")));
+            }
+        }
+        if let Err(err) = remove_workloads(self.env) {
+            eprintln!("removing the installation: {err:#}");
+        }
+    }
+}
+
+/// Deletes the Deployment and the work claim of an earlier install (the
+/// base, applied by tests/deploy_rbac.rs, has a ReadWriteMany claim, and a
+/// claim's access modes cannot change), and waits until they are gone.
+fn remove_workloads(env: &KubeEnv) -> anyhow::Result<()> {
+    for what in ["deployment/vmmigrate", "pvc/vmmigrate-work", "secret/esxi"] {
+        env.kubectl(&["-n", SYSTEM, "delete", what, "--ignore-not-found", "--wait=true", "--timeout=120s"])?;
+    }
+    Ok(())
+}
+
+/// The pod holding the Lease (its identity is `<pod name>_<process nonce>`).
+fn leader(env: &KubeEnv) -> Option<String> {
+    let holder = env
+        .kubectl(&[
+            "-n",
+            SYSTEM,
+            "get",
+            "lease",
+            "vmmigrate-controller",
+            "-o",
+            "jsonpath={.spec.holderIdentity}",
+        ])
+        .ok()?;
+    let pod = holder.trim().split('_').next().unwrap_or_default().to_owned();
+    (!pod.is_empty()).then_some(pod)
+}
+
+/// Processes reading one of the VM's disk extents on the emulated host right
+/// now (the `dd` wrapper, waiting out the read delay or copying): a copy in flight.
+fn disk_readers() -> Vec<u32> {
+    let mut pids = Vec::new();
+    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else { continue };
+        let cmdline =
+            String::from_utf8_lossy(&std::fs::read(entry.path().join("cmdline")).unwrap_or_default())
+                .replace('\0', " ");
+        if cmdline.contains(&format!("/{VM}/")) && cmdline.contains("-flat.vmdk") {
+            pids.push(pid);
+        }
+    }
+    pids
+}
+
+/// Fails at once when the migration stopped where no retry helps.
+async fn assert_not_stopped(migrations: &Api<vmmigrate::api::VirtualMachineMigration>) {
+    use vmmigrate::api::Phase;
+    if let Ok(vmm) = migrations.get(VM).await {
+        let status = vmm.status.unwrap_or_default();
+        assert!(
+            !matches!(status.phase, Phase::Failed | Phase::ManualInterventionRequired),
+            "stopped: {status:#?}"
+        );
+    }
+}
+
+/// Kills the main process of `pod`'s container from the node, as an OOM
+/// kill or a crash would: the kubelet restarts the container in the same pod.
+fn kill_container_process(env: &KubeEnv, pod: &Pod) {
+    let node = env.node.as_ref().unwrap();
+    let uid = pod.uid().unwrap();
+    let container =
+        pod.status.as_ref().unwrap().container_statuses.as_ref().unwrap()[0].container_id.clone().unwrap();
+    let id = container.rsplit("://").next().unwrap();
+    let mut killed = 0;
+    let root = Path::new("/sys/fs/cgroup/memory").join(&node.cgroup_root);
+    let mut stack = vec![root];
+    while let Some(dir) = stack.pop() {
+        // cgroupfs layout: …/kubepods/<qos>/pod<uid>/<container id>
+        let in_pod = dir.parent().is_some_and(|p| p.ends_with(format!("pod{uid}")));
+        if in_pod && dir.ends_with(id) {
+            for pid in std::fs::read_to_string(dir.join("cgroup.procs")).unwrap_or_default().lines() {
+                let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+                if String::from_utf8_lossy(&cmdline).contains("vmmigrate") {
+                    assert!(Command::new("kill").args(["-KILL", pid]).status().unwrap().success());
+                    killed += 1;
+                }
+            }
+        }
+        for entry in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
+            if entry.file_type().is_ok_and(|t| t.is_dir()) {
+                stack.push(entry.path());
+            }
+        }
+    }
+    assert_eq!(killed, 1, "one vmmigrate process in container {id} of pod {}", pod.name_any());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_installed_controller_pod_migrates_a_vm_through_leader_kills_mid_copy() {
+    let env = KubeEnv::shared();
+    let node = env.node.as_ref().expect("a node");
+    let image = tokio::task::block_in_place(|| env.controller_image()).expect("release image");
+    let client = env.client().await;
+    ensure_storage_class(&client).await;
+    let apps = test_namespace(&client, "pod-e2e").await;
+
+    // The ESXi host, on an address pods reach; its disks read slowly enough
+    // to be interrupted twice.
+    let emu = EsxiEmulator::start(EsxiOptions { also_listen: Some(node.host_ip), ..Default::default() })
+        .expect("ESXi emulator");
+
+    // The migrations repository: one merged request.
+    let repos = tempfile::tempdir().unwrap();
+    let bare = repos.path().join("migrations.git");
+    Command::new("git").args(["init", "-q", "--bare", "-b", "main"]).arg(&bare).status().unwrap();
+    let daemon = GitDaemon::start(node.host_ip, repos.path()).expect("git daemon");
+    let work = tempfile::tempdir().unwrap();
+    git(work.path(), &["init", "-q", "-b", "main"]);
+    std::fs::create_dir_all(work.path().join("migrations")).unwrap();
+    std::fs::write(
+        work.path().join("migrations/db-02.yaml"),
+        format!(
+            r#"apiVersion: migration.platform.example/v1alpha1
+kind: VirtualMachineMigration
+metadata:
+  name: {VM}
+spec:
+  source:
+    host: "{host}"
+    port: {port}
+    hostKey: "{key}"
+    credentialsSecretRef:
+      name: esxi
+    vm:
+      name: {VM}
+  destination:
+    namespace: {apps}
+    storageClassName: standard
+  networkMap:
+    - source: VM Network
+      type: Pod
+    - source: DMZ
+      type: Multus
+      networkName: dmz
+  conversion:
+    format: qcow2
+    runner: job
+  strategy:
+    backoff:
+      initialSeconds: 1
+      maxSeconds: 2
+  validation:
+    checks:
+      - name: agent
+        guestAgent: {{}}
+      - name: address
+        ip: {{}}
+"#,
+            host = node.host_ip,
+            port = emu.port,
+            key = emu.host_key_fingerprint(),
+        ),
+    )
+    .unwrap();
+    git(work.path(), &["add", "."]);
+    git(work.path(), &["commit", "-q", "-m", "migrate db-02"]);
+    git(work.path(), &["push", "-q", &bare.to_string_lossy(), "main"]);
+
+    // Install, as a user would.
+    let kustomize = tempfile::tempdir().unwrap();
+    overlay(kustomize.path(), &image, &daemon.url("migrations.git"));
+    // vmmigrate-system is shared with tests/deploy_rbac.rs: one at a time.
+    let _exclusive = crate::deploy_rbac::CLUSTER_RBAC.write().await;
+    if env.kubectl(&["get", "namespace", SYSTEM]).is_ok() {
+        remove_workloads(env).expect("removing an earlier installation");
+    }
+    let _installed = Installed { env };
+    env.kubectl(&["apply", "-k", &kustomize.path().to_string_lossy()]).expect("kubectl apply -k");
+    env.kubectl(&[
+        "-n",
+        SYSTEM,
+        "create",
+        "secret",
+        "generic",
+        "esxi",
+        &format!("--from-literal=username={}", emu.username),
+        &format!("--from-literal=password={}", emu.password),
+    ])
+    .expect("ESXi credentials");
+    let sims = kubevirt_sim::start(client.clone(), &apps);
+    *sims.control.kubevirt.vmi_ip.lock().unwrap() = "10.0.0.12".into();
+    emu.set_read_delay(Some(4.0));
+
+    let pods: Api<Pod> = Api::namespaced(client.clone(), SYSTEM);
+    let controller_pods = ListParams::default().labels("app.kubernetes.io/component=controller");
+    let migrations: Api<vmmigrate::api::VirtualMachineMigration> = Api::namespaced(client.clone(), SYSTEM);
+
+    // Kill 1: the leader pod, force-deleted while a disk read is in flight.
+    let deadline = Instant::now() + WAIT;
+    let (first, in_flight) = loop {
+        let readers = disk_readers();
+        if !readers.is_empty()
+            && let Some(holder) = leader(env)
+        {
+            break (holder, readers);
+        }
+        assert_not_stopped(&migrations).await;
+        assert!(Instant::now() < deadline, "the copy never started");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    env.kubectl(&["-n", SYSTEM, "delete", "pod", &first, "--grace-period=0", "--force"])
+        .expect("delete leader");
+
+    // Kill 2: the next leader's process, once it is copying again.
+    let second = loop {
+        if let Some(holder) = leader(env).filter(|h| *h != first)
+            && disk_readers().iter().any(|pid| !in_flight.contains(pid))
+        {
+            break holder;
+        }
+        assert_not_stopped(&migrations).await;
+        assert!(Instant::now() < deadline, "no other replica took over and resumed the copy");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let pod = pods.get(&second).await.unwrap();
+    kill_container_process(env, &pod);
+    emu.set_read_delay(None);
+
+    // Completed, and cleaned up.
+    let vmm = loop {
+        if let Ok(vmm) = migrations.get(VM).await {
+            let status = vmm.status.clone().unwrap_or_default();
+            if status.phase == vmmigrate::api::Phase::Completed && status.timestamps.cleaned_up.is_some() {
+                break vmm;
+            }
+            assert!(
+                !matches!(
+                    status.phase,
+                    vmmigrate::api::Phase::Failed | vmmigrate::api::Phase::ManualInterventionRequired
+                ),
+                "stopped: {status:#?}"
+            );
+        }
+        assert!(
+            Instant::now() < deadline,
+            "not Completed: {:#?}",
+            migrations.get(VM).await.ok().and_then(|v| v.status)
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+
+    // One power-off; the source's disks unchanged; what CDI imported is the source, byte for byte.
+    assert_eq!(emu.vm_power(VMID), "off");
+    assert_eq!(
+        emu.power_off_transitions(VMID),
+        1,
+        "powered off exactly once across three controller processes"
+    );
+    let source: Vec<String> = emu.disk_files(VMID).iter().map(|(_, _, sha, _)| sha.clone()).collect();
+    let now: Vec<String> =
+        emu.disk_files(VMID).iter().map(|(_, p, _, _)| sha256_file(p, None).unwrap().1).collect();
+    assert_eq!(now, source, "the source disks were written");
+    let imported: Vec<String> = (0..source.len())
+        .map(|d| sha256_file(&sims.pvc_image(&apps, &format!("{VM}-disk-{d}")), None).unwrap().1)
+        .collect();
+    assert_eq!(imported, source, "imported bytes differ from the source");
+    let status = vmm.status.unwrap();
+    assert!(status.disks.iter().all(|d| d.artifact_format.as_deref() == Some("qcow2")));
+
+    // The second pod's container was restarted in place; the first pod was replaced.
+    let listed = pods.list(&controller_pods).await.unwrap().items;
+    assert!(listed.iter().all(|p| p.name_any() != first), "the force-deleted pod is gone");
+    let restarted = listed.iter().find(|p| p.name_any() == second).expect("the second leader's pod");
+    let restarts = restarted.status.as_ref().unwrap().container_statuses.as_ref().unwrap()[0].restart_count;
+    assert_eq!(restarts, 1, "its container was killed once and restarted");
+
+    // The conversion Jobs ran as pods of the image, and are gone.
+    let jobs = env.kubectl(&["-n", SYSTEM, "get", "jobs", "-o", "name"]).unwrap();
+    assert!(jobs.trim().is_empty(), "conversion Jobs left: {jobs}");
+
+    // Only deploy/'s RBAC: the pods run as the ServiceAccount vmmigrate and
+    // nothing they asked for was forbidden.
+    for pod in &listed {
+        assert_eq!(pod.spec.as_ref().unwrap().service_account_name.as_deref(), Some("vmmigrate"));
+        let logs = env.kubectl(&["-n", SYSTEM, "logs", &pod.name_any()]).unwrap_or_default();
+        assert!(!logs.contains("forbidden"), "{}: {logs}", pod.name_any());
+    }
+
+    // The outcome reaches the status branch of the real remote (status
+    // commits are batched over a window).
+    let status_file = format!("migration-status:{SYSTEM}/{VM}.yaml");
+    loop {
+        let shown =
+            Command::new("git").arg("--git-dir").arg(&bare).args(["show", &status_file]).output().unwrap();
+        let text = String::from_utf8_lossy(&shown.stdout).into_owned();
+        if text.lines().any(|l| l == "phase: Completed") {
+            break;
+        }
+        assert!(Instant::now() < deadline, "{status_file}: {text}\n{}", daemon.log());
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
