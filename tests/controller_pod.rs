@@ -17,9 +17,11 @@ use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 use vmmigrate::convert::artifact::sha256_file;
+use vmmigrate_harness::deploy::{self, SYSTEM};
 use vmmigrate_harness::git_daemon::GitDaemon;
+use vmmigrate_harness::process::Janitor;
 
-const SYSTEM: &str = "vmmigrate-system";
+const PAGE: &str = "<html><body><h1>db-02 status page</h1></body></html>\n";
 const VM: &str = "db-02";
 const VMID: &str = "2";
 const WAIT: Duration = Duration::from_secs(300);
@@ -34,48 +36,6 @@ fn git(dir: &Path, args: &[&str]) -> String {
         .expect("git");
     assert!(out.status.success(), "git {args:?}: {}", String::from_utf8_lossy(&out.stderr));
     String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-/// The overlay a user on a one-node cluster writes: the image they imported,
-/// a ReadWriteOnce claim of the node's provisioner, their repository, a
-/// short lease, and smaller CPU requests (the node has two cores).
-fn overlay(dir: &Path, image: &str, repo_url: &str) {
-    let (name, tag) = image.rsplit_once(':').expect("image tag");
-    // kustomize takes bases by relative path only.
-    let base = vmmigrate_harness::repo_root().join("deploy/base").canonicalize().unwrap();
-    let here = dir.canonicalize().unwrap();
-    let up = "../".repeat(here.components().count() - 1);
-    let base = format!("{up}{}", base.strip_prefix("/").unwrap().display());
-    std::fs::write(
-        dir.join("kustomization.yaml"),
-        format!(
-            r#"apiVersion: kustomize.config.k8s.io/v1beta1
-kind: Kustomization
-resources:
-  - {base}
-images:
-  - name: {name}
-    newTag: "{tag}"
-patches:
-  - target: {{kind: PersistentVolumeClaim, name: vmmigrate-work}}
-    patch: |-
-      - {{op: replace, path: /spec/accessModes, value: [ReadWriteOnce]}}
-      - {{op: replace, path: /spec/resources/requests/storage, value: 10Gi}}
-      - {{op: add, path: /spec/storageClassName, value: local-path}}
-  - target: {{kind: Deployment, name: vmmigrate}}
-    patch: |-
-      - {{op: replace, path: /spec/template/spec/containers/0/imagePullPolicy, value: Never}}
-      - {{op: replace, path: /spec/template/spec/containers/0/resources/requests/cpu, value: 100m}}
-  - target: {{kind: ConfigMap, name: vmmigrate-config}}
-    patch: |-
-      - {{op: replace, path: /data/VMMIGRATE_REPO, value: "{repo_url}"}}
-      - {{op: add, path: /data/VMMIGRATE_POLL_SECONDS, value: "2"}}
-      - {{op: add, path: /data/VMMIGRATE_LEASE_SECONDS, value: "6"}}
-      - {{op: add, path: /data/VMMIGRATE_NAMESPACE, value: {SYSTEM}}}
-"#,
-        ),
-    )
-    .unwrap();
 }
 
 struct Installed<'a> {
@@ -103,20 +63,36 @@ impl Drop for Installed<'_> {
                 eprintln!("{}", self.env.kubectl(&args).unwrap_or_else(|e| format!("{e:#}")));
             }
         }
-        if let Err(err) = remove_workloads(self.env) {
+        if let Err(err) = deploy::remove_workloads(self.env) {
             eprintln!("removing the installation: {err:#}");
         }
     }
 }
 
-/// Deletes the Deployment and the work claim of an earlier install (the
-/// base, applied by tests/deploy_rbac.rs, has a ReadWriteMany claim, and a
-/// claim's access modes cannot change), and waits until they are gone.
-fn remove_workloads(env: &KubeEnv) -> anyhow::Result<()> {
-    for what in ["deployment/vmmigrate", "pvc/vmmigrate-work", "secret/esxi"] {
-        env.kubectl(&["-n", SYSTEM, "delete", what, "--ignore-not-found", "--wait=true", "--timeout=120s"])?;
-    }
-    Ok(())
+/// Service `db-web` port 80 → `ip:8080`; the EndpointSlice stands in for
+/// the endpoint controller that would point it at the virt-launcher pod.
+async fn web_service(client: &kube::Client, ns: &str, ip: std::net::Ipv4Addr) {
+    use k8s_openapi::api::core::v1::Service;
+    use k8s_openapi::api::discovery::v1::EndpointSlice;
+    use kube::api::PostParams;
+    let service: Service = serde_json::from_value(serde_json::json!({
+        "apiVersion": "v1", "kind": "Service", "metadata": {"name": "db-web"},
+        "spec": {"ports": [{"name": "http", "port": 80, "targetPort": 8080}]},
+    }))
+    .unwrap();
+    Api::<Service>::namespaced(client.clone(), ns).create(&PostParams::default(), &service).await.unwrap();
+    let slice: EndpointSlice = serde_json::from_value(serde_json::json!({
+        "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+        "metadata": {"name": "db-web-1", "labels": {"kubernetes.io/service-name": "db-web"}},
+        "addressType": "IPv4",
+        "endpoints": [{"addresses": [ip.to_string()], "conditions": {"ready": true}}],
+        "ports": [{"name": "http", "port": 8080, "protocol": "TCP"}],
+    }))
+    .unwrap();
+    Api::<EndpointSlice>::namespaced(client.clone(), ns)
+        .create(&PostParams::default(), &slice)
+        .await
+        .unwrap();
 }
 
 /// The pod holding the Lease (its identity is `<pod name>_<process nonce>`).
@@ -252,6 +228,13 @@ spec:
       maxSeconds: 2
   validation:
     checks:
+      - name: status-page
+        http:
+          service: db-web
+          port: 80
+          path: /
+          expectedStatus: 200
+          bodyContains: db-02 status page
       - name: agent
         guestAgent: {{}}
       - name: address
@@ -269,14 +252,22 @@ spec:
 
     // Install, as a user would.
     let kustomize = tempfile::tempdir().unwrap();
-    overlay(kustomize.path(), &image, &daemon.url("migrations.git"));
+    let repo_url = daemon.url("migrations.git");
     // vmmigrate-system is shared with tests/deploy_rbac.rs: one at a time.
     let _exclusive = crate::deploy_rbac::CLUSTER_RBAC.write().await;
-    if env.kubectl(&["get", "namespace", SYSTEM]).is_ok() {
-        remove_workloads(env).expect("removing an earlier installation");
-    }
+    deploy::remove_workloads(env).expect("removing an earlier installation");
+    let _ = env.kubectl(&["-n", SYSTEM, "delete", "secret", "esxi", "--ignore-not-found"]);
     let _installed = Installed { env };
-    env.kubectl(&["apply", "-k", &kustomize.path().to_string_lossy()]).expect("kubectl apply -k");
+    // The other tests' namespaces have controllers of their own: this one
+    // watches vmmigrate-system only. A short lease for quick take-overs.
+    let install = deploy::Install {
+        image: &image,
+        repo_url: &repo_url,
+        watch_namespace: Some(SYSTEM),
+        credential_namespaces: &[],
+        settings: &[("VMMIGRATE_POLL_SECONDS", "2"), ("VMMIGRATE_LEASE_SECONDS", "6")],
+    };
+    deploy::install(env, kustomize.path(), &install).expect("kubectl apply -k");
     env.kubectl(&[
         "-n",
         SYSTEM,
@@ -288,8 +279,13 @@ spec:
         &format!("--from-literal=password={}", emu.password),
     ])
     .expect("ESXi credentials");
+    // The migrated guest's application: a web server the controller pod
+    // reaches through the Service db-web.
+    let guest = Janitor::new("vmmigrate-guest").unwrap();
+    node.serve_http(&guest, 8080, &[("index.html", PAGE)]).expect("guest web server");
+    web_service(&client, &apps, node.ip).await;
     let sims = kubevirt_sim::start(client.clone(), &apps);
-    *sims.control.kubevirt.vmi_ip.lock().unwrap() = "10.0.0.12".into();
+    *sims.control.kubevirt.vmi_ip.lock().unwrap() = node.ip.to_string();
     emu.set_read_delay(Some(4.0));
 
     let pods: Api<Pod> = Api::namespaced(client.clone(), SYSTEM);

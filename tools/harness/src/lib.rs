@@ -9,6 +9,7 @@
 //! parts need and the control-plane build, under a lock so parallel test
 //! processes wait instead of racing.
 
+pub mod deploy;
 pub mod esxi_emulator;
 pub mod fake_forge;
 pub mod git_daemon;

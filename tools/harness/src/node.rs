@@ -414,6 +414,30 @@ impl Node {
         pids
     }
 
+    /// Serves `files` with busybox httpd on `<node ip>:<port>`, in the node's
+    /// network namespace: an address both pods and the host reach (pods
+    /// cannot reach a test network namespace: the host does not forward).
+    /// The process belongs to `janitor`.
+    pub fn serve_http(&self, janitor: &Janitor, port: u16, files: &[(&str, &str)]) -> anyhow::Result<()> {
+        let root = janitor.dir().join(format!("www-{port}"));
+        std::fs::create_dir_all(&root)?;
+        for (name, content) in files {
+            std::fs::write(root.join(name), content)?;
+        }
+        let listen = format!("{}:{port}", self.ip);
+        let name = format!("httpd-{port}");
+        let mut cmd = Command::new("nsenter");
+        cmd.arg(format!("--net=/run/netns/{}", self.netns))
+            .args(["--", "busybox", "httpd", "-f", "-p", &listen, "-h"])
+            .arg(&root);
+        janitor.spawn(&name, &mut cmd)?;
+        let addr = std::net::SocketAddr::from((self.ip, port));
+        wait_until(Duration::from_secs(10), &format!("{name} on {addr}"), || {
+            janitor.check_alive()?;
+            Ok(std::net::TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_ok())
+        })
+    }
+
     /// `kubectl` against this cluster, run on the host.
     pub fn kubectl(bin: &Path, kubeconfig: &Path, args: &[&str]) -> anyhow::Result<String> {
         let out = Command::new(bin.join("kubectl"))
