@@ -460,7 +460,8 @@ fn write_crd(output: Option<PathBuf>) -> anyhow::Result<()> {
 #[derive(Clone, Debug, clap::Args)]
 pub struct DemoOptions {
     /// Exit 1 when the migration has not completed this many seconds after
-    /// start-up (the first run's build of the API server does not count).
+    /// start-up (the first run's builds of the cluster and, with --cluster,
+    /// of the release image do not count).
     #[arg(long, default_value_t = 900)]
     pub timeout_seconds: u64,
     /// Once the walkthrough has ended (completed or not), keep everything
@@ -474,6 +475,11 @@ pub struct DemoOptions {
     /// remote and the log stay after exit. Default: a new directory in $TMPDIR.
     #[arg(long)]
     pub work_dir: Option<PathBuf>,
+    /// Run vmmigrate as a user installs it: the release image (built on the
+    /// first run) as two pods of the Deployment of deploy/ on a real
+    /// one-node cluster (kubelet, containerd), instead of in this process.
+    #[arg(long)]
+    pub cluster: bool,
     /// Internal: this process is the demo itself, started by `vmmigrate demo`.
     #[arg(long = "in-own-process-group", hide = true)]
     pub in_own_process_group: bool,

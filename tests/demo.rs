@@ -39,17 +39,19 @@ fn processes_mentioning(needle: &str) -> Vec<String> {
     found
 }
 
-#[test]
-fn demo_completes_the_migration_reports_it_on_the_status_branch_and_leaves_no_process_behind() {
+/// Runs `vmmigrate demo ARGS…` to the end; returns its stdout and work directory.
+fn run_demo(args: &[&str]) -> (String, tempfile::TempDir, PathBuf) {
     let work = tempfile::tempdir().expect("work dir");
     let work_dir = work.path().canonicalize().expect("canonical work dir");
     let out = Command::new(env!("CARGO_BIN_EXE_vmmigrate"))
-        .args(["demo", "--non-interactive", "--timeout-seconds", "300", "--work-dir"])
+        .args(["demo", "--non-interactive", "--timeout-seconds", "300"])
+        .args(args)
+        .arg("--work-dir")
         .arg(&work_dir)
         .stdin(Stdio::null())
         .output()
         .expect("run vmmigrate demo");
-    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
     let stderr = String::from_utf8_lossy(&out.stderr);
     let log = std::fs::read_to_string(work_dir.join("vmmigrate.log")).unwrap_or_default();
     let log_tail: Vec<&str> = log.lines().rev().take(40).collect();
@@ -81,17 +83,31 @@ fn demo_completes_the_migration_reports_it_on_the_status_branch_and_leaves_no_pr
         !Path::new(&work_dir).join("controller").exists(),
         "disk copies are removed; only the remote and the log stay"
     );
+    (stdout, work, work_dir)
+}
 
-    // Nothing it started runs any more.
-    let started = started_processes(&stdout);
+/// Nothing of `expected` (and nothing else it started) runs any more, and
+/// no process uses its directory.
+fn assert_nothing_left(stdout: &str, work_dir: &Path, expected: &[&str]) {
+    let started = started_processes(stdout);
     let names: Vec<&str> = started.iter().map(|(n, _)| n.as_str()).collect();
-    for expected in ["etcd", "kube-apiserver", "kube-controller-manager", "sshd", "httpd"] {
-        assert!(names.contains(&expected), "{expected} missing from {started:?}");
+    for expected in expected {
+        assert!(names.contains(expected), "{expected} missing from {started:?}");
     }
     let running: Vec<&(String, u32)> = started.iter().filter(|(_, pid)| is_running(*pid)).collect();
     assert!(running.is_empty(), "still running: {running:?}\n--- stdout\n{stdout}");
     let mentioning = processes_mentioning(&work_dir.to_string_lossy());
     assert!(mentioning.is_empty(), "processes using the demo's directory: {mentioning:?}");
+}
+
+#[test]
+fn demo_completes_the_migration_reports_it_on_the_status_branch_and_leaves_no_process_behind() {
+    let (stdout, _work, work_dir) = run_demo(&[]);
+    assert_nothing_left(
+        &stdout,
+        &work_dir,
+        &["etcd", "kube-apiserver", "kube-controller-manager", "sshd", "httpd"],
+    );
     let netns = stdout
         .lines()
         .find_map(|l| l.split("in network namespace ").nth(1))
@@ -100,4 +116,40 @@ fn demo_completes_the_migration_reports_it_on_the_status_branch_and_leaves_no_pr
     let namespaces = Command::new("ip").args(["netns", "list"]).output().expect("ip netns list");
     let namespaces = String::from_utf8_lossy(&namespaces.stdout);
     assert!(!namespaces.lines().any(|l| l.split_whitespace().next() == Some(netns)), "{netns} is left");
+}
+
+#[test]
+fn demo_with_cluster_runs_vmmigrate_as_pods_installed_from_deploy_and_leaves_no_node_behind() {
+    let before: Vec<String> = node_namespaces();
+    let (stdout, _work, work_dir) = run_demo(&["--cluster"]);
+    assert!(stdout.contains("installed with kubectl apply -k"), "{stdout}");
+    assert!(stdout.contains("git daemon: git://"), "{stdout}");
+    assert_nothing_left(
+        &stdout,
+        &work_dir,
+        &["etcd", "kube-apiserver", "kube-scheduler", "kubelet", "containerd", "kube-proxy", "sshd", "httpd"],
+    );
+    // The node's namespace goes once the demo's process has exited (its guard).
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    loop {
+        let new: Vec<String> = node_namespaces().into_iter().filter(|n| !before.contains(n)).collect();
+        let mine = format!("vmmnode-{}-", std::process::id());
+        let left: Vec<&String> = new.iter().filter(|n| !n.starts_with(&mine)).collect();
+        if left.is_empty() {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "node namespaces left by the demo: {left:?}");
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    }
+}
+
+/// The test nodes' network namespaces on this machine.
+fn node_namespaces() -> Vec<String> {
+    let out = Command::new("ip").args(["netns", "list"]).output().expect("ip netns list");
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| l.split_whitespace().next())
+        .filter(|n| n.starts_with("vmmnode-"))
+        .map(str::to_owned)
+        .collect()
 }

@@ -7,6 +7,12 @@
 //! gitops loop and controller with the production adapters, and walks
 //! through a pull request: push a branch, print the plan, merge, follow the
 //! migration to Completed and the status branch. See docs/quickstart.md.
+//!
+//! By default vmmigrate runs in this process, on the control plane alone: it
+//! starts in seconds, and its log is the demo's. With `--cluster` the same
+//! walkthrough runs against a real one-node cluster, and vmmigrate is the
+//! release image installed from `deploy/` (two pods, leader election), its
+//! repository served by `git daemon`.
 
 mod cluster;
 mod remote;
@@ -59,7 +65,37 @@ pub fn run(opts: DemoOptions) -> anyhow::Result<()> {
 struct LocalParts {
     kube: &'static KubeEnv,
     esxi: EsxiEmulator,
-    guest_web: Netns,
+    guest_web: GuestWeb,
+}
+
+/// The guest's web server: in a network namespace, or, with `--cluster`, in
+/// the node's (pods cannot reach a test namespace; they reach the node).
+enum GuestWeb {
+    Netns(Netns),
+    Node { ip: std::net::Ipv4Addr, janitor: support::process::Janitor },
+}
+
+impl GuestWeb {
+    fn ip(&self) -> std::net::Ipv4Addr {
+        match self {
+            GuestWeb::Netns(n) => n.ip,
+            GuestWeb::Node { ip, .. } => *ip,
+        }
+    }
+
+    fn dir(&self) -> &Path {
+        match self {
+            GuestWeb::Netns(n) => n.dir(),
+            GuestWeb::Node { janitor, .. } => janitor.dir(),
+        }
+    }
+
+    fn describe(&self) -> String {
+        match self {
+            GuestWeb::Netns(n) => format!("in network namespace {}", n.name()),
+            GuestWeb::Node { .. } => "in the node's network namespace".to_owned(),
+        }
+    }
 }
 
 fn demo(opts: DemoOptions) -> anyhow::Result<()> {
@@ -68,12 +104,13 @@ fn demo(opts: DemoOptions) -> anyhow::Result<()> {
     check_machine()?;
     let work = work_dir(&opts)?;
     init_log(&work.join("vmmigrate.log"))?;
-    intro(&mut screen);
+    intro(&mut screen, opts.cluster);
     build_control_plane(&mut screen)?;
 
-    let deadline = Instant::now() + Duration::from_secs(opts.timeout_seconds);
     screen.line("starting the API server, the ESXi host and the guest's web server…");
-    let parts = start_local_parts()?;
+    let parts = start_local_parts(opts.cluster)?;
+    // From here: building the control plane or the release image does not count.
+    let deadline = Instant::now() + Duration::from_secs(opts.timeout_seconds);
     let pids = started_processes(&parts);
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     let stop = stop_signal(&runtime);
@@ -150,16 +187,40 @@ fn init_log(path: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn intro(screen: &mut Screen) {
-    for line in [
+fn intro(screen: &mut Screen, cluster: bool) {
+    let (kubernetes, vmmigrate): (&[&str], &[&str]) = if cluster {
+        (
+            &[
+                "  real       Kubernetes: etcd, kube-apiserver, kube-controller-manager, kube-scheduler and one node",
+                "             (kubelet, containerd + runc, kube-proxy, CNI bridge, local-path-provisioner)",
+            ],
+            &[
+                "  real       vmmigrate as installed from deploy/: the release image, two pods with leader",
+                "             election; its repository served by git daemon",
+            ],
+        )
+    } else {
+        (
+            &[
+                "  real       Kubernetes API: etcd, kube-apiserver, kube-controller-manager (built from source)",
+            ],
+            &[
+                "  real       vmmigrate's controller with its production adapters: SSH copy + sha256, qemu-img, staging",
+            ],
+        )
+    };
+    screen.line(
         "vmmigrate demo: a VM moves from ESXi to KubeVirt through a Git pull request, on this machine.",
-        "",
-        "  real       Kubernetes API: etcd, kube-apiserver, kube-controller-manager (built from source)",
+    );
+    screen.line("");
+    for line in kubernetes.iter().chain(vmmigrate) {
+        screen.line(line);
+    }
+    for line in [
         "  real       ESXi 8 host: OpenSSH sshd with ESXi's algorithms, BusyBox shell, vim-cmd, VMDKs on a datastore",
         "  real       Git: a bare remote pushed to with the git CLI; vmmigrate's gitops loop writes status back",
-        "  real       vmmigrate's controller with its production adapters: SSH copy + sha256, qemu-img, staging",
         "  real       the application check: HTTP through a Service and EndpointSlice to busybox httpd in a",
-        "             network namespace, standing in for the migrated guest's web server",
+        "             network namespace (with --cluster: the node's), standing in for the guest's web server",
         "  simulated  CDI and KubeVirt (they need nodes, KVM and storage): the CDI simulator downloads each",
         "             disk from vmmigrate's staging server and verifies its sha256; the KubeVirt simulator",
         "             reports the VirtualMachineInstance running. Nothing boots.",
@@ -177,7 +238,10 @@ fn build_control_plane(screen: &mut Screen) -> anyhow::Result<()> {
 }
 
 /// The control plane, the ESXi host and the guest's web server, started side by side.
-fn start_local_parts() -> anyhow::Result<LocalParts> {
+fn start_local_parts(cluster: bool) -> anyhow::Result<LocalParts> {
+    if cluster {
+        return start_cluster_parts();
+    }
     let (kube, esxi, web) = std::thread::scope(|s| {
         // `shared()` panics when the control plane cannot start (the message is printed).
         let kube = s.spawn(KubeEnv::shared_control_plane);
@@ -196,7 +260,23 @@ fn start_local_parts() -> anyhow::Result<LocalParts> {
     let guest_web = web
         .map_err(|_| anyhow::anyhow!("the network namespace panicked"))?
         .context("starting the guest's web server")?;
-    Ok(LocalParts { kube, esxi, guest_web })
+    Ok(LocalParts { kube, esxi, guest_web: GuestWeb::Netns(guest_web) })
+}
+
+/// `--cluster`: the one-node cluster first (the ESXi host listens on the
+/// address pods reach, which the node's start chooses), and the release
+/// image imported into it.
+fn start_cluster_parts() -> anyhow::Result<LocalParts> {
+    let kube = std::thread::spawn(KubeEnv::shared)
+        .join()
+        .map_err(|_| anyhow::anyhow!("the one-node cluster did not start (see above)"))?;
+    let node = kube.node.as_ref().context("the cluster has no node")?;
+    let esxi = EsxiEmulator::start(EsxiOptions { also_listen: Some(node.host_ip), ..Default::default() })
+        .context("starting the ESXi emulator")?;
+    let janitor = support::process::Janitor::new("vmmigrate-demo-guest")?;
+    node.serve_http(&janitor, GUEST_HTTP_PORT, &[("index.html", PAGE)]).context("the guest's web server")?;
+    kube.controller_image().context("building and importing the release image")?;
+    Ok(LocalParts { kube, esxi, guest_web: GuestWeb::Node { ip: node.ip, janitor } })
 }
 
 fn kube_dir(kube: &KubeEnv) -> PathBuf {
@@ -279,8 +359,36 @@ async fn stopped(mut stop: watch::Receiver<bool>) {
     let _ = stop.wait_for(|s| *s).await;
 }
 
-/// vmmigrate's side, as `vmmigrate run` starts it, plus the simulators.
-struct Services {
+/// vmmigrate's side, plus the simulators: in this process, or installed.
+enum Services {
+    InProcess(InProcess),
+    Cluster {
+        _sims: support::kubevirt_sim::Simulators,
+        _daemon: support::git_daemon::GitDaemon,
+        metrics_url: Option<String>,
+    },
+}
+
+impl Services {
+    fn metrics_url(&self) -> Option<String> {
+        match self {
+            Services::InProcess(p) => {
+                p.metrics.as_ref().map(|m| format!("http://{}/metrics", m.local_addr()))
+            }
+            Services::Cluster { metrics_url, .. } => metrics_url.clone(),
+        }
+    }
+
+    async fn stop(self) {
+        // The pods stop with the cluster, when the demo exits.
+        if let Services::InProcess(p) = self {
+            p.stop().await;
+        }
+    }
+}
+
+/// vmmigrate's side as `vmmigrate run` starts it, in this process.
+struct InProcess {
     _sims: support::kubevirt_sim::Simulators,
     metrics: Option<crate::metrics::MetricsServer>,
     gitops: GitopsHandle,
@@ -289,7 +397,7 @@ struct Services {
     stop_controller: tokio::sync::oneshot::Sender<()>,
 }
 
-impl Services {
+impl InProcess {
     async fn stop(self) {
         let _ = self.stop_controller.send(());
         let mut controller = self.controller;
@@ -392,7 +500,84 @@ async fn start_services(
     if let Some(m) = &metrics {
         screen.line(&format!("✓ metrics: http://{}/metrics", m.local_addr()));
     }
-    Ok(Services { _sims: sims, metrics, gitops, staging, controller: controller_task, stop_controller })
+    Ok(Services::InProcess(InProcess {
+        _sims: sims,
+        metrics,
+        gitops,
+        staging,
+        controller: controller_task,
+        stop_controller,
+    }))
+}
+
+/// `--cluster`: the repository served by `git daemon` on the address pods
+/// reach, and vmmigrate installed from deploy/ as a user would (an overlay
+/// of the base: the imported image, the node's ReadWriteOnce class, this
+/// repository, the demo's settings, and the Secret-reading Role of
+/// deploy/overlays/example-tenant for namespace demo).
+async fn start_cluster_services(
+    screen: &mut Screen,
+    kube: &'static KubeEnv,
+    client: &Client,
+    remote: &GitRemote,
+    work: &Path,
+    guest_ip: std::net::Ipv4Addr,
+) -> anyhow::Result<Services> {
+    let node = kube.node.as_ref().context("the cluster has no node")?;
+    let sims = support::kubevirt_sim::start_with(
+        client.clone(),
+        NAMESPACE,
+        support::kubevirt_sim::SimOptions { pvc_root: Some(work.join("pvcs")) },
+    );
+    *sims.control.kubevirt.vmi_ip.lock().unwrap_or_else(|p| p.into_inner()) = guest_ip.to_string();
+    screen.line(&format!("✓ CDI + KubeVirt simulators (\"PVCs\" in {})", work.join("pvcs").display()));
+
+    let served = remote.bare().parent().context("the remote's directory")?.to_path_buf();
+    let daemon = support::git_daemon::GitDaemon::start(node.host_ip, &served)?;
+    let name = remote.bare().file_name().context("the remote's name")?.to_string_lossy().into_owned();
+    let repo_url = daemon.url(&name);
+    screen.line(&format!("✓ git daemon: {repo_url} (fetch and push)"));
+
+    let image = tokio::task::block_in_place(|| kube.controller_image())?;
+    let overlay = work.join("deploy-overlay");
+    std::fs::create_dir_all(&overlay)?;
+    let install = support::deploy::Install {
+        image: &image,
+        repo_url: &repo_url,
+        watch_namespace: None,
+        credential_namespaces: &[NAMESPACE],
+        settings: &[
+            ("VMMIGRATE_POLL_SECONDS", "2"),
+            ("VMMIGRATE_STATUS_WINDOW_SECONDS", "3"),
+            ("VMMIGRATE_STATUS_BRANCH", STATUS_BRANCH),
+        ],
+    };
+    tokio::task::block_in_place(|| -> anyhow::Result<()> {
+        support::deploy::install(kube, &overlay, &install)?;
+        support::deploy::wait_ready(kube)
+    })
+    .context("installing vmmigrate from deploy/")?;
+    let pods = kube.kubectl(&[
+        "-n",
+        support::deploy::SYSTEM,
+        "get",
+        "pods",
+        "-l",
+        "app.kubernetes.io/component=controller",
+        "-o",
+        "jsonpath={range .items[*]}{.metadata.name}={.status.podIP} {end}",
+    ])?;
+    screen.line(&format!(
+        "✓ vmmigrate {image} installed with kubectl apply -k {} (deploy/base + overlay): pods {}",
+        overlay.display(),
+        pods.trim()
+    ));
+    let metrics_url = pods
+        .split_whitespace()
+        .next()
+        .and_then(|p| p.split_once('='))
+        .map(|(_, ip)| format!("http://{ip}:{METRICS_PORT}/metrics"));
+    Ok(Services::Cluster { _sims: sims, _daemon: daemon, metrics_url })
 }
 
 async fn walkthrough(
@@ -414,20 +599,21 @@ async fn walkthrough(
     ));
     let esxi = &parts.esxi;
     screen.line(&format!(
-        "✓ ESXi host 127.0.0.1:{}, host key {}, VM {VM} (vmid {VMID}): 2 disks, EFI, NICs on VM Network and DMZ",
+        "✓ ESXi host {}:{}, host key {}, VM {VM} (vmid {VMID}): 2 disks, EFI, NICs on VM Network and DMZ",
+        source_host(parts),
         esxi.port,
         esxi.host_key_fingerprint()
     ));
     screen.line(&format!(
-        "✓ guest's web server http://{}:{GUEST_HTTP_PORT}/ in network namespace {}",
-        parts.guest_web.ip,
-        parts.guest_web.name()
+        "✓ guest's web server http://{}:{GUEST_HTTP_PORT}/ {}",
+        parts.guest_web.ip(),
+        parts.guest_web.describe()
     ));
     let names: Vec<String> = pids.iter().map(|(name, pid)| format!("{name}={pid}")).collect();
     screen.line(&format!("processes started: {}", names.join(" ")));
 
     cluster::prepare(&client, NAMESPACE, SECRET, &esxi.username, &esxi.password).await?;
-    cluster::web_service(&client, NAMESPACE, "db-web", parts.guest_web.ip, GUEST_HTTP_PORT).await?;
+    cluster::web_service(&client, NAMESPACE, "db-web", parts.guest_web.ip(), GUEST_HTTP_PORT).await?;
     screen.line(&format!(
         "✓ namespace {NAMESPACE}: Secret {SECRET} (the ESXi login), Service db-web; StorageClass standard"
     ));
@@ -439,10 +625,15 @@ async fn walkthrough(
         remote.bare().display()
     ));
 
-    let services = start_services(screen, &client, &remote, work, parts.guest_web.ip).await?;
-    let metrics_url = services.metrics.as_ref().map(|m| format!("http://{}/metrics", m.local_addr()));
+    let services = if opts.cluster {
+        start_cluster_services(screen, parts.kube, &client, &remote, work, parts.guest_web.ip()).await?
+    } else {
+        start_services(screen, &client, &remote, work, parts.guest_web.ip()).await?
+    };
+    let metrics_url = services.metrics_url();
+    let host = source_host(parts);
     let result = tokio::select! {
-        r = pull_request_to_completed(screen, &client, &remote, esxi, deadline) => r,
+        r = pull_request_to_completed(screen, &client, &remote, &host, esxi, deadline) => r,
         _ = stopped(stop.clone()) => Err(anyhow::anyhow!("interrupted")),
     };
     if let Ok(vmm) = &result {
@@ -458,12 +649,20 @@ async fn walkthrough(
     result.map(|_| ())
 }
 
-/// The manifest the engineer writes, pinned to the emulated host's key.
-fn manifest(esxi: &EsxiEmulator) -> String {
-    manifest_text(esxi.port, &esxi.host_key_fingerprint())
+/// The ESXi host's address as the controller reaches it.
+fn source_host(parts: &LocalParts) -> String {
+    match &parts.guest_web {
+        GuestWeb::Node { .. } => parts.kube.node.as_ref().map(|n| n.host_ip.to_string()).unwrap_or_default(),
+        GuestWeb::Netns(_) => "127.0.0.1".to_owned(),
+    }
 }
 
-fn manifest_text(port: u16, host_key: &str) -> String {
+/// The manifest the engineer writes, pinned to the emulated host's key.
+fn manifest(host: &str, esxi: &EsxiEmulator) -> String {
+    manifest_text(host, esxi.port, &esxi.host_key_fingerprint())
+}
+
+fn manifest_text(host: &str, port: u16, host_key: &str) -> String {
     format!(
         r#"# Migrate db-02 (two disks, EFI, two NICs) from the demo's ESXi host.
 apiVersion: migration.platform.example/v1alpha1
@@ -473,7 +672,7 @@ metadata:
   namespace: {NAMESPACE}
 spec:
   source:
-    host: 127.0.0.1
+    host: {host}
     port: {port}
     # Pinned: `ssh-keygen -lf` of the host's key. Any other key is refused.
     hostKey: {host_key}
@@ -529,11 +728,12 @@ async fn pull_request_to_completed(
     screen: &mut Screen,
     client: &Client,
     remote: &GitRemote,
+    host: &str,
     esxi: &EsxiEmulator,
     deadline: Instant,
 ) -> anyhow::Result<VirtualMachineMigration> {
     let path = format!("migrations/{VM}.yaml");
-    let text = manifest(esxi);
+    let text = manifest(host, esxi);
     section(screen, &format!("1. Pull request: branch {PR_BRANCH} adds {path}"));
     let head = tokio::task::block_in_place(|| {
         remote.push_branch(PR_BRANCH, &[(&path, &text)], "Migrate db-02 to KubeVirt")
@@ -814,7 +1014,7 @@ mod tests {
         use crate::gitops::render::{RenderOptions, render};
         let files = vec![crate::gitops::RepoFile {
             path: format!("migrations/{VM}.yaml"),
-            bytes: manifest_text(2222, &format!("SHA256:{}", "A".repeat(43))).into_bytes(),
+            bytes: manifest_text("127.0.0.1", 2222, &format!("SHA256:{}", "A".repeat(43))).into_bytes(),
         }];
         let provenance = crate::gitops::Provenance { repo_url: "demo".into(), commit: "c".into() };
         let rendered = render(&files, &provenance, &RenderOptions { default_namespace: NAMESPACE.into() });
