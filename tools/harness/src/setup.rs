@@ -173,7 +173,27 @@ fn build_release_image() -> anyhow::Result<(PathBuf, String)> {
     let target = target_dir()?;
     let started = std::time::Instant::now();
     let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-    let status = Command::new(&cargo)
+    let mut build = Command::new(&cargo);
+    // What `cargo test` sets for a test process (CARGO_PKG_*, CARGO_MANIFEST_DIR,
+    // the library path…) is not the environment a user's `cargo build` has:
+    // build scripts that watch such variables would rebuild, and the next plain
+    // `cargo build --release` would rebuild once more.
+    for (key, _) in std::env::vars_os() {
+        let key = key.to_string_lossy();
+        let keep = ["CARGO_HOME", "CARGO_TARGET_DIR", "CARGO_INCREMENTAL"].contains(&key.as_ref())
+            || key.starts_with("CARGO_NET_")
+            || key.starts_with("CARGO_REGISTRIES_");
+        if (key == "CARGO"
+            || key.starts_with("CARGO_")
+            || key.starts_with("__CARGO")
+            || key == "OUT_DIR"
+            || key == "LD_LIBRARY_PATH")
+            && !keep
+        {
+            build.env_remove(key.as_ref());
+        }
+    }
+    let status = build
         .args([
             "build",
             "--release",
