@@ -69,32 +69,6 @@ impl Drop for Installed<'_> {
     }
 }
 
-/// Service `db-web` port 80 → `ip:8080`; the EndpointSlice stands in for
-/// the endpoint controller that would point it at the virt-launcher pod.
-async fn web_service(client: &kube::Client, ns: &str, ip: std::net::Ipv4Addr) {
-    use k8s_openapi::api::core::v1::Service;
-    use k8s_openapi::api::discovery::v1::EndpointSlice;
-    use kube::api::PostParams;
-    let service: Service = serde_json::from_value(serde_json::json!({
-        "apiVersion": "v1", "kind": "Service", "metadata": {"name": "db-web"},
-        "spec": {"ports": [{"name": "http", "port": 80, "targetPort": 8080}]},
-    }))
-    .unwrap();
-    Api::<Service>::namespaced(client.clone(), ns).create(&PostParams::default(), &service).await.unwrap();
-    let slice: EndpointSlice = serde_json::from_value(serde_json::json!({
-        "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
-        "metadata": {"name": "db-web-1", "labels": {"kubernetes.io/service-name": "db-web"}},
-        "addressType": "IPv4",
-        "endpoints": [{"addresses": [ip.to_string()], "conditions": {"ready": true}}],
-        "ports": [{"name": "http", "port": 8080, "protocol": "TCP"}],
-    }))
-    .unwrap();
-    Api::<EndpointSlice>::namespaced(client.clone(), ns)
-        .create(&PostParams::default(), &slice)
-        .await
-        .unwrap();
-}
-
 /// The pod holding the Lease (its identity is `<pod name>_<process nonce>`).
 fn leader(env: &KubeEnv) -> Option<String> {
     let holder = env
@@ -283,7 +257,7 @@ spec:
     // reaches through the Service db-web.
     let guest = Janitor::new("vmmigrate-guest").unwrap();
     node.serve_http(&guest, 8080, &[("index.html", PAGE)]).expect("guest web server");
-    web_service(&client, &apps, node.ip).await;
+    crate::support::db_web_service(&client, &apps, node.ip).await;
     let sims = kubevirt_sim::start(client.clone(), &apps);
     *sims.control.kubevirt.vmi_ip.lock().unwrap() = node.ip.to_string();
     emu.set_read_delay(Some(4.0));

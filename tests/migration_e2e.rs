@@ -13,8 +13,7 @@ use crate::support::esxi_emulator::{EsxiEmulator, EsxiOptions};
 use crate::support::netns::Netns;
 use crate::support::{KubeEnv, ensure_storage_class, kubevirt_sim, phase_of, test_namespace};
 use k8s_openapi::api::batch::v1::Job;
-use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim, Secret, Service};
-use k8s_openapi::api::discovery::v1::EndpointSlice;
+use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim, Secret};
 use kube::api::{Api, DynamicObject, ListParams, PostParams};
 use kube::{Client, ResourceExt};
 use serde_json::{Value, json};
@@ -28,7 +27,6 @@ use vmmigrate::controller::service::{self, ControllerOptions};
 use vmmigrate::convert::artifact::sha256_file;
 use vmmigrate::convert::staging::StagingServer;
 use vmmigrate::destination::cluster::{data_volume_resource, virtual_machine_resource};
-use vmmigrate::destination::http_check::SERVICE_NAME_LABEL;
 use vmmigrate::metrics::Metrics;
 
 const WAIT: Duration = Duration::from_secs(180);
@@ -74,7 +72,7 @@ impl Migration {
         // The guest's application: a real web server at the address the VMI reports.
         let netns = Netns::new().expect("network namespace");
         netns.serve_http(8080, &[("index.html", PAGE)]).expect("httpd");
-        web_service(&client, &ns, &netns).await;
+        crate::support::db_web_service(&client, &ns, netns.ip).await;
 
         let work = tempfile::tempdir().expect("work dir");
         let opts = ControllerOptions {
@@ -333,30 +331,6 @@ fn walk(dir: &Path, f: &mut impl FnMut(&Path)) {
             walk(&path, f);
         }
     }
-}
-
-/// Service `db-web` port 80 → the guest's web server. The EndpointSlice is
-/// written by the test, standing in for the endpoint controller that would
-/// point it at the virt-launcher pod.
-async fn web_service(client: &Client, ns: &str, netns: &Netns) {
-    let service: Service = serde_json::from_value(json!({
-        "apiVersion": "v1", "kind": "Service", "metadata": {"name": "db-web"},
-        "spec": {"ports": [{"name": "http", "port": 80, "targetPort": 8080}]},
-    }))
-    .unwrap();
-    Api::<Service>::namespaced(client.clone(), ns).create(&PostParams::default(), &service).await.unwrap();
-    let slice: EndpointSlice = serde_json::from_value(json!({
-        "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
-        "metadata": {"name": "db-web-1", "labels": {SERVICE_NAME_LABEL: "db-web"}},
-        "addressType": "IPv4",
-        "endpoints": [{"addresses": [netns.ip.to_string()], "conditions": {"ready": true}}],
-        "ports": [{"name": "http", "port": 8080, "protocol": "TCP"}],
-    }))
-    .unwrap();
-    Api::<EndpointSlice>::namespaced(client.clone(), ns)
-        .create(&PostParams::default(), &slice)
-        .await
-        .unwrap();
 }
 
 /// `ssh host cat <disk>` of every disk, the bare transfer a migration can

@@ -120,3 +120,31 @@ impl CapturedLogs {
         text.lines().map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}"))).collect()
     }
 }
+
+/// Service `db-web` port 80 → the guest's web server on `ip:8080`. The
+/// EndpointSlice is written by the test, standing in for the endpoint
+/// controller that would point it at the virt-launcher pod.
+pub async fn db_web_service(client: &kube::Client, ns: &str, ip: std::net::Ipv4Addr) {
+    use k8s_openapi::api::core::v1::Service;
+    use k8s_openapi::api::discovery::v1::EndpointSlice;
+    use kube::api::{Api, PostParams};
+    let service: Service = serde_json::from_value(serde_json::json!({
+        "apiVersion": "v1", "kind": "Service", "metadata": {"name": "db-web"},
+        "spec": {"ports": [{"name": "http", "port": 80, "targetPort": 8080}]},
+    }))
+    .unwrap();
+    Api::<Service>::namespaced(client.clone(), ns).create(&PostParams::default(), &service).await.unwrap();
+    let slice: EndpointSlice = serde_json::from_value(serde_json::json!({
+        "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+        "metadata": {"name": "db-web-1",
+                     "labels": {vmmigrate::destination::http_check::SERVICE_NAME_LABEL: "db-web"}},
+        "addressType": "IPv4",
+        "endpoints": [{"addresses": [ip.to_string()], "conditions": {"ready": true}}],
+        "ports": [{"name": "http", "port": 8080, "protocol": "TCP"}],
+    }))
+    .unwrap();
+    Api::<EndpointSlice>::namespaced(client.clone(), ns)
+        .create(&PostParams::default(), &slice)
+        .await
+        .unwrap();
+}

@@ -154,7 +154,7 @@ impl Drop for Netns {
     }
 }
 
-fn run_ip(args: &[&str]) -> anyhow::Result<()> {
+pub(crate) fn run_ip(args: &[&str]) -> anyhow::Result<()> {
     let out = Command::new("ip")
         .args(args)
         .stdin(Stdio::null())

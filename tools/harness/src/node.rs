@@ -26,6 +26,7 @@
 //! veth, and deletes its log unless something was left (then the log in
 //! `/tmp/vmmnode-<pid>-<n>.guard.log` says what).
 
+use crate::netns::run_ip as ip;
 use crate::process::{Janitor, wait_until};
 use std::net::Ipv4Addr;
 use std::os::unix::process::CommandExt as _;
@@ -167,21 +168,6 @@ fn free_octet(pid: u32) -> anyhow::Result<u8> {
         }
     }
     anyhow::bail!("no free 10.250.K.0/24 for a test node")
-}
-
-fn ip(args: &[&str]) -> anyhow::Result<()> {
-    let out = Command::new("ip")
-        .args(args)
-        .stdin(Stdio::null())
-        .output()
-        .map_err(|e| anyhow::anyhow!("cannot run ip (install iproute2): {e}"))?;
-    anyhow::ensure!(
-        out.status.success(),
-        "ip {} failed: {}",
-        args.join(" "),
-        String::from_utf8_lossy(&out.stderr).trim()
-    );
-    Ok(())
 }
 
 fn netns_sysctl(ns: &str, key: &str, value: &str) -> anyhow::Result<()> {
