@@ -396,8 +396,12 @@ async fn kubevirt_simulator_reports_macs_ip_and_agent_and_can_fail_scheduling() 
     );
     assert_eq!(condition(&vmi.data, "AgentConnected")["status"], "True");
     assert_eq!(vmi.data["status"]["guestOSInfo"]["id"], "debian");
-    let vm = vms.get("web-01").await.unwrap();
-    assert_eq!(vm.data["status"]["printableStatus"], "Running");
+    // The VM's status follows its VMI's in a second write: wait for it, as a client of KubeVirt would.
+    wait_for("the VM to show Running", async || {
+        let vm = vms.get("web-01").await.ok()?;
+        (vm.data["status"]["printableStatus"] == "Running").then_some(())
+    })
+    .await;
 
     // The controller's adapters read what the simulator wrote.
     let vmm = migration(&ns);
