@@ -170,6 +170,7 @@ fn options(remote: &Remote, cache: &Path, ns: &str) -> GitopsOptions {
         known_hosts: None,
         git_token: None,
         watch_path: None,
+        destinations: Default::default(),
     }
 }
 
@@ -189,7 +190,7 @@ fn start_controller(client: &Client, ns: &str) -> SimController {
     let world = SimWorld::new(11, FaultPlan::default());
     crate::support::publish_sim_staging(&world);
     let sims = kubevirt_sim::start(client.clone(), ns);
-    let adapters = crate::support::sim_adapters(client, &world);
+    let adapters = crate::support::sim_adapters(client, &world, ns);
     let config = ControllerConfig {
         namespace: Some(ns.to_owned()),
         max_requeue: Some(Duration::from_millis(200)),

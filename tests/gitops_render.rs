@@ -8,6 +8,7 @@ use vmmigrate::gitops::render::{
     RenderError, RenderOptions, RenderedMigration, read_dir_files, render, to_yaml,
 };
 use vmmigrate::gitops::{ANNOTATION_COMMIT, ANNOTATION_PATH, LABEL_GITOPS, Provenance, RepoFile};
+use vmmigrate::machine::tenancy::DestinationRules;
 
 const HOST_KEY: &str = "SHA256:uNiVztksCsDhcc0u9e8BujQXVUpKZIDTMczCvj3tD2s";
 const OTHER_KEY: &str = "SHA256:AAAAztksCsDhcc0u9e8BujQXVUpKZIDTMczCvj3tD2s";
@@ -75,8 +76,15 @@ fn provenance() -> Provenance {
     Provenance { repo_url: "https://git.example/infra/migrations.git".into(), commit: "0123abcd".into() }
 }
 
+/// The administrator's rule these tests run under: migrations in `vmmigrate`
+/// (the default namespace) may create their VMs in `apps`.
+fn options() -> RenderOptions {
+    let rules = DestinationRules::parse(&["vmmigrate=apps", "migrations=apps"]).unwrap();
+    RenderOptions::new("vmmigrate", &rules)
+}
+
 fn render_dir(root: &Path) -> Result<Vec<RenderedMigration>, Vec<RenderError>> {
-    render(&read_dir_files(root).unwrap(), &provenance(), &RenderOptions::default())
+    render(&read_dir_files(root).unwrap(), &provenance(), &options())
 }
 
 fn errors_of(root: &Path) -> Vec<String> {
@@ -90,8 +98,14 @@ fn one(rendered: &[RenderedMigration], name: &str) -> serde_json::Value {
     rendered.iter().find(|r| r.name == name).unwrap_or_else(|| panic!("{name} not rendered")).object.clone()
 }
 
+/// The CLI under the same rules as [`options`], given through the environment
+/// as a deployment gives them (`;` between rules).
 fn vmmigrate(args: &[&str]) -> std::process::Output {
-    Command::new(env!("CARGO_BIN_EXE_vmmigrate")).args(args).output().expect("run vmmigrate")
+    Command::new(env!("CARGO_BIN_EXE_vmmigrate"))
+        .args(args)
+        .env("VMMIGRATE_ALLOW_DESTINATION", "vmmigrate=apps;migrations=apps")
+        .output()
+        .expect("run vmmigrate")
 }
 
 #[test]
@@ -109,13 +123,13 @@ fn the_same_files_render_byte_identically_in_any_order() {
         );
     }
     let files = read_dir_files(dir.path()).unwrap();
-    let first = to_yaml(&render(&files, &provenance(), &RenderOptions::default()).unwrap());
-    let again = to_yaml(&render(&files, &provenance(), &RenderOptions::default()).unwrap());
+    let first = to_yaml(&render(&files, &provenance(), &options()).unwrap());
+    let again = to_yaml(&render(&files, &provenance(), &options()).unwrap());
     let mut shuffled = files.clone();
     shuffled.reverse();
     shuffled.swap(1, 5);
     shuffled.swap(0, 9);
-    let reordered = to_yaml(&render(&shuffled, &provenance(), &RenderOptions::default()).unwrap());
+    let reordered = to_yaml(&render(&shuffled, &provenance(), &options()).unwrap());
     assert_eq!(first, again);
     assert_eq!(first, reordered);
     assert_eq!(first.matches("kind: VirtualMachineMigration").count(), 12);
@@ -226,17 +240,50 @@ fn a_defaults_file_is_not_a_migration_and_its_errors_are_reported_once_at_its_ow
 }
 
 #[test]
-fn provider_fields_fill_the_source_and_fields_written_in_the_migration_win() {
+fn a_destination_namespace_outside_the_allow_rules_is_refused_at_its_line() {
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path(), "migrations/ok.yaml", &manifest("ok", "ok"));
+    // The controller's rights must not reach kube-system, nor another team's namespace.
+    write(
+        dir.path(),
+        "migrations/a.yaml",
+        &manifest("a", "a").replace("namespace: apps", "namespace: kube-system"),
+    );
+    write(
+        dir.path(),
+        "migrations/b.yaml",
+        &manifest("b", "b").replace("namespace: apps", "namespace: finance"),
+    );
+    // A folder's defaults that move migrations elsewhere are blamed there.
+    write(dir.path(), "migrations/team/defaults.yaml", "spec:\n  destination:\n    namespace: payroll\n");
+    write(dir.path(), "migrations/team/c.yaml", &manifest("c", "c").replace("    namespace: apps\n", ""));
+    let errors = errors_of(dir.path());
+    assert_eq!(errors.len(), 3, "{errors:?}");
+    assert!(
+        errors[0].starts_with("migrations/a.yaml:14: spec.destination.namespace: destination namespace \"kube-system\" is a system namespace"),
+        "{errors:?}"
+    );
+    assert!(
+        errors[1].starts_with("migrations/b.yaml:14: spec.destination.namespace: destination namespace \"finance\" is not allowed for migrations in \"vmmigrate\" (allowed: vmmigrate or apps)"),
+        "{errors:?}"
+    );
+    assert!(
+        errors[2].starts_with("migrations/team/defaults.yaml:3: spec.destination.namespace: "),
+        "{errors:?}"
+    );
+    // Nothing is applied from a commit with errors; without the rule, even `apps` is refused.
+    let files = read_dir_files(dir.path()).unwrap();
+    let only_ok: Vec<_> = files.into_iter().filter(|f| f.path == "migrations/ok.yaml").collect();
+    assert!(render(&only_ok, &provenance(), &options()).is_ok());
+    let refused = render(&only_ok, &provenance(), &RenderOptions::default()).unwrap_err();
+    assert!(refused[0].message.contains("--allow-destination vmmigrate=apps"), "{refused:?}");
+}
+
+#[test]
+fn provider_fields_fill_the_source_and_a_migration_cannot_override_them() {
     let dir = tempfile::tempdir().unwrap();
     write(dir.path(), "providers/esxi01.yaml", PROVIDER);
     write(dir.path(), "migrations/a.yaml", &provider_manifest("a", "esxi01"));
-    let b = provider_manifest("b", "esxi01").replace(
-        "    provider: esxi01\n",
-        &format!(
-            "    provider: esxi01\n    hostKey: {OTHER_KEY}\n    credentialsSecretRef:\n      name: b-only\n"
-        ),
-    );
-    write(dir.path(), "migrations/b.yaml", &b);
     // The provider may also come from a folder's defaults.
     write(dir.path(), "migrations/team/defaults.yaml", "spec:\n  source:\n    provider: esxi01\n");
     write(
@@ -258,15 +305,36 @@ fn provider_fields_fill_the_source_and_fields_written_in_the_migration_win() {
         }),
         "provider resolved and `provider` removed (the CRD has no such field)"
     );
-    let b = one(&rendered, "b");
-    assert_eq!(b["spec"]["source"]["hostKey"], OTHER_KEY);
-    assert_eq!(b["spec"]["source"]["credentialsSecretRef"]["name"], "b-only");
-    assert_eq!(b["spec"]["source"]["host"], "esxi01.example.internal");
     assert_eq!(one(&rendered, "c")["spec"]["source"]["port"], 2222);
     // The rendered objects are what the typed controller reads.
     for r in &rendered {
         let _: vmmigrate::api::VirtualMachineMigration = serde_json::from_value(r.object.clone()).unwrap();
     }
+
+    // Pointing a provider's credentials at another host (and its key) is refused,
+    // in the manifest and in a folder's defaults alike.
+    let b = provider_manifest("b", "esxi01").replace(
+        "    provider: esxi01\n",
+        &format!("    provider: esxi01\n    host: attacker.example\n    hostKey: {OTHER_KEY}\n"),
+    );
+    write(dir.path(), "migrations/b.yaml", &b);
+    write(
+        dir.path(),
+        "migrations/team/defaults.yaml",
+        "spec:\n  source:\n    provider: esxi01\n    port: 2200\n",
+    );
+    let errors = errors_of(dir.path());
+    let bound = "by provider \"esxi01\" (providers/), which binds host, port, hostKey and credentialsSecretRef together";
+    assert_eq!(errors.len(), 3, "{errors:?}");
+    assert!(
+        errors[0].starts_with("migrations/b.yaml:8: spec.source.host: is set ") && errors[0].contains(bound),
+        "{errors:?}"
+    );
+    assert!(errors[1].starts_with("migrations/b.yaml:9: spec.source.hostKey: is set "), "{errors:?}");
+    assert!(
+        errors[2].starts_with("migrations/team/defaults.yaml:4: spec.source.port: is set "),
+        "{errors:?}"
+    );
 }
 
 #[test]
@@ -502,6 +570,32 @@ fn validate_exits_0_with_a_count_and_1_with_path_line_errors() {
     assert!(lines[1].starts_with("migrations/c.yaml:2: YAML syntax: "), "{stderr}");
     assert_eq!(lines[2], "error: 2 error(s) in the repository");
     assert!(out.stdout.is_empty());
+
+    // Without the administrator's rule the destination is refused, and a rule
+    // that cannot be read is a usage error naming it.
+    std::fs::remove_file(dir.path().join("migrations/b.yaml")).unwrap();
+    std::fs::remove_file(dir.path().join("migrations/c.yaml")).unwrap();
+    let bare = |args: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_vmmigrate"))
+            .args(args)
+            .env_remove("VMMIGRATE_ALLOW_DESTINATION")
+            .output()
+            .unwrap()
+    };
+    let out = bare(&["validate", root]);
+    assert_eq!(out.status.code(), Some(1));
+    let stderr = String::from_utf8(out.stderr).unwrap();
+    assert!(
+        stderr.starts_with(
+            "migrations/a.yaml:14: spec.destination.namespace: destination namespace \"apps\" is not allowed"
+        ),
+        "{stderr}"
+    );
+    let out = bare(&["validate", root, "--allow-destination", "vmmigrate=apps"]);
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = bare(&["validate", root, "--allow-destination", "vmmigrate=kube-system"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("\"kube-system\" is a system namespace"));
 
     let out = vmmigrate(&["validate", &format!("{root}/migrations/a.yaml")]);
     assert_eq!(out.status.code(), Some(1));

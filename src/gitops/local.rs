@@ -17,13 +17,13 @@ use std::path::Path;
 /// Returns the comment text and whether it passes.
 pub(crate) async fn plan_local(
     root: &Path,
-    namespace: &str,
+    opts: &RenderOptions,
     client: Option<&Client>,
 ) -> anyhow::Result<(String, bool)> {
     let files = read_dir_files(root).map_err(|e| anyhow::anyhow!("cannot read {}: {e}", root.display()))?;
     let provenance = Provenance { repo_url: root.display().to_string(), commit: "working-tree".into() };
     let mut input = PlanInput { head_sha: "working-tree".into(), ..Default::default() };
-    match render(&files, &provenance, &RenderOptions { default_namespace: namespace.to_owned() }) {
+    match render(&files, &provenance, opts) {
         Err(errors) => input.errors = errors.iter().map(ToString::to_string).collect(),
         Ok(rendered) => {
             for r in rendered {

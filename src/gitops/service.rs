@@ -17,6 +17,7 @@ use super::status_files::{StatusInput, status_files};
 use super::webhook::{WebhookConfig, WebhookEvent, WebhookServer};
 use super::{LABEL_GITOPS, Provenance, RepoFile};
 use crate::api::{Phase, VirtualMachineMigration};
+use crate::machine::tenancy::DestinationRules;
 use crate::metrics::Metrics;
 use crate::ports::EsxiHost;
 use anyhow::Context as _;
@@ -98,6 +99,17 @@ pub struct GitopsOptions {
     /// Token for a private HTTPS repository.
     #[arg(long, env = "VMMIGRATE_GIT_TOKEN", hide_env_values = true)]
     pub git_token: Option<String>,
+    /// The administrator's destination rules (`--allow-destination` of the subcommand).
+    #[arg(skip)]
+    pub destinations: DestinationRules,
+}
+
+impl GitopsOptions {
+    /// These options under the administrator's destination rules.
+    pub fn with_destinations(mut self, rules: DestinationRules) -> GitopsOptions {
+        self.destinations = rules;
+        self
+    }
 }
 
 /// What one sync of the tracked branch did.
@@ -211,7 +223,7 @@ impl Gitops {
     }
 
     fn render_options(&self) -> RenderOptions {
-        RenderOptions { default_namespace: self.opts.manifest_namespace.clone() }
+        RenderOptions::new(&self.opts.manifest_namespace, &self.opts.destinations)
     }
 
     async fn fetch(&self) -> anyhow::Result<String> {

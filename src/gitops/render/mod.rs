@@ -21,6 +21,7 @@ use super::{
 };
 use crate::api::{GROUP, RETRY_ANNOTATION, VERSION, VirtualMachineMigration};
 use crate::machine::preflight::{MAX_DESTINATION_NAME, is_dns_label};
+use crate::machine::tenancy::DestinationRules;
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::{
     JSONSchemaProps, JSONSchemaPropsOrArray, JSONSchemaPropsOrBool,
 };
@@ -42,11 +43,24 @@ pub(crate) const MIGRATION_KIND: &str = "VirtualMachineMigration";
 pub struct RenderOptions {
     /// `metadata.namespace` of migrations that set none (directly or through defaults).
     pub default_namespace: String,
+    /// The administrator's rules for destination namespaces (the controller
+    /// applies the same rules again at Validated).
+    pub destinations: DestinationRules,
 }
 
 impl Default for RenderOptions {
     fn default() -> Self {
-        RenderOptions { default_namespace: DEFAULT_NAMESPACE.to_owned() }
+        RenderOptions {
+            default_namespace: DEFAULT_NAMESPACE.to_owned(),
+            destinations: DestinationRules::default(),
+        }
+    }
+}
+
+impl RenderOptions {
+    /// Migrations without a namespace go to `namespace`; destinations follow `destinations`.
+    pub fn new(namespace: &str, destinations: &DestinationRules) -> RenderOptions {
+        RenderOptions { default_namespace: namespace.to_owned(), destinations: destinations.clone() }
     }
 }
 
@@ -641,10 +655,23 @@ impl Renderer {
         if let Some(name_value) = provider_name {
             match name_value.as_str().and_then(|n| providers.get(n)) {
                 Some(provider) => {
+                    // A provider binds host, port, host key and credentials together: a
+                    // migration that names one cannot point its credentials elsewhere.
+                    let name = name_value.as_str().unwrap_or_default();
+                    if let Some(Value::Object(source)) = merged.get("spec").and_then(|s| s.get("source")) {
+                        for field in PROVIDER_FIELDS.iter().filter(|f| source.contains_key(**f)) {
+                            findings.push(finding(
+                                segs(&["spec", "source", field]),
+                                format!(
+                                    "is set by provider {name:?} (providers/), which binds host, port, hostKey and credentialsSecretRef together; remove it here, or define another provider"
+                                ),
+                            ));
+                        }
+                    }
                     if let Some(Value::Object(source)) = merged.pointer_mut("/spec/source") {
                         source.remove("provider");
                         let mut resolved = provider.spec.clone();
-                        overlay(&mut resolved, source);
+                        resolved.extend(std::mem::take(source));
                         *source = resolved;
                     }
                     layers.push(Layer { doc: &docs[provider.doc], provider: true });
@@ -713,6 +740,12 @@ impl Renderer {
                 ),
                 blame: Blame::Manifest,
             });
+        }
+
+        if let Some(destination) = merged.pointer("/spec/destination/namespace").and_then(Value::as_str)
+            && let Some(refused) = opts.destinations.refusal(&namespace, destination)
+        {
+            findings.push(finding(segs(&["spec", "destination", "namespace"]), refused));
         }
 
         if !findings.is_empty() {
@@ -827,10 +860,12 @@ mod tests {
     }
 
     pub(super) fn render_files(files: &[RepoFile]) -> Result<Vec<RenderedMigration>, Vec<RenderError>> {
+        // Under the rule that lets migrations of the default namespace land in `apps`.
+        let rules = DestinationRules::parse(&["vmmigrate=apps"]).expect("rule");
         render(
             files,
             &Provenance { repo_url: "file:///repo".into(), commit: "abc".into() },
-            &RenderOptions::default(),
+            &RenderOptions::new(DEFAULT_NAMESPACE, &rules),
         )
     }
 
