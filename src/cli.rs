@@ -60,6 +60,8 @@ pub enum Command {
         namespace: String,
         #[command(flatten)]
         tenancy: TenancyOptions,
+        #[command(flatten)]
+        limits: crate::gitops::render::Limits,
     },
     /// Show what merging a branch would change: render, validate, diff, read-only discovery.
     ///
@@ -75,6 +77,8 @@ pub enum Command {
         namespace: String,
         #[command(flatten)]
         tenancy: TenancyOptions,
+        #[command(flatten)]
+        limits: crate::gitops::render::Limits,
         /// Do not contact the cluster (every migration shows as new).
         #[arg(long)]
         offline: bool,
@@ -92,6 +96,8 @@ pub enum Command {
         namespace: String,
         #[command(flatten)]
         tenancy: TenancyOptions,
+        #[command(flatten)]
+        limits: crate::gitops::render::Limits,
     },
     /// Print the CustomResourceDefinition YAML.
     Crd {
@@ -168,14 +174,14 @@ pub fn run(cli: Cli) -> ExitCode {
         Command::Run { gitops: g, controller: c, tenancy } => tenancy.rules().and_then(|rules| {
             gitops(g.with_destinations(rules.clone()), c.metrics_listen, Some(c.with_destinations(rules)))
         }),
-        Command::Render { repo, namespace, tenancy } => {
-            tenancy.render_options(&namespace).and_then(|o| render_local(&repo, &o, true))
+        Command::Render { repo, namespace, tenancy, limits } => {
+            tenancy.render_options(&namespace, limits).and_then(|o| render_local(&repo, &o, true))
         }
-        Command::Plan { repo, namespace, offline, tenancy } => {
-            tenancy.render_options(&namespace).and_then(|o| plan(&repo, &o, offline))
+        Command::Plan { repo, namespace, offline, tenancy, limits } => {
+            tenancy.render_options(&namespace, limits).and_then(|o| plan(&repo, &o, offline))
         }
-        Command::Validate { repo, namespace, tenancy } => {
-            tenancy.render_options(&namespace).and_then(|o| render_local(&repo, &o, false))
+        Command::Validate { repo, namespace, tenancy, limits } => {
+            tenancy.render_options(&namespace, limits).and_then(|o| render_local(&repo, &o, false))
         }
         // `main` runs the demo when it is built in.
         Command::Demo(_) => Err(NotBuiltIn("demo").into()),
@@ -420,8 +426,12 @@ impl TenancyOptions {
         Ok(crate::machine::tenancy::DestinationRules::parse(&self.allow_destination)?)
     }
 
-    fn render_options(&self, namespace: &str) -> anyhow::Result<crate::gitops::render::RenderOptions> {
-        Ok(crate::gitops::render::RenderOptions::new(namespace, &self.rules()?))
+    fn render_options(
+        &self,
+        namespace: &str,
+        limits: crate::gitops::render::Limits,
+    ) -> anyhow::Result<crate::gitops::render::RenderOptions> {
+        Ok(crate::gitops::render::RenderOptions::new(namespace, &self.rules()?).with_limits(limits))
     }
 }
 
@@ -437,7 +447,7 @@ fn render_local(
     opts: &crate::gitops::render::RenderOptions,
     print_yaml: bool,
 ) -> anyhow::Result<()> {
-    use crate::gitops::render::{read_dir_files, render, to_yaml};
+    use crate::gitops::render::{read_dir_files, render_tree, to_yaml};
     let root = std::path::Path::new(repo);
     if !root.is_dir() {
         anyhow::bail!("{repo}: not a directory (remote URLs: use `vmmigrate gitops`)");
@@ -445,9 +455,9 @@ fn render_local(
     if !root.join("migrations").is_dir() {
         anyhow::bail!("{repo}: no migrations/ directory (point at the repository's root)");
     }
-    let files = read_dir_files(root).map_err(|e| anyhow::anyhow!("cannot read {repo}: {e}"))?;
+    let files = read_dir_files(root, &opts.limits).map_err(|e| anyhow::anyhow!("cannot read {repo}: {e}"))?;
     let provenance = crate::gitops::Provenance { repo_url: repo.to_owned(), commit: local_commit(root) };
-    match render(&files, &provenance, opts) {
+    match render_tree(&files, &provenance, opts) {
         Ok(rendered) if print_yaml => {
             use std::io::Write;
             std::io::stdout().write_all(to_yaml(&rendered).as_bytes())?;

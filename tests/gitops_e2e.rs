@@ -171,6 +171,7 @@ fn options(remote: &Remote, cache: &Path, ns: &str) -> GitopsOptions {
         git_token: None,
         watch_path: None,
         destinations: Default::default(),
+        limits: Default::default(),
     }
 }
 
@@ -468,6 +469,76 @@ async fn a_pull_request_gets_one_plan_comment_edited_in_place_that_follows_the_m
     .await;
     assert_eq!(forge.comments(1).len(), 1, "still one comment after the merge");
     assert!(body.contains("web-01"), "{body}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hostile_pull_request_fails_its_plan_naming_each_file_and_limit_and_the_next_one_is_planned() {
+    let client = KubeEnv::shared().client().await;
+    let ns = test_namespace(&client, "gitops-hostile").await;
+    let remote = Remote::new();
+    let cache = tempfile::tempdir().unwrap();
+    let forge = FakeForge::start().await;
+    let mut opts = options(&remote, cache.path(), &ns);
+    opts.no_status = true;
+    opts.forge = Some("github".into());
+    opts.forge_api = Some(forge.base_url(Dialect::GitHub));
+    opts.forge_repo = Some(format!("{OWNER}/{REPO}"));
+    opts.forge_token = Some(TOKEN.into());
+    let gitops = Gitops::new(client.clone(), opts).unwrap();
+    assert!(matches!(gitops.sync().await.unwrap(), SyncOutcome::Applied { .. }));
+
+    // A fork's pull request: a billion laughs, a 2 MiB file, and a symbolic
+    // link to a file outside the repository, next to a valid manifest.
+    let mut laughs = String::from("a0: &a0 [lol]\n");
+    for i in 1..=9 {
+        laughs.push_str(&format!("a{i}: &a{i} [{}]\n", vec![format!("*a{}", i - 1); 10].join(", ")));
+    }
+    let big = format!("# {}\n", "x".repeat(2 << 20));
+    let valid = manifest(&ns, "web-01", "web 01");
+    let files = [
+        ("migrations/laughs.yaml", laughs.as_str()),
+        ("migrations/big.yaml", big.as_str()),
+        ("migrations/web-01.yaml", valid.as_str()),
+    ];
+    remote.push("hostile", &files, "Hostile");
+    let work = remote.work();
+    std::os::unix::fs::symlink("/etc/hostname", work.join("migrations/link.yaml")).unwrap();
+    git(&work, &["add", "-A"]);
+    git(&work, &["commit", "-q", "-m", "Link"]);
+    git(&work, &["push", "-q", "origin", "HEAD:refs/heads/hostile"]);
+    let head = git(&work, &["rev-parse", "HEAD"]);
+    let changed =
+        ["migrations/laughs.yaml", "migrations/big.yaml", "migrations/web-01.yaml", "migrations/link.yaml"];
+    forge.add_pr(FakePr { head_ref: "hostile".into(), ..FakePr::open(7, &head) }.with_files(&changed));
+    assert_eq!(gitops.plan_pull_requests().await.unwrap(), 1);
+    let body = forge.comments(7)[0].body.clone();
+    for (file, limit) in [
+        ("migrations/laughs.yaml:", "aliases expanded"),
+        ("migrations/big.yaml", "--max-file-bytes"),
+        ("migrations/link.yaml", "is a symbolic link"),
+    ] {
+        assert!(body.lines().any(|l| l.contains(file) && l.contains(limit)), "{file} {limit}: {body}");
+    }
+    assert_eq!(forge.statuses(&head).last().unwrap().state, "failure");
+    assert_eq!(gitops.plan_pull_requests().await.unwrap(), 0, "not planned again until its head changes");
+
+    // The next pull request is planned as usual.
+    let next =
+        remote.push("good", &[("migrations/db-01.yaml", &manifest(&ns, "db-01", "db 01"))], "Add db-01");
+    forge.add_pr(
+        FakePr { head_ref: "good".into(), ..FakePr::open(8, &next) }.with_files(&["migrations/db-01.yaml"]),
+    );
+    assert_eq!(gitops.plan_pull_requests().await.unwrap(), 1);
+    assert_eq!(forge.statuses(&next).last().unwrap().state, "success");
+
+    // Merged as it is, the hostile commit applies nothing, not even its valid manifest.
+    git(&work, &["push", "-q", "origin", "hostile:main"]);
+    match gitops.sync().await.unwrap() {
+        SyncOutcome::Rejected { errors, .. } => assert_eq!(errors.len(), 3, "{errors:#?}"),
+        other => panic!("applied a hostile commit: {other:?}"),
+    }
+    let api: Api<VirtualMachineMigration> = Api::namespaced(client.clone(), &ns);
+    assert!(api.get_opt("web-01").await.unwrap().is_none());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

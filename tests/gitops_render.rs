@@ -84,7 +84,7 @@ fn options() -> RenderOptions {
 }
 
 fn render_dir(root: &Path) -> Result<Vec<RenderedMigration>, Vec<RenderError>> {
-    render(&read_dir_files(root).unwrap(), &provenance(), &options())
+    render(&read_dir_files(root, &Default::default()).unwrap().files, &provenance(), &options())
 }
 
 fn errors_of(root: &Path) -> Vec<String> {
@@ -122,7 +122,7 @@ fn the_same_files_render_byte_identically_in_any_order() {
             &provider_manifest(&format!("vm-{i:02}"), "esxi01"),
         );
     }
-    let files = read_dir_files(dir.path()).unwrap();
+    let files = read_dir_files(dir.path(), &Default::default()).unwrap().files;
     let first = to_yaml(&render(&files, &provenance(), &options()).unwrap());
     let again = to_yaml(&render(&files, &provenance(), &options()).unwrap());
     let mut shuffled = files.clone();
@@ -272,7 +272,7 @@ fn a_destination_namespace_outside_the_allow_rules_is_refused_at_its_line() {
         "{errors:?}"
     );
     // Nothing is applied from a commit with errors; without the rule, even `apps` is refused.
-    let files = read_dir_files(dir.path()).unwrap();
+    let files = read_dir_files(dir.path(), &Default::default()).unwrap().files;
     let only_ok: Vec<_> = files.into_iter().filter(|f| f.path == "migrations/ok.yaml").collect();
     assert!(render(&only_ok, &provenance(), &options()).is_ok());
     let refused = render(&only_ok, &provenance(), &RenderOptions::default()).unwrap_err();
@@ -514,8 +514,12 @@ fn only_migrations_and_providers_are_read_and_other_files_are_ignored() {
     write(dir.path(), "status/vmmigrate/a.yaml", "phase: Completed\n");
     write(dir.path(), "kustomization.yaml", "resources: []\n");
     write(dir.path(), "providers/esxi01.yml", PROVIDER);
-    let files: Vec<String> =
-        read_dir_files(dir.path()).unwrap().into_iter().map(|f: RepoFile| f.path).collect();
+    let files: Vec<String> = read_dir_files(dir.path(), &Default::default())
+        .unwrap()
+        .files
+        .into_iter()
+        .map(|f: RepoFile| f.path)
+        .collect();
     assert_eq!(files, vec!["migrations/a.yaml", "providers/esxi01.yml"]);
     assert_eq!(render_dir(dir.path()).unwrap().len(), 1);
 }
@@ -656,4 +660,130 @@ fn render_stamps_the_head_commit_of_a_clean_work_tree_and_working_tree_otherwise
     assert_eq!(commit_of(), git(&["rev-parse", "HEAD"]));
     write(dir.path(), "migrations/a.yaml", &manifest("a", "changed"));
     assert_eq!(commit_of(), "working-tree", "uncommitted changes");
+}
+
+// ---- Hostile repositories: every limit refuses with the file, line and limit ----
+
+/// `validate` of `root` under the default limits: (exit code, stderr).
+fn validate(root: &Path) -> (Option<i32>, String) {
+    let out = vmmigrate(&["validate", root.to_str().unwrap()]);
+    (out.status.code(), String::from_utf8_lossy(&out.stderr).into_owned())
+}
+
+#[test]
+fn a_billion_laughs_is_refused_by_counting_its_aliases_not_by_expanding_them() {
+    let dir = tempfile::tempdir().unwrap();
+    // Nine levels of ten aliases each: 10^9 nodes once expanded, 1 KB as text.
+    let mut text = String::from(
+        "apiVersion: migration.platform.example/v1alpha1\nkind: VirtualMachineMigration\na0: &a0 [lol]\n",
+    );
+    for i in 1..=9 {
+        let refs = vec![format!("*a{}", i - 1); 10].join(", ");
+        text.push_str(&format!("a{i}: &a{i} [{refs}]\n"));
+    }
+    write(dir.path(), "migrations/laughs.yaml", &text);
+    write(dir.path(), "migrations/ok.yaml", &manifest("ok", "ok"));
+    let (code, stderr) = validate(dir.path());
+    assert_eq!(code, Some(1), "{stderr}");
+    let first = stderr.lines().next().unwrap();
+    assert!(
+        first.starts_with("migrations/laughs.yaml:")
+            && first.contains(
+                "holds more than 50000 YAML nodes, aliases expanded (the limit) (--max-yaml-nodes)"
+            ),
+        "{stderr}"
+    );
+    assert_eq!(stderr.lines().count(), 2, "one error, then the count: {stderr}");
+}
+
+#[test]
+fn deep_nesting_and_huge_lists_and_files_are_refused_at_their_limits() {
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path(), "migrations/nested.yaml", &"[".repeat(200_000));
+    let list: String = (0..60_000).map(|i| format!("- {i}\n")).collect();
+    write(dir.path(), "migrations/list.yaml", &format!("items:\n{list}"));
+    write(dir.path(), "migrations/big.yaml", &format!("# {}\n", "x".repeat(2 << 20)));
+    let (code, stderr) = validate(dir.path());
+    assert_eq!(code, Some(1));
+    let lines: Vec<&str> = stderr.lines().collect();
+    assert_eq!(lines.len(), 4, "{stderr}");
+    assert!(
+        lines[0].starts_with(
+            "migrations/big.yaml: is 2097155 bytes, more than the limit of 1048576 (--max-file-bytes)"
+        ),
+        "{stderr}"
+    );
+    assert!(
+        lines[1].starts_with("migrations/list.yaml:49999: YAML document 1: holds more than 50000 YAML nodes"),
+        "{stderr}"
+    );
+    assert!(lines[2].starts_with("migrations/nested.yaml:1: YAML document 1: nests deeper than 32 levels (the limit) (--max-yaml-depth)"), "{stderr}");
+    // The limits are flags: raised, the same list is only a wrong document.
+    let out = vmmigrate(&[
+        "validate",
+        dir.path().to_str().unwrap(),
+        "--max-yaml-nodes",
+        "100000",
+        "--max-file-bytes",
+        "4194304",
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("migrations/list.yaml:1: kind: is required"), "{stderr}");
+}
+
+#[test]
+fn only_files_the_format_names_are_read_and_binary_ones_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path(), "migrations/a.yaml", &manifest("a", "a"));
+    // 64 MiB that is not YAML, in migrations/: never opened, never counted.
+    let image = std::fs::File::create(dir.path().join("migrations/disk.img")).unwrap();
+    image.set_len(64 << 20).unwrap();
+    let out = vmmigrate(&["validate", dir.path().to_str().unwrap(), "--max-repo-bytes", "65536"]);
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    // A binary file named like a manifest is an error, not a crash.
+    std::fs::write(dir.path().join("migrations/blob.yaml"), [0u8, 159, 146, 150, 0xff, 0xfe]).unwrap();
+    let (code, stderr) = validate(dir.path());
+    assert_eq!(code, Some(1));
+    assert!(stderr.starts_with("migrations/blob.yaml: is not UTF-8 text"), "{stderr}");
+}
+
+#[test]
+fn symbolic_links_are_refused_and_never_followed_out_of_the_repository() {
+    let outside = tempfile::tempdir().unwrap();
+    write(outside.path(), "secret.yaml", &manifest("stolen", "stolen"));
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path(), "migrations/a.yaml", &manifest("a", "a"));
+    std::os::unix::fs::symlink(outside.path().join("secret.yaml"), dir.path().join("migrations/link.yaml"))
+        .unwrap();
+    std::os::unix::fs::symlink(outside.path(), dir.path().join("migrations/team")).unwrap();
+    std::os::unix::fs::symlink(outside.path(), dir.path().join("providers")).unwrap();
+    let out = vmmigrate(&["render", dir.path().to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(out.stdout.is_empty(), "nothing rendered from a tree with a link");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let lines: Vec<&str> = stderr.lines().collect();
+    assert_eq!(
+        lines[..3],
+        [
+            "migrations/link.yaml: is a symbolic link; vmmigrate reads no file through a link",
+            "migrations/team: is a symbolic link; vmmigrate reads no file through a link",
+            "providers: is a symbolic link; vmmigrate reads no file through a link",
+        ],
+        "{stderr}"
+    );
+    assert!(!stderr.contains("stolen"));
+}
+
+#[test]
+fn a_file_name_with_a_newline_cannot_inject_a_line_into_ci_output() {
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path(), "migrations/a.yaml", &manifest("a", "a"));
+    write(dir.path(), "migrations/x\n::error file=README.md::all good.yaml", &manifest("b", "b"));
+    let (code, stderr) = validate(dir.path());
+    assert_eq!(code, Some(1));
+    assert!(stderr.lines().all(|l| !l.starts_with("::")), "{stderr}");
+    assert!(
+        stderr.starts_with("migrations/x\\n::error file=README.md::all good.yaml: has a control character (a newline?) in its name; rename it"),
+        "{stderr}"
+    );
 }

@@ -4,7 +4,7 @@
 
 use super::apply::server_spec;
 use super::plan::{PlanEntry, PlanInput, commit_state, plan_comment};
-use super::render::{RenderOptions, RenderedMigration, read_dir_files, render};
+use super::render::{RenderOptions, RenderedMigration, read_dir_files, render_tree};
 use super::status_files::progress_bar;
 use super::{LABEL_GITOPS, Provenance};
 use crate::api::VirtualMachineMigration;
@@ -20,10 +20,11 @@ pub(crate) async fn plan_local(
     opts: &RenderOptions,
     client: Option<&Client>,
 ) -> anyhow::Result<(String, bool)> {
-    let files = read_dir_files(root).map_err(|e| anyhow::anyhow!("cannot read {}: {e}", root.display()))?;
+    let files = read_dir_files(root, &opts.limits)
+        .map_err(|e| anyhow::anyhow!("cannot read {}: {e}", root.display()))?;
     let provenance = Provenance { repo_url: root.display().to_string(), commit: "working-tree".into() };
     let mut input = PlanInput { head_sha: "working-tree".into(), ..Default::default() };
-    match render(&files, &provenance, opts) {
+    match render_tree(&files, &provenance, opts) {
         Err(errors) => input.errors = errors.iter().map(ToString::to_string).collect(),
         Ok(rendered) => {
             for r in rendered {
