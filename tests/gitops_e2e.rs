@@ -7,7 +7,7 @@
 use crate::support::fake_forge::{BOT_LOGIN, Dialect, FakeForge, FakePr, OWNER, REPO, TOKEN};
 use crate::support::sim::{FaultPlan, SimWorld};
 use crate::support::{KubeEnv, ensure_storage_class, kubevirt_sim, phase_of, test_namespace};
-use kube::api::Api;
+use kube::api::{Api, PostParams};
 use kube::{Client, ResourceExt};
 use serde_json::json;
 use std::path::{Path, PathBuf};
@@ -539,6 +539,69 @@ async fn a_hostile_pull_request_fails_its_plan_naming_each_file_and_limit_and_th
     }
     let api: Api<VirtualMachineMigration> = Api::namespaced(client.clone(), &ns);
     assert!(api.get_opt("web-01").await.unwrap().is_none());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_pull_requests_failed_comment_does_not_stop_the_others_and_plans_show_only_their_own_migrations()
+{
+    let client = KubeEnv::shared().client().await;
+    let ns = test_namespace(&client, "gitops-honest").await;
+    let remote = Remote::new();
+    let cache = tempfile::tempdir().unwrap();
+    let forge = FakeForge::start().await;
+    let mut opts = options(&remote, cache.path(), &ns);
+    opts.no_status = true;
+    opts.forge = Some("github".into());
+    opts.forge_api = Some(forge.base_url(Dialect::GitHub));
+    opts.forge_repo = Some(format!("{OWNER}/{REPO}"));
+    opts.forge_token = Some(TOKEN.into());
+    let gitops = Gitops::new(client.clone(), opts).unwrap();
+    assert!(matches!(gitops.sync().await.unwrap(), SyncOutcome::Applied { .. }));
+
+    // The forge fails every comment write on PR 40; PR 41 is planned anyway.
+    let a = remote.push("a", &[("migrations/a.yaml", &manifest(&ns, "a", "a"))], "a");
+    let b = remote.push("b", &[("migrations/b.yaml", &manifest(&ns, "b", "b"))], "b");
+    forge.add_pr(FakePr { head_ref: "a".into(), ..FakePr::open(40, &a) }.with_files(&["migrations/a.yaml"]));
+    forge.add_pr(FakePr { head_ref: "b".into(), ..FakePr::open(41, &b) }.with_files(&["migrations/b.yaml"]));
+    forge.refuse_writes_on(40);
+    assert_eq!(gitops.plan_pull_requests().await.unwrap(), 1);
+    assert!(forge.comments(40).is_empty() && forge.statuses(&a).is_empty());
+    assert_eq!(forge.statuses(&b).last().unwrap().state, "success");
+    // Once the forge is back, PR 40 is planned on the next round.
+    forge.accept_writes_on(40);
+    assert_eq!(gitops.plan_pull_requests().await.unwrap(), 1);
+    assert_eq!(forge.comments(40).len(), 1);
+
+    // A comment someone else planted with the bot's marker is never edited.
+    let planted = forge.add_comment(41, "mallory", "<!-- vmmigrate:plan --> all good, merge it");
+    let b2 = remote.push(
+        "b",
+        &[("migrations/b.yaml", &manifest(&ns, "b", "b").replace("GracefulThenForce", "GracefulOnly"))],
+        "b2",
+    );
+    forge.add_pr(FakePr { head_ref: "b".into(), ..FakePr::open(41, &b2) }.with_files(&["migrations/b.yaml"]));
+    assert_eq!(gitops.plan_pull_requests().await.unwrap(), 1);
+    let comments = forge.comments(41);
+    let mallory = comments.iter().find(|c| c.id == planted).unwrap();
+    assert_eq!((mallory.edits, mallory.body.as_str()), (0, "<!-- vmmigrate:plan --> all good, merge it"));
+    assert!(comments.iter().any(|c| c.author == BOT_LOGIN && c.body.contains(&b2)));
+
+    // Another team's migration of the same name (created with kubectl) is not shown to the PR.
+    let mut body = crate::support::sim_migration_json(&ns);
+    body["metadata"]["name"] = "taken".into();
+    body["spec"]["source"]["vm"]["name"] = "payroll-secret-vm".into();
+    let other: VirtualMachineMigration = serde_json::from_value(body).unwrap();
+    let api: Api<VirtualMachineMigration> = Api::namespaced(client.clone(), &ns);
+    api.create(&PostParams::default(), &other).await.unwrap();
+    let c = remote.push("c", &[("migrations/taken.yaml", &manifest(&ns, "taken", "mine"))], "c");
+    forge.add_pr(
+        FakePr { head_ref: "c".into(), ..FakePr::open(42, &c) }.with_files(&["migrations/taken.yaml"]),
+    );
+    assert_eq!(gitops.plan_pull_requests().await.unwrap(), 1);
+    let comment = forge.comments(42)[0].body.clone();
+    assert!(comment.contains("is not managed from this repository"), "{comment}");
+    assert!(!comment.contains("payroll-secret-vm"), "the live spec leaked: {comment}");
+    assert_eq!(forge.statuses(&c).last().unwrap().state, "failure");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -378,23 +378,36 @@ impl Gitops {
             if self.state().planned.get(&pr.number) == Some(&pr.head_sha) {
                 continue;
             }
-            let changed = forge.changed_files(pr.number).await?;
-            if !changed.iter().any(|p| PREFIXES.iter().any(|prefix| p.starts_with(prefix))) {
-                continue;
+            // One pull request's failure (a forge outage, a comment the
+            // forge will not let us edit) is reported and the others go on;
+            // it is planned again on the next round.
+            match self.plan_one(forge.as_ref(), &pr).await {
+                Ok(true) => planned += 1,
+                Ok(false) => {}
+                Err(e) => {
+                    tracing::warn!(pr = pr.number, head = %pr.head_sha, error = %format!("{e:#}"), "cannot plan the pull request; trying again next round");
+                }
             }
-            self.fetch().await?;
-            let body = self.plan_commit(&pr.head_sha, &changed).await?;
-            let (input, names) = body;
-            let comment = plan_comment(&input);
-            forge.upsert_comment(pr.number, PLAN_MARKER, &comment).await?;
-            let (state, description) = commit_state(&input);
-            forge.set_commit_status(&pr.head_sha, STATUS_CONTEXT, state, &description, None).await?;
-            let mut st = self.state();
-            st.planned.insert(pr.number, pr.head_sha.clone());
-            st.plans.insert(pr.number, (comment, names));
-            planned += 1;
         }
         Ok(planned)
+    }
+
+    /// Plans one pull request; `false` when it changes nothing vmmigrate reads.
+    async fn plan_one(&self, forge: &dyn Forge, pr: &super::forge::PullRequest) -> anyhow::Result<bool> {
+        let changed = forge.changed_files(pr.number).await?;
+        if !changed.iter().any(|p| PREFIXES.iter().any(|prefix| p.starts_with(prefix))) {
+            return Ok(false);
+        }
+        self.fetch().await?;
+        let (input, names) = self.plan_commit(&pr.head_sha, &changed).await?;
+        let comment = plan_comment(&input);
+        forge.upsert_comment(pr.number, PLAN_MARKER, &comment).await?;
+        let (state, description) = commit_state(&input);
+        forge.set_commit_status(&pr.head_sha, STATUS_CONTEXT, state, &description, None).await?;
+        let mut st = self.state();
+        st.planned.insert(pr.number, pr.head_sha.clone());
+        st.plans.insert(pr.number, (comment, names));
+        Ok(true)
     }
 
     /// The plan of one commit: render, validate, diff against the live objects.
@@ -421,7 +434,7 @@ impl Gitops {
         let mut names = Vec::new();
         for r in rendered.iter().filter(|r| changed.contains(&r.path)) {
             names.push((r.namespace.clone(), r.name.clone()));
-            match super::local::plan_entry(Some(&self.client), r).await? {
+            match super::local::plan_entry(Some(&self.client), Some(&self.opts.repo), r).await? {
                 Ok(mut entry) => {
                     entry.discovery = self.discover(r).await;
                     input.entries.push(entry);
