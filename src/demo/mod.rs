@@ -437,6 +437,9 @@ fn run_flags(remote: &Path, work: &Path) -> Vec<String> {
         ["--conversions", "2"],
         ["--copy-streams", "2"],
         ["--instance", "vmmigrate-demo"],
+        // Where a Deployment's pod namespace would be: the controller keeps
+        // its source-VM claims there.
+        ["--lease-namespace", NAMESPACE],
     ]
     .iter()
     .flat_map(|pair| pair.iter().map(|s| s.to_string()))

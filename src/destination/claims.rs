@@ -81,7 +81,10 @@ impl SourceClaims {
                 match self.leases().create(&PostParams::default(), &self.lease(&name, &identity, &me)).await {
                     Ok(_) => return Ok(None),
                     Err(kube::Error::Api(s)) if s.code == 409 => continue,
-                    Err(e) => return Err(classify("creating a source claim", e)),
+                    Err(e) => {
+                        let what = format!("creating a source-VM claim in namespace {} (the controller's own)", self.namespace);
+                        return Err(classify(&what, e));
+                    }
                 }
             };
             let held_by = lease.spec.as_ref().and_then(|s| s.holder_identity.clone()).unwrap_or_default();
