@@ -44,7 +44,7 @@ impl Harness {
     }
 
     fn adapters(&self) -> Adapters {
-        crate::support::sim_adapters(&self.client, &self.world, &self.ns)
+        crate::support::sim_adapters(&self.client, &self.world)
     }
 
     fn start_controller(&mut self) {

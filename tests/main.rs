@@ -27,4 +27,3 @@ mod migration_e2e;
 mod node;
 mod simulators;
 mod status_branch;
-mod tenancy;

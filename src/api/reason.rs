@@ -56,8 +56,6 @@ reasons! {
     DestinationNameTaken,
     StorageClassNotFound,
     DestinationNamespaceNotFound,
-    DestinationNamespaceNotAllowed,
-    SourceVMClaimed,
     // The ESXi host over SSH
     SSHTimeout,
     SSHConnectFailed,

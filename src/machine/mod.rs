@@ -15,7 +15,6 @@
 pub mod conditions;
 mod observe;
 pub(crate) mod preflight;
-pub mod tenancy;
 
 pub use observe::*;
 
