@@ -21,7 +21,12 @@ pub struct Cli {
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Reconcile VirtualMachineMigration resources in the cluster.
-    Controller(crate::controller::service::ControllerOptions),
+    Controller {
+        #[command(flatten)]
+        controller: crate::controller::service::ControllerOptions,
+        #[command(flatten)]
+        tenancy: TenancyOptions,
+    },
     /// Watch a Git repository, apply its migrations and write status back.
     Gitops {
         #[command(flatten)]
@@ -30,6 +35,8 @@ pub enum Command {
         /// `vmmigrate run` takes the controller's flag of the same name.
         #[arg(long, env = "VMMIGRATE_METRICS_LISTEN", default_value = crate::metrics::DEFAULT_LISTEN)]
         metrics_listen: std::net::SocketAddr,
+        #[command(flatten)]
+        tenancy: TenancyOptions,
     },
     /// Run the gitops loop and the controller in one process.
     Run {
@@ -37,6 +44,8 @@ pub enum Command {
         gitops: crate::gitops::service::GitopsOptions,
         #[command(flatten)]
         controller: crate::controller::service::ControllerOptions,
+        #[command(flatten)]
+        tenancy: TenancyOptions,
     },
     /// Render the migrations of a repository to Kubernetes YAML (what gets applied).
     ///
@@ -49,6 +58,10 @@ pub enum Command {
         /// Namespace of migrations that set none.
         #[arg(long, default_value = crate::gitops::render::DEFAULT_NAMESPACE, value_parser = parse_namespace)]
         namespace: String,
+        #[command(flatten)]
+        tenancy: TenancyOptions,
+        #[command(flatten)]
+        limits: crate::gitops::render::Limits,
     },
     /// Show what merging a branch would change: render, validate, diff, read-only discovery.
     ///
@@ -62,6 +75,10 @@ pub enum Command {
         /// Namespace of migrations that set none.
         #[arg(long, default_value = crate::gitops::render::DEFAULT_NAMESPACE, value_parser = parse_namespace)]
         namespace: String,
+        #[command(flatten)]
+        tenancy: TenancyOptions,
+        #[command(flatten)]
+        limits: crate::gitops::render::Limits,
         /// Do not contact the cluster (every migration shows as new).
         #[arg(long)]
         offline: bool,
@@ -77,6 +94,10 @@ pub enum Command {
         /// Namespace of migrations that set none.
         #[arg(long, default_value = crate::gitops::render::DEFAULT_NAMESPACE, value_parser = parse_namespace)]
         namespace: String,
+        #[command(flatten)]
+        tenancy: TenancyOptions,
+        #[command(flatten)]
+        limits: crate::gitops::render::Limits,
     },
     /// Print the CustomResourceDefinition YAML.
     Crd {
@@ -144,12 +165,24 @@ struct NotBuiltIn(&'static str);
 pub fn run(cli: Cli) -> ExitCode {
     let result = match cli.command {
         Command::Crd { output } => write_crd(output),
-        Command::Controller(opts) => controller(opts),
-        Command::Gitops { gitops: g, metrics_listen } => gitops(g, metrics_listen, None),
-        Command::Run { gitops: g, controller: c } => gitops(g, c.metrics_listen, Some(c)),
-        Command::Render { repo, namespace } => render_local(&repo, &namespace, true),
-        Command::Plan { repo, namespace, offline } => plan(&repo, &namespace, offline),
-        Command::Validate { repo, namespace } => render_local(&repo, &namespace, false),
+        Command::Controller { controller: c, tenancy } => {
+            tenancy.rules().and_then(|rules| controller(c.with_destinations(rules)))
+        }
+        Command::Gitops { gitops: g, metrics_listen, tenancy } => {
+            tenancy.rules().and_then(|rules| gitops(g.with_destinations(rules), metrics_listen, None))
+        }
+        Command::Run { gitops: g, controller: c, tenancy } => tenancy.rules().and_then(|rules| {
+            gitops(g.with_destinations(rules.clone()), c.metrics_listen, Some(c.with_destinations(rules)))
+        }),
+        Command::Render { repo, namespace, tenancy, limits } => {
+            tenancy.render_options(&namespace, limits).and_then(|o| render_local(&repo, &o, true))
+        }
+        Command::Plan { repo, namespace, offline, tenancy, limits } => {
+            tenancy.render_options(&namespace, limits).and_then(|o| plan(&repo, &o, offline))
+        }
+        Command::Validate { repo, namespace, tenancy, limits } => {
+            tenancy.render_options(&namespace, limits).and_then(|o| render_local(&repo, &o, false))
+        }
         // `main` runs the demo when it is built in.
         Command::Demo(_) => Err(NotBuiltIn("demo").into()),
         Command::Status { repo, branch, all, watch } => status(repo, &branch, all, watch),
@@ -221,6 +254,7 @@ fn gitops(
                     namespace: c.namespace.clone(),
                     max_requeue: None,
                     instance: c.instance.clone(),
+                    destinations: c.destinations(),
                     interrupt: None,
                     metrics,
                 };
@@ -239,7 +273,7 @@ fn gitops(
 }
 
 /// `vmmigrate plan`: the pull-request comment for a local work tree.
-fn plan(repo: &str, namespace: &str, offline: bool) -> anyhow::Result<()> {
+fn plan(repo: &str, opts: &crate::gitops::render::RenderOptions, offline: bool) -> anyhow::Result<()> {
     let root = std::path::Path::new(repo);
     if !root.join("migrations").is_dir() {
         anyhow::bail!("{repo}: no migrations/ directory (point at the repository's root)");
@@ -259,7 +293,7 @@ fn plan(repo: &str, namespace: &str, offline: bool) -> anyhow::Result<()> {
                 }
             }
         };
-        crate::gitops::local::plan_local(root, namespace, client.as_ref()).await
+        crate::gitops::local::plan_local(root, opts, client.as_ref()).await
     })?;
     print!("{text}");
     if ok { Ok(()) } else { Err(anyhow::anyhow!("the plan fails (see the errors above)")) }
@@ -374,9 +408,46 @@ fn convert(req: ConversionRequest) -> anyhow::Result<()> {
 #[error("{0} error(s) in the repository")]
 pub(crate) struct InvalidRepository(pub usize);
 
+/// The administrator's tenancy rules, shared by every subcommand that renders
+/// or reconciles migrations.
+#[derive(Clone, Debug, Default, clap::Args)]
+pub struct TenancyOptions {
+    /// Let migrations of one namespace create their VMs in others:
+    /// `<migration-ns>=<ns>[,<ns>...]`, or `<migration-ns>=*` for any but the
+    /// system ones (`kube-*`, the controller's). Repeatable (`;` between rules
+    /// in the environment). Without it a migration writes only into its own namespace.
+    #[arg(long = "allow-destination", env = "VMMIGRATE_ALLOW_DESTINATION", value_delimiter = ';',
+          value_parser = parse_destination_rule)]
+    pub allow_destination: Vec<String>,
+}
+
+impl TenancyOptions {
+    fn rules(&self) -> anyhow::Result<crate::machine::tenancy::DestinationRules> {
+        Ok(crate::machine::tenancy::DestinationRules::parse(&self.allow_destination)?)
+    }
+
+    fn render_options(
+        &self,
+        namespace: &str,
+        limits: crate::gitops::render::Limits,
+    ) -> anyhow::Result<crate::gitops::render::RenderOptions> {
+        Ok(crate::gitops::render::RenderOptions::new(namespace, &self.rules()?).with_limits(limits))
+    }
+}
+
+fn parse_destination_rule(rule: &str) -> Result<String, String> {
+    crate::machine::tenancy::DestinationRules::parse(&[rule])
+        .map(|_| rule.to_owned())
+        .map_err(|e| e.to_string())
+}
+
 /// `render` (print the YAML) and `validate` (print a count) of a local directory.
-fn render_local(repo: &str, namespace: &str, print_yaml: bool) -> anyhow::Result<()> {
-    use crate::gitops::render::{RenderOptions, read_dir_files, render, to_yaml};
+fn render_local(
+    repo: &str,
+    opts: &crate::gitops::render::RenderOptions,
+    print_yaml: bool,
+) -> anyhow::Result<()> {
+    use crate::gitops::render::{read_dir_files, render_tree, to_yaml};
     let root = std::path::Path::new(repo);
     if !root.is_dir() {
         anyhow::bail!("{repo}: not a directory (remote URLs: use `vmmigrate gitops`)");
@@ -384,10 +455,9 @@ fn render_local(repo: &str, namespace: &str, print_yaml: bool) -> anyhow::Result
     if !root.join("migrations").is_dir() {
         anyhow::bail!("{repo}: no migrations/ directory (point at the repository's root)");
     }
-    let files = read_dir_files(root).map_err(|e| anyhow::anyhow!("cannot read {repo}: {e}"))?;
+    let files = read_dir_files(root, &opts.limits).map_err(|e| anyhow::anyhow!("cannot read {repo}: {e}"))?;
     let provenance = crate::gitops::Provenance { repo_url: repo.to_owned(), commit: local_commit(root) };
-    let opts = RenderOptions { default_namespace: namespace.to_owned() };
-    match render(&files, &provenance, &opts) {
+    match render_tree(&files, &provenance, opts) {
         Ok(rendered) if print_yaml => {
             use std::io::Write;
             std::io::stdout().write_all(to_yaml(&rendered).as_bytes())?;

@@ -271,7 +271,7 @@ async fn example_repository_manifests_are_accepted_by_the_api_server() {
     use vmmigrate::gitops::render::{RenderOptions, read_dir_files, render};
     let (client, ns, _) = setup("examples").await;
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("examples-repo");
-    let files = read_dir_files(&root).unwrap();
+    let files = read_dir_files(&root, &Default::default()).unwrap().files;
     let provenance =
         vmmigrate::gitops::Provenance { repo_url: root.display().to_string(), commit: "example".into() };
     let rendered = render(&files, &provenance, &RenderOptions::default())

@@ -44,7 +44,7 @@ impl Harness {
     }
 
     fn adapters(&self) -> Adapters {
-        crate::support::sim_adapters(&self.client, &self.world)
+        crate::support::sim_adapters(&self.client, &self.world, &self.ns)
     }
 
     fn start_controller(&mut self) {

@@ -234,12 +234,18 @@ spec:
     let _installed = Installed { env };
     // The other tests' namespaces have controllers of their own: this one
     // watches vmmigrate-system only. A short lease for quick take-overs.
+    // Migrations live in vmmigrate-system, their VMs in the test's namespace.
+    let allow = format!("{SYSTEM}={apps}");
     let install = deploy::Install {
         image: &image,
         repo_url: &repo_url,
         watch_namespace: Some(SYSTEM),
         credential_namespaces: &[],
-        settings: &[("VMMIGRATE_POLL_SECONDS", "2"), ("VMMIGRATE_LEASE_SECONDS", "6")],
+        settings: &[
+            ("VMMIGRATE_POLL_SECONDS", "2"),
+            ("VMMIGRATE_LEASE_SECONDS", "6"),
+            ("VMMIGRATE_ALLOW_DESTINATION", &allow),
+        ],
     };
     deploy::install(env, kustomize.path(), &install).expect("kubectl apply -k");
     env.kubectl(&[

@@ -91,10 +91,11 @@ const CALLS: &[Call] = &[
     // kube-runtime's Recorder.
     ("create", "events.k8s.io", "events", "", ANY),
     ("patch", "events.k8s.io", "events", "", ANY),
-    // Leader election.
+    // Leader election and source-VM claims.
     ("get", "coordination.k8s.io", "leases", "", SYSTEM),
     ("create", "coordination.k8s.io", "leases", "", SYSTEM),
     ("update", "coordination.k8s.io", "leases", "", SYSTEM),
+    ("delete", "coordination.k8s.io", "leases", "", SYSTEM),
     // ESXi credentials of migrations in the namespace the base configures.
     ("get", "", "secrets", "", SYSTEM),
 ];

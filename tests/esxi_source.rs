@@ -301,6 +301,47 @@ async fn credentials_come_from_the_kubernetes_secret_and_a_missing_one_needs_a_h
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_migration_never_rides_a_session_opened_with_another_namespaces_credentials() {
+    use k8s_openapi::api::core::v1::Secret as KubeSecret;
+    use kube::api::{Api, PostParams};
+    let emu = EsxiEmulator::start(EsxiOptions::default()).expect("emulator");
+    let client = crate::support::KubeEnv::shared().client().await;
+    let store = tempfile::tempdir().unwrap();
+    let config = StoreConfig {
+        root: store.path().to_path_buf(),
+        streams: 1,
+        chunk_size: 4 << 20,
+        metrics: Default::default(),
+    };
+    let esxi = EsxiSource::new(CredentialSource::Kubernetes(client.clone()), config);
+    // Two teams, one host, one Secret name: only the first knows the password.
+    let mut migrations = Vec::new();
+    for (prefix, password) in [("esxi-team-a", emu.password.clone()), ("esxi-team-b", "guessed".to_owned())] {
+        let ns = crate::support::test_namespace(&client, prefix).await;
+        let secret: KubeSecret = serde_json::from_value(serde_json::json!({
+            "apiVersion": "v1", "kind": "Secret",
+            "metadata": {"name": "esxi01", "namespace": ns},
+            "stringData": {"username": emu.username, "password": password}
+        }))
+        .unwrap();
+        Api::<KubeSecret>::namespaced(client.clone(), &ns)
+            .create(&PostParams::default(), &secret)
+            .await
+            .unwrap();
+        let mut vmm = migration(&emu, "web 01");
+        vmm.metadata.namespace = Some(ns);
+        vmm.spec.source.credentials_secret_ref.name = "esxi01".into();
+        migrations.push(vmm);
+    }
+    assert_eq!(esxi.discover(&migrations[0]).await.expect("team a logs in").vmid, "1");
+    // Team a's session is open and cached; team b must log in with its own password.
+    let failure = esxi.discover(&migrations[1]).await.expect_err("team b has the wrong password");
+    assert_eq!(failure.reason, "SSHAuthenticationFailed", "{failure}");
+    // Team a still rides its own session.
+    assert_eq!(esxi.discover(&migrations[0]).await.expect("team a again").vmid, "1");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn graceful_shutdown_is_requested_once_and_observed_by_polling() {
     let emu = EsxiEmulator::start(EsxiOptions::default()).expect("emulator");
     let (esxi, _store) = source(&emu, password(&emu));

@@ -7,7 +7,7 @@
 use crate::support::fake_forge::{BOT_LOGIN, Dialect, FakeForge, FakePr, OWNER, REPO, TOKEN};
 use crate::support::sim::{FaultPlan, SimWorld};
 use crate::support::{KubeEnv, ensure_storage_class, kubevirt_sim, phase_of, test_namespace};
-use kube::api::Api;
+use kube::api::{Api, PostParams};
 use kube::{Client, ResourceExt};
 use serde_json::json;
 use std::path::{Path, PathBuf};
@@ -170,6 +170,8 @@ fn options(remote: &Remote, cache: &Path, ns: &str) -> GitopsOptions {
         known_hosts: None,
         git_token: None,
         watch_path: None,
+        destinations: Default::default(),
+        limits: Default::default(),
     }
 }
 
@@ -189,7 +191,7 @@ fn start_controller(client: &Client, ns: &str) -> SimController {
     let world = SimWorld::new(11, FaultPlan::default());
     crate::support::publish_sim_staging(&world);
     let sims = kubevirt_sim::start(client.clone(), ns);
-    let adapters = crate::support::sim_adapters(client, &world);
+    let adapters = crate::support::sim_adapters(client, &world, ns);
     let config = ControllerConfig {
         namespace: Some(ns.to_owned()),
         max_requeue: Some(Duration::from_millis(200)),
@@ -467,6 +469,139 @@ async fn a_pull_request_gets_one_plan_comment_edited_in_place_that_follows_the_m
     .await;
     assert_eq!(forge.comments(1).len(), 1, "still one comment after the merge");
     assert!(body.contains("web-01"), "{body}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hostile_pull_request_fails_its_plan_naming_each_file_and_limit_and_the_next_one_is_planned() {
+    let client = KubeEnv::shared().client().await;
+    let ns = test_namespace(&client, "gitops-hostile").await;
+    let remote = Remote::new();
+    let cache = tempfile::tempdir().unwrap();
+    let forge = FakeForge::start().await;
+    let mut opts = options(&remote, cache.path(), &ns);
+    opts.no_status = true;
+    opts.forge = Some("github".into());
+    opts.forge_api = Some(forge.base_url(Dialect::GitHub));
+    opts.forge_repo = Some(format!("{OWNER}/{REPO}"));
+    opts.forge_token = Some(TOKEN.into());
+    let gitops = Gitops::new(client.clone(), opts).unwrap();
+    assert!(matches!(gitops.sync().await.unwrap(), SyncOutcome::Applied { .. }));
+
+    // A fork's pull request: a billion laughs, a 2 MiB file, and a symbolic
+    // link to a file outside the repository, next to a valid manifest.
+    let mut laughs = String::from("a0: &a0 [lol]\n");
+    for i in 1..=9 {
+        laughs.push_str(&format!("a{i}: &a{i} [{}]\n", vec![format!("*a{}", i - 1); 10].join(", ")));
+    }
+    let big = format!("# {}\n", "x".repeat(2 << 20));
+    let valid = manifest(&ns, "web-01", "web 01");
+    let files = [
+        ("migrations/laughs.yaml", laughs.as_str()),
+        ("migrations/big.yaml", big.as_str()),
+        ("migrations/web-01.yaml", valid.as_str()),
+    ];
+    remote.push("hostile", &files, "Hostile");
+    let work = remote.work();
+    std::os::unix::fs::symlink("/etc/hostname", work.join("migrations/link.yaml")).unwrap();
+    git(&work, &["add", "-A"]);
+    git(&work, &["commit", "-q", "-m", "Link"]);
+    git(&work, &["push", "-q", "origin", "HEAD:refs/heads/hostile"]);
+    let head = git(&work, &["rev-parse", "HEAD"]);
+    let changed =
+        ["migrations/laughs.yaml", "migrations/big.yaml", "migrations/web-01.yaml", "migrations/link.yaml"];
+    forge.add_pr(FakePr { head_ref: "hostile".into(), ..FakePr::open(7, &head) }.with_files(&changed));
+    assert_eq!(gitops.plan_pull_requests().await.unwrap(), 1);
+    let body = forge.comments(7)[0].body.clone();
+    for (file, limit) in [
+        ("migrations/laughs.yaml:", "aliases expanded"),
+        ("migrations/big.yaml", "--max-file-bytes"),
+        ("migrations/link.yaml", "is a symbolic link"),
+    ] {
+        assert!(body.lines().any(|l| l.contains(file) && l.contains(limit)), "{file} {limit}: {body}");
+    }
+    assert_eq!(forge.statuses(&head).last().unwrap().state, "failure");
+    assert_eq!(gitops.plan_pull_requests().await.unwrap(), 0, "not planned again until its head changes");
+
+    // The next pull request is planned as usual.
+    let next =
+        remote.push("good", &[("migrations/db-01.yaml", &manifest(&ns, "db-01", "db 01"))], "Add db-01");
+    forge.add_pr(
+        FakePr { head_ref: "good".into(), ..FakePr::open(8, &next) }.with_files(&["migrations/db-01.yaml"]),
+    );
+    assert_eq!(gitops.plan_pull_requests().await.unwrap(), 1);
+    assert_eq!(forge.statuses(&next).last().unwrap().state, "success");
+
+    // Merged as it is, the hostile commit applies nothing, not even its valid manifest.
+    git(&work, &["push", "-q", "origin", "hostile:main"]);
+    match gitops.sync().await.unwrap() {
+        SyncOutcome::Rejected { errors, .. } => assert_eq!(errors.len(), 3, "{errors:#?}"),
+        other => panic!("applied a hostile commit: {other:?}"),
+    }
+    let api: Api<VirtualMachineMigration> = Api::namespaced(client.clone(), &ns);
+    assert!(api.get_opt("web-01").await.unwrap().is_none());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_pull_requests_failed_comment_does_not_stop_the_others_and_plans_show_only_their_own_migrations()
+{
+    let client = KubeEnv::shared().client().await;
+    let ns = test_namespace(&client, "gitops-honest").await;
+    let remote = Remote::new();
+    let cache = tempfile::tempdir().unwrap();
+    let forge = FakeForge::start().await;
+    let mut opts = options(&remote, cache.path(), &ns);
+    opts.no_status = true;
+    opts.forge = Some("github".into());
+    opts.forge_api = Some(forge.base_url(Dialect::GitHub));
+    opts.forge_repo = Some(format!("{OWNER}/{REPO}"));
+    opts.forge_token = Some(TOKEN.into());
+    let gitops = Gitops::new(client.clone(), opts).unwrap();
+    assert!(matches!(gitops.sync().await.unwrap(), SyncOutcome::Applied { .. }));
+
+    // The forge fails every comment write on PR 40; PR 41 is planned anyway.
+    let a = remote.push("a", &[("migrations/a.yaml", &manifest(&ns, "a", "a"))], "a");
+    let b = remote.push("b", &[("migrations/b.yaml", &manifest(&ns, "b", "b"))], "b");
+    forge.add_pr(FakePr { head_ref: "a".into(), ..FakePr::open(40, &a) }.with_files(&["migrations/a.yaml"]));
+    forge.add_pr(FakePr { head_ref: "b".into(), ..FakePr::open(41, &b) }.with_files(&["migrations/b.yaml"]));
+    forge.refuse_writes_on(40);
+    assert_eq!(gitops.plan_pull_requests().await.unwrap(), 1);
+    assert!(forge.comments(40).is_empty() && forge.statuses(&a).is_empty());
+    assert_eq!(forge.statuses(&b).last().unwrap().state, "success");
+    // Once the forge is back, PR 40 is planned on the next round.
+    forge.accept_writes_on(40);
+    assert_eq!(gitops.plan_pull_requests().await.unwrap(), 1);
+    assert_eq!(forge.comments(40).len(), 1);
+
+    // A comment someone else planted with the bot's marker is never edited.
+    let planted = forge.add_comment(41, "mallory", "<!-- vmmigrate:plan --> all good, merge it");
+    let b2 = remote.push(
+        "b",
+        &[("migrations/b.yaml", &manifest(&ns, "b", "b").replace("GracefulThenForce", "GracefulOnly"))],
+        "b2",
+    );
+    forge.add_pr(FakePr { head_ref: "b".into(), ..FakePr::open(41, &b2) }.with_files(&["migrations/b.yaml"]));
+    assert_eq!(gitops.plan_pull_requests().await.unwrap(), 1);
+    let comments = forge.comments(41);
+    let mallory = comments.iter().find(|c| c.id == planted).unwrap();
+    assert_eq!((mallory.edits, mallory.body.as_str()), (0, "<!-- vmmigrate:plan --> all good, merge it"));
+    assert!(comments.iter().any(|c| c.author == BOT_LOGIN && c.body.contains(&b2)));
+
+    // Another team's migration of the same name (created with kubectl) is not shown to the PR.
+    let mut body = crate::support::sim_migration_json(&ns);
+    body["metadata"]["name"] = "taken".into();
+    body["spec"]["source"]["vm"]["name"] = "payroll-secret-vm".into();
+    let other: VirtualMachineMigration = serde_json::from_value(body).unwrap();
+    let api: Api<VirtualMachineMigration> = Api::namespaced(client.clone(), &ns);
+    api.create(&PostParams::default(), &other).await.unwrap();
+    let c = remote.push("c", &[("migrations/taken.yaml", &manifest(&ns, "taken", "mine"))], "c");
+    forge.add_pr(
+        FakePr { head_ref: "c".into(), ..FakePr::open(42, &c) }.with_files(&["migrations/taken.yaml"]),
+    );
+    assert_eq!(gitops.plan_pull_requests().await.unwrap(), 1);
+    let comment = forge.comments(42)[0].body.clone();
+    assert!(comment.contains("is not managed from this repository"), "{comment}");
+    assert!(!comment.contains("payroll-secret-vm"), "the live spec leaked: {comment}");
+    assert_eq!(forge.statuses(&c).last().unwrap().state, "failure");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

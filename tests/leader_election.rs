@@ -238,8 +238,10 @@ impl Instance {
     /// `LeaderElector::run(reconciler::run(..), shutdown)` on the shared world.
     fn start(client: &Client, world: &Arc<SimWorld>, ns: &str, lease: LeaseConfig) -> Instance {
         let calls = Arc::new(AtomicU64::new(0));
-        let counting =
-            Arc::new(Counting { calls: calls.clone(), inner: crate::support::sim_adapters(client, world) });
+        let counting = Arc::new(Counting {
+            calls: calls.clone(),
+            inner: crate::support::sim_adapters(client, world, ns),
+        });
         let weak = Arc::downgrade(&counting);
         let adapters = Adapters {
             esxi: counting.clone(),

@@ -21,6 +21,7 @@ use vmmigrate::api::{
     VirtualMachineMigrationSpec, condition,
 };
 use vmmigrate::controller::engine::{self, Checkpoint, StepInput};
+use vmmigrate::machine::tenancy::DestinationRules;
 use vmmigrate::machine::{Action, Reason, conditions};
 
 const MAX_STEPS: usize = 6000;
@@ -118,7 +119,7 @@ fn migration(s: &Scenario) -> VirtualMachineMigration {
             "host": "esxi01", "hostKey": "SHA256:uNiVztksCsDhcc0u9e8BujQXVUpKZIDTMczCvj3tD2s",
             "credentialsSecretRef": {"name": "creds"}, "vm": {"name": "web 01"}
         },
-        "destination": {"namespace": "apps", "storageClassName": "standard"},
+        "destination": {"namespace": "migrations", "storageClassName": "standard"},
         "networkMap": [{"source": "VM Network", "type": "Pod"}],
         "validation": {"checks": [{"name": "home", "http": {"service": "web", "port": 80}}]}
     }))
@@ -192,6 +193,7 @@ fn run_schedule(seed: u64, rt: &tokio::runtime::Runtime, totals: &mut Totals) ->
             now,
             jitter: rng.unit(),
             retry_requested: vmm.annotations().get(RETRY_ANNOTATION).is_some_and(|v| v == "true"),
+            destinations: &DestinationRules::default(),
         };
         let step =
             rt.block_on(engine::step(&adapters, &vmm, input, |_: &Checkpoint| crash_rng.chance(crash_rate)));

@@ -27,3 +27,4 @@ mod migration_e2e;
 mod node;
 mod simulators;
 mod status_branch;
+mod tenancy;

@@ -50,7 +50,7 @@ fn controller(
         metrics: metrics.clone(),
         ..Default::default()
     };
-    let adapters = crate::support::sim_adapters(client, world);
+    let adapters = crate::support::sim_adapters(client, world, ns);
     tokio::spawn(reconciler::run(client.clone(), adapters, config, std::future::pending()))
 }
 

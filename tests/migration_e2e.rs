@@ -88,6 +88,7 @@ impl Migration {
             instance: "e2e".into(),
             leader_election: Default::default(),
             metrics_listen: "127.0.0.1:0".parse().unwrap(),
+            destination_rules: Default::default(),
         };
         let metrics = Arc::new(Metrics::new());
         let staging = service::start_staging(&opts, &metrics).await.expect("staging server");

@@ -451,7 +451,7 @@ async fn kubevirt_simulator_reports_macs_ip_and_agent_and_can_fail_scheduling() 
         (vm.data["status"]["printableStatus"] == "ErrorUnschedulable").then_some(())
     })
     .await;
-    let facts = KubeCluster::new(client.clone()).starting(&vmm).await.unwrap();
+    let facts = KubeCluster::new(client.clone(), &ns).starting(&vmm).await.unwrap();
     match facts.vmi {
         VmiState::Failed(failure) => {
             assert_eq!(failure.reason, "Unschedulable");

@@ -56,6 +56,8 @@ reasons! {
     DestinationNameTaken,
     StorageClassNotFound,
     DestinationNamespaceNotFound,
+    DestinationNamespaceNotAllowed,
+    SourceVMClaimed,
     // The ESXi host over SSH
     SSHTimeout,
     SSHConnectFailed,

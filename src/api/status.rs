@@ -202,6 +202,10 @@ pub struct SourceInventory {
     pub firmware: Firmware,
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub secure_boot: bool,
+    /// The VM's BIOS UUID (`uuid.bios` of its .vmx): with host and vmid, what
+    /// claims the source VM for one migration cluster-wide.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub bios_uuid: String,
     pub cpu_sockets: i32,
     pub cores_per_socket: i32,
     #[serde(rename = "memoryMiB")]

@@ -5,9 +5,11 @@
 
 use crate::api::Reason;
 use crate::api::{Phase, VirtualMachineMigration};
+use crate::machine::tenancy::DestinationRules;
 use crate::machine::{self, Action, ArtifactState, CopyState, Decision, Failure, Input, Observed};
 use crate::ports::Adapters;
 use k8s_openapi::jiff::Timestamp;
+use kube::ResourceExt;
 use std::future::Future;
 use std::time::Duration;
 
@@ -207,10 +209,12 @@ pub(crate) async fn perform(
 }
 
 /// Inputs of one reconcile besides the adapters and the object.
-pub struct StepInput {
+pub struct StepInput<'a> {
     pub now: Timestamp,
     pub jitter: f64,
     pub retry_requested: bool,
+    /// The administrator's destination allow rules, applied at Validated.
+    pub destinations: &'a DestinationRules,
 }
 
 /// One reconcile. `interrupt` is asked at every checkpoint and returns true to
@@ -219,13 +223,18 @@ pub struct StepInput {
 pub async fn step(
     adapters: &Adapters,
     vmm: &VirtualMachineMigration,
-    input: StepInput,
+    input: StepInput<'_>,
     mut interrupt: impl FnMut(&Checkpoint) -> bool,
 ) -> Option<Step> {
     let status = vmm.status.clone().unwrap_or_default();
     let name = vmm.metadata.name.clone().unwrap_or_default();
     let generation = vmm.metadata.generation.unwrap_or(1);
-    let observed = observe(adapters, vmm).await;
+    let mut observed = observe(adapters, vmm).await;
+    if let Observed::Preflight(Ok(facts)) = &mut observed {
+        // The controller's own rule, whatever the adapter reported.
+        facts.destination_refused =
+            input.destinations.refusal(&vmm.namespace().unwrap_or_default(), &vmm.spec.destination.namespace);
+    }
     if interrupt(&Checkpoint::Observed) {
         return None;
     }

@@ -14,6 +14,7 @@ use crate::api::{Phase, RETRY_ANNOTATION, VirtualMachineMigration, VirtualMachin
 use crate::destination::cluster::{
     FIELD_MANAGER, data_volume_resource, virtual_machine_instance_resource, virtual_machine_resource,
 };
+use crate::machine::tenancy::DestinationRules;
 use crate::machine::{self, Action as MachineAction, EventType, Failure};
 use crate::ports::Adapters;
 use futures::StreamExt;
@@ -51,6 +52,9 @@ pub struct ControllerConfig {
     pub max_requeue: Option<Duration>,
     /// Reporting instance name for Events (the pod name).
     pub instance: String,
+    /// Which destination namespaces migrations of each namespace may write
+    /// into (by default: only their own).
+    pub destinations: DestinationRules,
     /// Crash injection for tests; `None` in production.
     pub interrupt: Option<Interrupt>,
     /// Where reconciles, migrations and readiness are recorded (the
@@ -64,6 +68,7 @@ impl std::fmt::Debug for ControllerConfig {
             .field("namespace", &self.namespace)
             .field("max_requeue", &self.max_requeue)
             .field("instance", &self.instance)
+            .field("destinations", &self.destinations)
             .field("interrupt", &self.interrupt.is_some())
             .finish()
     }
@@ -289,7 +294,12 @@ async fn apply(
     let phase = vmm.status.as_ref().map(|s| s.phase).unwrap_or_default();
     tracing::info!(phase = %phase, "reconciling");
     let retry_requested = vmm.annotations().get(RETRY_ANNOTATION).is_some_and(|v| v == "true");
-    let input = StepInput { now: Timestamp::now(), jitter: ctx.jitter(), retry_requested };
+    let input = StepInput {
+        now: Timestamp::now(),
+        jitter: ctx.jitter(),
+        retry_requested,
+        destinations: &ctx.config.destinations,
+    };
     let interrupt = ctx.config.interrupt.clone();
     let stop = |cp: &engine::Checkpoint| interrupt.as_ref().is_some_and(|f| f(phase, cp));
     let Some(step) = engine::step(&ctx.adapters, vmm, input, stop).await else {
@@ -352,6 +362,8 @@ async fn cleanup(vmm: &VirtualMachineMigration, ctx: &Context) -> Result<Action,
     for action in &actions {
         engine::perform(&ctx.adapters, vmm, action).await.map_err(Error::Step)?;
     }
+    // The source VM is free for another migration once this one is gone.
+    ctx.adapters.cluster.release_source(vmm).await.map_err(Error::Step)?;
     let kept = if actions.contains(&MachineAction::DeleteDestination) {
         "deleted the destination objects"
     } else {

@@ -9,6 +9,7 @@ use crate::convert::job::JobSettings;
 use crate::convert::staging::StagingServer;
 use crate::convert::store::{ArtifactStore, StoreSettings};
 use crate::destination::cluster::{KubeCluster, KubeProber};
+use crate::machine::tenancy::DestinationRules;
 use crate::metrics::Metrics;
 use crate::ports::Adapters;
 use crate::source::esxi::adapter::{CredentialSource, EsxiSource, StoreConfig};
@@ -58,6 +59,22 @@ pub struct ControllerOptions {
     pub metrics_listen: SocketAddr,
     #[command(flatten)]
     pub leader_election: LeaderElectionOptions,
+    /// The administrator's destination rules (`--allow-destination` of the subcommand).
+    #[arg(skip)]
+    pub destination_rules: DestinationRules,
+}
+
+impl ControllerOptions {
+    /// These options under the administrator's destination rules.
+    pub fn with_destinations(mut self, rules: DestinationRules) -> ControllerOptions {
+        self.destination_rules = rules;
+        self
+    }
+
+    /// The rules as the controller applies them: the namespace it runs in is closed too.
+    pub fn destinations(&self) -> DestinationRules {
+        self.destination_rules.clone().with_system_namespace(&self.leader_election.lease_namespace)
+    }
 }
 
 /// Leader election among replicas through a `coordination.k8s.io/v1` Lease.
@@ -145,7 +162,7 @@ pub fn adapters(
         disks: source,
         converter: store.clone(),
         staging: store,
-        cluster: Arc::new(KubeCluster::new(client.clone())),
+        cluster: Arc::new(KubeCluster::new(client.clone(), &opts.leader_election.lease_namespace)),
         prober: Arc::new(KubeProber::new(client)),
     }
 }
@@ -167,6 +184,7 @@ pub(crate) async fn run(opts: ControllerOptions) -> anyhow::Result<()> {
         namespace: opts.namespace.clone(),
         max_requeue: None,
         instance: opts.instance.clone(),
+        destinations: opts.destinations(),
         interrupt: None,
         metrics,
     };

@@ -437,6 +437,9 @@ fn run_flags(remote: &Path, work: &Path) -> Vec<String> {
         ["--conversions", "2"],
         ["--copy-streams", "2"],
         ["--instance", "vmmigrate-demo"],
+        // Where a Deployment's pod namespace would be: the controller keeps
+        // its source-VM claims there.
+        ["--lease-namespace", NAMESPACE],
     ]
     .iter()
     .flat_map(|pair| pair.iter().map(|s| s.to_string()))
@@ -742,7 +745,12 @@ async fn pull_request_to_completed(
     screen.line(&format!("   pushed {PR_BRANCH} at {}", &head[..head.len().min(7)]));
 
     section(screen, "2. The plan vmmigrate posts on the pull request (`vmmigrate plan` on the branch)");
-    let (plan, ok) = crate::gitops::local::plan_local(remote.laptop(), NAMESPACE, Some(client)).await?;
+    let (plan, ok) = crate::gitops::local::plan_local(
+        remote.laptop(),
+        &crate::gitops::render::RenderOptions::new(NAMESPACE, &Default::default()),
+        Some(client),
+    )
+    .await?;
     quoted(screen, plan.lines().filter(|l| !l.starts_with("<!--")).collect::<Vec<_>>().join("\n").trim());
     ensure!(ok, "the plan fails (see above)");
 
@@ -1017,7 +1025,7 @@ mod tests {
             bytes: manifest_text("127.0.0.1", 2222, &format!("SHA256:{}", "A".repeat(43))).into_bytes(),
         }];
         let provenance = crate::gitops::Provenance { repo_url: "demo".into(), commit: "c".into() };
-        let rendered = render(&files, &provenance, &RenderOptions { default_namespace: NAMESPACE.into() });
+        let rendered = render(&files, &provenance, &RenderOptions::new(NAMESPACE, &Default::default()));
         let rendered = rendered.unwrap_or_else(|e| panic!("{e:?}"));
         assert_eq!(rendered.len(), 1);
         assert_eq!(rendered[0].namespace, NAMESPACE);

@@ -1,6 +1,7 @@
 //! The real `Cluster` and `Prober` adapters: CDI DataVolumes, the KubeVirt
 //! VirtualMachine and its VMI, through the Kubernetes API.
 
+use super::claims::SourceClaims;
 use super::http_check::{HttpTarget, run_http_check};
 use super::render;
 use crate::api::Reason;
@@ -51,11 +52,13 @@ fn is_ours(vmm: &VirtualMachineMigration, obj: &DynamicObject) -> bool {
 #[derive(Clone)]
 pub struct KubeCluster {
     client: Client,
+    claims: SourceClaims,
 }
 
 impl KubeCluster {
-    pub fn new(client: Client) -> KubeCluster {
-        KubeCluster { client }
+    /// `claims_namespace` holds the source-VM claims (the controller's own namespace).
+    pub fn new(client: Client, claims_namespace: &str) -> KubeCluster {
+        KubeCluster { claims: SourceClaims::new(client.clone(), claims_namespace), client }
     }
 
     fn dynamic(&self, vmm: &VirtualMachineMigration, ar: &ApiResource) -> Api<DynamicObject> {
@@ -174,7 +177,18 @@ impl Cluster for KubeCluster {
         } else {
             DestinationOccupancy::Free
         };
-        Ok(PreflightFacts { storage_class_exists, destination_namespace_exists, destination_vm })
+        let source_claimed_by = self.claims.claim(vmm).await?;
+        Ok(PreflightFacts {
+            storage_class_exists,
+            destination_namespace_exists,
+            destination_vm,
+            destination_refused: None,
+            source_claimed_by,
+        })
+    }
+
+    async fn release_source(&self, vmm: &VirtualMachineMigration) -> Result<(), Failure> {
+        self.claims.release(vmm).await
     }
 
     async fn data_volume(

@@ -4,9 +4,9 @@
 
 use super::apply::server_spec;
 use super::plan::{PlanEntry, PlanInput, commit_state, plan_comment};
-use super::render::{RenderOptions, RenderedMigration, read_dir_files, render};
+use super::render::{RenderOptions, RenderedMigration, read_dir_files, render_tree};
 use super::status_files::progress_bar;
-use super::{LABEL_GITOPS, Provenance};
+use super::{ANNOTATION_PATH, ANNOTATION_REPO, LABEL_GITOPS, Provenance};
 use crate::api::VirtualMachineMigration;
 use crate::gitops::forge::CommitState;
 use kube::api::{Api, ListParams};
@@ -17,17 +17,18 @@ use std::path::Path;
 /// Returns the comment text and whether it passes.
 pub(crate) async fn plan_local(
     root: &Path,
-    namespace: &str,
+    opts: &RenderOptions,
     client: Option<&Client>,
 ) -> anyhow::Result<(String, bool)> {
-    let files = read_dir_files(root).map_err(|e| anyhow::anyhow!("cannot read {}: {e}", root.display()))?;
+    let files = read_dir_files(root, &opts.limits)
+        .map_err(|e| anyhow::anyhow!("cannot read {}: {e}", root.display()))?;
     let provenance = Provenance { repo_url: root.display().to_string(), commit: "working-tree".into() };
     let mut input = PlanInput { head_sha: "working-tree".into(), ..Default::default() };
-    match render(&files, &provenance, &RenderOptions { default_namespace: namespace.to_owned() }) {
+    match render_tree(&files, &provenance, opts) {
         Err(errors) => input.errors = errors.iter().map(ToString::to_string).collect(),
         Ok(rendered) => {
             for r in rendered {
-                match plan_entry(client, &r).await? {
+                match plan_entry(client, None, &r).await? {
                     Ok(entry) => input.entries.push(entry),
                     Err(refusal) => input.errors.push(refusal),
                 }
@@ -42,8 +43,12 @@ pub(crate) async fn plan_local(
 /// server stores them (a server-side dry run adds the server's defaults, so
 /// only real changes show). Without a cluster the rendered spec is shown as
 /// written. `Ok(Err(_))`: the API server would refuse the manifest.
+/// `repo`: the repository the gitops loop tracks (a live migration applied
+/// from another one is not this plan's); `None` for a local work tree, whose
+/// remote is not known.
 pub(crate) async fn plan_entry(
     client: Option<&Client>,
+    repo: Option<&str>,
     r: &RenderedMigration,
 ) -> anyhow::Result<Result<PlanEntry, String>> {
     let mut entry = PlanEntry {
@@ -57,6 +62,18 @@ pub(crate) async fn plan_entry(
     let Some(client) = client else { return Ok(Ok(entry)) };
     let api: Api<VirtualMachineMigration> = Api::namespaced(client.clone(), &r.namespace);
     if let Some(live) = api.get_opt(&r.name).await? {
+        // A pull request may name any namespace and name: another team's
+        // migration, or one created with kubectl, is not shown to it.
+        let annotation = |key: &str| live.annotations().get(key).map(String::as_str);
+        let managed = live.labels().get(LABEL_GITOPS).is_some_and(|v| v == "true")
+            && annotation(ANNOTATION_PATH) == Some(r.path.as_str())
+            && repo.is_none_or(|repo| annotation(ANNOTATION_REPO) == Some(repo));
+        if !managed {
+            return Ok(Err(format!(
+                "{}: {}/{}: a migration of that name exists and is not managed from this repository; its spec is not shown, and this manifest would take it over: rename it",
+                r.path, r.namespace, r.name
+            )));
+        }
         match server_spec(client, r).await {
             Ok(Some(spec)) => entry.rendered_yaml = serde_yaml::to_string(&spec)?,
             // Not allowed to dry-run: the live spec is projected on what the

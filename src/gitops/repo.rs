@@ -9,8 +9,7 @@
 //!
 //! All functions block; async callers use `spawn_blocking`.
 
-use super::RepoFile;
-use gix::bstr::ByteSlice;
+use super::render::{Limits, RenderError, RepoTree};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicBool;
 
@@ -146,8 +145,11 @@ impl TrackedRepo {
         Ok(id.to_string())
     }
 
-    /// The files of `commit` under any of `prefixes` (all when empty), sorted by path.
-    pub(crate) fn files_at(&self, commit: &str, prefixes: &[&str]) -> Result<Vec<RepoFile>, GitError> {
+    /// The files of `commit` that the repository format reads, within
+    /// `limits`: only the `migrations/` and `providers/` subtrees are walked,
+    /// a blob's size is read from its header before the blob, and symbolic
+    /// links and submodules are refused, never followed. Sorted by path.
+    pub(crate) fn files_at(&self, commit: &str, limits: &Limits) -> Result<RepoTree, GitError> {
         let repo = self.open()?;
         let id = gix::ObjectId::from_hex(commit.as_bytes()).map_err(|e| err("commit id", e))?;
         let tree = repo
@@ -155,22 +157,52 @@ impl TrackedRepo {
             .map_err(|e| err(&format!("commit {commit}"), e))?
             .tree()
             .map_err(|e| err(&format!("tree of {commit}"), e))?;
-        let mut recorder = gix::traverse::tree::Recorder::default();
-        tree.traverse().breadthfirst(&mut recorder).map_err(|e| err("reading the tree", e))?;
-        let mut files = Vec::new();
-        for entry in recorder.records {
-            if !entry.mode.is_blob() {
+        let mut out = RepoTree::default();
+        for top in ["migrations", "providers"] {
+            let Some(entry) = tree.find_entry(top) else { continue };
+            if !entry.mode().is_tree() {
+                out.refused.push(RenderError {
+                    path: top.to_owned(),
+                    line: None,
+                    field: None,
+                    message:
+                        "is not a folder (a symbolic link or a file); vmmigrate reads no file through a link"
+                            .to_owned(),
+                });
                 continue;
             }
-            let path = entry.filepath.to_str_lossy().into_owned();
-            if !prefixes.is_empty() && !prefixes.iter().any(|p| path.starts_with(p)) {
-                continue;
+            let subtree = repo.find_tree(entry.oid()).map_err(|e| err(&format!("reading {top}/"), e))?;
+            let mut recorder = gix::traverse::tree::Recorder::default();
+            subtree.traverse().breadthfirst(&mut recorder).map_err(|e| err("reading the tree", e))?;
+            for record in recorder.records {
+                let raw = record.filepath.to_vec();
+                let shown = format!("{top}/{}", String::from_utf8_lossy(&raw));
+                let path = std::str::from_utf8(&raw).ok().map(|p| format!("{top}/{p}"));
+                if record.mode.is_tree() {
+                    continue;
+                }
+                if !record.mode.is_blob() {
+                    // A symbolic link or a submodule: whatever it points at is not read.
+                    out.refused.push(RenderError {
+                        path: super::render::escape(&shown),
+                        line: None,
+                        field: None,
+                        message: "is a symbolic link or a submodule; vmmigrate reads no file through a link"
+                            .to_owned(),
+                    });
+                    continue;
+                }
+                let size =
+                    repo.find_header(record.oid).map_err(|e| err(&format!("reading {shown}"), e))?.size();
+                out.offer(path.as_deref(), &shown, size, limits, || {
+                    let blob = repo.find_blob(record.oid).map_err(std::io::Error::other)?;
+                    Ok(blob.data.clone())
+                })
+                .map_err(|e| err(&format!("reading {shown}"), e))?;
             }
-            let blob = repo.find_blob(entry.oid).map_err(|e| err(&format!("reading {path}"), e))?;
-            files.push(RepoFile { path, bytes: blob.data.clone() });
         }
-        files.sort_by(|a, b| a.path.cmp(&b.path));
-        Ok(files)
+        out.sort();
+        Ok(out)
     }
 }
 

@@ -10,13 +10,14 @@
 use super::apply::{ApplyError, ApplyReport, apply_commit};
 use super::forge::{Forge, GitHub, Gitea};
 use super::plan::{PLAN_MARKER, PlanInput, STATUS_CONTEXT, commit_state, plan_comment, progress_comment};
-use super::render::{RenderOptions, RenderedMigration, render};
+use super::render::{Limits, RenderError, RenderOptions, RenderedMigration, RepoTree, render_tree};
 use super::repo::{RepoAuth, RepoConfig, TrackedRepo};
 use super::status_branch::{Snapshot, StatusWriter, StatusWriterConfig, Target, run_coalescing};
 use super::status_files::{StatusInput, status_files};
 use super::webhook::{WebhookConfig, WebhookEvent, WebhookServer};
 use super::{LABEL_GITOPS, Provenance, RepoFile};
 use crate::api::{Phase, VirtualMachineMigration};
+use crate::machine::tenancy::DestinationRules;
 use crate::metrics::Metrics;
 use crate::ports::EsxiHost;
 use anyhow::Context as _;
@@ -31,6 +32,8 @@ use tokio::sync::{mpsc, watch};
 
 /// What the tracked repository is read for.
 const PREFIXES: &[&str] = &["migrations/", "providers/"];
+/// Longest one render of one commit may take (within the limits it takes milliseconds).
+const RENDER_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(20);
 
 /// Settings of the gitops side (flags and `VMMIGRATE_*` environment).
 #[derive(Clone, Debug, clap::Args)]
@@ -98,6 +101,19 @@ pub struct GitopsOptions {
     /// Token for a private HTTPS repository.
     #[arg(long, env = "VMMIGRATE_GIT_TOKEN", hide_env_values = true)]
     pub git_token: Option<String>,
+    /// The administrator's destination rules (`--allow-destination` of the subcommand).
+    #[arg(skip)]
+    pub destinations: DestinationRules,
+    #[command(flatten)]
+    pub limits: Limits,
+}
+
+impl GitopsOptions {
+    /// These options under the administrator's destination rules.
+    pub fn with_destinations(mut self, rules: DestinationRules) -> GitopsOptions {
+        self.destinations = rules;
+        self
+    }
 }
 
 /// What one sync of the tracked branch did.
@@ -150,6 +166,8 @@ pub struct Gitops {
     state: Mutex<State>,
     ticks: std::sync::atomic::AtomicU64,
     metrics: Arc<Metrics>,
+    /// One render at a time: a hostile commit holds at most one commit's limits of memory.
+    render_slot: tokio::sync::Semaphore,
 }
 
 impl Gitops {
@@ -190,6 +208,7 @@ impl Gitops {
             state: Mutex::new(State::default()),
             ticks: Default::default(),
             metrics: Arc::default(),
+            render_slot: tokio::sync::Semaphore::new(1),
         })
     }
 
@@ -211,7 +230,8 @@ impl Gitops {
     }
 
     fn render_options(&self) -> RenderOptions {
-        RenderOptions { default_namespace: self.opts.manifest_namespace.clone() }
+        RenderOptions::new(&self.opts.manifest_namespace, &self.opts.destinations)
+            .with_limits(self.opts.limits)
     }
 
     async fn fetch(&self) -> anyhow::Result<String> {
@@ -219,10 +239,31 @@ impl Gitops {
         Ok(tokio::task::spawn_blocking(move || repo.fetch()).await??)
     }
 
-    async fn files_at(&self, commit: &str) -> anyhow::Result<Vec<RepoFile>> {
+    async fn files_at(&self, commit: &str) -> anyhow::Result<RepoTree> {
         let repo = self.repo.clone();
         let commit = commit.to_owned();
-        Ok(tokio::task::spawn_blocking(move || repo.files_at(&commit, PREFIXES)).await??)
+        let limits = self.opts.limits;
+        Ok(tokio::task::spawn_blocking(move || repo.files_at(&commit, &limits)).await??)
+    }
+
+    /// Renders off the async threads (the loop keeps serving webhooks and
+    /// other pull requests), one commit at a time, within the limits; a render
+    /// that takes longer than [`RENDER_TIMEOUT`] is reported as over the limit.
+    async fn render(&self, tree: RepoTree, commit: &str) -> Result<Vec<RenderedMigration>, Vec<RenderError>> {
+        let _one = self.render_slot.acquire().await;
+        let provenance = self.provenance(commit);
+        let opts = self.render_options();
+        let work = tokio::task::spawn_blocking(move || render_tree(&tree, &provenance, &opts));
+        let over =
+            |message: String| vec![RenderError { path: "(commit)".into(), line: None, field: None, message }];
+        match tokio::time::timeout(RENDER_TIMEOUT, work).await {
+            Ok(Ok(result)) => result,
+            Ok(Err(e)) => Err(over(format!("rendering failed: {e}"))),
+            Err(_) => Err(over(format!(
+                "rendering took longer than {} s (the limit); nothing is applied",
+                RENDER_TIMEOUT.as_secs()
+            ))),
+        }
     }
 
     fn provenance(&self, commit: &str) -> Provenance {
@@ -239,9 +280,10 @@ impl Gitops {
         let (commit, local_files) = match &self.opts.watch_path {
             Some(path) => {
                 let path = path.clone();
-                let files =
-                    tokio::task::spawn_blocking(move || super::render::read_dir_files(&path)).await??;
-                (working_tree_id(&files), Some(files))
+                let limits = self.opts.limits;
+                let tree = tokio::task::spawn_blocking(move || super::render::read_dir_files(&path, &limits))
+                    .await??;
+                (working_tree_id(&tree.files), Some(tree))
             }
             None => {
                 let fetched = self.fetch().await;
@@ -256,11 +298,11 @@ impl Gitops {
             let errors = self.state().last_rejected.clone().map(|(_, e)| e).unwrap_or_default();
             return Ok(SyncOutcome::Rejected { commit, errors });
         }
-        let files = match local_files {
-            Some(files) => files,
+        let tree = match local_files {
+            Some(tree) => tree,
             None => self.files_at(&commit).await?,
         };
-        let rendered = match render(&files, &self.provenance(&commit), &self.render_options()) {
+        let rendered = match self.render(tree, &commit).await {
             Ok(r) => r,
             Err(errors) => {
                 let errors: Vec<String> = errors.iter().map(ToString::to_string).collect();
@@ -336,23 +378,36 @@ impl Gitops {
             if self.state().planned.get(&pr.number) == Some(&pr.head_sha) {
                 continue;
             }
-            let changed = forge.changed_files(pr.number).await?;
-            if !changed.iter().any(|p| PREFIXES.iter().any(|prefix| p.starts_with(prefix))) {
-                continue;
+            // One pull request's failure (a forge outage, a comment the
+            // forge will not let us edit) is reported and the others go on;
+            // it is planned again on the next round.
+            match self.plan_one(forge.as_ref(), &pr).await {
+                Ok(true) => planned += 1,
+                Ok(false) => {}
+                Err(e) => {
+                    tracing::warn!(pr = pr.number, head = %pr.head_sha, error = %format!("{e:#}"), "cannot plan the pull request; trying again next round");
+                }
             }
-            self.fetch().await?;
-            let body = self.plan_commit(&pr.head_sha, &changed).await?;
-            let (input, names) = body;
-            let comment = plan_comment(&input);
-            forge.upsert_comment(pr.number, PLAN_MARKER, &comment).await?;
-            let (state, description) = commit_state(&input);
-            forge.set_commit_status(&pr.head_sha, STATUS_CONTEXT, state, &description, None).await?;
-            let mut st = self.state();
-            st.planned.insert(pr.number, pr.head_sha.clone());
-            st.plans.insert(pr.number, (comment, names));
-            planned += 1;
         }
         Ok(planned)
+    }
+
+    /// Plans one pull request; `false` when it changes nothing vmmigrate reads.
+    async fn plan_one(&self, forge: &dyn Forge, pr: &super::forge::PullRequest) -> anyhow::Result<bool> {
+        let changed = forge.changed_files(pr.number).await?;
+        if !changed.iter().any(|p| PREFIXES.iter().any(|prefix| p.starts_with(prefix))) {
+            return Ok(false);
+        }
+        self.fetch().await?;
+        let (input, names) = self.plan_commit(&pr.head_sha, &changed).await?;
+        let comment = plan_comment(&input);
+        forge.upsert_comment(pr.number, PLAN_MARKER, &comment).await?;
+        let (state, description) = commit_state(&input);
+        forge.set_commit_status(&pr.head_sha, STATUS_CONTEXT, state, &description, None).await?;
+        let mut st = self.state();
+        st.planned.insert(pr.number, pr.head_sha.clone());
+        st.plans.insert(pr.number, (comment, names));
+        Ok(true)
     }
 
     /// The plan of one commit: render, validate, diff against the live objects.
@@ -361,15 +416,15 @@ impl Gitops {
         head: &str,
         changed: &[String],
     ) -> anyhow::Result<(PlanInput, Vec<(String, String)>)> {
-        let files = self.files_at(head).await?;
+        let tree = self.files_at(head).await?;
         let mut input = PlanInput { head_sha: head.to_owned(), ..Default::default() };
-        let present: std::collections::BTreeSet<&str> = files.iter().map(|f| f.path.as_str()).collect();
+        let present: std::collections::BTreeSet<&str> = tree.files.iter().map(|f| f.path.as_str()).collect();
         input.removed = changed
             .iter()
             .filter(|p| p.starts_with("migrations/") && !present.contains(p.as_str()))
             .cloned()
             .collect();
-        let rendered = match render(&files, &self.provenance(head), &self.render_options()) {
+        let rendered = match self.render(tree, head).await {
             Ok(r) => r,
             Err(errors) => {
                 input.errors = errors.iter().map(ToString::to_string).collect();
@@ -379,7 +434,7 @@ impl Gitops {
         let mut names = Vec::new();
         for r in rendered.iter().filter(|r| changed.contains(&r.path)) {
             names.push((r.namespace.clone(), r.name.clone()));
-            match super::local::plan_entry(Some(&self.client), r).await? {
+            match super::local::plan_entry(Some(&self.client), Some(&self.opts.repo), r).await? {
                 Ok(mut entry) => {
                     entry.discovery = self.discover(r).await;
                     input.entries.push(entry);

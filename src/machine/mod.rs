@@ -15,6 +15,7 @@
 pub mod conditions;
 mod observe;
 pub(crate) mod preflight;
+pub mod tenancy;
 
 pub use observe::*;
 

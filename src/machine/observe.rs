@@ -45,6 +45,8 @@ impl std::error::Error for Failure {}
 
 /// The observation for the current phase. Phases that only wait (Pending,
 /// Retryable, ManualInterventionRequired, Completed, Failed) observe `Nothing`.
+// One per reconcile, moved once into `decide`: the inventory's size does not matter.
+#[allow(clippy::large_enum_variant)]
 #[derive(Clone, Debug, PartialEq)]
 pub(crate) enum Observed {
     Nothing,
@@ -72,6 +74,11 @@ pub struct PreflightFacts {
     pub storage_class_exists: bool,
     pub destination_namespace_exists: bool,
     pub destination_vm: DestinationOccupancy,
+    /// Why the administrator's rules refuse the destination namespace (`None`: allowed).
+    /// The controller fills it from its own configuration, whatever the adapter says.
+    pub destination_refused: Option<String>,
+    /// Another migration (`namespace/name`) that holds the claim on the same source VM.
+    pub source_claimed_by: Option<String>,
 }
 
 /// Whether the destination VM name is free.

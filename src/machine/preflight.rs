@@ -92,6 +92,18 @@ pub(crate) fn blockers(
             ),
         );
     }
+    if let Some(refused) = &facts.destination_refused {
+        block(Reason::DestinationNamespaceNotAllowed, refused.clone());
+    }
+    if let Some(other) = &facts.source_claimed_by {
+        block(
+            Reason::SourceVMClaimed,
+            format!(
+                "the source VM {:?} (vmid {} on {}) is already claimed by migration {other}; one source VM has one migration (delete one of them)",
+                inventory.name, inventory.vmid, spec.source.host
+            ),
+        );
+    }
     if !facts.destination_namespace_exists {
         block(
             Reason::DestinationNamespaceNotFound,

@@ -207,6 +207,8 @@ fn preflight_ok() -> PreflightFacts {
         storage_class_exists: true,
         destination_namespace_exists: true,
         destination_vm: DestinationOccupancy::Free,
+        destination_refused: None,
+        source_claimed_by: None,
     }
 }
 
@@ -238,6 +240,8 @@ fn each_preflight_rule_blocks_with_its_reason_and_needs_a_human() {
         ("DestinationNameTaken", |_, f| f.destination_vm = DestinationOccupancy::Taken),
         ("StorageClassNotFound", |_, f| f.storage_class_exists = false),
         ("DestinationNamespaceNotFound", |_, f| f.destination_namespace_exists = false),
+        ("DestinationNamespaceNotAllowed", |_, f| f.destination_refused = Some("not allowed".into())),
+        ("SourceVMClaimed", |_, f| f.source_claimed_by = Some("apps/web-01-again".into())),
     ];
     for (reason, mutate) in cases {
         let mut run = Run::at(Phase::Validated);

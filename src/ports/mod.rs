@@ -102,6 +102,11 @@ pub trait Cluster: Send + Sync {
     async fn delete_destination(&self, vmm: &VirtualMachineMigration) -> Result<(), Failure>;
     /// Removes this migration's owner references from them.
     async fn release_destination(&self, vmm: &VirtualMachineMigration) -> Result<(), Failure>;
+    /// Gives up the migration's claim on its source VM (taken in `preflight`)
+    /// when the migration is deleted. "Not held" is success.
+    async fn release_source(&self, _vmm: &VirtualMachineMigration) -> Result<(), Failure> {
+        Ok(())
+    }
 }
 
 /// Read-only application checks.

@@ -34,7 +34,7 @@ async fn every_reconcile_line_of_a_migration_names_it_in_json() {
     let world = SimWorld::new(11, FaultPlan::default());
     crate::support::publish_sim_staging(&world);
     let _sims = kubevirt_sim::start(client.clone(), &ns);
-    let adapters = crate::support::sim_adapters(&client, &world);
+    let adapters = crate::support::sim_adapters(&client, &world, &ns);
     let config = ControllerConfig {
         namespace: Some(ns.clone()),
         max_requeue: Some(Duration::from_millis(200)),

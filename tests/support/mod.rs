@@ -82,9 +82,13 @@ pub fn publish_sim_staging(world: &std::sync::Arc<sim::SimWorld>) {
 
 /// The controller's adapters on the simulated world (ESXi, disks, conversion,
 /// staging) and the real Kubernetes API (cluster, probes).
+/// The simulated source world with the real Kubernetes adapters; source-VM
+/// claims are kept in `claims_namespace` (the test's own: tests share the
+/// simulated VM's identity).
 pub fn sim_adapters(
     client: &kube::Client,
     world: &std::sync::Arc<sim::SimWorld>,
+    claims_namespace: &str,
 ) -> vmmigrate::ports::Adapters {
     use std::sync::Arc;
     use vmmigrate::destination::cluster::{KubeCluster, KubeProber};
@@ -93,7 +97,7 @@ pub fn sim_adapters(
         disks: world.clone(),
         converter: world.clone(),
         staging: world.clone(),
-        cluster: Arc::new(KubeCluster::new(client.clone())),
+        cluster: Arc::new(KubeCluster::new(client.clone(), claims_namespace)),
         prober: Arc::new(KubeProber::new(client.clone())),
     }
 }

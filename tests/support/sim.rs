@@ -346,6 +346,7 @@ impl EsxiHost for SimWorld {
             esxi_version: "VMware ESXi 8.0.3 build-24022510".into(),
             firmware: Firmware::Efi,
             secure_boot: false,
+            bios_uuid: "421b4b87-e6b7-d881-07a0-c9d221cd3c6b".into(),
             cpu_sockets: 1,
             cores_per_socket: 2,
             memory_mib: 2048,
@@ -632,7 +633,13 @@ impl Cluster for SimWorld {
             Some(vm) if vm.ours => DestinationOccupancy::Ours,
             Some(_) => DestinationOccupancy::Taken,
         };
-        Ok(PreflightFacts { storage_class_exists: true, destination_namespace_exists: true, destination_vm })
+        Ok(PreflightFacts {
+            storage_class_exists: true,
+            destination_namespace_exists: true,
+            destination_vm,
+            destination_refused: None,
+            source_claimed_by: None,
+        })
     }
 
     async fn data_volume(

@@ -71,8 +71,28 @@ fn split_documents(text: &str) -> Vec<Chunk> {
     chunks
 }
 
-/// Parses one file into its documents; syntax errors carry the file's line.
-pub(super) fn parse_file(file: &RepoFile, errors: &mut Vec<RenderError>) -> Option<Vec<Doc>> {
+/// Parses one file into its documents within `limits` (`tree_nodes`: the
+/// nodes of the commit's files parsed so far); syntax errors and a budget
+/// overrun carry the file's line.
+pub(super) fn parse_file(
+    file: &RepoFile,
+    limits: &Limits,
+    tree_nodes: &mut u64,
+    errors: &mut Vec<RenderError>,
+) -> Option<Vec<Doc>> {
+    if file.bytes.len() as u64 > limits.file_bytes {
+        errors.push(RenderError {
+            path: file.path.clone(),
+            line: None,
+            field: None,
+            message: format!(
+                "is {} bytes, more than the limit of {} (--max-file-bytes)",
+                file.bytes.len(),
+                limits.file_bytes
+            ),
+        });
+        return None;
+    }
     let Ok(text) = std::str::from_utf8(&file.bytes) else {
         errors.push(RenderError {
             path: file.path.clone(),
@@ -85,11 +105,42 @@ pub(super) fn parse_file(file: &RepoFile, errors: &mut Vec<RenderError>) -> Opti
     let mut docs = Vec::new();
     let mut ok = true;
     for (doc_index, chunk) in split_documents(text).into_iter().enumerate() {
-        let lines = LineIndex::build(&chunk.text, chunk.first_line);
+        // The guard first: serde_yaml sees only documents within the budget.
+        let left = limits.tree_nodes.saturating_sub(*tree_nodes);
+        let budget = DocBudget { depth: limits.yaml_depth, nodes: limits.doc_nodes.min(left) };
+        let lines = match LineIndex::build_within(&chunk.text, chunk.first_line, budget) {
+            Ok((lines, nodes)) => {
+                *tree_nodes += nodes;
+                lines
+            }
+            Err(over) => {
+                let message = if left < limits.doc_nodes && over.message.contains("nodes") {
+                    format!(
+                        "brings the commit past the limit of {} YAML nodes, aliases expanded (--max-repo-yaml-nodes)",
+                        limits.tree_nodes
+                    )
+                } else {
+                    format!(
+                        "{} ({})",
+                        over.message,
+                        if over.message.contains("nest") { "--max-yaml-depth" } else { "--max-yaml-nodes" }
+                    )
+                };
+                errors.push(RenderError {
+                    path: file.path.clone(),
+                    line: Some(over.line),
+                    field: None,
+                    message: format!("YAML document {}: {message}", doc_index + 1),
+                });
+                *tree_nodes = limits.tree_nodes.min(*tree_nodes + budget.nodes);
+                ok = false;
+                continue;
+            }
+        };
         let yaml = match serde_yaml::from_str::<serde_yaml::Value>(&chunk.text) {
             Ok(v) => v,
             Err(err) => {
-                errors.push(syntax_error(&file.path, &chunk, err));
+                errors.push(syntax_error(&file.path, &chunk, &lines, err));
                 ok = false;
                 continue;
             }
@@ -117,7 +168,7 @@ pub(super) fn parse_file(file: &RepoFile, errors: &mut Vec<RenderError>) -> Opti
     ok.then_some(docs)
 }
 
-fn syntax_error(path: &str, chunk: &Chunk, err: serde_yaml::Error) -> RenderError {
+fn syntax_error(path: &str, chunk: &Chunk, lines: &LineIndex, err: serde_yaml::Error) -> RenderError {
     // Parse again behind as many newlines as the document is deep in its
     // file: the locations in serde_yaml's message then are file lines too.
     let padded = format!("{}{}", "\n".repeat(chunk.first_line.saturating_sub(1)), chunk.text);
@@ -134,9 +185,7 @@ fn syntax_error(path: &str, chunk: &Chunk, err: serde_yaml::Error) -> RenderErro
     let repeated = message
         .split_once("duplicate entry with key ")
         .and_then(|(_, k)| serde_json::from_str::<String>(k.split(" at line ").next().unwrap_or(k)).ok())
-        .and_then(|k| {
-            LineIndex::build(&chunk.text, chunk.first_line).repeated_key(&k).map(|(p, l)| (format_path(p), l))
-        });
+        .and_then(|k| lines.repeated_key(&k).map(|(p, l)| (format_path(p), l)));
     if let Some((field, line)) = repeated {
         return RenderError {
             path: path.to_owned(),

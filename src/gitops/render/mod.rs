@@ -21,6 +21,7 @@ use super::{
 };
 use crate::api::{GROUP, RETRY_ANNOTATION, VERSION, VirtualMachineMigration};
 use crate::machine::preflight::{MAX_DESTINATION_NAME, is_dns_label};
+use crate::machine::tenancy::DestinationRules;
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::{
     JSONSchemaProps, JSONSchemaPropsOrArray, JSONSchemaPropsOrBool,
 };
@@ -37,17 +38,215 @@ pub(crate) const PROVIDER_KIND: &str = "EsxiProvider";
 /// `kind` of every document under `migrations/`.
 pub(crate) const MIGRATION_KIND: &str = "VirtualMachineMigration";
 
+/// How much of a repository vmmigrate reads and builds for one commit or
+/// pull-request head: everything in a pull request is hostile. Readers stop
+/// before reading past a file or tree limit; the YAML walk stops at the
+/// first node past a document's budget, before serde_yaml builds anything.
+/// Over a limit is an error naming the file and the limit; nothing of that
+/// commit is applied.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::Args)]
+pub struct Limits {
+    /// Largest manifest, defaults or provider file, in bytes.
+    #[arg(long = "max-file-bytes", env = "VMMIGRATE_MAX_FILE_BYTES", default_value_t = Limits::DEFAULT.file_bytes)]
+    pub file_bytes: u64,
+    /// Largest total of those files in one commit, in bytes.
+    #[arg(long = "max-repo-bytes", env = "VMMIGRATE_MAX_REPO_BYTES", default_value_t = Limits::DEFAULT.tree_bytes)]
+    pub tree_bytes: u64,
+    /// Most files under migrations/ and providers/ in one commit.
+    #[arg(long = "max-files", env = "VMMIGRATE_MAX_FILES", default_value_t = Limits::DEFAULT.files)]
+    pub files: usize,
+    /// Deepest folder nesting under migrations/.
+    #[arg(long = "max-folder-depth", env = "VMMIGRATE_MAX_FOLDER_DEPTH", default_value_t = Limits::DEFAULT.folder_depth)]
+    pub folder_depth: usize,
+    /// Deepest nesting of YAML collections in one document.
+    #[arg(long = "max-yaml-depth", env = "VMMIGRATE_MAX_YAML_DEPTH", default_value_t = Limits::DEFAULT.yaml_depth)]
+    pub yaml_depth: usize,
+    /// Most YAML nodes in one document, aliases expanded.
+    #[arg(long = "max-yaml-nodes", env = "VMMIGRATE_MAX_YAML_NODES", default_value_t = Limits::DEFAULT.doc_nodes)]
+    pub doc_nodes: u64,
+    /// Most YAML nodes in one commit, aliases expanded.
+    #[arg(long = "max-repo-yaml-nodes", env = "VMMIGRATE_MAX_REPO_YAML_NODES", default_value_t = Limits::DEFAULT.tree_nodes)]
+    pub tree_nodes: u64,
+}
+
+impl Limits {
+    /// A migration is about 1 KB and 100 nodes: these leave room for
+    /// thousands of them and keep a hostile commit within tens of MiB.
+    pub const DEFAULT: Limits = Limits {
+        file_bytes: 1 << 20,
+        tree_bytes: 32 << 20,
+        files: 10_000,
+        folder_depth: 16,
+        yaml_depth: 32,
+        doc_nodes: 50_000,
+        tree_nodes: 2_000_000,
+    };
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits::DEFAULT
+    }
+}
+
 /// Settings that do not come from the repository.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RenderOptions {
     /// `metadata.namespace` of migrations that set none (directly or through defaults).
     pub default_namespace: String,
+    /// The administrator's rules for destination namespaces (the controller
+    /// applies the same rules again at Validated).
+    pub destinations: DestinationRules,
+    pub limits: Limits,
 }
 
 impl Default for RenderOptions {
     fn default() -> Self {
-        RenderOptions { default_namespace: DEFAULT_NAMESPACE.to_owned() }
+        RenderOptions {
+            default_namespace: DEFAULT_NAMESPACE.to_owned(),
+            destinations: DestinationRules::default(),
+            limits: Limits::DEFAULT,
+        }
     }
+}
+
+impl RenderOptions {
+    /// Migrations without a namespace go to `namespace`; destinations follow
+    /// `destinations`; the default limits.
+    pub fn new(namespace: &str, destinations: &DestinationRules) -> RenderOptions {
+        RenderOptions {
+            default_namespace: namespace.to_owned(),
+            destinations: destinations.clone(),
+            limits: Limits::DEFAULT,
+        }
+    }
+
+    pub fn with_limits(mut self, limits: Limits) -> RenderOptions {
+        self.limits = limits;
+        self
+    }
+}
+
+/// The files a reader took from a repository, and the ones it refused to
+/// read (over a limit, or a name that cannot be shown safely).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RepoTree {
+    pub files: Vec<RepoFile>,
+    pub refused: Vec<RenderError>,
+    bytes: u64,
+}
+
+impl RepoTree {
+    /// A file a reader found at `path` (`None`: its name is not UTF-8; `shown`
+    /// is its lossy form), of `size` bytes: read with `read` only when the
+    /// format names it and it is within `limits`; else skipped (not ours) or
+    /// refused with the reason.
+    pub fn offer(
+        &mut self,
+        path: Option<&str>,
+        shown: &str,
+        size: u64,
+        limits: &Limits,
+        read: impl FnOnce() -> std::io::Result<Vec<u8>>,
+    ) -> std::io::Result<()> {
+        let refuse = |message: String| RenderError { path: escape(shown), line: None, field: None, message };
+        let Some(path) = path else {
+            if is_ours(shown) {
+                self.refused.push(refuse("has a name that is not UTF-8; rename it".to_owned()));
+            }
+            return Ok(());
+        };
+        if classify(path) == FileKind::Ignored {
+            return Ok(());
+        }
+        if path.chars().any(char::is_control) {
+            self.refused
+                .push(refuse("has a control character (a newline?) in its name; rename it".to_owned()));
+            return Ok(());
+        }
+        if path.matches('/').count() > limits.folder_depth {
+            self.refused.push(refuse(format!(
+                "is nested deeper than {} folders (the limit, --max-folder-depth)",
+                limits.folder_depth
+            )));
+            return Ok(());
+        }
+        if self.files.len() >= limits.files {
+            if !self.refused.iter().any(|e| e.message.contains("--max-files")) {
+                self.refused.push(refuse(format!(
+                    "is one file more than the limit of {} under migrations/ and providers/ (--max-files)",
+                    limits.files
+                )));
+            }
+            return Ok(());
+        }
+        if size > limits.file_bytes {
+            self.refused.push(refuse(format!(
+                "is {size} bytes, more than the limit of {} (--max-file-bytes)",
+                limits.file_bytes
+            )));
+            return Ok(());
+        }
+        if self.bytes + size > limits.tree_bytes {
+            self.refused.push(refuse(format!(
+                "brings the files under migrations/ and providers/ past the limit of {} bytes (--max-repo-bytes)",
+                limits.tree_bytes
+            )));
+            return Ok(());
+        }
+        let bytes = read()?;
+        if bytes.len() as u64 > limits.file_bytes {
+            // It grew between the size check and the read.
+            self.refused.push(refuse(format!(
+                "is more than the limit of {} bytes (--max-file-bytes)",
+                limits.file_bytes
+            )));
+            return Ok(());
+        }
+        self.bytes += bytes.len() as u64;
+        self.files.push(RepoFile { path: path.to_owned(), bytes });
+        Ok(())
+    }
+
+    /// Sorted by path, as every reader returns it.
+    pub fn sort(&mut self) {
+        self.files.sort_by(|a, b| a.path.cmp(&b.path));
+        self.refused.sort();
+    }
+}
+
+/// Whether a path (shown lossily) would be read if its name were fine.
+fn is_ours(shown: &str) -> bool {
+    shown.starts_with("migrations/") || shown.starts_with("providers/")
+}
+
+/// A path as it may be printed: control characters (a newline that would
+/// start a `::error` line in CI output, terminal escapes) escaped.
+pub(crate) fn escape(path: &str) -> String {
+    if !path.chars().any(char::is_control) {
+        return path.to_owned();
+    }
+    path.chars()
+        .map(|c| if c.is_control() { c.escape_default().to_string() } else { c.to_string() })
+        .collect()
+}
+
+/// Renders a tree a reader produced: its refused files are errors too, so a
+/// commit with one unreadable file applies nothing.
+pub fn render_tree(
+    tree: &RepoTree,
+    provenance: &Provenance,
+    opts: &RenderOptions,
+) -> Result<Vec<RenderedMigration>, Vec<RenderError>> {
+    let result = render(&tree.files, provenance, opts);
+    if tree.refused.is_empty() {
+        return result;
+    }
+    let mut errors = tree.refused.clone();
+    errors.extend(result.err().unwrap_or_default());
+    errors.sort();
+    errors.dedup();
+    Err(errors)
 }
 
 /// One migration, ready for server-side apply.
@@ -77,9 +276,10 @@ pub struct RenderError {
 }
 
 impl fmt::Display for RenderError {
-    /// `migrations/a.yaml:12: spec.source.hostKey: must look like …`; missing parts are left out.
+    /// `migrations/a.yaml:12: spec.source.hostKey: must look like …`; missing
+    /// parts are left out; control characters in the path are escaped.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.path)?;
+        f.write_str(&escape(&self.path))?;
         if let Some(line) = self.line {
             write!(f, ":{line}")?;
         }
@@ -129,34 +329,68 @@ pub fn to_yaml(rendered: &[RenderedMigration]) -> String {
 }
 
 /// Reads `migrations/` and `providers/` of a local checkout (recursively,
-/// skipping `.git` and symlinked directories). Paths are relative to `root`
-/// with `/` separators, sorted. A missing folder is an empty one.
-pub fn read_dir_files(root: &Path) -> std::io::Result<Vec<RepoFile>> {
-    let mut out = Vec::new();
+/// within `limits`). Symbolic links are never followed (not even to a file
+/// inside the checkout: Git would store the link, not the file); `.git` is
+/// skipped. Paths are relative to `root` with `/` separators, sorted. A
+/// missing folder is an empty one.
+pub fn read_dir_files(root: &Path, limits: &Limits) -> std::io::Result<RepoTree> {
+    let mut tree = RepoTree::default();
     for top in ["migrations", "providers"] {
         let dir = root.join(top);
-        if dir.is_dir() {
-            read_tree(&dir, top, &mut out)?;
+        let meta = match std::fs::symlink_metadata(&dir) {
+            Ok(meta) => meta,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+            Err(e) => return Err(e),
+        };
+        if meta.file_type().is_symlink() {
+            tree.refused.push(symlink_refused(top));
+        } else if meta.is_dir() {
+            read_tree(&dir, top, limits, &mut tree)?;
         }
     }
-    out.sort_by(|a, b| a.path.cmp(&b.path));
-    Ok(out)
+    tree.sort();
+    Ok(tree)
 }
 
-fn read_tree(dir: &Path, rel: &str, out: &mut Vec<RepoFile>) -> std::io::Result<()> {
-    for entry in std::fs::read_dir(dir)? {
-        let entry = entry?;
-        let name = entry.file_name().to_string_lossy().into_owned();
-        if name == ".git" {
+fn symlink_refused(shown: &str) -> RenderError {
+    RenderError {
+        path: escape(shown),
+        line: None,
+        field: None,
+        message: "is a symbolic link; vmmigrate reads no file through a link".to_owned(),
+    }
+}
+
+fn read_tree(dir: &Path, rel: &str, limits: &Limits, tree: &mut RepoTree) -> std::io::Result<()> {
+    let mut entries: Vec<_> = std::fs::read_dir(dir)?.collect::<Result<_, _>>()?;
+    entries.sort_by_key(|e| e.file_name());
+    for entry in entries {
+        let os_name = entry.file_name();
+        let name = os_name.to_str();
+        if name == Some(".git") {
             continue;
         }
-        let path = entry.path();
-        let rel_path = format!("{rel}/{name}");
+        let shown = format!("{rel}/{}", os_name.to_string_lossy());
+        let rel_path = name.map(|n| format!("{rel}/{n}"));
         let file_type = entry.file_type()?;
-        if file_type.is_dir() {
-            read_tree(&path, &rel_path, out)?;
-        } else if (file_type.is_file() || (file_type.is_symlink() && path.is_file())) && is_yaml(&name) {
-            out.push(RepoFile { path: rel_path, bytes: std::fs::read(&path)? });
+        if file_type.is_symlink() {
+            // Whatever it points at (a manifest, a folder of them, a file
+            // outside the checkout), it is not read.
+            tree.refused.push(symlink_refused(&shown));
+        } else if file_type.is_dir() {
+            // Deeper folders hold nothing the format reads (offer refuses their files).
+            if let Some(rel_path) = rel_path.filter(|p| p.matches('/').count() <= limits.folder_depth) {
+                read_tree(&entry.path(), &rel_path, limits, tree)?;
+            }
+        } else if file_type.is_file() {
+            let size = entry.metadata()?.len();
+            let path = entry.path();
+            tree.offer(rel_path.as_deref(), &shown, size, limits, || {
+                use std::io::Read;
+                let mut bytes = Vec::new();
+                std::fs::File::open(&path)?.take(limits.file_bytes + 1).read_to_end(&mut bytes)?;
+                Ok(bytes)
+            })?;
         }
     }
     Ok(())
@@ -269,7 +503,7 @@ mod positions;
 mod validate;
 
 use documents::*;
-use positions::LineIndex;
+use positions::{DocBudget, LineIndex};
 use validate::*;
 
 // ---------------------------------------------------------------------------
@@ -381,6 +615,7 @@ impl Renderer {
         let mut broken_providers: Vec<String> = Vec::new();
 
         let mut previous: Option<&str> = None;
+        let mut tree_nodes: u64 = 0;
         for file in &files {
             if previous == Some(file.path.as_str()) {
                 self.errors.push(RenderError {
@@ -396,7 +631,7 @@ impl Renderer {
             if kind == FileKind::Ignored {
                 continue;
             }
-            let Some(parsed) = parse_file(file, &mut self.errors) else {
+            let Some(parsed) = parse_file(file, &opts.limits, &mut tree_nodes, &mut self.errors) else {
                 match kind {
                     FileKind::Defaults { dir } => {
                         broken_defaults.insert(dir);
@@ -641,10 +876,23 @@ impl Renderer {
         if let Some(name_value) = provider_name {
             match name_value.as_str().and_then(|n| providers.get(n)) {
                 Some(provider) => {
+                    // A provider binds host, port, host key and credentials together: a
+                    // migration that names one cannot point its credentials elsewhere.
+                    let name = name_value.as_str().unwrap_or_default();
+                    if let Some(Value::Object(source)) = merged.get("spec").and_then(|s| s.get("source")) {
+                        for field in PROVIDER_FIELDS.iter().filter(|f| source.contains_key(**f)) {
+                            findings.push(finding(
+                                segs(&["spec", "source", field]),
+                                format!(
+                                    "is set by provider {name:?} (providers/), which binds host, port, hostKey and credentialsSecretRef together; remove it here, or define another provider"
+                                ),
+                            ));
+                        }
+                    }
                     if let Some(Value::Object(source)) = merged.pointer_mut("/spec/source") {
                         source.remove("provider");
                         let mut resolved = provider.spec.clone();
-                        overlay(&mut resolved, source);
+                        resolved.extend(std::mem::take(source));
                         *source = resolved;
                     }
                     layers.push(Layer { doc: &docs[provider.doc], provider: true });
@@ -713,6 +961,12 @@ impl Renderer {
                 ),
                 blame: Blame::Manifest,
             });
+        }
+
+        if let Some(destination) = merged.pointer("/spec/destination/namespace").and_then(Value::as_str)
+            && let Some(refused) = opts.destinations.refusal(&namespace, destination)
+        {
+            findings.push(finding(segs(&["spec", "destination", "namespace"]), refused));
         }
 
         if !findings.is_empty() {
@@ -827,10 +1081,12 @@ mod tests {
     }
 
     pub(super) fn render_files(files: &[RepoFile]) -> Result<Vec<RenderedMigration>, Vec<RenderError>> {
+        // Under the rule that lets migrations of the default namespace land in `apps`.
+        let rules = DestinationRules::parse(&["vmmigrate=apps"]).expect("rule");
         render(
             files,
             &Provenance { repo_url: "file:///repo".into(), commit: "abc".into() },
-            &RenderOptions::default(),
+            &RenderOptions::new(DEFAULT_NAMESPACE, &rules),
         )
     }
 

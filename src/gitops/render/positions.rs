@@ -2,9 +2,15 @@
 //! come from the events of a second, position-reporting parser (yaml-rust2).
 //! The events are read once, aliases are not expanded, and nothing is
 //! allocated per event beyond the path being walked.
+//!
+//! The same walk is the guard in front of serde_yaml: it runs first and stops
+//! at the first node past the document's budget (nesting depth, and nodes
+//! counted as serde_yaml would build them, every alias expanded: a "billion
+//! laughs" document is refused after its first few KB instead of growing to
+//! gigabytes), so serde_yaml only ever sees documents of bounded size.
 
 use super::{Seg, format_path};
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use yaml_rust2::parser::{Event, Parser};
 
 /// Field path → 1-based line of its key (or of the first token of a list item).
@@ -23,7 +29,7 @@ enum Open {
     /// mapping's keys, to find a repeated one.
     Mapping {
         key: Option<String>,
-        seen: Vec<String>,
+        seen: HashSet<String>,
     },
     Sequence {
         next: usize,
@@ -32,23 +38,102 @@ enum Open {
     Skipped,
 }
 
+/// How much one document may hold.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct DocBudget {
+    /// Open collections at once.
+    pub(super) depth: usize,
+    /// Nodes (scalars, mappings, sequences), every alias counted as the nodes it stands for.
+    pub(super) nodes: u64,
+}
+
+/// A document past its budget: the line of the node that went over, and why.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(super) struct OverBudget {
+    pub(super) line: usize,
+    pub(super) message: String,
+}
+
 impl LineIndex {
-    /// Indexes one YAML document whose first line is line `first_line` of its file.
-    /// A document that does not parse keeps what was indexed before the error
-    /// (serde_yaml reports the error itself).
+    /// Indexes one YAML document (first line `first_line` of its file) with no
+    /// budget but the default one; tests only.
+    #[cfg(test)]
     pub(super) fn build(text: &str, first_line: usize) -> LineIndex {
+        let budget = DocBudget { depth: 1000, nodes: u64::MAX };
+        Self::build_within(text, first_line, budget).map(|(index, _)| index).expect("within budget")
+    }
+
+    /// Indexes one YAML document whose first line is line `first_line` of its
+    /// file, within `budget`; returns the index and the document's node count
+    /// (aliases expanded). A document that does not parse keeps what was
+    /// indexed before the error (serde_yaml reports the error itself).
+    pub(super) fn build_within(
+        text: &str,
+        first_line: usize,
+        budget: DocBudget,
+    ) -> Result<(LineIndex, u64), OverBudget> {
         let mut index = LineIndex { keys: HashMap::new(), repeated: Vec::new(), first: 0 };
         let mut open: Vec<Open> = Vec::new();
         // The path to the node being read: one segment per open collection
         // that has a current key or item.
         let mut path: Vec<Seg> = Vec::new();
+        // Nodes so far, aliases expanded; per open collection its anchor and
+        // the count when it opened; per anchor the nodes it stands for.
+        let mut nodes: u64 = 0;
+        let mut anchored: Vec<(usize, u64)> = Vec::new();
+        let mut anchor_nodes: HashMap<usize, u64> = HashMap::new();
         let mut parser = Parser::new_from_str(text);
-        while let Ok((event, mark)) = parser.next_token() {
+        loop {
+            let (event, mark) = match parser.next_token() {
+                Ok(next) => next,
+                // The scanner's own bound on flow nesting (`[[[[…`), met while looking ahead.
+                Err(e) if e.info().contains("recursion limit") => {
+                    return Err(OverBudget {
+                        line: first_line + e.marker().line().saturating_sub(1),
+                        message: format!("nests deeper than {} levels (the limit)", budget.depth),
+                    });
+                }
+                Err(_) => break,
+            };
             let line = first_line + mark.line().saturating_sub(1);
             let starts_node = matches!(
                 event,
                 Event::Scalar(..) | Event::Alias(_) | Event::MappingStart(..) | Event::SequenceStart(..)
             );
+            match &event {
+                Event::Alias(id) => nodes = nodes.saturating_add(anchor_nodes.get(id).copied().unwrap_or(1)),
+                Event::Scalar(_, _, anchor, _) => {
+                    nodes += 1;
+                    if *anchor > 0 {
+                        anchor_nodes.insert(*anchor, 1);
+                    }
+                }
+                Event::MappingStart(anchor, _) | Event::SequenceStart(anchor, _) => {
+                    nodes += 1;
+                    anchored.push((*anchor, nodes));
+                    if anchored.len() > budget.depth {
+                        return Err(OverBudget {
+                            line,
+                            message: format!("nests deeper than {} levels (the limit)", budget.depth),
+                        });
+                    }
+                }
+                Event::MappingEnd | Event::SequenceEnd => {
+                    if let Some((anchor, start)) = anchored.pop()
+                        && anchor > 0
+                    {
+                        anchor_nodes.insert(anchor, nodes - start + 1);
+                    }
+                }
+                _ => {}
+            }
+            if nodes > budget.nodes {
+                let through = if anchor_nodes.is_empty() { "" } else { ", aliases expanded" };
+                return Err(OverBudget {
+                    line,
+                    message: format!("holds more than {} YAML nodes{through} (the limit)", budget.nodes),
+                });
+            }
             if starts_node && index.first == 0 {
                 index.first = line;
             }
@@ -65,11 +150,10 @@ impl LineIndex {
                 {
                     let Some(Open::Mapping { key, seen }) = open.last_mut() else { unreachable!() };
                     path.push(Seg::Key(value.clone()));
-                    if seen.contains(value) {
-                        index.repeated.push((value.clone(), path.clone(), line));
-                    } else {
-                        seen.push(value.clone());
+                    if seen.insert(value.clone()) {
                         index.keys.entry(format_path(&path)).or_insert(line);
+                    } else {
+                        index.repeated.push((value.clone(), path.clone(), line));
                     }
                     *key = Some(value.clone());
                     continue;
@@ -96,7 +180,7 @@ impl LineIndex {
             }
             match event {
                 Event::MappingStart(..) => {
-                    open.push(Open::Mapping { key: None, seen: Vec::new() });
+                    open.push(Open::Mapping { key: None, seen: HashSet::new() });
                     continue;
                 }
                 Event::SequenceStart(..) => {
@@ -125,7 +209,7 @@ impl LineIndex {
         if index.first == 0 {
             index.first = first_line;
         }
-        index
+        Ok((index, nodes))
     }
 
     /// Where key `key` appears a second time in one mapping.

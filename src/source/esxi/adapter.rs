@@ -83,6 +83,35 @@ fn vim_fault(what: &str, out: &Output) -> Option<Failure> {
     })
 }
 
+/// What authenticates a session: the cache key of [`EsxiSource::session`].
+fn session_key(vmm: &VirtualMachineMigration, credentials: &Credentials) -> String {
+    use sha2::{Digest, Sha256};
+    let source = &vmm.spec.source;
+    let mut digest = Sha256::new();
+    for part in [
+        source.host.to_ascii_lowercase().as_bytes(),
+        source.port.to_string().as_bytes(),
+        source.host_key.as_bytes(),
+        vmm.namespace().unwrap_or_default().as_bytes(),
+        source.credentials_secret_ref.name.as_bytes(),
+        credentials.username.as_bytes(),
+        match &credentials.secret {
+            Secret::Password(p) => p.as_bytes(),
+            Secret::PrivateKey(k) => k.as_bytes(),
+        },
+    ] {
+        // Length-prefixed: no two different tuples hash the same bytes.
+        digest.update((part.len() as u64).to_be_bytes());
+        digest.update(part);
+    }
+    let kind: &[u8] = match &credentials.secret {
+        Secret::Password(_) => b"password",
+        Secret::PrivateKey(_) => b"key",
+    };
+    digest.update(kind);
+    format!("{:x}", digest.finalize())
+}
+
 impl EsxiSource {
     pub fn new(credentials: CredentialSource, store: StoreConfig) -> EsxiSource {
         EsxiSource {
@@ -129,11 +158,15 @@ impl EsxiSource {
         Ok(Credentials { username, secret })
     }
 
-    /// A live session to the migration's host, reused across calls.
+    /// A live session to the migration's host, reused across calls only by
+    /// migrations that would open the very same one: same host, port and pinned
+    /// key, same credentials (the Secret's namespace, name and version, and a
+    /// digest of what it holds). A migration never rides a session another
+    /// namespace's password opened.
     async fn session(&self, vmm: &VirtualMachineMigration) -> Result<Arc<Session>, Failure> {
         let credentials = self.credentials(vmm).await?;
+        let key = session_key(vmm, &credentials);
         let source = &vmm.spec.source;
-        let key = format!("{}:{}:{}:{}", source.host, source.port, credentials.username, source.host_key);
         let mut sessions = self.sessions.lock().await;
         if let Some(session) = sessions.get(&key)
             && !session.is_closed()
@@ -320,6 +353,7 @@ impl EsxiHost for EsxiSource {
             esxi_version: parse::parse_version(&version.text()).unwrap_or_default(),
             firmware: facts.firmware,
             secure_boot: facts.secure_boot,
+            bios_uuid: facts.bios_uuid.clone(),
             cpu_sockets: (facts.num_cpus.max(1) / cores).max(1),
             cores_per_socket: cores,
             memory_mib: facts.memory_mib,

@@ -126,6 +126,8 @@ struct State {
     statuses: Vec<FakeStatus>,
     calls: Vec<Call>,
     next_comment_id: u64,
+    /// Issues whose comments cannot be written (an outage for one pull request).
+    refused_issues: std::collections::BTreeSet<u64>,
 }
 
 /// The running server; stops when dropped.
@@ -178,6 +180,15 @@ impl FakeForge {
         state.next_comment_id += 1;
         state.comments.push(FakeComment { id, issue, author: author.into(), body: body.into(), edits: 0 });
         id
+    }
+
+    /// Writes of comments on `issue` fail with 502 until [`FakeForge::accept_writes_on`].
+    pub fn refuse_writes_on(&self, issue: u64) {
+        self.lock().refused_issues.insert(issue);
+    }
+
+    pub fn accept_writes_on(&self, issue: u64) {
+        self.lock().refused_issues.remove(&issue);
     }
 
     pub fn comments(&self, issue: u64) -> Vec<FakeComment> {
@@ -393,6 +404,9 @@ fn handle(request: Request, addr: SocketAddr, state: &Mutex<State>) -> Response 
             let Some(issue) = find_pr(&state, number).map(|pr| pr.number) else {
                 return Response::message(404, "Not Found");
             };
+            if state.refused_issues.contains(&issue) {
+                return Response::message(502, "Bad Gateway");
+            }
             let Some(body) = json_field(&request, "body") else {
                 return Response::message(422, "body is required");
             };
@@ -408,7 +422,13 @@ fn handle(request: Request, addr: SocketAddr, state: &Mutex<State>) -> Response 
                 return Response::message(422, "body is required");
             };
             let id: u64 = id.parse().unwrap_or(0);
+            let refused = state.refused_issues.clone();
             match state.comments.iter_mut().find(|c| c.id == id) {
+                Some(comment) if refused.contains(&comment.issue) => Response::message(502, "Bad Gateway"),
+                // As GitHub and Gitea answer: only its author edits a comment.
+                Some(comment) if comment.author != BOT_LOGIN => {
+                    Response::message(403, "Resource not accessible by integration")
+                }
                 Some(comment) => {
                     comment.body = body;
                     comment.edits += 1;

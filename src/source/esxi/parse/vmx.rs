@@ -128,6 +128,8 @@ pub(crate) struct VmxFacts {
     pub cores_per_socket: i32,
     pub firmware: Firmware,
     pub secure_boot: bool,
+    /// `uuid.bios` in the usual 8-4-4-4-12 form, lowercase; empty when absent or malformed.
+    pub bios_uuid: String,
     /// Hard disks only, ordered scsi, sata, nvme, ide, then controller, then unit.
     pub disks: Vec<VmxDisk>,
     /// `ethernetN` with `present` not false, ordered by N.
@@ -146,6 +148,17 @@ fn parse_disk_device(dev: &str) -> Option<(usize, &'static str, u32, u32)> {
         }
         Some((rank, bus, c.parse().ok()?, u.parse().ok()?))
     })
+}
+
+/// `42 1b 4b 87 e6 b7 d8 81-07 a0 c9 d2 21 cd 3c 6b` (how a .vmx writes it)
+/// → `421b4b87-e6b7-d881-07a0-c9d221cd3c6b`; anything but 32 hex digits → empty.
+fn bios_uuid(value: &str) -> String {
+    let hex: String = value.chars().filter(|c| !c.is_whitespace() && *c != '-').collect();
+    if hex.len() != 32 || !hex.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return String::new();
+    }
+    let hex = hex.to_ascii_lowercase();
+    format!("{}-{}-{}-{}-{}", &hex[..8], &hex[8..12], &hex[12..16], &hex[16..20], &hex[20..])
 }
 
 fn positive_i32(v: Option<&str>) -> Option<i32> {
@@ -227,6 +240,7 @@ pub(crate) fn vmx_facts(vmx: &Vmx) -> VmxFacts {
             Firmware::Bios
         },
         secure_boot: vmx.get_bool("uefi.secureBoot.enabled").unwrap_or(false),
+        bios_uuid: vmx.get("uuid.bios").map(bios_uuid).unwrap_or_default(),
         disks: disks.into_iter().map(|(_, d)| d).collect(),
         nics,
     }

@@ -17,6 +17,7 @@ fn vmx_sample_facts() {
             cores_per_socket: 1,
             firmware: Firmware::Efi,
             secure_boot: false,
+            bios_uuid: "421b4b87-e6b7-d881-07a0-c9d221cd3c6b".into(),
             disks: vec![
                 VmxDisk {
                     device: "scsi0:0".into(),
@@ -102,7 +103,16 @@ fn vmx_absent_numvcpus_memsize_and_firmware_take_defaults() {
     assert_eq!(f.memory_mib, 0);
     assert_eq!(f.firmware, Firmware::Bios);
     assert!(!f.secure_boot);
+    assert_eq!(f.bios_uuid, "", "no uuid.bios");
     assert!(f.disks.is_empty() && f.nics.is_empty());
+    for malformed in [
+        "42 1b",
+        "zz 1b 4b 87 e6 b7 d8 81-07 a0 c9 d2 21 cd 3c 6b",
+        "42 1b 4b 87 e6 b7 d8 81-07 a0 c9 d2 21 cd 3c 6b 00",
+    ] {
+        let f = vmx_facts(&parse_vmx(&format!("uuid.bios = \"{malformed}\"\n")));
+        assert_eq!(f.bios_uuid, "", "{malformed}");
+    }
     let f = vmx_facts(&parse_vmx(
         "numvcpus = \"8\"\ncpuid.coresPerSocket = \"4\"\nfirmware = \"EFI\"\nuefi.secureBoot.enabled = \"TRUE\"\n",
     ));

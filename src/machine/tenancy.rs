@@ -1,0 +1,170 @@
+//! Which destination namespaces a migration may write into: the
+//! administrator's allow rules. Pure; rendering (plan, validate, apply) and
+//! the controller's `Validated` checkpoint ask the same question.
+//!
+//! By default a migration may create its VM only in its own namespace: the
+//! controller's rights are cluster-wide, and a manifest that names
+//! `kube-system` must not borrow them (a confused deputy). An administrator
+//! widens that per migration namespace with
+//! `--allow-destination <migration-ns>=<dest-ns>[,<dest-ns>…]`; `*` stands
+//! for every namespace except the cluster's own (`kube-*`, closed even to
+//! migrations created there) and the controller's (open only to migrations
+//! created in it).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt;
+
+/// Namespaces no rule opens, besides every `kube-*` one.
+const NEVER: &[&str] = &["vmmigrate-system"];
+
+/// The administrator's destination allow rules.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct DestinationRules {
+    /// Migration namespace → namespaces its migrations may target besides its own.
+    allowed: BTreeMap<String, BTreeSet<String>>,
+    /// The controller's own namespace, closed to every rule.
+    system_namespace: Option<String>,
+}
+
+/// A rule that cannot be read.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RuleError(String);
+
+impl fmt::Display for RuleError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for RuleError {}
+
+fn is_label(s: &str) -> bool {
+    super::preflight::is_dns_label(s)
+}
+
+impl DestinationRules {
+    /// Reads `--allow-destination` values: `apps=web,db` or `vmmigrate=*`.
+    pub fn parse<S: AsRef<str>>(rules: &[S]) -> Result<DestinationRules, RuleError> {
+        let mut out = DestinationRules::default();
+        for rule in rules {
+            let rule = rule.as_ref();
+            let (from, to) = rule.split_once('=').ok_or_else(|| {
+                RuleError(format!(
+                    "--allow-destination {rule:?}: expected <migration-namespace>=<namespace>[,<namespace>...]"
+                ))
+            })?;
+            if !is_label(from) {
+                return Err(RuleError(format!(
+                    "--allow-destination {rule:?}: {from:?} is not a namespace name"
+                )));
+            }
+            let set = out.allowed.entry(from.to_owned()).or_default();
+            for dest in to.split(',') {
+                if dest != "*" && !is_label(dest) {
+                    return Err(RuleError(format!(
+                        "--allow-destination {rule:?}: {dest:?} is not a namespace name or *"
+                    )));
+                }
+                if dest != "*" && is_closed(dest) {
+                    return Err(RuleError(format!(
+                        "--allow-destination {rule:?}: {dest:?} is a system namespace; no rule opens it"
+                    )));
+                }
+                set.insert(dest.to_owned());
+            }
+        }
+        Ok(out)
+    }
+
+    /// Closes the controller's own namespace too (where its Secrets and Leases live).
+    pub fn with_system_namespace(mut self, namespace: &str) -> DestinationRules {
+        self.system_namespace = Some(namespace.to_owned());
+        self
+    }
+
+    /// `None` when a migration in `migration_ns` may create its VM in
+    /// `destination_ns`, else why not (a sentence for a condition or a plan).
+    pub fn refusal(&self, migration_ns: &str, destination_ns: &str) -> Option<String> {
+        if destination_ns.starts_with("kube-") {
+            return Some(format!(
+                "destination namespace {destination_ns:?} is a system namespace; migrations never write there"
+            ));
+        }
+        if destination_ns == migration_ns {
+            return None;
+        }
+        if self.is_system(destination_ns) {
+            return Some(format!(
+                "destination namespace {destination_ns:?} is vmmigrate's own; only migrations created there may write there"
+            ));
+        }
+        let allowed = self.allowed.get(migration_ns);
+        if allowed.is_some_and(|set| set.contains(destination_ns) || set.contains("*")) {
+            return None;
+        }
+        let others = match allowed {
+            Some(set) if !set.is_empty() => {
+                format!(" or {}", set.iter().cloned().collect::<Vec<_>>().join(", "))
+            }
+            _ => String::new(),
+        };
+        Some(format!(
+            "destination namespace {destination_ns:?} is not allowed for migrations in {migration_ns:?} (allowed: {migration_ns}{others}); an administrator allows it with --allow-destination {migration_ns}={destination_ns}"
+        ))
+    }
+
+    fn is_system(&self, namespace: &str) -> bool {
+        is_closed(namespace) || self.system_namespace.as_deref() == Some(namespace)
+    }
+}
+
+fn is_closed(namespace: &str) -> bool {
+    namespace.starts_with("kube-") || NEVER.contains(&namespace)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn by_default_only_the_migrations_own_namespace_is_allowed() {
+        let rules = DestinationRules::default();
+        assert_eq!(rules.refusal("apps", "apps"), None);
+        let refused = rules.refusal("apps", "finance").unwrap();
+        assert!(refused.contains("--allow-destination apps=finance"), "{refused}");
+        assert!(rules.refusal("kube-system", "kube-system").is_some(), "kube-* is closed even to itself");
+        assert_eq!(
+            rules.refusal("vmmigrate-system", "vmmigrate-system"),
+            None,
+            "the controller's own, to itself"
+        );
+        assert!(rules.refusal("apps", "vmmigrate-system").is_some());
+    }
+
+    #[test]
+    fn rules_open_listed_namespaces_and_the_wildcard_never_opens_system_ones() {
+        let rules = DestinationRules::parse(&["vmmigrate=apps,finance", "lab=*"])
+            .unwrap()
+            .with_system_namespace("migrations-system");
+        assert_eq!(rules.refusal("vmmigrate", "apps"), None);
+        assert_eq!(rules.refusal("vmmigrate", "finance"), None);
+        assert!(rules.refusal("vmmigrate", "lab").is_some());
+        assert_eq!(rules.refusal("lab", "anything"), None);
+        for closed in ["kube-system", "kube-public"] {
+            let why = rules.refusal("lab", closed).unwrap();
+            assert!(why.contains("system namespace"), "{why}");
+        }
+        for own in ["vmmigrate-system", "migrations-system"] {
+            let why = rules.refusal("lab", own).unwrap();
+            assert!(why.contains("vmmigrate's own"), "{why}");
+        }
+    }
+
+    #[test]
+    fn malformed_rules_are_refused_with_the_rule() {
+        for bad in ["apps", "Apps=web", "apps=web,", "apps=kube-system", "apps=vmmigrate-system"] {
+            let err = DestinationRules::parse(&[bad]).unwrap_err().to_string();
+            assert!(err.contains(&format!("{bad:?}")), "{err}");
+        }
+    }
+}
