@@ -86,7 +86,11 @@ impl Migration {
             job_namespace: None,
             work_claim: Some("vmmigrate-work".into()),
             instance: "e2e".into(),
-            leader_election: Default::default(),
+            // The source-VM claims live in the controller's namespace: here the test's.
+            leader_election: service::LeaderElectionOptions {
+                lease_namespace: ns.clone(),
+                ..Default::default()
+            },
             metrics_listen: "127.0.0.1:0".parse().unwrap(),
             destination_rules: Default::default(),
         };

@@ -82,7 +82,10 @@ impl SourceClaims {
                     Ok(_) => return Ok(None),
                     Err(kube::Error::Api(s)) if s.code == 409 => continue,
                     Err(e) => {
-                        let what = format!("creating a source-VM claim in namespace {} (the controller's own)", self.namespace);
+                        let what = format!(
+                            "creating a source-VM claim in namespace {} (the controller's own)",
+                            self.namespace
+                        );
                         return Err(classify(&what, e));
                     }
                 }
