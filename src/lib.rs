@@ -12,4 +12,5 @@ pub mod gitops;
 pub mod machine;
 pub mod metrics;
 pub mod ports;
+mod server;
 pub mod source;

@@ -20,6 +20,10 @@
 //! GET routes, one request per connection.
 
 use crate::api::{Phase, VirtualMachineMigrationStatus};
+use crate::server::{self, Limits, Server};
+use bytes::Bytes;
+use http::{HeaderValue, Method, Request, Response, StatusCode, header};
+use http_body_util::Full;
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
 use prometheus_client::metrics::MetricType;
@@ -29,14 +33,13 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 use std::collections::{BTreeMap, HashMap};
+use std::fmt;
 use std::io;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
-use tokio::task::{JoinHandle, JoinSet};
+use tokio::net::TcpListener;
 
 /// Where the metrics server listens unless told otherwise.
 pub(crate) const DEFAULT_LISTEN: &str = "0.0.0.0:9090";
@@ -45,10 +48,6 @@ pub(crate) const LISTEN_ENV: &str = "VMMIGRATE_METRICS_LISTEN";
 /// Content type of `/metrics`.
 pub(crate) const OPENMETRICS_CONTENT_TYPE: &str =
     "application/openmetrics-text; version=1.0.0; charset=utf-8";
-/// Largest request head read; the routes take no headers that matter.
-const MAX_HEAD: usize = 8 * 1024;
-/// Time a client has to send its request head, and to take the answer.
-const IO_TIMEOUT: Duration = Duration::from_secs(10);
 
 type Labels = Vec<(&'static str, String)>;
 
@@ -427,28 +426,25 @@ pub(crate) fn listen_addr(configured: Option<SocketAddr>) -> io::Result<SocketAd
 }
 
 /// A running metrics server. Dropping it stops the server.
-#[derive(Debug)]
 pub struct MetricsServer {
-    addr: SocketAddr,
-    task: JoinHandle<()>,
+    server: Server,
+}
+
+impl fmt::Debug for MetricsServer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("MetricsServer").field("addr", &self.server.local_addr()).finish()
+    }
 }
 
 impl MetricsServer {
     pub fn local_addr(&self) -> SocketAddr {
-        self.addr
-    }
-}
-
-impl Drop for MetricsServer {
-    fn drop(&mut self) {
-        self.task.abort();
+        self.server.local_addr()
     }
 }
 
 /// Serves `/metrics`, `/healthz` and `/readyz` of `metrics` on `addr`.
 pub async fn serve(addr: SocketAddr, metrics: Arc<Metrics>) -> io::Result<MetricsServer> {
-    let listener = TcpListener::bind(addr).await?;
-    start(listener, metrics)
+    start(server::bind(addr)?, metrics)
 }
 
 /// [`serve`] on [`listen_addr`]`(configured)`; errors name the address.
@@ -460,114 +456,41 @@ pub(crate) async fn serve_configured(
     serve(addr, metrics).await.map_err(|e| io::Error::new(e.kind(), format!("metrics server on {addr}: {e}")))
 }
 
+/// The limits of the metrics server: scrapes and probes are small GET
+/// requests, so the cap is lower than the webhook's.
+fn limits() -> Limits {
+    Limits { max_connections: 256, max_head_bytes: 8 * 1024, ..Limits::default() }
+}
+
 fn start(listener: TcpListener, metrics: Arc<Metrics>) -> io::Result<MetricsServer> {
-    let addr = listener.local_addr()?;
-    tracing::info!(%addr, "metrics server listening");
-    Ok(MetricsServer { addr, task: tokio::spawn(accept_loop(listener, metrics)) })
+    let server = Server::start(listener, limits(), "metrics", move |request| {
+        let answer = route(&request, &metrics);
+        async move { answer }
+    })?;
+    tracing::info!(addr = %server.local_addr(), "metrics server listening");
+    Ok(MetricsServer { server })
 }
 
-async fn accept_loop(listener: TcpListener, metrics: Arc<Metrics>) {
-    // Connections belong to this task's JoinSet: aborting the task aborts them.
-    let mut connections = JoinSet::new();
-    loop {
-        tokio::select! {
-            accepted = listener.accept() => match accepted {
-                Ok((stream, _)) => {
-                    connections.spawn(serve_connection(stream, metrics.clone()));
-                }
-                Err(e) => {
-                    // Out of descriptors and the like: back off instead of spinning.
-                    tracing::warn!(error = %e, "metrics server: accept failed");
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                }
-            },
-            Some(_) = connections.join_next() => {}
+fn route<B>(request: &Request<B>, metrics: &Metrics) -> Response<Full<Bytes>> {
+    if request.method() != Method::GET {
+        let mut answer = server::text(StatusCode::METHOD_NOT_ALLOWED, "GET only\n");
+        answer.headers_mut().insert(header::ALLOW, HeaderValue::from_static("GET"));
+        return answer;
+    }
+    match request.uri().path() {
+        "/metrics" => {
+            let mut answer = server::text(StatusCode::OK, metrics.encode());
+            answer
+                .headers_mut()
+                .insert(header::CONTENT_TYPE, HeaderValue::from_static(OPENMETRICS_CONTENT_TYPE));
+            answer
         }
-    }
-}
-
-async fn serve_connection(mut stream: TcpStream, metrics: Arc<Metrics>) {
-    let answer = match tokio::time::timeout(IO_TIMEOUT, read_head(&mut stream)).await {
-        Ok(Some(head)) => route(&head, &metrics),
-        Ok(None) => return,
-        Err(_) => Answer::text(408, "request head not received in time\n"),
-    };
-    let _ = tokio::time::timeout(IO_TIMEOUT, answer.write(&mut stream)).await;
-    let _ = stream.shutdown().await;
-}
-
-/// The request head up to its blank line; `None` when the client closed
-/// early or sent more than [`MAX_HEAD`] bytes.
-async fn read_head(stream: &mut TcpStream) -> Option<Vec<u8>> {
-    let mut head = Vec::with_capacity(512);
-    let mut buf = [0u8; 1024];
-    while head.len() <= MAX_HEAD {
-        let n = stream.read(&mut buf).await.ok()?;
-        if n == 0 {
-            return None;
-        }
-        head.extend_from_slice(&buf[..n]);
-        if head.windows(2).any(|w| w == b"\n\n") || head.windows(4).any(|w| w == b"\r\n\r\n") {
-            return Some(head);
-        }
-    }
-    None
-}
-
-struct Answer {
-    status: u16,
-    content_type: &'static str,
-    body: String,
-}
-
-impl Answer {
-    fn text(status: u16, body: impl Into<String>) -> Answer {
-        Answer { status, content_type: "text/plain; charset=utf-8", body: body.into() }
-    }
-
-    async fn write(&self, stream: &mut TcpStream) -> io::Result<()> {
-        let reason = match self.status {
-            200 => "OK",
-            400 => "Bad Request",
-            404 => "Not Found",
-            405 => "Method Not Allowed",
-            408 => "Request Timeout",
-            _ => "Service Unavailable",
-        };
-        let allow = if self.status == 405 { "Allow: GET\r\n" } else { "" };
-        let head = format!(
-            "HTTP/1.1 {} {reason}\r\nContent-Type: {}\r\nContent-Length: {}\r\n{allow}Connection: close\r\n\r\n",
-            self.status,
-            self.content_type,
-            self.body.len()
-        );
-        stream.write_all(head.as_bytes()).await?;
-        stream.write_all(self.body.as_bytes()).await?;
-        stream.flush().await
-    }
-}
-
-fn route(head: &[u8], metrics: &Metrics) -> Answer {
-    let line = head.split(|b| *b == b'\n').next().unwrap_or_default();
-    let line = String::from_utf8_lossy(line);
-    let mut parts = line.trim_end().split(' ');
-    let (Some(method), Some(target), Some(version)) = (parts.next(), parts.next(), parts.next()) else {
-        return Answer::text(400, "malformed request line\n");
-    };
-    if !version.starts_with("HTTP/1.") {
-        return Answer::text(400, "HTTP/1.x only\n");
-    }
-    if method != "GET" {
-        return Answer::text(405, "GET only\n");
-    }
-    match target.split_once('?').map_or(target, |(path, _)| path) {
-        "/metrics" => Answer { status: 200, content_type: OPENMETRICS_CONTENT_TYPE, body: metrics.encode() },
-        "/healthz" => Answer::text(200, "ok\n"),
+        "/healthz" => server::text(StatusCode::OK, "ok\n"),
         "/readyz" => {
-            let status = if metrics.is_ready() { 200 } else { 503 };
-            Answer::text(status, metrics.readiness_report())
+            let status = if metrics.is_ready() { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+            server::text(status, metrics.readiness_report())
         }
-        _ => Answer::text(404, "not found: /metrics, /healthz, /readyz\n"),
+        _ => server::text(StatusCode::NOT_FOUND, "not found: /metrics, /healthz, /readyz\n"),
     }
 }
 
@@ -575,6 +498,8 @@ fn route(head: &[u8], metrics: &Metrics) -> Answer {
 mod tests {
     use super::*;
     use crate::api::Progress;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::TcpStream;
 
     fn status(phase: Phase, bytes_done: i64, bytes_per_second: i64) -> VirtualMachineMigrationStatus {
         VirtualMachineMigrationStatus {
@@ -696,7 +621,7 @@ mod tests {
         assert!(get(addr, &req("/readyz?verbose")).await.starts_with("HTTP/1.1 200 "));
         let scrape = get(addr, &req("/metrics")).await;
         assert!(scrape.starts_with("HTTP/1.1 200 "), "{scrape}");
-        assert!(scrape.contains(&format!("Content-Type: {OPENMETRICS_CONTENT_TYPE}\r\n")));
+        assert!(scrape.contains(&format!("content-type: {OPENMETRICS_CONTENT_TYPE}\r\n")), "{scrape}");
         assert!(scrape.contains(r#"vmmigrate_reconcile_total{result="ok"} 0"#), "{scrape}");
         assert!(get(addr, "POST /metrics HTTP/1.1\r\n\r\n").await.starts_with("HTTP/1.1 405 "));
         assert!(get(addr, &req("/other")).await.starts_with("HTTP/1.1 404 "));

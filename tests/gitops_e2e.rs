@@ -663,3 +663,154 @@ async fn a_thousand_manifests_render_and_apply_without_error() {
         .expect("again");
     assert_eq!(again.applied.len(), 1000);
 }
+
+/// `field` of /proc/<pid>/status in KiB.
+fn proc_status_kib(pid: u32, field: &str) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let line = status.lines().find(|l| l.starts_with(&format!("{field}:"))).unwrap();
+    line.split_whitespace().nth(1).unwrap().parse().unwrap()
+}
+
+/// A loopback port nobody listens on (bound and released).
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+/// Reads a connection to its end, at most `within`; the status code of what
+/// came back, 0 for a close without an answer.
+async fn answer_of(stream: &mut tokio::net::TcpStream, within: Duration) -> u16 {
+    use tokio::io::AsyncReadExt;
+    let mut reply = Vec::new();
+    let read = tokio::time::timeout(within, stream.read_to_end(&mut reply)).await;
+    assert!(read.is_ok(), "the server kept a connection open for more than {within:?}");
+    let text = String::from_utf8_lossy(&reply);
+    text.strip_prefix("HTTP/1.1 ").and_then(|t| t.get(..3)).and_then(|c| c.parse().ok()).unwrap_or(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_webhook_flood_of_idle_connections_and_oversized_unsigned_bodies_costs_little_memory_and_a_signed_push_still_applies_within_a_second()
+ {
+    use tokio::io::AsyncWriteExt;
+    use tokio::net::TcpStream;
+    const IDLE: usize = 1000;
+    const OVERSIZED: usize = 1000;
+
+    let env = KubeEnv::shared();
+    let client = env.client().await;
+    let ns = test_namespace(&client, "gitops-flood").await;
+    let remote = Remote::new();
+    let cache = tempfile::tempdir().unwrap();
+    let (hook_port, metrics_port) = (free_port(), free_port());
+    // The real process, so its memory is its own to measure.
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_vmmigrate"))
+        .args(["gitops", "--repo", remote.bare().to_str().unwrap(), "--branch", "main", "--no-status"])
+        .args(["--poll-seconds", "3600", "--manifest-namespace", &ns])
+        .args(["--webhook-listen", &format!("127.0.0.1:{hook_port}")])
+        .args(["--metrics-listen", &format!("127.0.0.1:{metrics_port}")])
+        .arg("--cache-dir")
+        .arg(cache.path())
+        .env("VMMIGRATE_GITHUB_WEBHOOK_SECRET", SECRET)
+        .env("KUBECONFIG", env.kubeconfig_path())
+        .env("RUST_LOG", "warn")
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .expect("vmmigrate gitops");
+    let pid = child.id();
+    struct Kill(std::process::Child);
+    impl Drop for Kill {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let ready = async || {
+        let mut stream = TcpStream::connect(("127.0.0.1", metrics_port)).await.ok()?;
+        stream.write_all(b"GET /readyz HTTP/1.1\r\nHost: x\r\n\r\n").await.ok()?;
+        (answer_of(&mut stream, Duration::from_secs(5)).await == 200).then_some(())
+    };
+    wait_for("gitops ready after its first poll", ready).await;
+    assert!(child.try_wait().unwrap().is_none(), "vmmigrate gitops exited");
+    let _child = Kill(child);
+    // The forge has the commit; only the webhook can make vmmigrate look now.
+    let commit =
+        remote.push("main", &[("migrations/db.yaml", &manifest(&ns, "db-02", "db-02"))], "Migrate db-02");
+    let hook = std::net::SocketAddr::from(([127, 0, 0, 1], hook_port));
+
+    std::fs::write(format!("/proc/{pid}/clear_refs"), "5").expect("reset the peak RSS");
+    let rss_before = proc_status_kib(pid, "VmRSS");
+
+    // 1,000 connections that send nothing, or a head that never ends.
+    let mut idle = Vec::new();
+    for i in 0..IDLE {
+        let mut stream = TcpStream::connect(hook).await.unwrap();
+        if i % 2 == 1 {
+            stream.write_all(b"POST /hooks/github HTTP/1.1\r\nX-GitHub-Ev").await.unwrap();
+        }
+        idle.push(stream);
+    }
+    // 1,000 unsigned bodies: half over the size limit, half under it; each
+    // sends its head and the first 64 KiB and waits for its answer.
+    let flood = || {
+        let mut flood = tokio::task::JoinSet::new();
+        for i in 0..OVERSIZED {
+            flood.spawn(async move {
+                let (length, want) = if i % 2 == 0 { (100 << 20, 413) } else { (4 << 20, 401) };
+                let mut stream = TcpStream::connect(hook).await.unwrap();
+                let head = format!(
+                    "POST /hooks/github HTTP/1.1\r\nHost: x\r\nX-GitHub-Event: push\r\nContent-Length: {length}\r\n\r\n"
+                );
+                stream.write_all(head.as_bytes()).await.unwrap();
+                // The server may answer and close before taking it all.
+                let _ = stream.write_all(&vec![b'x'; 64 * 1024]).await;
+                (answer_of(&mut stream, Duration::from_secs(30)).await, want)
+            });
+        }
+        flood
+    };
+    let mut wrong = Vec::new();
+    let mut collect = async |mut flood: tokio::task::JoinSet<(u16, u16)>| {
+        while let Some(done) = flood.join_next().await {
+            let (got, want) = done.unwrap();
+            if got != want {
+                wrong.push((got, want));
+            }
+        }
+    };
+    // Round one measures the flood's own cost, apart from the fetch and
+    // apply a push causes.
+    collect(flood()).await;
+    let peak = proc_status_kib(pid, "VmHWM");
+    let growth_mib = (peak.saturating_sub(rss_before)) as f64 / 1024.0;
+    // Round two, with the idle ones still open: a real delivery meanwhile.
+    let second = flood();
+    let sent = Instant::now();
+    assert_eq!(tokio::task::spawn_blocking(move || github_push(hook, &commit, SECRET)).await.unwrap(), 202);
+    let api: Api<VirtualMachineMigration> = Api::namespaced(client.clone(), &ns);
+    wait_for("the CR", async || api.get_opt("db-02").await.unwrap()).await;
+    let applied_after = sent.elapsed();
+    collect(second).await;
+
+    // The idle ones are closed by the server at its header timeout (5 s):
+    // unanswered or 408, never left open.
+    let mut idle_answers = std::collections::BTreeMap::new();
+    for mut stream in idle {
+        *idle_answers.entry(answer_of(&mut stream, Duration::from_secs(20)).await).or_insert(0) += 1;
+    }
+    eprintln!(
+        "webhook flood: {IDLE} idle + {OVERSIZED} unsigned: RSS {:.1} MiB → peak {:.1} MiB (+{growth_mib:.1} MiB), \
+         {:.1} MiB after a second flood and the apply; signed push applied after {:.0} ms; idle answers {idle_answers:?}",
+        rss_before as f64 / 1024.0,
+        peak as f64 / 1024.0,
+        proc_status_kib(pid, "VmHWM") as f64 / 1024.0,
+        applied_after.as_secs_f64() * 1000.0
+    );
+    assert!(
+        wrong.is_empty(),
+        "{} bad requests got the wrong answer (got, want): {:?}",
+        wrong.len(),
+        &wrong[..wrong.len().min(10)]
+    );
+    assert!(idle_answers.keys().all(|status| [0, 408].contains(status)), "{idle_answers:?}");
+    assert!(growth_mib <= 32.0, "RSS grew by {growth_mib:.1} MiB under the flood");
+    assert!(applied_after <= Duration::from_secs(1), "the signed push was applied after {applied_after:?}");
+}

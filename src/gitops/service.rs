@@ -633,14 +633,16 @@ pub async fn start(
     let (events_tx, mut events) = mpsc::channel::<WebhookEvent>(64);
     let webhooks = match opts.webhook_listen {
         Some(addr) => {
-            let listener =
-                tokio::net::TcpListener::bind(addr).await.with_context(|| format!("binding {addr}"))?;
             let config = WebhookConfig {
                 github_secret: opts.github_webhook_secret.clone(),
                 gitea_secret: opts.gitea_webhook_secret.clone(),
                 gitlab_token: opts.gitlab_webhook_token.clone(),
             };
-            Some(WebhookServer::start(listener, config, events_tx.clone()).await?)
+            config.validate().map_err(anyhow::Error::msg)?;
+            let listener = crate::server::bind(addr).with_context(|| format!("binding {addr}"))?;
+            let server = WebhookServer::start(listener, config, events_tx.clone()).await?;
+            tracing::info!(addr = %server.local_addr(), "webhook receiver listening");
+            Some(server)
         }
         None => None,
     };
