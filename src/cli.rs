@@ -243,31 +243,43 @@ fn gitops(
         let metrics = std::sync::Arc::new(crate::metrics::Metrics::new());
         let _server = crate::metrics::serve_configured(Some(metrics_listen), metrics.clone()).await?;
         let client = kube::Client::try_default().await?;
-        let gitops = crate::gitops::service::start(client.clone(), opts, metrics.clone()).await?;
-        // Err: the controller lost its Lease; the process exits so the Deployment restarts it.
-        let result = match controller {
-            Some(c) => {
-                let staging = ctl::start_staging(&c, &metrics).await?;
-                let url = c.staging_url.clone().unwrap_or_else(|| format!("http://{}", staging.local_addr()));
-                let adapters = ctl::adapters(client.clone(), &c, url, &metrics);
-                let config = crate::controller::reconciler::ControllerConfig {
-                    namespace: c.namespace.clone(),
-                    max_requeue: None,
-                    instance: c.instance.clone(),
-                    destinations: c.destinations(),
-                    interrupt: None,
-                    metrics,
-                };
-                let result = ctl::run_reconciler(client, adapters, config, &c.leader_election).await;
-                drop(staging);
-                result
-            }
-            None => {
-                ctl::shutdown_signal().await;
-                Ok(())
-            }
+        // `run` elects with the controller's flags; `gitops` alone runs one replica.
+        let election = controller.as_ref().map(|c| c.leader_election.clone()).unwrap_or_default();
+        let instance =
+            controller.as_ref().map_or_else(|| "vmmigrate-gitops".to_owned(), |c| c.instance.clone());
+        // The gitops half leaves the elected work through this slot, so that
+        // a shutdown can flush its last status (a lost Lease drops it unflushed:
+        // the next leader writes).
+        let started = std::sync::Mutex::new(None);
+        let work = async {
+            let gitops = crate::gitops::service::start(client.clone(), opts, metrics.clone()).await?;
+            *started.lock().unwrap_or_else(|p| p.into_inner()) = Some(gitops);
+            let Some(c) = controller else {
+                return std::future::pending().await;
+            };
+            let staging = ctl::start_staging(&c, &metrics).await?;
+            let url = c.staging_url.clone().unwrap_or_else(|| format!("http://{}", staging.local_addr()));
+            let adapters = ctl::adapters(client.clone(), &c, url, &metrics);
+            let config = crate::controller::reconciler::ControllerConfig {
+                namespace: c.namespace.clone(),
+                max_requeue: None,
+                instance: c.instance.clone(),
+                destinations: c.destinations(),
+                interrupt: None,
+                metrics: metrics.clone(),
+            };
+            crate::controller::reconciler::run(client.clone(), adapters, config, std::future::pending())
+                .await;
+            drop(staging);
+            Ok(())
         };
-        gitops.stop().await;
+        let result = ctl::run_elected(client.clone(), &election, &instance, metrics.clone(), work).await;
+        let gitops = started.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some(gitops) = gitops
+            && result.is_ok()
+        {
+            gitops.stop().await;
+        }
         result
     })
 }

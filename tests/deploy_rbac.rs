@@ -82,6 +82,8 @@ const CALLS: &[Call] = &[
     // Why a conversion Job failed: its pod's termination message.
     ("get", "", "pods", "", SYSTEM),
     ("list", "", "pods", "", SYSTEM),
+    // The leader's label on its own pod (the webhook Service follows it).
+    ("patch", "", "pods", "", SYSTEM),
     // HTTP checks.
     ("get", "", "services", "", ANY),
     ("list", "discovery.k8s.io", "endpointslices", "", ANY),
@@ -125,6 +127,7 @@ const FORBIDDEN: &[Call] = &[
     ("create", "batch", "jobs", "", ANY),
     ("create", "", "pods", "", SYSTEM),
     ("create", "coordination.k8s.io", "leases", "", ANY),
+    ("patch", "", "pods", "", ANY),
 ];
 
 /// Held for writing by tests that change the shared ClusterRole.

@@ -625,3 +625,138 @@ async fn candidates_racing_for_a_new_lease_elect_exactly_one() {
         assert!(result.is_ok(), "{result:?}");
     }
 }
+
+/// `name{labels} value` of a Prometheus scrape of `127.0.0.1:port`, 0 when absent.
+async fn scrape(port: u16, series: &str) -> Option<f64> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port)).await.ok()?;
+    stream.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n").await.ok()?;
+    let mut reply = String::new();
+    stream.read_to_string(&mut reply).await.ok()?;
+    let value = reply.lines().find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok());
+    Some(value.unwrap_or(0.0))
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+/// A `vmmigrate run --leader-elect` process, killed when dropped.
+struct RunProcess {
+    child: std::process::Child,
+    metrics_port: u16,
+    _dirs: [tempfile::TempDir; 2],
+}
+
+impl RunProcess {
+    fn start(ns: &str, pod: &str, repo: &std::path::Path) -> RunProcess {
+        let (work, cache) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        let metrics_port = free_port();
+        let child = std::process::Command::new(env!("CARGO_BIN_EXE_vmmigrate"))
+            .args(["run", "--repo", repo.to_str().unwrap(), "--branch", "main", "--no-status"])
+            .args(["--poll-seconds", "1", "--manifest-namespace", ns, "--namespace", ns])
+            .args(["--leader-elect", "--lease-namespace", ns, "--lease-name", "vmmigrate-run"])
+            .args(["--lease-seconds", "3", "--staging-listen", "127.0.0.1:0"])
+            .args(["--metrics-listen", &format!("127.0.0.1:{metrics_port}")])
+            .arg("--work-dir")
+            .arg(work.path())
+            .arg("--cache-dir")
+            .arg(cache.path())
+            // The downward API of a pod, pointing at a Pod object of the test.
+            .env("POD_NAME", pod)
+            .env("POD_NAMESPACE", ns)
+            .env("KUBECONFIG", KubeEnv::shared().kubeconfig_path())
+            .env("RUST_LOG", "warn")
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .expect("vmmigrate run");
+        RunProcess { child, metrics_port, _dirs: [work, cache] }
+    }
+
+    async fn fetches(&self) -> f64 {
+        scrape(self.metrics_port, r#"vmmigrate_git_fetch_total{result="ok"}"#).await.unwrap_or(0.0)
+    }
+}
+
+impl Drop for RunProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+async fn leader_label(pods: &Api<k8s_openapi::api::core::v1::Pod>, name: &str) -> Option<String> {
+    let pod = pods.get(name).await.ok()?;
+    pod.labels().get(vmmigrate::controller::service::LEADER_POD_LABEL).cloned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_the_leader_runs_the_gitops_half_labels_its_pod_for_webhooks_and_the_standby_takes_over_when_it_dies()
+ {
+    let client = KubeEnv::shared().client().await;
+    let ns = test_namespace(&client, "run-leader").await;
+    let dir = tempfile::tempdir().unwrap();
+    let repo = dir.path().join("remote.git");
+    let git = |args: &[&str]| {
+        let out = std::process::Command::new("git").args(args).output().unwrap();
+        assert!(out.status.success(), "git {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    };
+    git(&["init", "-q", "--bare", "-b", "main", repo.to_str().unwrap()]);
+    let work = dir.path().join("work");
+    git(&["clone", "-q", repo.to_str().unwrap(), work.to_str().unwrap()]);
+    std::fs::write(work.join("README.md"), "# migrations\n").unwrap();
+    let w = work.to_str().unwrap();
+    git(&[
+        "-C",
+        w,
+        "-c",
+        "user.name=t",
+        "-c",
+        "user.email=t@example.test",
+        "commit",
+        "-q",
+        "--allow-empty",
+        "-m",
+        "start",
+    ]);
+    git(&["-C", w, "push", "-q", "origin", "HEAD:main"]);
+    // Two Pod objects standing for the replicas (never scheduled: only their labels matter).
+    let pods: Api<k8s_openapi::api::core::v1::Pod> = Api::namespaced(client.clone(), &ns);
+    for name in ["vmmigrate-a", "vmmigrate-b"] {
+        let pod = serde_json::from_value(json!({
+            "metadata": {"name": name, "labels": {"app.kubernetes.io/name": "vmmigrate"}},
+            "spec": {"containers": [{"name": "vmmigrate", "image": "vmmigrate:test"}]}
+        }))
+        .unwrap();
+        pods.create(&PostParams::default(), &pod).await.unwrap();
+    }
+
+    let a = RunProcess::start(&ns, "vmmigrate-a", &repo);
+    poll("a leads and fetches", Duration::from_secs(60), || async {
+        (a.fetches().await >= 2.0).then_some(())
+    })
+    .await;
+    let b = RunProcess::start(&ns, "vmmigrate-b", &repo);
+    poll("b stands by, its pod labelled not-leader", WAIT, || async {
+        (leader_label(&pods, "vmmigrate-b").await.as_deref() == Some("false")).then_some(())
+    })
+    .await;
+    assert_eq!(leader_label(&pods, "vmmigrate-a").await.as_deref(), Some("true"));
+    // While a leads, b fetches nothing (it has not even cloned).
+    let a_before = a.fetches().await;
+    poll("a fetches on", Duration::from_secs(30), || async {
+        (a.fetches().await >= a_before + 3.0).then_some(())
+    })
+    .await;
+    assert_eq!(b.fetches().await, 0.0, "the standby ran the gitops half");
+    let ready = scrape(b.metrics_port, "vmmigrate_leader").await;
+    assert_eq!(ready, Some(0.0), "b says it is not the leader");
+
+    // a dies without releasing its Lease; b takes over when it expires.
+    drop(a);
+    poll("b takes over and fetches", WAIT, || async { (b.fetches().await >= 2.0).then_some(()) }).await;
+    poll("b's pod is labelled leader", WAIT, || async {
+        (leader_label(&pods, "vmmigrate-b").await.as_deref() == Some("true")).then_some(())
+    })
+    .await;
+}

@@ -215,6 +215,67 @@ pub(crate) async fn run_reconciler(
     elector.run(work, shutdown_signal()).await.context("leader election")
 }
 
+/// The label the leader puts on its own pod, so that a Service can send
+/// what only the leader serves (the webhooks) to it alone.
+pub const LEADER_POD_LABEL: &str = "migration.platform.example/leader";
+
+/// Sets [`LEADER_POD_LABEL`] on this process's pod (`POD_NAME` in
+/// `POD_NAMESPACE`, from the downward API) to `leader`. Outside a pod, or
+/// without the right, it only logs: the label steers webhook traffic and
+/// nothing else depends on it.
+pub(crate) async fn label_own_pod(client: &Client, leader: bool) {
+    let (Ok(name), Ok(namespace)) = (std::env::var("POD_NAME"), std::env::var("POD_NAMESPACE")) else {
+        return;
+    };
+    let pods: kube::Api<k8s_openapi::api::core::v1::Pod> = kube::Api::namespaced(client.clone(), &namespace);
+    let patch = serde_json::json!({"metadata": {"labels": {LEADER_POD_LABEL: leader.to_string()}}});
+    let params = kube::api::PatchParams::default();
+    match pods.patch(&name, &params, &kube::api::Patch::Merge(&patch)).await {
+        Ok(_) => tracing::info!(pod = %name, leader, "pod labelled"),
+        Err(e) => tracing::warn!(pod = %name, leader, error = %e, "could not label this pod"),
+    }
+}
+
+/// Runs `work` (the gitops half, the controller, or both) until Ctrl-C or
+/// SIGTERM; with `--leader-elect` only while this process holds the Lease,
+/// so that of several replicas exactly one fetches, applies, writes status
+/// and reconciles. A standby reports itself ready (`election ready`: it is
+/// healthy and will take over) but labels its pod not-leader, so the
+/// webhook Service sends it nothing. `work`'s error, or a lost Lease, is
+/// returned: the process must exit.
+pub(crate) async fn run_elected(
+    client: Client,
+    election: &LeaderElectionOptions,
+    instance: &str,
+    metrics: Arc<Metrics>,
+    work: impl std::future::Future<Output = anyhow::Result<()>>,
+) -> anyhow::Result<()> {
+    if !election.leader_elect {
+        return tokio::select! {
+            result = work => result,
+            () = shutdown_signal() => Ok(()),
+        };
+    }
+    // A restarted container keeps its pod, and the label of its last life.
+    label_own_pod(&client, false).await;
+    metrics.set_ready("election", true);
+    let lease = LeaseConfig::new(&election.lease_namespace, &election.lease_name, unique_identity(instance))
+        .with_lease_seconds(election.lease_seconds);
+    let elector = LeaderElector::new(client.clone(), lease).with_metrics(metrics);
+    let failed = std::sync::Mutex::new(None);
+    let work = async {
+        label_own_pod(&client, true).await;
+        if let Err(e) = work.await {
+            *failed.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
+        }
+    };
+    elector.run(work, shutdown_signal()).await.context("leader election")?;
+    match failed.into_inner().unwrap_or_else(|p| p.into_inner()) {
+        Some(e) => Err(e),
+        None => Ok(()),
+    }
+}
+
 /// Resolves on Ctrl-C or SIGTERM.
 pub(crate) async fn shutdown_signal() {
     let ctrl_c = async {

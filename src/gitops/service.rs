@@ -21,7 +21,9 @@ use crate::machine::tenancy::DestinationRules;
 use crate::metrics::Metrics;
 use crate::ports::EsxiHost;
 use anyhow::Context as _;
-use kube::api::{Api, ListParams};
+use futures::{FutureExt as _, StreamExt as _};
+use kube::api::Api;
+use kube::runtime::reflector::Store;
 use kube::{Client, ResourceExt};
 use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
@@ -338,19 +340,16 @@ impl Gitops {
         }
     }
 
-    async fn live(&self) -> anyhow::Result<Vec<VirtualMachineMigration>> {
-        let lp = ListParams::default().labels(&format!("{LABEL_GITOPS}=true"));
-        Ok(Api::<VirtualMachineMigration>::all(self.client.clone()).list(&lp).await?.items)
-    }
-
-    /// The status files for the current state of the cluster.
-    pub(crate) async fn status_snapshot(&self) -> anyhow::Result<Option<Snapshot>> {
-        let Some(commit) = self.last_applied() else { return Ok(None) };
-        let mut migrations = self.live().await?;
+    /// The status files for `live` (the migrations vmmigrate applied, as the
+    /// watch of [`watch_live`] holds them) at the last applied commit.
+    pub(crate) fn status_snapshot(&self, live: &Store<VirtualMachineMigration>) -> Option<Snapshot> {
+        let commit = self.last_applied()?;
+        let mut migrations: Vec<VirtualMachineMigration> =
+            live.state().iter().map(|m| (**m).clone()).collect();
         migrations.sort_by_key(|m| (m.namespace(), m.name_any()));
         let orphaned = self.state().orphaned.clone();
         let files = status_files(&StatusInput { migrations, source_commit: commit.clone(), orphaned });
-        Ok(Some((files, commit)))
+        Some((files, commit))
     }
 
     /// Plans every open pull request into the tracked branch whose head moved.
@@ -629,7 +628,7 @@ pub async fn start(
     opts: GitopsOptions,
     metrics: Arc<Metrics>,
 ) -> anyhow::Result<GitopsHandle> {
-    let gitops = Arc::new(Gitops::new(client, opts.clone())?.with_metrics(metrics.clone()));
+    let gitops = Arc::new(Gitops::new(client.clone(), opts.clone())?.with_metrics(metrics.clone()));
     let (events_tx, mut events) = mpsc::channel::<WebhookEvent>(64);
     let webhooks = match opts.webhook_listen {
         Some(addr) => {
@@ -674,6 +673,8 @@ pub async fn start(
         let writer = Arc::new(StatusWriter::new(cfg));
         Some(tokio::spawn(run_coalescing(writer, status_rx, Duration::from_secs(opts.status_window_seconds))))
     };
+    // Status needs the live migrations: one watch, only when status is written.
+    let mut live = writer_task.as_ref().map(|_| watch_live(client.clone()));
     let (shutdown_tx, mut shutdown_rx) = tokio::sync::oneshot::channel::<()>();
     let looping = gitops.clone();
     let poll_every = Duration::from_secs(opts.poll_seconds.max(1));
@@ -681,12 +682,17 @@ pub async fn start(
         let _webhooks = webhooks;
         let _watcher = watcher;
         let mut poll = tokio::time::interval(poll_every);
+        // A snapshot at most once a second, and only after something changed.
         let mut snapshot_every = tokio::time::interval(Duration::from_secs(1));
+        let mut changed = false;
         let mut last: Option<Snapshot> = None;
         loop {
             tokio::select! {
                 _ = &mut shutdown_rx => break,
-                _ = poll.tick() => looping.tick().await,
+                _ = poll.tick() => {
+                    looping.tick().await;
+                    changed = true;
+                }
                 Some(event) = events.recv() => {
                     tracing::info!(?event, "webhook event");
                     looping.metrics.webhook_delivered(event.forge().as_str());
@@ -694,30 +700,93 @@ pub async fn start(
                         let _ = looping.follow_merged(*number).await;
                     }
                     looping.tick().await;
+                    changed = true;
                 }
-                Some(()) = file_ticks.recv() => looping.tick().await,
-                _ = snapshot_every.tick() => match looping.status_snapshot().await {
-                    Ok(Some(s)) if last.as_ref() != Some(&s) => {
-                        last = Some(s.clone());
-                        let _ = status_tx.send(Some(s));
+                Some(()) = file_ticks.recv() => {
+                    looping.tick().await;
+                    changed = true;
+                }
+                Some(()) = async { match live.as_mut() { Some(l) => l.changes.recv().await, None => None } } => {
+                    changed = true;
+                }
+                _ = snapshot_every.tick(), if changed => {
+                    if let Some(l) = live.as_ref().filter(|l| l.ready())
+                        && let Some(s) = looping.status_snapshot(&l.store)
+                    {
+                        changed = false;
+                        if last.as_ref() != Some(&s) {
+                            last = Some(s.clone());
+                            let _ = status_tx.send(Some(s));
+                        }
                     }
-                    Ok(_) => {}
-                    Err(e) => tracing::warn!(error = %format!("{e:#}"), "reading migrations for status"),
-                },
+                }
             }
         }
         // One last snapshot, then closing the channel flushes it.
-        if let Ok(Some(s)) = looping.status_snapshot().await
+        if let Some(l) = live.as_ref().filter(|l| l.ready())
+            && let Some(s) = looping.status_snapshot(&l.store)
             && last.as_ref() != Some(&s)
         {
             let _ = status_tx.send(Some(s));
         }
         drop(status_tx);
+        drop(live);
         if let Some(task) = writer_task {
             let _ = tokio::time::timeout(Duration::from_secs(60), task).await;
         }
     });
     Ok(GitopsHandle { gitops, webhook_addr, webhook_stats, shutdown: Some(shutdown_tx), task })
+}
+
+/// The migrations vmmigrate applied, kept by one watch (`LABEL_GITOPS=true`,
+/// all namespaces) instead of a list every second.
+struct LiveMigrations {
+    store: Store<VirtualMachineMigration>,
+    /// A message after the first full list and after every change since.
+    changes: mpsc::Receiver<()>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl LiveMigrations {
+    /// The first list has arrived: the store is the cluster, not a part of it.
+    fn ready(&self) -> bool {
+        self.store.wait_until_ready().now_or_never().is_some_and(|r| r.is_ok())
+    }
+}
+
+impl Drop for LiveMigrations {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+fn watch_live(client: Client) -> LiveMigrations {
+    use kube::runtime::{WatchStreamExt, reflector, watcher};
+    let (store, writer) = reflector::store();
+    let (tx, changes) = mpsc::channel(1);
+    let api = Api::<VirtualMachineMigration>::all(client);
+    let config = watcher::Config::default().labels(&format!("{LABEL_GITOPS}=true"));
+    let task = tokio::spawn(async move {
+        let events = watcher(api, config).default_backoff().reflect(writer);
+        let mut events = std::pin::pin!(events);
+        let mut listed = false;
+        while let Some(event) = events.next().await {
+            match event {
+                Ok(watcher::Event::InitDone) => listed = true,
+                Ok(watcher::Event::Init | watcher::Event::InitApply(_)) => continue,
+                Ok(_) => {}
+                Err(e) => {
+                    tracing::warn!(error = %e, "watching migrations for status");
+                    continue;
+                }
+            }
+            if listed {
+                // Full: a snapshot is pending anyway.
+                let _ = tx.try_send(());
+            }
+        }
+    });
+    LiveMigrations { store, changes, task }
 }
 
 /// The status files as `vmmigrate status` shows them from the status branch.
