@@ -122,7 +122,8 @@ fn kill_container_process(env: &KubeEnv, pod: &Pod) {
     let container =
         pod.status.as_ref().unwrap().container_statuses.as_ref().unwrap()[0].container_id.clone().unwrap();
     let id = container.rsplit("://").next().unwrap();
-    let mut killed = 0;
+    let mut killed: Vec<String> = Vec::new();
+    let mut seen = Vec::new();
     let root = Path::new("/sys/fs/cgroup/memory").join(&node.cgroup_root);
     let mut stack = vec![root];
     while let Some(dir) = stack.pop() {
@@ -131,9 +132,17 @@ fn kill_container_process(env: &KubeEnv, pod: &Pod) {
         if in_pod && dir.ends_with(id) {
             for pid in std::fs::read_to_string(dir.join("cgroup.procs")).unwrap_or_default().lines() {
                 let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-                if String::from_utf8_lossy(&cmdline).contains("vmmigrate") {
+                // The main process only: not its git children (whose
+                // arguments name /var/lib/vmmigrate) nor a `vmmigrate convert`.
+                let argv: Vec<&[u8]> = cmdline.split(|b| *b == 0).collect();
+                let main = argv.first().is_some_and(|a| a.ends_with(b"vmmigrate"))
+                    && argv.get(1).is_some_and(|a| *a == b"run");
+                seen.push(format!("{pid}: {}", String::from_utf8_lossy(&cmdline).replace('\0', " ")));
+                // A cgroup reached twice (its hierarchy can show it under two
+                // parents) is the same process: killed once.
+                if main && !killed.contains(&pid.to_owned()) {
                     assert!(Command::new("kill").args(["-KILL", pid]).status().unwrap().success());
-                    killed += 1;
+                    killed.push(pid.to_owned());
                 }
             }
         }
@@ -143,7 +152,12 @@ fn kill_container_process(env: &KubeEnv, pod: &Pod) {
             }
         }
     }
-    assert_eq!(killed, 1, "one vmmigrate process in container {id} of pod {}", pod.name_any());
+    assert_eq!(
+        killed.len(),
+        1,
+        "one vmmigrate process in container {id} of pod {}: {seen:?}",
+        pod.name_any()
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

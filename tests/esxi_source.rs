@@ -10,7 +10,7 @@ use vmmigrate::api::{Firmware, SourcePowerState, VirtualMachineMigration};
 use vmmigrate::ports::{EsxiHost, PowerObservation};
 use vmmigrate::source::esxi::adapter::{CredentialSource, EsxiSource, StoreConfig};
 use vmmigrate::source::esxi::copy::{self, CopyPlan};
-use vmmigrate::source::esxi::ssh::{Credentials, RemoteCommand, Secret, Session, Target};
+use vmmigrate::source::esxi::ssh::{Credentials, RemoteCommand, Secret, Session, SshError, Target};
 
 fn migration(emu: &EsxiEmulator, vm_name: &str) -> VirtualMachineMigration {
     let mut vmm: VirtualMachineMigration = serde_json::from_value(serde_json::json!({
@@ -368,4 +368,21 @@ async fn graceful_shutdown_is_requested_once_and_observed_by_polling() {
         .filter(|a| a.first().map(String::as_str) == Some("vmsvc/power.off"))
         .count();
     assert_eq!(offs, 0, "a graceful shutdown never forces");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_host_that_prints_without_end_is_cut_off_at_the_output_limit_with_a_clear_error() {
+    let emu = EsxiEmulator::start(EsxiOptions::default()).expect("emulator");
+    let session = Session::connect(&target(&emu), &password(&emu)).await.expect("connect");
+    // 64 MiB on stdout, where the longest an ESXi host prints is a few MiB.
+    let flood =
+        RemoteCommand::new("sh").unwrap().arg("-c").unwrap().arg("head -c 67108864 /dev/zero").unwrap();
+    let error = session.run(&flood).await.expect_err("cut off");
+    let message = error.to_string();
+    assert!(message.contains("printed more than 8388608 bytes"), "{message}");
+    assert!(matches!(error, SshError::OutputTooLarge { .. }), "{error:?}");
+    // Within the limit is read whole, on a session that still works.
+    let fine = RemoteCommand::new("sh").unwrap().arg("-c").unwrap().arg("head -c 1048576 /dev/zero").unwrap();
+    let session = Session::connect(&target(&emu), &password(&emu)).await.expect("connect");
+    assert_eq!(session.run(&fine).await.expect("1 MiB").stdout.len(), 1 << 20);
 }

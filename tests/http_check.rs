@@ -10,8 +10,9 @@ use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::Client;
 use kube::api::{Api, PostParams};
 use serde_json::{Value, json};
+use std::net::IpAddr;
 use vmmigrate::api::HttpCheck;
-use vmmigrate::destination::http_check::{HttpTarget, SERVICE_NAME_LABEL, run_http_check};
+use vmmigrate::destination::http_check::{SERVICE_NAME_LABEL, run_http_check};
 use vmmigrate::machine::CheckResult;
 
 const PAGE: &str = "<html><body><h1>Welcome to web01</h1><p>migrated from ESXi</p></body></html>\n";
@@ -68,8 +69,9 @@ async fn web_service_at(client: &Client, ns: &str, netns: &Netns) {
     .await;
 }
 
-async fn run(client: &Client, ns: &str, check: &HttpCheck) -> CheckResult {
-    run_http_check(client, ns, check, HttpTarget::Endpoints).await
+/// The check as the controller runs it, for a VM whose VMI reports `vm`.
+async fn run(client: &Client, ns: &str, check: &HttpCheck, vm: &[IpAddr]) -> CheckResult {
+    run_http_check(client, ns, check, vm).await
 }
 
 #[tokio::test]
@@ -77,17 +79,18 @@ async fn http_check_passes_when_the_service_answers_with_the_expected_status_and
     let client = KubeEnv::shared().client().await;
     let ns = test_namespace(&client, "http-pass").await;
     let netns = Netns::new().expect("network namespace");
+    let vm = [IpAddr::V4(netns.ip)];
     netns.serve_http(8080, &[("index.html", PAGE)]).expect("httpd");
     web_service_at(&client, &ns, &netns).await;
 
-    let result = run(&client, &ns, &http(80, "/", 200, Some("Welcome to web01"))).await;
+    let result = run(&client, &ns, &http(80, "/", 200, Some("Welcome to web01")), &vm).await;
     let url = format!("http://{}:8080/", netns.ip);
     assert_eq!(
         result,
         CheckResult::Pass { message: format!("GET {url} → 200, body contains \"Welcome to web01\"") }
     );
 
-    let without_body = run(&client, &ns, &http(80, "/index.html", 200, None)).await;
+    let without_body = run(&client, &ns, &http(80, "/index.html", 200, None), &vm).await;
     assert_eq!(without_body, CheckResult::Pass { message: format!("GET {url}index.html → 200") });
 }
 
@@ -96,17 +99,18 @@ async fn wrong_status_or_body_is_wrong_not_not_yet() {
     let client = KubeEnv::shared().client().await;
     let ns = test_namespace(&client, "http-wrong").await;
     let netns = Netns::new().expect("network namespace");
+    let vm = [IpAddr::V4(netns.ip)];
     netns.serve_http(8080, &[("index.html", PAGE)]).expect("httpd");
     web_service_at(&client, &ns, &netns).await;
 
-    let missing_page = run(&client, &ns, &http(80, "/health", 200, None)).await;
+    let missing_page = run(&client, &ns, &http(80, "/health", 200, None), &vm).await;
     let CheckResult::Wrong { message } = &missing_page else {
         panic!("expected Wrong, got {missing_page:?}")
     };
     let prefix = format!("GET http://{}:8080/health → 404, expected 200; body: ", netns.ip);
     assert!(message.starts_with(&prefix), "{message}");
 
-    let other_text = run(&client, &ns, &http(80, "/", 200, Some("Goodbye"))).await;
+    let other_text = run(&client, &ns, &http(80, "/", 200, Some("Goodbye")), &vm).await;
     let CheckResult::Wrong { message } = &other_text else { panic!("expected Wrong, got {other_text:?}") };
     assert!(message.contains("→ 200, but the body does not contain \"Goodbye\""), "{message}");
     assert!(message.contains("Welcome to web01"), "the message shows what came back: {message}");
@@ -117,15 +121,16 @@ async fn missing_service_or_no_ready_endpoints_is_not_yet() {
     let client = KubeEnv::shared().client().await;
     let ns = test_namespace(&client, "http-notyet").await;
     let check = http(80, "/", 200, None);
+    let vm: [IpAddr; 1] = ["10.251.255.254".parse().unwrap()];
     let not_yet = |message: &str| CheckResult::NotYet { message: format!("Service {ns}/web {message}") };
 
-    assert_eq!(run(&client, &ns, &check).await, not_yet("does not exist yet"));
+    assert_eq!(run(&client, &ns, &check, &vm).await, not_yet("does not exist yet"));
 
     create_service(&client, &ns, json!([{"name": "http", "port": 80, "targetPort": 8080}])).await;
-    assert_eq!(run(&client, &ns, &check).await, not_yet("has no endpoints yet"));
+    assert_eq!(run(&client, &ns, &check, &vm).await, not_yet("has no endpoints yet"));
 
     let elsewhere = http(8443, "/", 200, None);
-    assert_eq!(run(&client, &ns, &elsewhere).await, not_yet("has no TCP port 8443 (it has 80/http)"));
+    assert_eq!(run(&client, &ns, &elsewhere, &vm).await, not_yet("has no TCP port 8443 (it has 80/http)"));
 
     create_slice(
         &client,
@@ -135,7 +140,7 @@ async fn missing_service_or_no_ready_endpoints_is_not_yet() {
         json!([{"name": "http", "port": 8080}]),
     )
     .await;
-    assert_eq!(run(&client, &ns, &check).await, not_yet("has no ready endpoint yet (1 not ready)"));
+    assert_eq!(run(&client, &ns, &check, &vm).await, not_yet("has no ready endpoint yet (1 not ready)"));
 }
 
 /// The guest's address answers but nothing listens yet: refused, then passing once the server starts.
@@ -144,16 +149,17 @@ async fn connection_refused_is_not_yet() {
     let client = KubeEnv::shared().client().await;
     let ns = test_namespace(&client, "http-refused").await;
     let netns = Netns::new().expect("network namespace");
+    let vm = [IpAddr::V4(netns.ip)];
     web_service_at(&client, &ns, &netns).await;
     let check = http(80, "/", 200, Some("Welcome"));
 
-    let refused = run(&client, &ns, &check).await;
+    let refused = run(&client, &ns, &check, &vm).await;
     let CheckResult::NotYet { message } = &refused else { panic!("expected NotYet, got {refused:?}") };
     let prefix = format!("GET http://{}:8080/: cannot connect: ", netns.ip);
     assert!(message.starts_with(&prefix) && message.contains("refused"), "{message}");
 
     netns.serve_http(8080, &[("index.html", PAGE)]).expect("httpd");
-    assert!(matches!(run(&client, &ns, &check).await, CheckResult::Pass { .. }));
+    assert!(matches!(run(&client, &ns, &check, &vm).await, CheckResult::Pass { .. }));
 }
 
 /// `HttpCheck.port` is a number, so the name is the Service port's: it selects
@@ -163,6 +169,7 @@ async fn the_endpoint_port_is_the_slice_port_named_like_the_service_port() {
     let client = KubeEnv::shared().client().await;
     let ns = test_namespace(&client, "http-named").await;
     let netns = Netns::new().expect("network namespace");
+    let vm = [IpAddr::V4(netns.ip)];
     netns.serve_http(8080, &[("index.html", PAGE)]).expect("httpd");
     netns.serve_http(9090, &[("index.html", "metrics\n")]).expect("httpd");
     create_service(
@@ -183,8 +190,28 @@ async fn the_endpoint_port_is_the_slice_port_named_like_the_service_port() {
     )
     .await;
 
-    let web = run(&client, &ns, &http(80, "/", 200, Some("Welcome"))).await;
+    let web = run(&client, &ns, &http(80, "/", 200, Some("Welcome")), &vm).await;
     assert!(matches!(&web, CheckResult::Pass { message } if message.contains(":8080/")), "{web:?}");
-    let metrics = run(&client, &ns, &http(9090, "/", 200, Some("metrics"))).await;
+    let metrics = run(&client, &ns, &http(9090, "/", 200, Some("metrics")), &vm).await;
     assert!(matches!(&metrics, CheckResult::Pass { message } if message.contains(":9090/")), "{metrics:?}");
+}
+
+/// A tenant who writes the destination namespace's Services and
+/// EndpointSlices aims the check elsewhere (another namespace's server, the
+/// API server): it is never contacted, and the check says why.
+#[tokio::test]
+async fn a_service_that_points_away_from_the_migrated_vm_is_never_contacted() {
+    let client = KubeEnv::shared().client().await;
+    let ns = test_namespace(&client, "http-elsewhere").await;
+    let guest = Netns::new().expect("the VM's namespace");
+    let other = Netns::new().expect("someone else's server");
+    other.serve_http(8080, &[("index.html", PAGE)]).expect("httpd");
+    // The Service points at the other server, which would answer 200.
+    web_service_at(&client, &ns, &other).await;
+    let vm = [IpAddr::V4(guest.ip)];
+    let result = run(&client, &ns, &http(80, "/", 200, Some("Welcome")), &vm).await;
+    let CheckResult::NotYet { message } = &result else { panic!("expected NotYet, got {result:?}") };
+    assert!(message.contains(&format!("points at {}", other.ip)), "{message}");
+    assert!(message.contains(&format!("its VMI reports {}", guest.ip)), "{message}");
+    assert!(!message.contains("GET "), "a request was made: {message}");
 }

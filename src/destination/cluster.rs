@@ -2,7 +2,7 @@
 //! VirtualMachine and its VMI, through the Kubernetes API.
 
 use super::claims::SourceClaims;
-use super::http_check::{HttpTarget, run_http_check};
+use super::http_check::run_http_check;
 use super::render;
 use crate::api::Reason;
 use crate::api::labels::MIGRATION_UID as LABEL_MIGRATION_UID;
@@ -395,10 +395,27 @@ impl Prober for KubeProber {
                 }
             }
             Some(CheckKindRef::Http(http)) => {
-                run_http_check(&self.client, &vmm.spec.destination.namespace, http, HttpTarget::default())
+                run_http_check(&self.client, &vmm.spec.destination.namespace, http, &vmi_addresses(&status))
                     .await
             }
             None => CheckResult::Wrong { message: "the check sets none of http, guestAgent, ip".into() },
         }
     }
+}
+
+/// Every address the VMI reports on its interfaces (`ipAddress` and
+/// `ipAddresses`): the only ones an `http` check may talk to.
+fn vmi_addresses(status: &Value) -> Vec<std::net::IpAddr> {
+    let mut addresses = Vec::new();
+    for interface in status["interfaces"].as_array().into_iter().flatten() {
+        let listed = interface["ipAddresses"].as_array().into_iter().flatten().filter_map(Value::as_str);
+        for text in interface["ipAddress"].as_str().into_iter().chain(listed) {
+            if let Ok(ip) = text.parse()
+                && !addresses.contains(&ip)
+            {
+                addresses.push(ip);
+            }
+        }
+    }
+    addresses
 }

@@ -2,11 +2,13 @@
 //! in the destination namespace, passing when the status and the body are the
 //! expected ones.
 //!
-//! In the cluster the URL would be `http://<service>.<namespace>.svc:<port><path>`.
-//! By default the target is resolved through the Kubernetes API instead
-//! (Service → EndpointSlices → a ready address), so the check needs no cluster
-//! DNS and can be tested against a bare API server; `HttpTarget::ClusterDns`
-//! keeps the DNS form for operators who prefer it.
+//! The target is resolved through the Kubernetes API (Service →
+//! EndpointSlices → a ready address), never through cluster DNS, and only an
+//! address the migrated VM's VMI reports is taken: a tenant who can write
+//! Services and EndpointSlices (or an ExternalName) in the destination
+//! namespace cannot aim the controller's GET at the API server, a metadata
+//! endpoint or another namespace's pods. The check needs no cluster DNS and
+//! can be tested against a bare API server.
 //!
 //! The client is reqwest (hyper underneath) for one HTTP/1.1 GET: no proxy
 //! from the environment, no redirects followed, `Connection: close`, at most
@@ -34,16 +36,6 @@ pub(crate) const BODY_LIMIT: usize = 1024 * 1024;
 /// Label that ties an EndpointSlice to its Service.
 pub const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
 const EXCERPT_CHARS: usize = 200;
-
-/// How the check finds the application behind the Service.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum HttpTarget {
-    /// A ready address from the Service's EndpointSlices, read through the API.
-    #[default]
-    Endpoints,
-    /// `<service>.<namespace>.svc:<port>`, resolved by cluster DNS.
-    ClusterDns,
-}
 
 /// Where the GET goes: an IP address or DNS name, and a port.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -101,18 +93,16 @@ impl HttpError {
     }
 }
 
-/// Runs one `http` check against the Service `check.service` in `namespace`.
+/// Runs one `http` check against the Service `check.service` in `namespace`,
+/// through one of its ready endpoints whose address is in `vm_addresses`
+/// (what the migrated VM's VMI reports).
 pub async fn run_http_check(
     client: &Client,
     namespace: &str,
     check: &HttpCheck,
-    target: HttpTarget,
+    vm_addresses: &[IpAddr],
 ) -> CheckResult {
-    let endpoint = match target {
-        HttpTarget::Endpoints => resolve_endpoint(client, namespace, check).await,
-        HttpTarget::ClusterDns => cluster_dns_endpoint(namespace, check),
-    };
-    let endpoint = match endpoint {
+    let endpoint = match resolve_endpoint(client, namespace, check, vm_addresses).await {
         Ok(endpoint) => endpoint,
         Err(message) => return CheckResult::NotYet { message },
     };
@@ -126,17 +116,12 @@ pub async fn run_http_check(
     result
 }
 
-/// The Service's DNS name in the cluster, for `HttpTarget::ClusterDns`.
-pub(crate) fn cluster_dns_endpoint(namespace: &str, check: &HttpCheck) -> Result<HttpEndpoint, String> {
-    let port = u16::try_from(check.port).map_err(|_| format!("port {} is out of range", check.port))?;
-    Ok(HttpEndpoint { host: format!("{}.{namespace}.svc", check.service), port })
-}
-
 /// Service → its port `check.port` → a ready endpoint of its EndpointSlices.
 async fn resolve_endpoint(
     client: &Client,
     namespace: &str,
     check: &HttpCheck,
+    vm_addresses: &[IpAddr],
 ) -> Result<HttpEndpoint, String> {
     let key = format!("{namespace}/{}", check.service);
     let service = match Api::<Service>::namespaced(client.clone(), namespace).get_opt(&check.service).await {
@@ -150,7 +135,7 @@ async fn resolve_endpoint(
         .list(&ListParams::default().labels(&selector))
         .await
         .map_err(|e| format!("listing EndpointSlices of Service {key}: {e}"))?;
-    select_endpoint(port, &slices.items).map_err(|e| format!("Service {key} {e}"))
+    select_endpoint(port, &slices.items, vm_addresses).map_err(|e| format!("Service {key} {e}"))
 }
 
 /// The Service's TCP port numbered `port`. Errors complete "Service ns/name …".
@@ -172,14 +157,20 @@ pub(crate) fn service_port(service: &Service, port: i32) -> Result<&ServicePort,
     })
 }
 
-/// The first ready address (slices in name order) and the port it serves
-/// `port` on: the slice's port with the same name as the Service port, else
-/// the Service's numeric targetPort. Errors complete "Service ns/name …".
-pub(crate) fn select_endpoint(port: &ServicePort, slices: &[EndpointSlice]) -> Result<HttpEndpoint, String> {
+/// The first ready address of the VM (one of `vm_addresses`; slices in name
+/// order) and the port it serves `port` on: the slice's port with the same
+/// name as the Service port, else the Service's numeric targetPort. Errors
+/// complete "Service ns/name …".
+pub(crate) fn select_endpoint(
+    port: &ServicePort,
+    slices: &[EndpointSlice],
+    vm_addresses: &[IpAddr],
+) -> Result<HttpEndpoint, String> {
     let mut ordered: Vec<&EndpointSlice> = slices.iter().collect();
     ordered.sort_by(|a, b| a.metadata.name.cmp(&b.metadata.name));
     let mut not_ready = 0;
     let mut without_port = 0;
+    let mut foreign: Vec<&str> = Vec::new();
     for slice in ordered {
         if !matches!(slice.address_type.as_str(), "IPv4" | "IPv6") {
             continue;
@@ -193,8 +184,14 @@ pub(crate) fn select_endpoint(port: &ServicePort, slices: &[EndpointSlice]) -> R
                 not_ready += 1;
                 continue;
             }
-            if let Some(address) = endpoint.addresses.iter().find(|a| a.parse::<IpAddr>().is_ok()) {
-                return Ok(HttpEndpoint { host: address.clone(), port: target });
+            for address in &endpoint.addresses {
+                match address.parse::<IpAddr>() {
+                    Ok(ip) if vm_addresses.contains(&ip) => {
+                        return Ok(HttpEndpoint { host: ip.to_string(), port: target });
+                    }
+                    Ok(_) => foreign.push(address),
+                    Err(_) => {}
+                }
             }
         }
     }
@@ -203,7 +200,14 @@ pub(crate) fn select_endpoint(port: &ServicePort, slices: &[EndpointSlice]) -> R
         Some(name) => format!("port {} ({name})", port.port),
         None => format!("port {}", port.port),
     };
-    Err(if not_ready > 0 {
+    Err(if !foreign.is_empty() {
+        let reported: Vec<String> = vm_addresses.iter().map(IpAddr::to_string).collect();
+        let reported = if reported.is_empty() { "none yet".to_owned() } else { reported.join(", ") };
+        format!(
+            "points at {}, not at the migrated VM (its VMI reports {reported}): the check talks only to the VM",
+            foreign.join(", ")
+        )
+    } else if not_ready > 0 {
         format!("has no ready endpoint yet ({not_ready} not ready)")
     } else if without_port > 0 {
         format!("has {without_port} endpoint(s), none with a port for {described}")
@@ -537,8 +541,42 @@ mod tests {
     fn ipv6_addresses_are_bracketed_and_dns_names_are_not() {
         let v6 = HttpEndpoint { host: "fd00::5".into(), port: 80 };
         assert_eq!(v6.url("/"), "http://[fd00::5]:80/");
-        let dns = cluster_dns_endpoint("apps", &check(None)).unwrap();
+        let dns = HttpEndpoint { host: "web.apps.svc".into(), port: 80 };
         assert_eq!(dns.url("/health"), "http://web.apps.svc:80/health");
+    }
+
+    /// What the migrated VM's VMI reports in these tests.
+    fn vm() -> Vec<IpAddr> {
+        ["10.1.0.5", "10.1.0.1", "10.1.0.9", "fd00::1", "fd00::2"]
+            .iter()
+            .map(|a| a.parse().unwrap())
+            .collect()
+    }
+
+    #[test]
+    fn an_endpoint_that_is_not_the_vm_is_never_chosen() {
+        let svc = service(json!([{"port": 80}]));
+        let port = service_port(&svc, 80).unwrap();
+        // A hand-written slice aiming at the API server and a metadata endpoint.
+        let slices = [slice(
+            "web-1",
+            "IPv4",
+            json!([{"addresses": ["10.96.0.1"]}, {"addresses": ["169.254.169.254"]}]),
+            json!([{"port": 443}]),
+        )];
+        let error = select_endpoint(port, &slices, &vm()).unwrap_err();
+        assert!(error.contains("points at 10.96.0.1, 169.254.169.254"), "{error}");
+        assert!(error.contains("not at the migrated VM (its VMI reports 10.1.0.5"), "{error}");
+        let error = select_endpoint(port, &slices, &[]).unwrap_err();
+        assert!(error.contains("its VMI reports none yet"), "{error}");
+        // Mixed: the VM's own address is taken, the other never.
+        let mixed = [slice(
+            "web-1",
+            "IPv4",
+            json!([{"addresses": ["169.254.169.254"]}, {"addresses": ["10.1.0.5"]}]),
+            json!([{"port": 80}]),
+        )];
+        assert_eq!(select_endpoint(port, &mixed, &vm()), Ok(endpoint("10.1.0.5", 80)));
     }
 
     fn service(ports: serde_json::Value) -> Service {
@@ -585,19 +623,25 @@ mod tests {
             json!([{"addresses": ["10.1.0.5"], "conditions": {"ready": true}}]),
             json!([{"name": "metrics", "port": 9090}, {"name": "http", "port": 8080, "protocol": "TCP"}]),
         )];
-        assert_eq!(select_endpoint(port, &slices), Ok(endpoint("10.1.0.5", 8080)));
+        assert_eq!(select_endpoint(port, &slices, &vm()), Ok(endpoint("10.1.0.5", 8080)));
     }
 
     #[test]
     fn without_a_named_slice_port_the_numeric_target_port_is_used() {
         let slices = [slice("web-1", "IPv4", json!([{"addresses": ["10.1.0.5"]}]), json!([]))];
         let svc = service(json!([{"port": 80, "targetPort": 8081}]));
-        assert_eq!(select_endpoint(service_port(&svc, 80).unwrap(), &slices), Ok(endpoint("10.1.0.5", 8081)));
+        assert_eq!(
+            select_endpoint(service_port(&svc, 80).unwrap(), &slices, &vm()),
+            Ok(endpoint("10.1.0.5", 8081))
+        );
         let svc = service(json!([{"port": 80}]));
-        assert_eq!(select_endpoint(service_port(&svc, 80).unwrap(), &slices), Ok(endpoint("10.1.0.5", 80)));
+        assert_eq!(
+            select_endpoint(service_port(&svc, 80).unwrap(), &slices, &vm()),
+            Ok(endpoint("10.1.0.5", 80))
+        );
         let svc = service(json!([{"name": "http", "port": 80, "targetPort": "web"}]));
         assert_eq!(
-            select_endpoint(service_port(&svc, 80).unwrap(), &slices).unwrap_err(),
+            select_endpoint(service_port(&svc, 80).unwrap(), &slices, &vm()).unwrap_err(),
             "has 1 endpoint(s), none with a port for port 80 (http)"
         );
     }
@@ -620,15 +664,18 @@ mod tests {
                 ports.clone(),
             ),
         ];
-        assert_eq!(select_endpoint(port, &slices), Ok(endpoint("fd00::2", 80)));
+        assert_eq!(select_endpoint(port, &slices, &vm()), Ok(endpoint("fd00::2", 80)));
         let not_ready = [slice(
             "web-b",
             "IPv4",
             json!([{"addresses": ["10.1.0.1"], "conditions": {"ready": false}}]),
             ports,
         )];
-        assert_eq!(select_endpoint(port, &not_ready).unwrap_err(), "has no ready endpoint yet (1 not ready)");
-        assert_eq!(select_endpoint(port, &[]).unwrap_err(), "has no endpoints yet");
+        assert_eq!(
+            select_endpoint(port, &not_ready, &vm()).unwrap_err(),
+            "has no ready endpoint yet (1 not ready)"
+        );
+        assert_eq!(select_endpoint(port, &[], &vm()).unwrap_err(), "has no endpoints yet");
     }
 
     #[test]

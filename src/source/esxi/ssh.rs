@@ -47,6 +47,11 @@ pub struct Target {
     pub timeout: Duration,
 }
 
+/// Most stdout one command may print. The longest an ESXi host prints is
+/// `vim-cmd vmsvc/getallvms` (about 150 bytes per VM: 8 MiB is 50,000 VMs);
+/// a host that prints more is broken or hostile, and is not buffered.
+pub(crate) const MAX_OUTPUT: usize = 8 * 1024 * 1024;
+
 /// Classified SSH errors.
 #[derive(Debug, thiserror::Error)]
 pub enum SshError {
@@ -62,6 +67,8 @@ pub enum SshError {
     Timeout { what: String, secs: u64 },
     #[error("SSH protocol error: {0}")]
     Protocol(String),
+    #[error("{what} printed more than {limit} bytes: not what an ESXi host prints; stopped reading")]
+    OutputTooLarge { what: String, limit: usize },
     #[error("invalid remote argument: {0}")]
     InvalidArgument(String),
     #[error("the private key cannot be read: {0}")]
@@ -82,6 +89,7 @@ impl SshError {
             SshError::Connect { .. } => Failure::retryable(Reason::SSHConnectFailed, message),
             SshError::Timeout { .. } => Failure::retryable(Reason::SSHTimeout, message),
             SshError::Protocol(_) => Failure::retryable(Reason::SSHError, message),
+            SshError::OutputTooLarge { .. } => Failure::needs_human(Reason::UnparsableOutput, message),
         }
     }
 }
@@ -279,7 +287,8 @@ impl Session {
         self.handle.is_closed()
     }
 
-    /// Runs one command to completion, bounded by the session timeout.
+    /// Runs one command to completion, bounded by the session timeout and
+    /// [`MAX_OUTPUT`].
     pub async fn run(&self, cmd: &RemoteCommand) -> Result<Output, SshError> {
         self.run_with_timeout(cmd, self.timeout).await
     }
@@ -300,6 +309,9 @@ impl Session {
         self.stream(
             cmd,
             |chunk| {
+                if out.stdout.len() + chunk.len() > MAX_OUTPUT {
+                    return Err(SshError::OutputTooLarge { what: cmd.what.clone(), limit: MAX_OUTPUT });
+                }
                 out.stdout.extend_from_slice(chunk);
                 Ok(())
             },
