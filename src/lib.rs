@@ -48,4 +48,32 @@ pub mod fuzzing {
         }
         judge_delivery(forge, &config, &map, body)
     }
+
+    /// Every parser of `vim-cmd` output on `text`. Must never panic.
+    pub fn esxi_vim_cmd(text: &str) {
+        use crate::source::esxi::parse;
+        let _ = parse::parse_getallvms(text);
+        let _ = parse::parse_power_state(text);
+        let _ = parse::parse_fault(text);
+        let _ = parse::parse_snapshots(text);
+        let _ = parse::parse_message(text);
+        let _ = parse::parse_guest_info(text).map(|g| g.tools_running());
+        let _ = parse::parse_version(text);
+    }
+
+    /// The `.vmx` parser and what discovery reads from it. Must never panic.
+    pub fn esxi_vmx(text: &str) {
+        use crate::source::esxi::parse;
+        let vmx = parse::parse_vmx(text);
+        let _ = vmx.get("displayName");
+        let _ = vmx.get_bool("uefi.secureBoot.enabled");
+        let _ = parse::vmx_facts(&vmx);
+    }
+
+    /// The VMDK descriptor parser. Must never panic.
+    pub fn esxi_descriptor(text: &str) {
+        if let Some(descriptor) = crate::source::esxi::parse::parse_descriptor(text) {
+            let _ = descriptor.capacity_bytes();
+        }
+    }
 }

@@ -2,11 +2,7 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use vmmigrate::source::esxi::parse;
 
 fuzz_target!(|data: &[u8]| {
-    let text = String::from_utf8_lossy(data);
-    if let Some(descriptor) = parse::parse_descriptor(&text) {
-        let _ = descriptor.capacity_bytes();
-    }
+    vmmigrate::fuzzing::esxi_descriptor(&String::from_utf8_lossy(data));
 });
