@@ -172,6 +172,8 @@ fn options(remote: &Remote, cache: &Path, ns: &str) -> GitopsOptions {
         watch_path: None,
         destinations: Default::default(),
         limits: Default::default(),
+        max_fetch_bytes: 256 << 20,
+        fetch_timeout: 300,
     }
 }
 
@@ -672,10 +674,6 @@ fn proc_status_kib(pid: u32, field: &str) -> u64 {
 }
 
 /// A loopback port nobody listens on (bound and released).
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
-}
-
 /// Reads a connection to its end, at most `within`; the status code of what
 /// came back, 0 for a close without an answer.
 async fn answer_of(stream: &mut tokio::net::TcpStream, within: Duration) -> u16 {
@@ -700,7 +698,7 @@ async fn a_webhook_flood_of_idle_connections_and_oversized_unsigned_bodies_costs
     let ns = test_namespace(&client, "gitops-flood").await;
     let remote = Remote::new();
     let cache = tempfile::tempdir().unwrap();
-    let (hook_port, metrics_port) = (free_port(), free_port());
+    let (hook_port, metrics_port) = (crate::support::free_port(), crate::support::free_port());
     // The real process, so its memory is its own to measure.
     let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_vmmigrate"))
         .args(["gitops", "--repo", remote.bare().to_str().unwrap(), "--branch", "main", "--no-status"])

@@ -637,10 +637,6 @@ async fn scrape(port: u16, series: &str) -> Option<f64> {
     Some(value.unwrap_or(0.0))
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
-}
-
 /// A `vmmigrate run --leader-elect` process, killed when dropped.
 struct RunProcess {
     child: std::process::Child,
@@ -651,7 +647,7 @@ struct RunProcess {
 impl RunProcess {
     fn start(ns: &str, pod: &str, repo: &std::path::Path) -> RunProcess {
         let (work, cache) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
-        let metrics_port = free_port();
+        let metrics_port = crate::support::free_port();
         let child = std::process::Command::new(env!("CARGO_BIN_EXE_vmmigrate"))
             .args(["run", "--repo", repo.to_str().unwrap(), "--branch", "main", "--no-status"])
             .args(["--poll-seconds", "1", "--manifest-namespace", ns, "--namespace", ns])

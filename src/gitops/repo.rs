@@ -11,7 +11,17 @@
 
 use super::render::{Limits, RenderError, RepoTree};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::time::{Duration, Instant};
+
+/// Largest pack one fetch may bring, by default: a repository of manifests
+/// is a few MiB, so this leaves room for years of history and stops a pull
+/// request that pushes gigabytes before it fills the cache volume.
+pub const DEFAULT_MAX_FETCH_BYTES: u64 = 256 << 20;
+/// Longest one fetch may take, by default.
+pub const DEFAULT_FETCH_TIMEOUT: Duration = Duration::from_secs(300);
+/// How often the fetch watchdog looks at the pack being written.
+const WATCH_EVERY: Duration = Duration::from_millis(20);
 
 /// How to authenticate to a private repository.
 #[derive(Clone, Default)]
@@ -46,6 +56,10 @@ pub(crate) struct RepoConfig {
     /// Where the private bare clone lives.
     pub cache_dir: PathBuf,
     pub auth: RepoAuth,
+    /// Largest pack one fetch may write (`--max-fetch-bytes`).
+    pub max_fetch_bytes: u64,
+    /// Longest one fetch may take (`--fetch-timeout`).
+    pub fetch_timeout: Duration,
 }
 
 /// A failure talking to or reading the repository. Messages never contain
@@ -127,12 +141,64 @@ impl TrackedRepo {
             });
         }
         let interrupt = AtomicBool::new(false);
-        connection
-            .prepare_fetch(gix::progress::Discard, Default::default())
-            .map_err(|e| err("fetching", e))?
-            .receive(gix::progress::Discard, &interrupt)
-            .map_err(|e| err("fetching", e))?;
+        let stopped = AtomicU8::new(NOT_STOPPED);
+        let pack_dir = repo.objects.store_ref().path().join("pack");
+        let done = AtomicBool::new(false);
+        let received = std::thread::scope(|scope| {
+            let watchdog = scope.spawn(|| self.watch_fetch(&pack_dir, &done, &interrupt, &stopped));
+            let received = connection
+                .prepare_fetch(gix::progress::Discard, Default::default())
+                .map_err(|e| err("fetching", e))
+                .and_then(|prepared| {
+                    prepared
+                        .receive(gix::progress::Discard, &interrupt)
+                        .map(|_| ())
+                        .map_err(|e| err("fetching", e))
+                });
+            done.store(true, Ordering::SeqCst);
+            let _ = watchdog.join();
+            received
+        });
+        match stopped.load(Ordering::SeqCst) {
+            STOPPED_SIZE => Err(err(
+                "fetching",
+                format!(
+                    "the remote sent more than {} bytes, the most one fetch may bring (--max-fetch-bytes); nothing of it was kept",
+                    self.config.max_fetch_bytes
+                ),
+            )),
+            STOPPED_TIME => Err(err(
+                "fetching",
+                format!(
+                    "the fetch took longer than {} s (--fetch-timeout); nothing of it was kept",
+                    self.config.fetch_timeout.as_secs()
+                ),
+            )),
+            _ => received,
+        }?;
         self.tip(&self.config.branch)
+    }
+
+    /// Runs beside a fetch until `done`: interrupts it (gix checks the flag
+    /// while it reads and indexes the pack, and removes its temporary pack)
+    /// once the new files in `pack_dir` grow past the byte limit or the time
+    /// limit passes, and says which in `stopped`.
+    fn watch_fetch(&self, pack_dir: &Path, done: &AtomicBool, interrupt: &AtomicBool, stopped: &AtomicU8) {
+        let before = dir_bytes(pack_dir);
+        let deadline = Instant::now() + self.config.fetch_timeout;
+        while !done.load(Ordering::SeqCst) {
+            let reason = if dir_bytes(pack_dir).saturating_sub(before) > self.config.max_fetch_bytes {
+                STOPPED_SIZE
+            } else if Instant::now() >= deadline {
+                STOPPED_TIME
+            } else {
+                std::thread::sleep(WATCH_EVERY);
+                continue;
+            };
+            stopped.store(reason, Ordering::SeqCst);
+            interrupt.store(true, Ordering::SeqCst);
+            return;
+        }
     }
 
     /// The last fetched tip of `branch`.
@@ -210,6 +276,17 @@ fn shell_quote(p: &Path) -> String {
     format!("'{}'", p.to_string_lossy().replace('\'', "'\\''"))
 }
 
+const NOT_STOPPED: u8 = 0;
+const STOPPED_SIZE: u8 = 1;
+const STOPPED_TIME: u8 = 2;
+
+/// Bytes of the files directly in `dir` (a pack directory holds no folders);
+/// 0 when it cannot be read.
+fn dir_bytes(dir: &Path) -> u64 {
+    let Ok(entries) = std::fs::read_dir(dir) else { return 0 };
+    entries.flatten().filter_map(|e| e.metadata().ok()).filter(|m| m.is_file()).map(|m| m.len()).sum()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -223,5 +300,66 @@ mod tests {
         assert!(cmd.contains("UserKnownHostsFile='/keys/known_hosts' -o StrictHostKeyChecking=yes"), "{cmd}");
         assert_eq!(TrackedRepo::ssh_command(&RepoAuth::Token("t".into())), None);
         assert_eq!(format!("{:?}", RepoAuth::Token("secret".into())), "Token(<redacted>)");
+    }
+
+    /// A bare repository at `dir` whose `main` holds one commit with a blob
+    /// of `bytes` incompressible bytes (a pull request pushing a disk image).
+    fn remote_with_blob(dir: &Path, bytes: usize) -> String {
+        let git = |args: &[&str]| {
+            let out = std::process::Command::new("git")
+                .args(["-c", "user.name=t", "-c", "user.email=t@example.invalid"])
+                .args(args)
+                .output()
+                .unwrap();
+            assert!(out.status.success(), "git {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        };
+        let work = dir.join("work");
+        let bare = dir.join("remote.git");
+        git(&["init", "-q", "-b", "main", work.to_str().unwrap()]);
+        let mut state = 0x9e37_79b9_7f4a_7c15_u64;
+        let noise: Vec<u8> = (0..bytes)
+            .map(|_| {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                state as u8
+            })
+            .collect();
+        std::fs::write(work.join("disk.img"), noise).unwrap();
+        git(&["-C", work.to_str().unwrap(), "add", "disk.img"]);
+        git(&["-C", work.to_str().unwrap(), "commit", "-q", "-m", "a big blob"]);
+        git(&["clone", "-q", "--bare", work.to_str().unwrap(), bare.to_str().unwrap()]);
+        bare.to_string_lossy().into_owned()
+    }
+
+    fn tracked(url: String, cache: &Path, max_fetch_bytes: u64) -> TrackedRepo {
+        TrackedRepo::new(RepoConfig {
+            url,
+            branch: "main".into(),
+            cache_dir: cache.to_path_buf(),
+            auth: RepoAuth::None,
+            max_fetch_bytes,
+            fetch_timeout: DEFAULT_FETCH_TIMEOUT,
+        })
+    }
+
+    #[test]
+    fn a_fetch_past_the_byte_limit_is_stopped_with_an_error_naming_the_limit_and_keeps_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let url = remote_with_blob(dir.path(), 24 << 20);
+        let cache = dir.path().join("cache.git");
+
+        let refused = tracked(url.clone(), &cache, 4 << 20).fetch().unwrap_err().to_string();
+
+        assert!(
+            refused.contains("more than 4194304 bytes") && refused.contains("--max-fetch-bytes"),
+            "{refused}"
+        );
+        let kept = dir_bytes(&cache.join("objects/pack"));
+        assert!(kept < 1 << 20, "{kept} bytes of the refused pack were left in the cache");
+        assert!(tracked(url.clone(), &cache, 4 << 20).tip("main").is_err(), "the refused tip was recorded");
+        // Within the limit the same remote fetches.
+        let tip = tracked(url, &cache, 64 << 20).fetch().unwrap();
+        assert_eq!(tip.len(), 40, "{tip}");
     }
 }

@@ -108,6 +108,14 @@ pub struct GitopsOptions {
     pub destinations: DestinationRules,
     #[command(flatten)]
     pub limits: Limits,
+    /// Largest pack one fetch of the repository may bring, in bytes; past it
+    /// the fetch is stopped and nothing of it is kept.
+    #[arg(long, env = "VMMIGRATE_MAX_FETCH_BYTES", default_value_t = super::repo::DEFAULT_MAX_FETCH_BYTES)]
+    pub max_fetch_bytes: u64,
+    /// Longest one fetch of the repository may take, in seconds.
+    #[arg(long, env = "VMMIGRATE_FETCH_TIMEOUT", default_value_t = super::repo::DEFAULT_FETCH_TIMEOUT.as_secs(),
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub fetch_timeout: u64,
 }
 
 impl GitopsOptions {
@@ -187,6 +195,8 @@ impl Gitops {
             branch: opts.branch.clone(),
             cache_dir: opts.cache_dir.join("tracked.git"),
             auth,
+            max_fetch_bytes: opts.max_fetch_bytes,
+            fetch_timeout: std::time::Duration::from_secs(opts.fetch_timeout),
         });
         let forge: Option<Arc<dyn Forge>> = match opts.forge.as_deref() {
             None => None,

@@ -287,13 +287,22 @@ pub(crate) fn progress_bar(percent: i32) -> String {
     format!("{}{} {percent}%", "█".repeat(filled), "░".repeat(BAR_CELLS - filled))
 }
 
-/// Text safe inside one Markdown table cell: one line, no column breaks, no HTML.
+/// Text safe inside one Markdown table cell: one line, no column breaks, no
+/// HTML, and no inline syntax. The characters CommonMark and GitHub read as
+/// links and images (`[` `]`), emphasis (`*` `_`), code spans, strike-through,
+/// mentions and autolinks or emoji (`:`, as in `https://`) are
+/// backslash-escaped, so a VM name or an ESXi error message shows as the text
+/// it is and never as `[a link](https://elsewhere)` or a ping of `@team`.
 pub(crate) fn markdown_cell(text: &str) -> String {
     let mut out = String::with_capacity(text.len());
     for c in text.chars() {
         match c {
             '\\' => out.push_str("\\\\"),
             '|' => out.push_str("\\|"),
+            '[' | ']' | '*' | '_' | '`' | '~' | '@' | ':' => {
+                out.push('\\');
+                out.push(c);
+            }
             '<' => out.push_str("&lt;"),
             '>' => out.push_str("&gt;"),
             '&' => out.push_str("&amp;"),
@@ -344,7 +353,7 @@ fn status_md(rows: &[Row<'_>], source_commit: &str) -> String {
     md.push_str("| Migration | Phase | Progress | Source VM | Destination | Last error |\n");
     md.push_str("|---|---|---|---|---|---|\n");
     for row in rows {
-        let mut migration = format!("{}/{}", row.namespace, row.name);
+        let mut migration = markdown_cell(&format!("{}/{}", row.namespace, row.name));
         if row.orphaned {
             migration.push_str(" (orphaned)");
         }
@@ -359,7 +368,7 @@ fn status_md(rows: &[Row<'_>], source_commit: &str) -> String {
         let _ = writeln!(
             md,
             "| {} | {} | {} | {} | {} | {} |",
-            markdown_cell(&migration),
+            migration,
             row.status.phase,
             progress_cell(&row.status),
             markdown_cell(&source_vm),
@@ -597,8 +606,34 @@ mod tests {
         let md = &status_files(&input(vec![m]))[STATUS_MD];
         let line = md.lines().find(|l| l.starts_with("| apps/web-01")).unwrap();
         assert_eq!(line.matches(" | ").count() + 1, 6, "{line}");
-        assert!(line.contains(r"ImportFailed: a \| b c xxx"), "{line}");
+        assert!(line.contains(r"ImportFailed\: a \| b c xxx"), "{line}");
         assert!(line.ends_with("x… |"), "{line}");
+    }
+
+    #[test]
+    fn a_vm_name_or_error_message_cannot_become_a_link_an_image_a_mention_or_emphasis_in_status_md() {
+        assert_eq!(markdown_cell("[click](https://evil.example)"), r"\[click\](https\://evil.example)");
+        assert_eq!(
+            markdown_cell("![x](y) **b** _i_ `c` ~~s~~ @org/team :tada:"),
+            r"!\[x\](y) \*\*b\*\* \_i\_ \`c\` \~\~s\~\~ \@org/team \:tada\:"
+        );
+
+        let mut m = migration("apps", "web-01", Phase::Retryable);
+        m.spec.source.vm.name = Some("[web](https://evil.example/login) @admins".into());
+        m.status.as_mut().unwrap().errors = vec![MigrationError {
+            time: t("2025-03-01T10:00:00Z"),
+            phase: Phase::Discovering,
+            reason: "UnparsableOutput".into(),
+            message: "![pixel](https://evil.example/p.png) `rm -rf` **now**".into(),
+            retryable: false,
+        }];
+        let md = &status_files(&input(vec![m]))[STATUS_MD];
+        let line = md.lines().find(|l| l.starts_with("| apps/web-01")).unwrap();
+        for unescaped in ["[", "]", "`", "*", "@", "://"] {
+            let bare = line.match_indices(unescaped).filter(|(i, _)| !line[..*i].ends_with('\\')).count();
+            assert_eq!(bare, 0, "{unescaped:?} left unescaped in {line}");
+        }
+        assert!(line.contains(r"\[web\](https\://evil.example/login) \@admins"), "{line}");
     }
 
     #[test]

@@ -22,6 +22,12 @@ pub async fn test_namespace(client: &kube::Client, prefix: &str) -> String {
     name
 }
 
+/// A loopback port free at the moment of asking, for a child process to
+/// bind (it may be taken in between; the caller's start-up then fails loudly).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
 fn rand_u32() -> u32 {
     use std::hash::{BuildHasher, RandomState};
     RandomState::new().hash_one(std::time::SystemTime::now()) as u32
