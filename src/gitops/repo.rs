@@ -159,7 +159,9 @@ impl TrackedRepo {
             let _ = watchdog.join();
             received
         });
-        match stopped.load(Ordering::SeqCst) {
+        // A fetch that completed although the watchdog fired (it was past the
+        // point where gix looks at the flag) stands: its refs have moved.
+        match received.as_ref().map_or(stopped.load(Ordering::SeqCst), |_| NOT_STOPPED) {
             STOPPED_SIZE => Err(err(
                 "fetching",
                 format!(
