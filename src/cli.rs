@@ -258,8 +258,7 @@ fn gitops(
                 return std::future::pending().await;
             };
             let staging = ctl::start_staging(&c, &metrics).await?;
-            let url = c.staging_url.clone().unwrap_or_else(|| format!("http://{}", staging.local_addr()));
-            let adapters = ctl::adapters(client.clone(), &c, url, &metrics);
+            let adapters = ctl::adapters(client.clone(), &c, &staging, &metrics);
             let config = crate::controller::reconciler::ControllerConfig {
                 namespace: c.namespace.clone(),
                 max_requeue: None,

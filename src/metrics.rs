@@ -21,9 +21,7 @@
 
 use crate::api::{Phase, VirtualMachineMigrationStatus};
 use crate::server::{self, Limits, Server};
-use bytes::Bytes;
 use http::{HeaderValue, Method, Request, Response, StatusCode, header};
-use http_body_util::Full;
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
 use prometheus_client::metrics::MetricType;
@@ -463,7 +461,7 @@ fn limits() -> Limits {
 }
 
 fn start(listener: TcpListener, metrics: Arc<Metrics>) -> io::Result<MetricsServer> {
-    let server = Server::start(listener, limits(), "metrics", move |request| {
+    let server = Server::start(listener, limits(), None, "metrics", move |request| {
         let answer = route(&request, &metrics);
         async move { answer }
     })?;
@@ -471,7 +469,7 @@ fn start(listener: TcpListener, metrics: Arc<Metrics>) -> io::Result<MetricsServ
     Ok(MetricsServer { server })
 }
 
-fn route<B>(request: &Request<B>, metrics: &Metrics) -> Response<Full<Bytes>> {
+fn route<B>(request: &Request<B>, metrics: &Metrics) -> Response<server::Body> {
     if request.method() != Method::GET {
         let mut answer = server::text(StatusCode::METHOD_NOT_ALLOWED, "GET only\n");
         answer.headers_mut().insert(header::ALLOW, HeaderValue::from_static("GET"));

@@ -1,5 +1,6 @@
 //! What every HTTP server of vmmigrate shares (the webhook receiver, the
-//! metrics and health endpoints): hyper's HTTP/1.1 connection state machine
+//! metrics and health endpoints, the staging server): hyper's HTTP/1.1
+//! connection state machine, over TLS where the server has an identity,
 //! under limits an attacker on the network cannot talk its way past.
 //!
 //! - **Connections**: at most [`Limits::max_connections`] at once; one more
@@ -9,8 +10,10 @@
 //! - **Time**: the request head must arrive within [`Limits::header_timeout`]
 //!   (hyper closes the connection otherwise: slowloris), the whole request,
 //!   body and handling included, within [`Limits::request_timeout`] (408),
-//!   and the connection lives at most that plus [`WRITE_GRACE`] (a client
-//!   that never reads its answer).
+//!   and the connection lives at most [`Limits::connection_deadline`]; a
+//!   client that accepts no byte of its answer for
+//!   [`Limits::write_stall`] is dropped (one that never reads). A TLS
+//!   handshake counts against the header timeout.
 //! - **Size**: the head at most [`Limits::max_head_bytes`] (hyper answers
 //!   431); bodies are the handler's business, read through
 //!   [`read_limited`], which refuses from `Content-Length` before reading
@@ -22,6 +25,7 @@
 
 use bytes::Bytes;
 use http::{HeaderValue, Request, Response, StatusCode, header};
+use http_body_util::combinators::UnsyncBoxBody;
 use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Incoming;
 use hyper::server::conn::http1;
@@ -31,16 +35,19 @@ use std::convert::Infallible;
 use std::future::Future;
 use std::io;
 use std::net::SocketAddr;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::task::{Context, Poll};
 use std::time::Duration;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
 use tokio::task::{JoinHandle, JoinSet};
 use tracing::{Instrument, debug, field, info_span, warn};
 
-/// After the request deadline, how long an answer may take to leave.
-pub(crate) const WRITE_GRACE: Duration = Duration::from_secs(5);
+/// The body of every answer: small ones whole, artifacts streamed.
+pub(crate) type Body = UnsyncBoxBody<Bytes, io::Error>;
 /// How long a closed connection's unread input is drained (see `linger`).
 const LINGER: Duration = Duration::from_secs(2);
 
@@ -66,6 +73,10 @@ pub(crate) struct Limits {
     pub max_connections: usize,
     pub header_timeout: Duration,
     pub request_timeout: Duration,
+    /// The longest a connection lives, answer included.
+    pub connection_deadline: Duration,
+    /// The longest a client may accept no byte of its answer.
+    pub write_stall: Duration,
     pub max_head_bytes: usize,
 }
 
@@ -75,6 +86,9 @@ impl Default for Limits {
             max_connections: 2048,
             header_timeout: Duration::from_secs(5),
             request_timeout: Duration::from_secs(10),
+            // The request's time and 5 s for the answer to leave.
+            connection_deadline: Duration::from_secs(15),
+            write_stall: Duration::from_secs(5),
             max_head_bytes: 16 * 1024,
         }
     }
@@ -97,21 +111,23 @@ pub(crate) struct Server {
 }
 
 impl Server {
-    /// Serves `handler` on `listener` under `limits`. `name` names the
-    /// server in logs.
+    /// Serves `handler` on `listener` under `limits`, over TLS when `tls`
+    /// is given. `name` names the server in logs.
     pub(crate) fn start<H, F>(
         listener: TcpListener,
         limits: Limits,
+        tls: Option<Arc<rustls::ServerConfig>>,
         name: &'static str,
         handler: H,
     ) -> io::Result<Server>
     where
         H: Fn(Request<Incoming>) -> F + Clone + Send + Sync + 'static,
-        F: Future<Output = Response<Full<Bytes>>> + Send + 'static,
+        F: Future<Output = Response<Body>> + Send + 'static,
     {
         let addr = listener.local_addr()?;
         let stats = Arc::new(ServerStats::default());
-        let task = tokio::spawn(accept_loop(listener, limits, name, handler, stats.clone()));
+        let tls = tls.map(tokio_rustls::TlsAcceptor::from);
+        let task = tokio::spawn(accept_loop(listener, limits, tls, name, handler, stats.clone()));
         Ok(Server { addr, stats, task })
     }
 
@@ -133,12 +149,13 @@ impl Drop for Server {
 async fn accept_loop<H, F>(
     listener: TcpListener,
     limits: Limits,
+    tls: Option<tokio_rustls::TlsAcceptor>,
     name: &'static str,
     handler: H,
     stats: Arc<ServerStats>,
 ) where
     H: Fn(Request<Incoming>) -> F + Clone + Send + Sync + 'static,
-    F: Future<Output = Response<Full<Bytes>>> + Send + 'static,
+    F: Future<Output = Response<Body>> + Send + 'static,
 {
     let slots = Arc::new(Semaphore::new(limits.max_connections));
     // Connections belong to this task's JoinSet: aborting it aborts them.
@@ -154,7 +171,7 @@ async fn accept_loop<H, F>(
                     };
                     let _ = stream.set_nodelay(true);
                     let span = info_span!("http", server = name, %peer, target = field::Empty, status = field::Empty);
-                    let connection = serve(stream, limits, handler.clone(), stats.clone());
+                    let connection = serve(stream, limits, tls.clone(), handler.clone(), stats.clone());
                     connections.spawn(async move {
                         connection.await;
                         drop(slot);
@@ -175,10 +192,15 @@ async fn accept_loop<H, F>(
     }
 }
 
-async fn serve<H, F>(stream: tokio::net::TcpStream, limits: Limits, handler: H, stats: Arc<ServerStats>)
-where
+async fn serve<H, F>(
+    stream: tokio::net::TcpStream,
+    limits: Limits,
+    tls: Option<tokio_rustls::TlsAcceptor>,
+    handler: H,
+    stats: Arc<ServerStats>,
+) where
     H: Fn(Request<Incoming>) -> F + Clone + Send + Sync + 'static,
-    F: Future<Output = Response<Full<Bytes>>> + Send + 'static,
+    F: Future<Output = Response<Body>> + Send + 'static,
 {
     let service = service_fn(move |request: Request<Incoming>| {
         let handler = handler.clone();
@@ -206,18 +228,25 @@ where
         Ok(Err(e)) => return debug!(error = %e, "connection failed before its request"),
         Err(_elapsed) => return debug!("no request within the header timeout: closed"),
     }
-    // Boxed: the hyper connection's state is large, and a task waiting above
-    // should not carry room for it.
-    Box::pin(speak_http(stream, limits, started, service)).await;
+    // Boxed: the hyper connection's state (and TLS's) is large, and a task
+    // waiting above should not carry room for it.
+    match tls {
+        None => Box::pin(speak_http(stream, limits, started, service)).await,
+        Some(acceptor) => {
+            let remaining = limits.header_timeout.saturating_sub(started.elapsed());
+            match tokio::time::timeout(remaining, acceptor.accept(stream)).await {
+                Ok(Ok(stream)) => Box::pin(speak_http(stream, limits, started, service)).await,
+                Ok(Err(e)) => debug!(error = %e, "TLS handshake failed"),
+                Err(_elapsed) => debug!("no TLS handshake within the header timeout: closed"),
+            }
+        }
+    }
 }
 
-async fn speak_http<S>(
-    stream: tokio::net::TcpStream,
-    limits: Limits,
-    started: tokio::time::Instant,
-    service: S,
-) where
-    S: hyper::service::HttpService<Incoming, ResBody = Full<Bytes>>,
+async fn speak_http<I, S>(stream: I, limits: Limits, started: tokio::time::Instant, service: S)
+where
+    I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    S: hyper::service::HttpService<Incoming, ResBody = Body>,
     S::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
     let mut builder = http1::Builder::new();
@@ -230,9 +259,11 @@ async fn speak_http<S>(
         .max_buf_size(8192);
     // `without_shutdown` hands the socket back once the answer is written,
     // so it can be closed gently (see `linger`).
-    let connection = builder.serve_connection(TokioIo::new(stream), service).without_shutdown();
-    match tokio::time::timeout(limits.request_timeout + WRITE_GRACE, connection).await {
-        Ok(Ok(parts)) => linger(parts.io.into_inner()).await,
+    let io = TokioIo::new(StallGuard::new(stream, limits.write_stall));
+    let connection = builder.serve_connection(io, service).without_shutdown();
+    let deadline = limits.connection_deadline.saturating_sub(started.elapsed());
+    match tokio::time::timeout(deadline, connection).await {
+        Ok(Ok(parts)) => linger(parts.io.into_inner().inner).await,
         Ok(Err(e)) => debug!(error = %e, "connection ended with an error"),
         Err(_elapsed) => debug!("connection outlived its deadline: dropped"),
     }
@@ -242,7 +273,7 @@ async fn speak_http<S>(
 /// closing with unread input makes the kernel send RST, which can destroy an
 /// answer the client has not read yet (a 413 or 401 to a body still on its
 /// way). The drained bytes go to a small buffer and are dropped.
-async fn linger(mut stream: tokio::net::TcpStream) {
+async fn linger(mut stream: impl AsyncRead + AsyncWrite + Unpin) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let _ = stream.shutdown().await;
     let mut sink = [0u8; 1024];
@@ -254,15 +285,85 @@ async fn linger(mut stream: tokio::net::TcpStream) {
     let _ = tokio::time::timeout(LINGER, drain).await;
 }
 
+/// A stream whose writes fail with `TimedOut` once the peer has accepted
+/// nothing for `limit`: hyper has no write timeout of its own, and a client
+/// that stops reading would otherwise hold its connection (and a large
+/// answer's buffers) until the connection deadline.
+struct StallGuard<S> {
+    inner: S,
+    limit: Duration,
+    stalled_since: Option<Pin<Box<tokio::time::Sleep>>>,
+}
+
+impl<S> StallGuard<S> {
+    fn new(inner: S, limit: Duration) -> Self {
+        StallGuard { inner, limit, stalled_since: None }
+    }
+
+    /// Called when a write is pending: `Err` once the stall is too long.
+    fn check_stall(&mut self, cx: &mut Context<'_>) -> io::Result<()> {
+        let limit = self.limit;
+        let timer = self.stalled_since.get_or_insert_with(|| Box::pin(tokio::time::sleep(limit)));
+        match timer.as_mut().poll(cx) {
+            Poll::Ready(()) => Err(io::Error::new(io::ErrorKind::TimedOut, "client stopped reading")),
+            Poll::Pending => Ok(()),
+        }
+    }
+
+    fn progress<T>(&mut self, cx: &mut Context<'_>, poll: Poll<io::Result<T>>) -> Poll<io::Result<T>> {
+        match poll {
+            Poll::Ready(result) => {
+                self.stalled_since = None;
+                Poll::Ready(result)
+            }
+            Poll::Pending => match self.check_stall(cx) {
+                Ok(()) => Poll::Pending,
+                Err(e) => Poll::Ready(Err(e)),
+            },
+        }
+    }
+}
+
+impl<S: AsyncRead + Unpin> AsyncRead for StallGuard<S> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_read(cx, buf)
+    }
+}
+
+impl<S: AsyncWrite + Unpin> AsyncWrite for StallGuard<S> {
+    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+        let poll = Pin::new(&mut self.inner).poll_write(cx, buf);
+        self.progress(cx, poll)
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let poll = Pin::new(&mut self.inner).poll_flush(cx);
+        self.progress(cx, poll)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}
+
+/// A whole body as a [`Body`].
+pub(crate) fn whole(bytes: impl Into<Bytes>) -> Body {
+    Full::new(bytes.into()).map_err(|never| match never {}).boxed_unsync()
+}
+
 /// Every answer says the connection ends with it.
-fn closing(mut response: Response<Full<Bytes>>) -> Response<Full<Bytes>> {
+fn closing(mut response: Response<Body>) -> Response<Body> {
     response.headers_mut().insert(header::CONNECTION, HeaderValue::from_static("close"));
     response
 }
 
 /// A plain-text answer.
-pub(crate) fn text(status: StatusCode, body: impl Into<Bytes>) -> Response<Full<Bytes>> {
-    let mut response = Response::new(Full::new(body.into()));
+pub(crate) fn text(status: StatusCode, body: impl Into<Bytes>) -> Response<Body> {
+    let mut response = Response::new(whole(body));
     *response.status_mut() = status;
     response
         .headers_mut()
@@ -340,4 +441,39 @@ pub(crate) async fn read_limited(
         return Err(BodyRefused::Broken);
     }
     Ok((bytes, held))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    #[tokio::test]
+    async fn a_client_that_stops_reading_is_cut_off_after_the_write_stall() {
+        const SIZE: usize = 64 << 20;
+        let limits = Limits {
+            write_stall: Duration::from_millis(300),
+            connection_deadline: Duration::from_secs(120),
+            ..Limits::default()
+        };
+        let listener = bind("127.0.0.1:0".parse().unwrap()).unwrap();
+        let server = Server::start(listener, limits, None, "test", |_request| async {
+            Response::new(whole(vec![7u8; SIZE]))
+        })
+        .unwrap();
+        let mut client = tokio::net::TcpStream::connect(server.local_addr()).await.unwrap();
+        client.write_all(b"GET / HTTP/1.1\r\nHost: t\r\n\r\n").await.unwrap();
+        // The client reads nothing for well past the limit (socket buffers
+        // hold a few MiB of the 64), then everything it can.
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let mut received = 0;
+        let mut buf = vec![0u8; 1 << 20];
+        while let Ok(n) = client.read(&mut buf).await
+            && n > 0
+        {
+            received += n;
+        }
+        assert!(received < SIZE, "a stalled client still got all {received} bytes");
+        assert!(received > 0, "the answer had started");
+    }
 }

@@ -100,6 +100,12 @@ const CALLS: &[Call] = &[
     ("delete", "coordination.k8s.io", "leases", "", SYSTEM),
     // ESXi credentials of migrations in the namespace the base configures.
     ("get", "", "secrets", "", SYSTEM),
+    // The import Secret and CA ConfigMap beside each DataVolume.
+    ("create", "", "secrets", "", SYSTEM),
+    ("delete", "", "secrets", "", SYSTEM),
+    ("get", "", "configmaps", "", SYSTEM),
+    ("create", "", "configmaps", "", SYSTEM),
+    ("delete", "", "configmaps", "", SYSTEM),
 ];
 
 /// What the ServiceAccount must never be able to do.
@@ -112,6 +118,11 @@ const FORBIDDEN: &[Call] = &[
     // By name only, even where it may read them.
     ("list", "", "secrets", "", SYSTEM),
     ("watch", "", "secrets", "", SYSTEM),
+    // Import Secrets and CAs only where a Role allows it, never cluster-wide.
+    ("create", "", "secrets", "", ANY),
+    ("delete", "", "secrets", "", ANY),
+    ("create", "", "configmaps", "", ANY),
+    ("list", "", "configmaps", "", SYSTEM),
     ("delete", "", "namespaces", "", ""),
     ("create", "rbac.authorization.k8s.io", "clusterrolebindings", "", ""),
     ("create", "rbac.authorization.k8s.io", "rolebindings", "", SYSTEM),
@@ -465,7 +476,7 @@ fn deployment_passes_only_flags_and_variables_that_vmmigrate_run_knows() {
     assert!(tmp_volume.unwrap().get("emptyDir").is_some(), "/tmp is an emptyDir");
 
     for (service, port) in
-        [("vmmigrate-staging", 8080), ("vmmigrate-webhooks", 8081), ("vmmigrate-metrics", 9090)]
+        [("vmmigrate-staging", 8443), ("vmmigrate-webhooks", 8081), ("vmmigrate-metrics", 9090)]
     {
         let target = &find(&objects, "Service", service)["spec"]["ports"][0];
         let named = container["ports"].as_array().unwrap().iter().find(|p| p["name"] == target["targetPort"]);
@@ -473,6 +484,42 @@ fn deployment_passes_only_flags_and_variables_that_vmmigrate_run_knows() {
     }
     assert_eq!(container["livenessProbe"]["httpGet"], json!({"path": "/healthz", "port": "metrics"}));
     assert_eq!(container["readinessProbe"]["httpGet"], json!({"path": "/readyz", "port": "metrics"}));
+}
+
+#[test]
+fn the_network_policy_admits_the_staging_port_only_from_cdi_importer_pods() {
+    let objects = kustomize(&deploy_dir("base"));
+    let policy = find(&objects, "NetworkPolicy", "vmmigrate-controller");
+    let deployment = find(&objects, "Deployment", "vmmigrate");
+    let pod_labels = &deployment["spec"]["template"]["metadata"]["labels"];
+    for (key, value) in policy["spec"]["podSelector"]["matchLabels"].as_object().unwrap() {
+        assert_eq!(&pod_labels[key], value, "the policy selects the controller pods ({key})");
+    }
+    assert_eq!(policy["spec"]["policyTypes"], json!(["Ingress"]));
+    let rules = policy["spec"]["ingress"].as_array().unwrap();
+    let admitting = |port: &str| -> Vec<&Value> {
+        rules.iter().filter(|r| r["ports"].as_array().unwrap().iter().any(|p| p["port"] == port)).collect()
+    };
+    let staging = admitting("staging");
+    assert_eq!(staging.len(), 1, "one rule admits the staging port");
+    assert_eq!(
+        staging[0]["from"],
+        json!([{
+            "namespaceSelector": {},
+            "podSelector": { "matchLabels": { "app": "containerized-data-importer", "cdi.kubevirt.io": "importer" } },
+        }]),
+        "only CDI importer pods reach the staging port"
+    );
+    assert_eq!(staging[0]["ports"].as_array().unwrap().len(), 1, "the importer rule opens nothing else");
+    for open in ["webhooks", "metrics"] {
+        let rule = admitting(open);
+        assert!(rule.len() == 1 && rule[0].get("from").is_none(), "{open} is reachable from anywhere");
+    }
+    let container = &deployment["spec"]["template"]["spec"]["containers"][0];
+    let named: Vec<&Value> = container["ports"].as_array().unwrap().iter().map(|p| &p["name"]).collect();
+    for port in ["staging", "webhooks", "metrics"] {
+        assert!(named.contains(&&json!(port)), "the container names its port {port}");
+    }
 }
 
 #[test]
@@ -562,7 +609,7 @@ async fn service_account_cannot_read_other_secrets_delete_migrations_or_escalate
 }
 
 #[tokio::test]
-async fn example_tenant_overlay_lets_it_get_secrets_in_that_namespace_only() {
+async fn example_tenant_overlay_lets_it_get_secrets_and_create_import_access_in_that_namespace_only() {
     let client = KubeEnv::shared().client().await;
     let _shared = CLUSTER_RBAC.read().await;
     install_base(&client).await;
@@ -576,6 +623,9 @@ async fn example_tenant_overlay_lets_it_get_secrets_in_that_namespace_only() {
     apply_all(&client, &objects).await;
     let get = ("get", "", "secrets", "", TENANT);
     assert!(eventually(&client, get, true).await, "{}", show(get));
+    for call in [("create", "", "secrets", "", TENANT), ("create", "", "configmaps", "", TENANT)] {
+        assert!(may(&client, call).await, "the ServiceAccount may not {}", show(call));
+    }
     for call in [
         ("list", "", "secrets", "", TENANT),
         ("watch", "", "secrets", "", TENANT),

@@ -33,7 +33,7 @@ use vmmigrate::machine::{
 };
 use vmmigrate::metrics::Metrics;
 use vmmigrate::ports::{
-    Adapters, Cluster, Converter, DiskStore, EsxiHost, PowerObservation, Prober, Staging,
+    Adapters, Cluster, Converter, DiskStore, EsxiHost, ImportAccess, PowerObservation, Prober, Staging,
 };
 
 const WAIT: Duration = Duration::from_secs(90);
@@ -161,6 +161,10 @@ impl Staging for Counting {
         self.tick();
         self.inner.staging.stage(vmm, disk).await
     }
+    async fn import_access(&self, vmm: &Vmm, disk: usize) -> Result<ImportAccess, Failure> {
+        self.tick();
+        self.inner.staging.import_access(vmm, disk).await
+    }
     async fn remove_all(&self, vmm: &Vmm) -> Result<(), Failure> {
         self.tick();
         self.inner.staging.remove_all(vmm).await
@@ -177,9 +181,9 @@ impl Cluster for Counting {
         self.tick();
         self.inner.cluster.data_volume(vmm, disk).await
     }
-    async fn create_data_volume(&self, vmm: &Vmm, disk: usize) -> Result<(), Failure> {
+    async fn create_data_volume(&self, vmm: &Vmm, disk: usize, access: &ImportAccess) -> Result<(), Failure> {
         self.tick();
-        self.inner.cluster.create_data_volume(vmm, disk).await
+        self.inner.cluster.create_data_volume(vmm, disk, access).await
     }
     async fn delete_data_volume(&self, vmm: &Vmm, disk: usize) -> Result<(), Failure> {
         self.tick();

@@ -129,8 +129,7 @@ impl Migration {
     /// the reconciler. The staging server stands for the Service in front of
     /// the controller pods and outlives them.
     fn start_controller(&mut self) {
-        let url = format!("http://{}", self.staging.local_addr());
-        let adapters = service::adapters(self.client.clone(), &self.opts, url, &self.metrics);
+        let adapters = service::adapters(self.client.clone(), &self.opts, &self.staging, &self.metrics);
         let config = ControllerConfig {
             namespace: Some(self.ns.clone()),
             max_requeue: Some(Duration::from_millis(250)),
@@ -420,7 +419,22 @@ async fn two_disk_efi_vm_with_two_nics_migrates_to_completed_with_checksums_end_
         "{:#?}",
         status.validation_results
     );
-    assert_eq!(m.list(&data_volume_resource()).await.len(), 2);
+    let dvs = m.list(&data_volume_resource()).await;
+    assert_eq!(dvs.len(), 2);
+    // Imported over TLS with per-artifact credentials, which are gone now.
+    for dv in &dvs {
+        let http = &dv.data["spec"]["source"]["http"];
+        assert!(http["url"].as_str().unwrap().starts_with("https://"), "{http}");
+        assert_eq!(http["secretRef"], format!("{}-import", dv.name_any()));
+        assert_eq!(http["certConfigMap"], format!("{}-import-ca", dv.name_any()));
+    }
+    let ours = ListParams::default().labels(&format!("migration.platform.example/migration-uid={uid}"));
+    let secrets: Api<Secret> = Api::namespaced(m.client.clone(), &m.ns);
+    let maps: Api<k8s_openapi::api::core::v1::ConfigMap> = Api::namespaced(m.client.clone(), &m.ns);
+    assert!(secrets.list(&ours).await.unwrap().items.is_empty(), "import Secrets left after Completed");
+    assert!(maps.list(&ours).await.unwrap().items.is_empty(), "import CAs left after Completed");
+    let staging = m.staging.stats();
+    assert_eq!(staging.unauthorized.load(Ordering::Relaxed), 0);
 
     // The real adapters and the staging server counted every byte once.
     let text = m.metrics.encode();

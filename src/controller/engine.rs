@@ -185,7 +185,10 @@ pub(crate) async fn perform(
             bounded("staging", CALL_TIMEOUT, adapters.staging.stage(vmm, *disk)).await
         }
         Action::CreateDataVolume { disk } => {
-            bounded("DataVolume create", CALL_TIMEOUT, adapters.cluster.create_data_volume(vmm, *disk)).await
+            let access =
+                bounded("import access", CALL_TIMEOUT, adapters.staging.import_access(vmm, *disk)).await?;
+            let create = adapters.cluster.create_data_volume(vmm, *disk, &access);
+            bounded("DataVolume create", CALL_TIMEOUT, create).await
         }
         Action::DeleteDataVolume { disk } => {
             bounded("DataVolume delete", CALL_TIMEOUT, adapters.cluster.delete_data_volume(vmm, *disk)).await

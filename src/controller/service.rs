@@ -5,6 +5,7 @@
 
 use super::leader::{LeaderElector, LeaseConfig, unique_identity};
 use super::reconciler::{self, ControllerConfig};
+use crate::convert::access::StagingAccess;
 use crate::convert::job::JobSettings;
 use crate::convert::staging::StagingServer;
 use crate::convert::store::{ArtifactStore, StoreSettings};
@@ -30,10 +31,11 @@ pub struct ControllerOptions {
     #[arg(long, env = "VMMIGRATE_WORK_DIR", default_value = "/var/lib/vmmigrate")]
     pub work_dir: PathBuf,
     /// Address the staging server listens on.
-    #[arg(long, env = "VMMIGRATE_STAGING_LISTEN", default_value = "0.0.0.0:8080")]
+    #[arg(long, env = "VMMIGRATE_STAGING_LISTEN", default_value = "0.0.0.0:8443")]
     pub staging_listen: SocketAddr,
     /// Base URL CDI reaches the staging server at (the Service in front of
-    /// this pod). Default: `http://<staging-listen>`.
+    /// this pod); `https://` only: the server's certificate names its host.
+    /// Default: `https://<the address it listens on>`.
     #[arg(long, env = "VMMIGRATE_STAGING_URL")]
     pub staging_url: Option<String>,
     /// Conversions at once in this process (runner `local`).
@@ -108,26 +110,34 @@ impl Default for LeaderElectionOptions {
     }
 }
 
-/// Starts the staging server on the work directory's `staging/`; `metrics`
-/// reports the bytes it serves.
+/// Starts the staging server on the work directory's `staging/`, with the
+/// key and CA of its `staging-tls/` (made on first use) and a certificate
+/// for the host of `--staging-url` (without one, the address it listens
+/// on); `metrics` reports the bytes it serves.
 pub async fn start_staging(opts: &ControllerOptions, metrics: &Metrics) -> anyhow::Result<StagingServer> {
     let staging_root = ArtifactStore::staging_root(&opts.work_dir);
     std::fs::create_dir_all(&staging_root)
         .with_context(|| format!("creating the staging directory {}", staging_root.display()))?;
-    let listener = tokio::net::TcpListener::bind(opts.staging_listen)
-        .await
+    let listener = crate::server::bind(opts.staging_listen)
         .with_context(|| format!("binding the staging server to {}", opts.staging_listen))?;
-    let server = StagingServer::start(listener, staging_root).await.context("starting the staging server")?;
+    let addr = listener.local_addr()?;
+    let url = opts.staging_url.clone().unwrap_or_else(|| format!("https://{addr}"));
+    let url = url.trim_end_matches('/').to_owned();
+    let access = StagingAccess::load_or_create(&StagingAccess::dir(&opts.work_dir), &url)
+        .context("loading the staging server's key and CA")?;
+    let server = StagingServer::start(listener, staging_root, url, Arc::new(access))
+        .await
+        .context("starting the staging server")?;
     metrics.watch_staging(server.stats().bytes_served.clone());
     Ok(server)
 }
 
-/// The real adapters, recording into `metrics`; `staging_url` is where CDI
-/// reaches the staging server.
+/// The real adapters, recording into `metrics`, handing CDI the URL and
+/// credentials of `staging`.
 pub fn adapters(
     client: Client,
     opts: &ControllerOptions,
-    staging_url: String,
+    staging: &StagingServer,
     metrics: &Arc<Metrics>,
 ) -> Adapters {
     let jobs = opts.job_image.clone().map(|image| JobSettings {
@@ -141,7 +151,8 @@ pub fn adapters(
     let store = Arc::new(ArtifactStore::new(
         StoreSettings {
             work_dir: opts.work_dir.clone(),
-            staging_url,
+            staging_url: staging.url().to_owned(),
+            access: staging.access(),
             local_concurrency: opts.conversions,
             jobs,
             metrics: metrics.clone(),
@@ -173,8 +184,7 @@ pub(crate) async fn run(opts: ControllerOptions) -> anyhow::Result<()> {
     let _server = crate::metrics::serve_configured(Some(opts.metrics_listen), metrics.clone()).await?;
     let client = Client::try_default().await.context("connecting to the Kubernetes API")?;
     let staging = start_staging(&opts, &metrics).await?;
-    let staging_url = opts.staging_url.clone().unwrap_or_else(|| format!("http://{}", staging.local_addr()));
-    let adapters = adapters(client.clone(), &opts, staging_url, &metrics);
+    let adapters = adapters(client.clone(), &opts, &staging, &metrics);
     tracing::info!(
         staging = %staging.local_addr(),
         work_dir = %opts.work_dir.display(),

@@ -12,6 +12,7 @@
 //! staging/<uid>/disk-<n>.<fmt>.corrupt                   written by the server when bytes differ
 //! ```
 
+pub mod access;
 pub mod artifact;
 pub(crate) mod job;
 pub mod produce;

@@ -19,7 +19,7 @@ use crate::machine::{ArtifactState, Failure, Reason};
 use crate::metrics::Metrics;
 use crate::ports::kube_errors::{classify, is_not_found};
 use crate::ports::workdir::{copies_root, copy_path};
-use crate::ports::{Converter, Staging};
+use crate::ports::{Converter, ImportAccess, Staging};
 use async_trait::async_trait;
 use k8s_openapi::api::batch::v1::Job;
 use kube::api::{Api, DeleteParams, ListParams, PostParams, PropagationPolicy};
@@ -36,8 +36,10 @@ pub(crate) struct StoreSettings {
     /// The work directory (`copies/`, `artifacts/`, `staging/` below it).
     pub work_dir: PathBuf,
     /// Base URL CDI reaches the staging server at, e.g.
-    /// `http://vmmigrate-staging.vmmigrate-system.svc:8080`.
+    /// `https://vmmigrate-staging.vmmigrate-system.svc:8443`.
     pub staging_url: String,
+    /// The staging server's key and CA, for the credentials CDI is given.
+    pub access: Arc<super::access::StagingAccess>,
     /// Conversions running at once in the controller process.
     pub local_concurrency: usize,
     /// The `job` runner; `None` refuses migrations that ask for it.
@@ -393,6 +395,15 @@ impl Staging for ArtifactStore {
         // A hard link: publishing costs no copy; the marker is written last.
         std::fs::hard_link(&artifact, &staged).map_err(io)?;
         artifact::write_marker(&staged, &marker).map_err(io)
+    }
+
+    async fn import_access(
+        &self,
+        vmm: &VirtualMachineMigration,
+        disk: usize,
+    ) -> Result<ImportAccess, Failure> {
+        let file = format!("disk-{disk}.{}", vmm.spec.conversion.format.extension());
+        Ok(self.settings.access.credential(&uid_of(vmm), &file))
     }
 
     async fn remove_all(&self, vmm: &VirtualMachineMigration) -> Result<(), Failure> {

@@ -477,8 +477,7 @@ async fn start_services(
     screen.line("✓ vmmigrate gitops loop: polls main every 2 s, writes status to branch migration-status");
 
     let staging = ctl::start_staging(&controller, &registry).await?;
-    let staging_url = format!("http://{}", staging.local_addr());
-    let adapters = ctl::adapters(client.clone(), &controller, staging_url, &registry);
+    let adapters = ctl::adapters(client.clone(), &controller, &staging, &registry);
     let config = ControllerConfig {
         namespace: controller.namespace.clone(),
         // The machine polls running work every 5 s; every second makes the bars move.

@@ -12,7 +12,7 @@ use crate::machine::{
     VmiState, data_volume_name, destination_name,
 };
 use crate::ports::kube_errors::{classify, is_not_found};
-use crate::ports::{Cluster, Prober};
+use crate::ports::{Cluster, ImportAccess, Prober};
 use async_trait::async_trait;
 use k8s_openapi::api::core::v1::Namespace;
 use k8s_openapi::api::storage::v1::StorageClass;
@@ -41,6 +41,14 @@ pub fn virtual_machine_instance_resource() -> ApiResource {
         &GroupVersionKind::gvk("kubevirt.io", "v1", "VirtualMachineInstance"),
         "virtualmachineinstances",
     )
+}
+
+fn secret_resource() -> ApiResource {
+    ApiResource::erase::<k8s_openapi::api::core::v1::Secret>(&())
+}
+
+fn config_map_resource() -> ApiResource {
+    ApiResource::erase::<k8s_openapi::api::core::v1::ConfigMap>(&())
 }
 
 fn is_ours(vmm: &VirtualMachineMigration, obj: &DynamicObject) -> bool {
@@ -121,6 +129,16 @@ impl KubeCluster {
             }
             _ => Ok(()),
         }
+    }
+
+    /// Deletes the import Secrets and CA ConfigMaps of every disk.
+    async fn delete_import_access(&self, vmm: &VirtualMachineMigration) -> Result<(), Failure> {
+        for disk in 0..disk_count(vmm) {
+            let dv = Self::dv_name(vmm, disk);
+            self.delete_if_ours(vmm, &secret_resource(), &render::import_secret_name(&dv)).await?;
+            self.delete_if_ours(vmm, &config_map_resource(), &render::import_ca_name(&dv)).await?;
+        }
+        Ok(())
     }
 
     async fn release(
@@ -234,7 +252,15 @@ impl Cluster for KubeCluster {
         })
     }
 
-    async fn create_data_volume(&self, vmm: &VirtualMachineMigration, disk: usize) -> Result<(), Failure> {
+    async fn create_data_volume(
+        &self,
+        vmm: &VirtualMachineMigration,
+        disk: usize,
+        access: &ImportAccess,
+    ) -> Result<(), Failure> {
+        // Before the DataVolume: CDI's importer pod needs both when it starts.
+        self.create(vmm, &secret_resource(), render::import_secret(vmm, disk, access)).await?;
+        self.create(vmm, &config_map_resource(), render::import_ca(vmm, disk, access)).await?;
         self.create(vmm, &data_volume_resource(), render::data_volume(vmm, disk)).await
     }
 
@@ -327,7 +353,7 @@ impl Cluster for KubeCluster {
         for disk in 0..disk_count(vmm) {
             self.delete_data_volume(vmm, disk).await?;
         }
-        Ok(())
+        self.delete_import_access(vmm).await
     }
 
     async fn release_destination(&self, vmm: &VirtualMachineMigration) -> Result<(), Failure> {
@@ -335,7 +361,8 @@ impl Cluster for KubeCluster {
         for disk in 0..disk_count(vmm) {
             self.release(vmm, &data_volume_resource(), &Self::dv_name(vmm, disk)).await?;
         }
-        Ok(())
+        // The imports are done: their credentials and CA go, never released.
+        self.delete_import_access(vmm).await
     }
 }
 

@@ -9,6 +9,7 @@
 
 use crate::api::{Firmware, NetworkKind, VirtualMachineMigration};
 use crate::machine::{data_volume_name, destination_name};
+use crate::ports::ImportAccess;
 use serde_json::{Value, json};
 
 use crate::api::labels::{
@@ -44,7 +45,59 @@ pub(crate) fn owner_references(vmm: &VirtualMachineMigration) -> Value {
     }])
 }
 
-/// The DataVolume of disk `disk`, importing the staged artifact over HTTP.
+/// The Secret holding the credentials of DataVolume `dv`'s artifact.
+pub(crate) fn import_secret_name(dv: &str) -> String {
+    format!("{dv}-import")
+}
+
+/// The ConfigMap holding the CA DataVolume `dv`'s importer trusts.
+pub(crate) fn import_ca_name(dv: &str) -> String {
+    format!("{dv}-import-ca")
+}
+
+/// The credentials of disk `disk`'s artifact, as CDI's HTTP source reads
+/// them from `secretRef` (keys `accessKeyId` and `secretKey`).
+pub(crate) fn import_secret(vmm: &VirtualMachineMigration, disk: usize, access: &ImportAccess) -> Value {
+    use base64::Engine as _;
+    let encode = |s: &str| base64::engine::general_purpose::STANDARD.encode(s);
+    json!({
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": import_metadata(vmm, disk, import_secret_name),
+        "type": "Opaque",
+        "data": {
+            "accessKeyId": encode(&access.access_key_id),
+            "secretKey": encode(&access.secret_key),
+        },
+    })
+}
+
+/// The staging server's CA, as CDI's HTTP source reads it from
+/// `certConfigMap` (every key a PEM file).
+pub(crate) fn import_ca(vmm: &VirtualMachineMigration, disk: usize, access: &ImportAccess) -> Value {
+    json!({
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": import_metadata(vmm, disk, import_ca_name),
+        "data": { "ca.pem": access.ca_pem },
+    })
+}
+
+fn import_metadata(vmm: &VirtualMachineMigration, disk: usize, name: fn(&str) -> String) -> Value {
+    let dv =
+        data_volume_name(destination_name(&vmm.spec, vmm.metadata.name.as_deref().unwrap_or_default()), disk);
+    let mut labels = labels(vmm);
+    labels.insert(LABEL_DISK.into(), json!(disk.to_string()));
+    json!({
+        "name": name(&dv),
+        "namespace": vmm.spec.destination.namespace,
+        "labels": labels,
+        "ownerReferences": owner_references(vmm),
+    })
+}
+
+/// The DataVolume of disk `disk`, importing the staged artifact over HTTPS
+/// with the credentials of [`import_secret`] and the CA of [`import_ca`].
 pub(crate) fn data_volume(vmm: &VirtualMachineMigration, disk: usize) -> Value {
     let status = vmm.status.clone().unwrap_or_default();
     let name =
@@ -55,7 +108,11 @@ pub(crate) fn data_volume(vmm: &VirtualMachineMigration, disk: usize) -> Value {
     let request = format!("{}Mi", (size + (1 << 20) - 1) >> 20);
     let mut labels = labels(vmm);
     labels.insert(LABEL_DISK.into(), json!(disk.to_string()));
-    let mut http = json!({ "url": evidence.artifact_url.unwrap_or_default() });
+    let mut http = json!({
+        "url": evidence.artifact_url.unwrap_or_default(),
+        "secretRef": import_secret_name(&name),
+        "certConfigMap": import_ca_name(&name),
+    });
     if let Some(sha) = evidence.artifact_sha256 {
         http["checksum"] = json!(format!("sha256:{sha}"));
     }

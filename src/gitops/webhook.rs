@@ -42,10 +42,8 @@
 //! spent by other requests. A connection over the cap is closed unanswered.
 
 use crate::server::{self, BodyRefused, Limits, Server, ServerStats};
-use bytes::Bytes;
 use hmac::{Hmac, Mac};
 use http::{HeaderMap, HeaderValue, Method, Request, Response, StatusCode, header};
-use http_body_util::Full;
 use hyper::body::Incoming;
 use serde::Deserialize;
 use sha2::Sha256;
@@ -226,7 +224,7 @@ impl WebhookServer {
             stats: stats.clone(),
             budget: Arc::new(Semaphore::new(BODY_BUDGET)),
         });
-        let server = Server::start(listener, limits, "webhook", move |request| {
+        let server = Server::start(listener, limits, None, "webhook", move |request| {
             let shared = shared.clone();
             async move { handle(request, &shared).await }
         })?;
@@ -295,7 +293,7 @@ struct Shared {
 
 /// Judges one request and, for an accepted event, offers it to the channel
 /// before answering 202.
-async fn handle(request: Request<Incoming>, shared: &Shared) -> Response<Full<Bytes>> {
+async fn handle(request: Request<Incoming>, shared: &Shared) -> Response<server::Body> {
     let stats = &shared.stats;
     let malformed = |status: StatusCode| {
         stats.malformed.fetch_add(1, Ordering::Relaxed);
@@ -365,11 +363,11 @@ async fn handle(request: Request<Incoming>, shared: &Shared) -> Response<Full<By
     }
 }
 
-fn refused(status: StatusCode) -> Response<Full<Bytes>> {
+fn refused(status: StatusCode) -> Response<server::Body> {
     server::text(status, format!("{}\n", status.canonical_reason().unwrap_or("refused")))
 }
 
-fn method_not_allowed(allow: &'static str) -> Response<Full<Bytes>> {
+fn method_not_allowed(allow: &'static str) -> Response<server::Body> {
     let mut response = refused(StatusCode::METHOD_NOT_ALLOWED);
     response.headers_mut().insert(header::ALLOW, HeaderValue::from_static(allow));
     response

@@ -63,6 +63,22 @@ pub trait Converter: Send + Sync {
     async fn discard_artifact(&self, vmm: &VirtualMachineMigration, disk: usize) -> Result<(), Failure>;
 }
 
+/// What CDI needs to fetch one artifact: the basic-auth pair for its Secret
+/// and the CA for its ConfigMap.
+#[derive(Clone, PartialEq, Eq)]
+pub struct ImportAccess {
+    pub access_key_id: String,
+    pub secret_key: String,
+    pub ca_pem: String,
+}
+
+impl std::fmt::Debug for ImportAccess {
+    /// The secret never reaches a log line.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ImportAccess").field("access_key_id", &self.access_key_id).finish_non_exhaustive()
+    }
+}
+
 /// Where CDI fetches artifacts from.
 #[async_trait]
 pub trait Staging: Send + Sync {
@@ -74,6 +90,12 @@ pub trait Staging: Send + Sync {
         sha256: &str,
     ) -> Result<Option<String>, Failure>;
     async fn stage(&self, vmm: &VirtualMachineMigration, disk: usize) -> Result<(), Failure>;
+    /// What CDI needs to fetch disk `disk`'s staged artifact, and nothing else.
+    async fn import_access(
+        &self,
+        vmm: &VirtualMachineMigration,
+        disk: usize,
+    ) -> Result<ImportAccess, Failure>;
     /// Removes everything staged for this migration. "Not found" is success.
     async fn remove_all(&self, vmm: &VirtualMachineMigration) -> Result<(), Failure>;
 }
@@ -87,8 +109,14 @@ pub trait Cluster: Send + Sync {
         vmm: &VirtualMachineMigration,
         disk: usize,
     ) -> Result<DataVolumeState, Failure>;
-    /// Creates `<name>-disk-<n>` if absent ("already exists" is success).
-    async fn create_data_volume(&self, vmm: &VirtualMachineMigration, disk: usize) -> Result<(), Failure>;
+    /// Creates `<name>-disk-<n>` if absent ("already exists" is success),
+    /// with the Secret and ConfigMap through which CDI uses `access`.
+    async fn create_data_volume(
+        &self,
+        vmm: &VirtualMachineMigration,
+        disk: usize,
+        access: &ImportAccess,
+    ) -> Result<(), Failure>;
     /// "Not found" is success.
     async fn delete_data_volume(&self, vmm: &VirtualMachineMigration, disk: usize) -> Result<(), Failure>;
     async fn vm(&self, vmm: &VirtualMachineMigration) -> Result<VmState, Failure>;

@@ -616,6 +616,20 @@ impl Staging for SimWorld {
         }
     }
 
+    async fn import_access(
+        &self,
+        vmm: &VirtualMachineMigration,
+        disk: usize,
+    ) -> Result<vmmigrate::ports::ImportAccess, Failure> {
+        call!(self, "import access");
+        let key = vmmigrate::machine::artifact_key(vmm.metadata.uid.as_deref().unwrap_or("uid"), disk, "raw");
+        Ok(vmmigrate::ports::ImportAccess {
+            access_key_id: key,
+            secret_key: format!("sim-secret-{disk}"),
+            ca_pem: String::new(),
+        })
+    }
+
     async fn remove_all(&self, _vmm: &VirtualMachineMigration) -> Result<(), Failure> {
         call!(self, "unstage");
         self.lock().staged.clear();
@@ -669,11 +683,23 @@ impl Cluster for SimWorld {
         Ok(DataVolumeState::InProgress { phase: "ImportInProgress".into(), percent: 50 })
     }
 
-    async fn create_data_volume(&self, _vmm: &VirtualMachineMigration, disk: usize) -> Result<(), Failure> {
+    async fn create_data_volume(
+        &self,
+        vmm: &VirtualMachineMigration,
+        disk: usize,
+        access: &vmmigrate::ports::ImportAccess,
+    ) -> Result<(), Failure> {
         call!(self, "create DataVolume");
         let mut w = self.lock();
         if w.dvs.contains_key(&disk) {
             return Ok(());
+        }
+        let key = vmmigrate::machine::artifact_key(vmm.metadata.uid.as_deref().unwrap_or("uid"), disk, "raw");
+        if access.access_key_id != key {
+            w.ledger.violations.push(format!(
+                "DataVolume for disk {disk} given the credentials of {}",
+                access.access_key_id
+            ));
         }
         if !w.staged.contains_key(&disk) {
             w.ledger

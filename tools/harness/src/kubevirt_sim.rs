@@ -6,9 +6,13 @@
 //!   namespace gets its own task that walks `status.phase` from ""
 //!   through `ImportScheduled` and `ImportInProgress` (with `progress`) to
 //!   `Succeeded` or `Failed`, with CDI-like `Bound`/`Ready`/`Running`
-//!   conditions. The "importer" streams `spec.source.http.url` (plain HTTP,
-//!   loopback or a Service of the cluster, resolved to a ready endpoint as
+//!   conditions. The "importer" streams `spec.source.http.url` (HTTP or
+//!   HTTPS, loopback or a Service of the cluster, resolved to a ready endpoint as
 //!   cluster DNS and kube-proxy would) into a local directory standing in for the PVC,
+//!   sending basic auth from the Secret `secretRef` names (keys `accessKeyId`
+//!   and `secretKey`, as CDI's HTTP source does) and trusting for HTTPS only
+//!   the PEM certificates of the ConfigMap `certConfigMap` names (CDI adds
+//!   them to the system pool; this machine's pool knows no test CA anyway),
 //!   `<pvc_root>/<namespace>/<dv>/disk.img`, hashing as it writes; only a
 //!   download matching `spec.source.http.checksum` is kept. A qcow2 image is
 //!   converted to raw with `qemu-img`, like CDI does. Deleting a DataVolume
@@ -371,9 +375,15 @@ async fn run_import(
     };
     progress.write("0.00%".into()).await;
 
+    let namespace = dv.namespace().unwrap_or_default();
+    let source = ImportSource {
+        url,
+        credentials: import_credentials(&writer.client, &namespace, http["secretRef"].as_str()).await?,
+        ca_pem: import_ca(&writer.client, &namespace, http["certConfigMap"].as_str()).await?,
+    };
     control.downloads.fetch_add(1, Ordering::SeqCst);
     let partial = dir.join("disk.img.partial");
-    let (got, magic) = download(&writer.client, url, &partial, &mut progress).await?;
+    let (got, magic) = download(&writer.client, &source, &partial, &mut progress).await?;
     if got != want {
         return Err(format!("checksum mismatch: got sha256:{got}, want sha256:{want}"));
     }
@@ -487,13 +497,84 @@ fn last_line(bytes: &[u8]) -> String {
 /// reaches through cluster DNS and kube-proxy; the simulator, outside the
 /// cluster, resolves it the way they would: to a ready endpoint of the
 /// Service's EndpointSlices, a pod address the test node routes to the host.
+/// What the importer is given: the URL, the Secret's pair, the CA's PEM.
+struct ImportSource<'a> {
+    url: &'a str,
+    credentials: Option<(String, String)>,
+    ca_pem: Option<String>,
+}
+
+/// `accessKeyId` and `secretKey` of the Secret `name`; the importer pod of
+/// real CDI does not start without them.
+async fn import_credentials(
+    client: &Client,
+    namespace: &str,
+    name: Option<&str>,
+) -> Result<Option<(String, String)>, String> {
+    let Some(name) = name.filter(|n| !n.is_empty()) else { return Ok(None) };
+    let secrets: Api<k8s_openapi::api::core::v1::Secret> = Api::namespaced(client.clone(), namespace);
+    let secret = secrets.get(name).await.map_err(|e| format!("reading Secret {name}: {e}"))?;
+    let data = secret.data.unwrap_or_default();
+    let key = |k: &str| {
+        data.get(k)
+            .map(|v| String::from_utf8_lossy(&v.0).into_owned())
+            .ok_or_else(|| format!("Secret {name} has no key {k}"))
+    };
+    Ok(Some((key("accessKeyId")?, key("secretKey")?)))
+}
+
+/// Every value of the ConfigMap `name`, concatenated (each a PEM file).
+async fn import_ca(client: &Client, namespace: &str, name: Option<&str>) -> Result<Option<String>, String> {
+    let Some(name) = name.filter(|n| !n.is_empty()) else { return Ok(None) };
+    let maps: Api<k8s_openapi::api::core::v1::ConfigMap> = Api::namespaced(client.clone(), namespace);
+    let map = maps.get(name).await.map_err(|e| format!("reading ConfigMap {name}: {e}"))?;
+    Ok(Some(map.data.unwrap_or_default().into_values().collect::<Vec<_>>().join("\n")))
+}
+
+trait Connection: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send {}
+impl<T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send> Connection for T {}
+
+/// A TLS session to `host` over `tcp`, trusting only the certificates of `ca_pem`.
+async fn tls_connect(
+    tcp: tokio::net::TcpStream,
+    host: &str,
+    ca_pem: Option<&str>,
+) -> Result<Box<dyn Connection>, String> {
+    use rustls::pki_types::pem::PemObject;
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in rustls::pki_types::CertificateDer::pem_slice_iter(ca_pem.unwrap_or_default().as_bytes()) {
+        let cert = cert.map_err(|e| format!("certConfigMap: not PEM: {e}"))?;
+        roots.add(cert).map_err(|e| format!("certConfigMap: {e}"))?;
+    }
+    let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
+    let config = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| e.to_string())?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    let bare = host
+        .strip_prefix('[')
+        .and_then(|h| h.split_once(']'))
+        .map_or_else(|| host.rsplit_once(':').map_or(host, |(h, _)| h), |(h, _)| h);
+    let name =
+        rustls::pki_types::ServerName::try_from(bare.to_owned()).map_err(|e| format!("{bare}: {e}"))?;
+    let connector = tokio_rustls::TlsConnector::from(std::sync::Arc::new(config));
+    let stream = connector.connect(name, tcp).await.map_err(|e| format!("TLS to {host}: {e}"))?;
+    Ok(Box::new(stream))
+}
+
 async fn download(
     client: &Client,
-    url: &str,
+    source: &ImportSource<'_>,
     dest: &Path,
     progress: &mut ProgressReport<'_>,
 ) -> Result<(String, [u8; 4]), String> {
-    let rest = url.strip_prefix("http://").ok_or_else(|| format!("not an http URL: {url}"))?;
+    let url = source.url;
+    let (tls, rest) = match (url.strip_prefix("https://"), url.strip_prefix("http://")) {
+        (Some(rest), _) => (true, rest),
+        (None, Some(rest)) => (false, rest),
+        (None, None) => return Err(format!("not an http(s) URL: {url}")),
+    };
     let (host, path) = rest.split_once('/').map(|(h, p)| (h, format!("/{p}"))).unwrap_or((rest, "/".into()));
     let connect_to = if ["127.0.0.1:", "localhost:", "[::1]:"].iter().any(|p| host.starts_with(p)) {
         host.to_owned()
@@ -502,11 +583,21 @@ async fn download(
     } else {
         return Err(format!("refusing to fetch from {host}: neither loopback nor a Service of the cluster"));
     };
-    let mut stream = tokio::net::TcpStream::connect(&connect_to)
+    let tcp = tokio::net::TcpStream::connect(&connect_to)
         .await
         .map_err(|e| format!("connect {host} ({connect_to}): {e}"))?;
+    let mut stream: Box<dyn Connection> =
+        if tls { tls_connect(tcp, host, source.ca_pem.as_deref()).await? } else { Box::new(tcp) };
+    let authorization = match &source.credentials {
+        Some((user, password)) => {
+            use base64::Engine as _;
+            let pair = base64::engine::general_purpose::STANDARD.encode(format!("{user}:{password}"));
+            format!("Authorization: Basic {pair}\r\n")
+        }
+        None => String::new(),
+    };
     let request = format!(
-        "GET {path} HTTP/1.1\r\nHost: {host}\r\nUser-Agent: cdi-importer-sim\r\nConnection: close\r\n\r\n"
+        "GET {path} HTTP/1.1\r\nHost: {host}\r\nUser-Agent: cdi-importer-sim\r\n{authorization}Connection: close\r\n\r\n"
     );
     stream.write_all(request.as_bytes()).await.map_err(|e| format!("sending the request: {e}"))?;
 
@@ -586,7 +677,10 @@ async fn download(
     Ok((sha, magic))
 }
 
-async fn read(stream: &mut tokio::net::TcpStream, buf: &mut [u8]) -> Result<usize, String> {
+async fn read(
+    stream: &mut (impl tokio::io::AsyncRead + Unpin + ?Sized),
+    buf: &mut [u8],
+) -> Result<usize, String> {
     match tokio::time::timeout(READ_TIMEOUT, stream.read(buf)).await {
         Ok(Ok(n)) => Ok(n),
         Ok(Err(e)) => Err(format!("reading from the source: {e}")),
