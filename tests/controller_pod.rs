@@ -254,7 +254,9 @@ spec:
         image: &image,
         repo_url: &repo_url,
         watch_namespace: Some(SYSTEM),
-        credential_namespaces: &[],
+        // The VMs' namespace gets the Role too: the import Secret and CA
+        // ConfigMap of each DataVolume are written there.
+        credential_namespaces: &[&apps],
         settings: &[
             ("VMMIGRATE_POLL_SECONDS", "2"),
             ("VMMIGRATE_LEASE_SECONDS", "6"),

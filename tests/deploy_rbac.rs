@@ -102,9 +102,11 @@ const CALLS: &[Call] = &[
     ("get", "", "secrets", "", SYSTEM),
     // The import Secret and CA ConfigMap beside each DataVolume.
     ("create", "", "secrets", "", SYSTEM),
+    ("patch", "", "secrets", "", SYSTEM),
     ("delete", "", "secrets", "", SYSTEM),
     ("get", "", "configmaps", "", SYSTEM),
     ("create", "", "configmaps", "", SYSTEM),
+    ("patch", "", "configmaps", "", SYSTEM),
     ("delete", "", "configmaps", "", SYSTEM),
 ];
 
@@ -120,6 +122,7 @@ const FORBIDDEN: &[Call] = &[
     ("watch", "", "secrets", "", SYSTEM),
     // Import Secrets and CAs only where a Role allows it, never cluster-wide.
     ("create", "", "secrets", "", ANY),
+    ("patch", "", "secrets", "", ANY),
     ("delete", "", "secrets", "", ANY),
     ("create", "", "configmaps", "", ANY),
     ("list", "", "configmaps", "", SYSTEM),

@@ -166,6 +166,7 @@ fn options(remote: &Remote, cache: &Path, ns: &str) -> GitopsOptions {
         forge_api: None,
         forge_repo: None,
         forge_token: None,
+        forge_login: None,
         ssh_key: None,
         known_hosts: None,
         git_token: None,
@@ -471,6 +472,54 @@ async fn a_pull_request_gets_one_plan_comment_edited_in_place_that_follows_the_m
     .await;
     assert_eq!(forge.comments(1).len(), 1, "still one comment after the merge");
     assert!(body.contains("web-01"), "{body}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_plan_that_discovers_a_vm_another_migration_claims_fails_naming_that_migration() {
+    use vmmigrate::ports::EsxiHost;
+    let client = KubeEnv::shared().client().await;
+    let ns = test_namespace(&client, "gitops-claimed").await;
+    let remote = Remote::new();
+    let cache = tempfile::tempdir().unwrap();
+    let forge = FakeForge::start().await;
+    let mut opts = options(&remote, cache.path(), &ns);
+    opts.no_status = true;
+    opts.forge = Some("github".into());
+    opts.forge_api = Some(forge.base_url(Dialect::GitHub));
+    opts.forge_repo = Some(format!("{OWNER}/{REPO}"));
+    opts.forge_token = Some(TOKEN.into());
+    let world = SimWorld::new(3, FaultPlan::default());
+    let gitops =
+        Gitops::new(client.clone(), opts).unwrap().with_discoverer(world.clone()).with_source_claims(&ns);
+
+    // web-01 is applied and, as the controller does at Validated, claims its VM.
+    remote.push("main", &[("migrations/web-01.yaml", &manifest(&ns, "web-01", "web 01"))], "Add web-01");
+    assert!(matches!(gitops.sync().await.unwrap(), SyncOutcome::Applied { .. }));
+    let api: Api<VirtualMachineMigration> = Api::namespaced(client.clone(), &ns);
+    let mut first = api.get("web-01").await.unwrap();
+    let inventory = world.discover(&first).await.unwrap();
+    first.status.get_or_insert_with(Default::default).source_inventory = Some(inventory);
+    let claims = vmmigrate::destination::claims::SourceClaims::new(client.clone(), &ns);
+    assert_eq!(claims.claim(&first).await.unwrap(), None, "web-01 holds the claim");
+
+    // A PR names the same VM under another name (the world has one VM).
+    let path = "migrations/web-01-again.yaml";
+    let head = remote.push("again", &[(path, &manifest(&ns, "web-01-again", "Web Server 01"))], "Again");
+    forge.add_pr(FakePr { head_ref: "again".into(), ..FakePr::open(5, &head) }.with_files(&[path]));
+    assert_eq!(gitops.plan_pull_requests().await.unwrap(), 1);
+    let body = forge.comments(5).first().map(|c| c.body.clone()).unwrap_or_default();
+    let holder = format!("{ns}/web-01");
+    assert!(body.contains(&holder) && body.contains("SourceVMClaimed"), "{body}");
+    let status = forge.statuses(&head).last().cloned().unwrap();
+    assert_eq!(status.state, "failure", "{}", status.description);
+    assert!(status.description.contains(path), "{}", status.description);
+
+    // Once web-01 is gone, the same PR plans clean.
+    claims.release(&first).await.unwrap();
+    let next = remote.push("again", &[(path, &manifest(&ns, "web-01-again", "web server 01"))], "Retry");
+    forge.add_pr(FakePr { head_ref: "again".into(), ..FakePr::open(5, &next) }.with_files(&[path]));
+    assert_eq!(gitops.plan_pull_requests().await.unwrap(), 1);
+    assert_eq!(forge.statuses(&next).last().unwrap().state, "success");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

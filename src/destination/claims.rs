@@ -10,7 +10,7 @@
 //! exists (deleted without its finalizer running) is taken over; the
 //! finalizer releases it.
 
-use crate::api::VirtualMachineMigration;
+use crate::api::{SourceInventory, SourceSpec, VirtualMachineMigration};
 use crate::machine::Failure;
 use crate::ports::kube_errors::{classify, is_not_found};
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
@@ -35,11 +35,15 @@ pub struct SourceClaims {
 /// `None` before discovery.
 pub fn source_identity(vmm: &VirtualMachineMigration) -> Option<String> {
     let inventory = vmm.status.as_ref()?.source_inventory.as_ref()?;
+    Some(identity_of(inventory, &vmm.spec.source))
+}
+
+/// What identifies a discovered VM: its BIOS UUID, else host, port and vmid.
+pub fn identity_of(inventory: &SourceInventory, source: &SourceSpec) -> String {
     if !inventory.bios_uuid.is_empty() {
-        return Some(format!("bios-uuid {}", inventory.bios_uuid));
+        return format!("bios-uuid {}", inventory.bios_uuid);
     }
-    let source = &vmm.spec.source;
-    Some(format!("vmid {} on {}:{}", inventory.vmid, source.host.to_ascii_lowercase(), source.port))
+    format!("vmid {} on {}:{}", inventory.vmid, source.host.to_ascii_lowercase(), source.port)
 }
 
 fn lease_name(identity: &str) -> String {
@@ -111,6 +115,22 @@ impl SourceClaims {
             crate::api::Reason::APIUnavailable,
             format!("the claim on source VM ({identity}) keeps changing; trying again"),
         ))
+    }
+
+    /// Who holds the claim on `identity`, as `namespace/name`, when a
+    /// migration that still exists does. Read only (a plan's question).
+    pub async fn holder_of(&self, identity: &str) -> Result<Option<String>, Failure> {
+        let name = lease_name(identity);
+        let Some(lease) =
+            self.leases().get_opt(&name).await.map_err(|e| classify("reading a source claim", e))?
+        else {
+            return Ok(None);
+        };
+        let held_by = lease.spec.as_ref().and_then(|s| s.holder_identity.clone()).unwrap_or_default();
+        if !self.holder_exists(&held_by).await? {
+            return Ok(None);
+        }
+        Ok(Some(held_by.rsplit_once('/').map_or(held_by.as_str(), |(who, _uid)| who).to_owned()))
     }
 
     /// Gives the claim up if this migration holds it ("not found" is success).

@@ -113,6 +113,23 @@ impl KubeCluster {
         }
     }
 
+    /// Server-side apply of `body`, taking the fields from anyone else.
+    async fn apply(
+        &self,
+        vmm: &VirtualMachineMigration,
+        ar: &ApiResource,
+        body: Value,
+    ) -> Result<(), Failure> {
+        let obj: DynamicObject = serde_json::from_value(body)
+            .map_err(|e| Failure::terminal(Reason::RenderError, e.to_string()))?;
+        let name = obj.name_any();
+        self.dynamic(vmm, ar)
+            .patch(&name, &PatchParams::apply(FIELD_MANAGER).force(), &Patch::Apply(&obj))
+            .await
+            .map(|_| ())
+            .map_err(|e| classify(&format!("applying {} {name}", ar.kind), e))
+    }
+
     async fn delete_if_ours(
         &self,
         vmm: &VirtualMachineMigration,
@@ -259,8 +276,10 @@ impl Cluster for KubeCluster {
         access: &ImportAccess,
     ) -> Result<(), Failure> {
         // Before the DataVolume: CDI's importer pod needs both when it starts.
-        self.create(vmm, &secret_resource(), render::import_secret(vmm, disk, access)).await?;
-        self.create(vmm, &config_map_resource(), render::import_ca(vmm, disk, access)).await?;
+        // Applied, not created if absent: a DataVolume made again after the
+        // staging key or CA changed must not find the old ones.
+        self.apply(vmm, &secret_resource(), render::import_secret(vmm, disk, access)).await?;
+        self.apply(vmm, &config_map_resource(), render::import_ca(vmm, disk, access)).await?;
         self.create(vmm, &data_volume_resource(), render::data_volume(vmm, disk)).await
     }
 

@@ -160,7 +160,12 @@ pub trait Forge: Send + Sync {
     async fn pull_request(&self, number: u64) -> Result<PullRequest, ForgeError>;
     /// Paths changed by the pull request; a rename contributes both its old and new path.
     async fn changed_files(&self, number: u64) -> Result<Vec<String>, ForgeError>;
-    /// Creates the comment carrying `marker`, or edits it in place when one exists (never a second one). Returns the comment id.
+    /// The account the token belongs to: the one login whose comments the
+    /// bot may edit. Given (`--forge-login`) or asked once.
+    async fn login(&self) -> Result<String, ForgeError>;
+    /// Creates the comment carrying `marker`, or edits it in place when the
+    /// bot's own account wrote one (never a second one, never another
+    /// account's). Returns the comment id.
     async fn upsert_comment(&self, number: u64, marker: &str, body: &str) -> Result<u64, ForgeError>;
     async fn set_commit_status(
         &self,
@@ -182,6 +187,12 @@ impl GitHub {
     pub fn new(api_base: &str, owner: &str, repo: &str, token: &str) -> Result<Self, ForgeError> {
         Rest::new(Dialect::GitHub, api_base, owner, repo, token).map(GitHub)
     }
+
+    /// The account the token comments as, when `GET /user` cannot say (an
+    /// app installation token comments as `<app-slug>[bot]`).
+    pub fn with_login(self, login: Option<String>) -> Self {
+        GitHub(self.0.with_login(login))
+    }
 }
 
 /// Gitea's (and Forgejo's) REST API.
@@ -192,6 +203,11 @@ impl Gitea {
     /// `api_base` is `https://<host>/api/v1`.
     pub fn new(api_base: &str, owner: &str, repo: &str, token: &str) -> Result<Self, ForgeError> {
         Rest::new(Dialect::Gitea, api_base, owner, repo, token).map(Gitea)
+    }
+
+    /// The account the token comments as, instead of asking `GET /user`.
+    pub fn with_login(self, login: Option<String>) -> Self {
+        Gitea(self.0.with_login(login))
     }
 }
 
@@ -207,6 +223,9 @@ macro_rules! delegate_forge {
             }
             async fn changed_files(&self, number: u64) -> Result<Vec<String>, ForgeError> {
                 self.0.changed_files(number).await
+            }
+            async fn login(&self) -> Result<String, ForgeError> {
+                self.0.login().await
             }
             async fn upsert_comment(&self, number: u64, marker: &str, body: &str) -> Result<u64, ForgeError> {
                 self.0.upsert_comment(number, marker, body).await
@@ -244,8 +263,8 @@ struct Rest {
     repo: String,
     /// Kept only to scrub it from error text.
     token: String,
-    /// The token's login; `Some(None)` once the forge said it cannot tell.
-    login: OnceCell<Option<String>>,
+    /// The token's login, given or asked once.
+    login: OnceCell<String>,
 }
 
 impl fmt::Debug for Rest {
@@ -513,19 +532,32 @@ impl Rest {
         )
     }
 
-    /// The token's login, asked once. `None` when the forge will not say
-    /// (GitHub app installation tokens get 403 on `GET /user`).
-    async fn login(&self) -> Result<Option<String>, ForgeError> {
+    fn with_login(self, login: Option<String>) -> Self {
+        let cell = OnceCell::new();
+        if let Some(login) = login.filter(|l| !l.trim().is_empty()) {
+            let _ = cell.set(login.trim().to_owned());
+        }
+        Rest { login: cell, ..self }
+    }
+
+    /// The token's login, given or asked once. When the forge will not say
+    /// (GitHub app installation tokens get 403 on `GET /user`), an error
+    /// that asks for `--forge-login`: without a login no comment is edited.
+    async fn login(&self) -> Result<String, ForgeError> {
         let login = self
             .login
             .get_or_try_init(|| async {
                 let url = format!("{}/user", self.api_base);
                 match self.get_as::<WireUser>(&url).await {
-                    Ok(user) => Ok(Some(user.login)),
-                    Err(e) if matches!(e.status, Some(403 | 404)) => {
-                        tracing::warn!(error = %e, "cannot tell which user the token is; editing the oldest marker comment");
-                        Ok(None)
-                    }
+                    Ok(user) => Ok(user.login),
+                    Err(e) if matches!(e.status, Some(403 | 404)) && !e.is_rate_limit() => Err(ForgeError::new(
+                        e.status,
+                        format!(
+                            "the forge will not say whose token VMMIGRATE_FORGE_TOKEN is ({}); set --forge-login \
+                             (VMMIGRATE_FORGE_LOGIN) to the account the bot comments as, e.g. my-app[bot]",
+                            e.message
+                        ),
+                    )),
                     Err(e) => Err(e),
                 }
             })
@@ -561,8 +593,10 @@ impl Rest {
         let body = if body.contains(marker) { body.to_owned() } else { format!("{marker}\n{body}") };
         let comments: Vec<WireComment> =
             self.list(&self.repo_url(&format!("/issues/{number}/comments"))).await?;
-        let login = if comments.iter().any(|c| c.body.contains(marker)) { self.login().await? } else { None };
-        if let Some(existing) = pick_comment(&comments, marker, login.as_deref()) {
+        // Only the bot's own account's comment is edited: anyone can write the marker.
+        let login =
+            if comments.iter().any(|c| c.body.contains(marker)) { Some(self.login().await?) } else { None };
+        if let Some(existing) = login.as_deref().and_then(|login| pick_comment(&comments, marker, login)) {
             if existing.body != body {
                 let url = self.repo_url(&format!("/issues/comments/{}", existing.id));
                 self.send(Method::PATCH, &url, Some(&json!({ "body": body }))).await?;
@@ -600,22 +634,13 @@ impl Rest {
 }
 
 /// The bot's own marker comment: among the comments carrying the marker, the
-/// oldest one written by `login`; without a login, the oldest one. A human's
-/// comment quoting the marker is never picked while the login is known.
-fn pick_comment<'a>(
-    comments: &'a [WireComment],
-    marker: &str,
-    login: Option<&str>,
-) -> Option<&'a WireComment> {
+/// oldest one written by `login`. A comment of anyone else quoting (or
+/// planting) the marker is never picked.
+fn pick_comment<'a>(comments: &'a [WireComment], marker: &str, login: &str) -> Option<&'a WireComment> {
     let mut candidates: Vec<&WireComment> = comments.iter().filter(|c| c.body.contains(marker)).collect();
     candidates.sort_by_key(|c| c.id);
-    match login {
-        // Logins are case-insensitive on both forges.
-        Some(login) => candidates
-            .into_iter()
-            .find(|c| c.user.as_ref().is_some_and(|u| u.login.eq_ignore_ascii_case(login))),
-        None => candidates.into_iter().next(),
-    }
+    // Logins are case-insensitive on both forges.
+    candidates.into_iter().find(|c| c.user.as_ref().is_some_and(|u| u.login.eq_ignore_ascii_case(login)))
 }
 
 /// Owner and repository names go into URL paths unencoded; both forges allow only these characters.
@@ -722,19 +747,42 @@ mod tests {
             comment(7, "vmmigrate-bot", &format!("{MARKER}\nplan")),
             comment(9, "VMMIGRATE-BOT", &format!("{MARKER}\nsecond")),
         ];
-        assert_eq!(pick_comment(&comments, MARKER, Some("vmmigrate-bot")).map(|c| c.id), Some(7));
+        assert_eq!(pick_comment(&comments, MARKER, "vmmigrate-bot").map(|c| c.id), Some(7));
     }
 
     #[test]
     fn a_human_quote_alone_is_not_picked_when_the_login_is_known() {
         let comments = [comment(3, "alice", MARKER), comment(4, "vmmigrate-bot", "no marker here")];
-        assert!(pick_comment(&comments, MARKER, Some("vmmigrate-bot")).is_none());
+        assert!(pick_comment(&comments, MARKER, "vmmigrate-bot").is_none());
     }
 
-    #[test]
-    fn without_a_login_the_oldest_marker_comment_is_picked() {
-        let comments = [comment(9, "b", MARKER), comment(2, "a", MARKER), comment(1, "c", "other")];
-        assert_eq!(pick_comment(&comments, MARKER, None).map(|c| c.id), Some(2));
+    #[tokio::test]
+    async fn without_a_known_login_no_marker_comment_is_edited_and_the_error_asks_for_forge_login() {
+        use vmmigrate_harness::fake_forge::{self as fake, FakeForge, FakePr};
+        let forge = FakeForge::start().await;
+        forge.add_pr(FakePr::open(7, "0123456789abcdef0123456789abcdef01234567"));
+        forge.hide_user();
+        let planted = forge.add_comment(7, "mallory", &format!("{MARKER}\nplanted"));
+        let base = forge.base_url(fake::Dialect::GitHub);
+
+        let unknown = GitHub::new(&base, fake::OWNER, fake::REPO, fake::TOKEN).unwrap();
+        let error = unknown.upsert_comment(7, MARKER, "the plan").await.unwrap_err();
+        assert!(error.message.contains("--forge-login"), "{error}");
+        let comments = forge.comments(7);
+        assert_eq!(comments.len(), 1, "no comment was posted");
+        assert_eq!(
+            (comments[0].edits, comments[0].body.as_str()),
+            (0, format!("{MARKER}\nplanted").as_str())
+        );
+
+        let given = GitHub::new(&base, fake::OWNER, fake::REPO, fake::TOKEN)
+            .unwrap()
+            .with_login(Some(fake::BOT_LOGIN.into()));
+        assert_eq!(given.login().await.unwrap(), fake::BOT_LOGIN);
+        let id = given.upsert_comment(7, MARKER, "the plan").await.unwrap();
+        assert_ne!(id, planted, "the planted comment is not the bot's");
+        let mallory = forge.comments(7).into_iter().find(|c| c.id == planted).unwrap();
+        assert_eq!(mallory.edits, 0);
     }
 
     #[test]

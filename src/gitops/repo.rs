@@ -11,7 +11,7 @@
 
 use super::render::{Limits, RenderError, RepoTree};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 /// Largest pack one fetch may bring, by default: a repository of manifests
@@ -141,11 +141,10 @@ impl TrackedRepo {
             });
         }
         let interrupt = AtomicBool::new(false);
-        let stopped = AtomicU8::new(NOT_STOPPED);
         let pack_dir = repo.objects.store_ref().path().join("pack");
         let done = AtomicBool::new(false);
-        let received = std::thread::scope(|scope| {
-            let watchdog = scope.spawn(|| self.watch_fetch(&pack_dir, &done, &interrupt, &stopped));
+        let (received, stopped) = std::thread::scope(|scope| {
+            let watchdog = scope.spawn(|| self.watch_fetch(&pack_dir, &done, &interrupt));
             let received = connection
                 .prepare_fetch(gix::progress::Discard, Default::default())
                 .map_err(|e| err("fetching", e))
@@ -156,27 +155,26 @@ impl TrackedRepo {
                         .map_err(|e| err("fetching", e))
                 });
             done.store(true, Ordering::SeqCst);
-            let _ = watchdog.join();
-            received
+            (received, watchdog.join().ok().flatten())
         });
         // A fetch that completed although the watchdog fired (it was past the
         // point where gix looks at the flag) stands: its refs have moved.
-        match received.as_ref().map_or(stopped.load(Ordering::SeqCst), |_| NOT_STOPPED) {
-            STOPPED_SIZE => Err(err(
+        match received.as_ref().err().and(stopped) {
+            Some(Stop::Size) => Err(err(
                 "fetching",
                 format!(
                     "the remote sent more than {} bytes, the most one fetch may bring (--max-fetch-bytes); nothing of it was kept",
                     self.config.max_fetch_bytes
                 ),
             )),
-            STOPPED_TIME => Err(err(
+            Some(Stop::Time) => Err(err(
                 "fetching",
                 format!(
                     "the fetch took longer than {} s (--fetch-timeout); nothing of it was kept",
                     self.config.fetch_timeout.as_secs()
                 ),
             )),
-            _ => received,
+            None => received,
         }?;
         self.tip(&self.config.branch)
     }
@@ -184,23 +182,23 @@ impl TrackedRepo {
     /// Runs beside a fetch until `done`: interrupts it (gix checks the flag
     /// while it reads and indexes the pack, and removes its temporary pack)
     /// once the new files in `pack_dir` grow past the byte limit or the time
-    /// limit passes, and says which in `stopped`.
-    fn watch_fetch(&self, pack_dir: &Path, done: &AtomicBool, interrupt: &AtomicBool, stopped: &AtomicU8) {
+    /// limit passes, and returns which.
+    fn watch_fetch(&self, pack_dir: &Path, done: &AtomicBool, interrupt: &AtomicBool) -> Option<Stop> {
         let before = dir_bytes(pack_dir);
         let deadline = Instant::now() + self.config.fetch_timeout;
         while !done.load(Ordering::SeqCst) {
             let reason = if dir_bytes(pack_dir).saturating_sub(before) > self.config.max_fetch_bytes {
-                STOPPED_SIZE
+                Stop::Size
             } else if Instant::now() >= deadline {
-                STOPPED_TIME
+                Stop::Time
             } else {
                 std::thread::sleep(WATCH_EVERY);
                 continue;
             };
-            stopped.store(reason, Ordering::SeqCst);
             interrupt.store(true, Ordering::SeqCst);
-            return;
+            return Some(reason);
         }
+        None
     }
 
     /// The last fetched tip of `branch`.
@@ -278,9 +276,12 @@ fn shell_quote(p: &Path) -> String {
     format!("'{}'", p.to_string_lossy().replace('\'', "'\\''"))
 }
 
-const NOT_STOPPED: u8 = 0;
-const STOPPED_SIZE: u8 = 1;
-const STOPPED_TIME: u8 = 2;
+/// Why the fetch watchdog interrupted a fetch.
+#[derive(Clone, Copy, Debug)]
+enum Stop {
+    Size,
+    Time,
+}
 
 /// Bytes of the files directly in `dir` (a pack directory holds no folders);
 /// 0 when it cannot be read.

@@ -94,6 +94,12 @@ pub struct GitopsOptions {
     pub forge_repo: Option<String>,
     #[arg(long, env = "VMMIGRATE_FORGE_TOKEN", hide_env_values = true)]
     pub forge_token: Option<String>,
+    /// The account the forge token comments as, the only one whose plan
+    /// comments are edited. Default: asked from the forge (`GET /user`) at
+    /// start-up; needed for GitHub app installation tokens (`<app-slug>[bot]`),
+    /// which cannot ask.
+    #[arg(long, env = "VMMIGRATE_FORGE_LOGIN")]
+    pub forge_login: Option<String>,
     /// SSH private key for a private repository (from a mounted Secret).
     #[arg(long, env = "VMMIGRATE_GIT_SSH_KEY")]
     pub ssh_key: Option<PathBuf>,
@@ -173,6 +179,9 @@ pub struct Gitops {
     forge: Option<Arc<dyn Forge>>,
     /// Read-only discovery of a plan's source VMs, when configured.
     discoverer: Option<Arc<dyn EsxiHost>>,
+    /// Where the controller keeps its source-VM claims, for plans that
+    /// discover: a second migration of a claimed VM fails its plan.
+    claims: Option<crate::destination::claims::SourceClaims>,
     state: Mutex<State>,
     ticks: std::sync::atomic::AtomicU64,
     metrics: Arc<Metrics>,
@@ -184,6 +193,12 @@ impl Gitops {
     pub fn new(client: Client, opts: GitopsOptions) -> anyhow::Result<Gitops> {
         if opts.repo.is_empty() && opts.watch_path.is_none() {
             anyhow::bail!("--repo is required (or --watch-path for a local directory)");
+        }
+        if url_carries_credentials(&opts.repo) {
+            anyhow::bail!(
+                "--repo carries a user or token in its URL; give the token as VMMIGRATE_GIT_TOKEN (--git-token) \
+                 so that it never reaches annotations, STATUS.md, logs or plan comments"
+            );
         }
         let auth = match (&opts.ssh_key, &opts.git_token) {
             (Some(key), _) => RepoAuth::SshKey { key: key.clone(), known_hosts: opts.known_hosts.clone() },
@@ -205,9 +220,10 @@ impl Gitops {
                 let full = opts.forge_repo.clone().context("--forge needs --forge-repo owner/name")?;
                 let (owner, name) = full.split_once('/').context("--forge-repo must be owner/name")?;
                 let token = opts.forge_token.clone().context("--forge needs VMMIGRATE_FORGE_TOKEN")?;
+                let login = opts.forge_login.clone();
                 Some(match kind {
-                    "github" => Arc::new(GitHub::new(&api, owner, name, &token)?),
-                    _ => Arc::new(Gitea::new(&api, owner, name, &token)?),
+                    "github" => Arc::new(GitHub::new(&api, owner, name, &token)?.with_login(login)),
+                    _ => Arc::new(Gitea::new(&api, owner, name, &token)?.with_login(login)),
                 })
             }
         };
@@ -217,6 +233,7 @@ impl Gitops {
             repo: Arc::new(repo),
             forge,
             discoverer: None,
+            claims: None,
             state: Mutex::new(State::default()),
             ticks: Default::default(),
             metrics: Arc::default(),
@@ -232,6 +249,13 @@ impl Gitops {
     }
 
     /// Plans include a read-only discovery of each source VM through `esxi`.
+    /// Plans check discovered VMs against the controller's claims in
+    /// `namespace` (its `--lease-namespace`).
+    pub fn with_source_claims(mut self, namespace: &str) -> Gitops {
+        self.claims = Some(crate::destination::claims::SourceClaims::new(self.client.clone(), namespace));
+        self
+    }
+
     pub fn with_discoverer(mut self, esxi: Arc<dyn EsxiHost>) -> Gitops {
         self.discoverer = Some(esxi);
         self
@@ -445,7 +469,19 @@ impl Gitops {
             names.push((r.namespace.clone(), r.name.clone()));
             match super::local::plan_entry(Some(&self.client), Some(&self.opts.repo), r).await? {
                 Ok(mut entry) => {
-                    entry.discovery = self.discover(r).await;
+                    let found = self.discover(r).await;
+                    entry.discovery =
+                        found.as_ref().map(|f| f.as_ref().map(|(_, inv)| summary(inv)).map_err(Clone::clone));
+                    if let Some(Ok((vmm, inventory))) = &found
+                        && let Some(holder) = self.claim_holder(vmm, inventory).await
+                        && holder != format!("{}/{}", r.namespace, r.name)
+                    {
+                        input.errors.push(format!(
+                            "{}: spec.source: the source VM is already being migrated by {holder}; this \
+                             migration would be refused at Validated (SourceVMClaimed)",
+                            r.path
+                        ));
+                    }
                     input.entries.push(entry);
                 }
                 Err(refusal) => input.errors.push(refusal),
@@ -455,7 +491,10 @@ impl Gitops {
     }
 
     /// Read-only discovery of the manifest's source VM, bounded in time.
-    async fn discover(&self, r: &RenderedMigration) -> Option<Result<String, String>> {
+    async fn discover(
+        &self,
+        r: &RenderedMigration,
+    ) -> Option<Result<(VirtualMachineMigration, crate::api::SourceInventory), String>> {
         let esxi = self.discoverer.clone()?;
         let vmm: VirtualMachineMigration = match serde_json::from_value(r.object.clone()) {
             Ok(v) => v,
@@ -464,38 +503,25 @@ impl Gitops {
         Some(match tokio::time::timeout(Duration::from_secs(20), esxi.discover(&vmm)).await {
             Err(_) => Err("the host did not answer within 20 s".to_owned()),
             Ok(Err(failure)) => Err(failure.to_string()),
-            Ok(Ok(inv)) => {
-                let disks: Vec<String> = inv
-                    .disks
-                    .iter()
-                    .map(|d| {
-                        format!(
-                            "{} {} GiB on {}",
-                            d.device,
-                            d.capacity_bytes as f64 / (1u64 << 30) as f64,
-                            d.bus
-                        )
-                    })
-                    .collect();
-                let nics: Vec<String> = inv
-                    .nics
-                    .iter()
-                    .map(|n| format!("{} on {:?} ({})", n.model, n.network, n.mac_address))
-                    .collect();
-                Ok(format!(
-                    "VM {:?} (vmid {}), {:?}, {} vCPU, {} MiB, {:?} firmware, snapshots {}; disks: {}; NICs: {}",
-                    inv.name,
-                    inv.vmid,
-                    inv.power_state,
-                    inv.cpu_sockets * inv.cores_per_socket,
-                    inv.memory_mib,
-                    inv.firmware,
-                    inv.snapshots,
-                    disks.join(", "),
-                    nics.join(", ")
-                ))
-            }
+            Ok(Ok(inventory)) => Ok((vmm, inventory)),
         })
+    }
+
+    /// The migration (`namespace/name`) holding the claim on a discovered
+    /// VM, if any; a claim that cannot be read is not shown.
+    async fn claim_holder(
+        &self,
+        vmm: &VirtualMachineMigration,
+        inventory: &crate::api::SourceInventory,
+    ) -> Option<String> {
+        let identity = crate::destination::claims::identity_of(inventory, &vmm.spec.source);
+        match self.claims.as_ref()?.holder_of(&identity).await {
+            Ok(holder) => holder,
+            Err(e) => {
+                tracing::warn!(error = %e, "plan: cannot read the source-VM claims");
+                None
+            }
+        }
     }
 
     /// After a merge, keeps the PR's comment up to date with the progress of
@@ -633,12 +659,74 @@ impl Drop for GitopsHandle {
 
 /// Starts the gitops side: webhook receiver, status writer, poll loop, all
 /// recording into `metrics`.
+/// One line on a discovered VM for the plan comment.
+fn summary(inv: &crate::api::SourceInventory) -> String {
+    let disks: Vec<String> = inv
+        .disks
+        .iter()
+        .map(|d| format!("{} {} GiB on {}", d.device, d.capacity_bytes as f64 / (1u64 << 30) as f64, d.bus))
+        .collect();
+    let nics: Vec<String> =
+        inv.nics.iter().map(|n| format!("{} on {:?} ({})", n.model, n.network, n.mac_address)).collect();
+    format!(
+        "VM {:?} (vmid {}), {:?}, {} vCPU, {} MiB, {:?} firmware, snapshots {}; disks: {}; NICs: {}",
+        inv.name,
+        inv.vmid,
+        inv.power_state,
+        inv.cpu_sockets * inv.cores_per_socket,
+        inv.memory_mib,
+        inv.firmware,
+        inv.snapshots,
+        disks.join(", "),
+        nics.join(", ")
+    )
+}
+
+/// Whether a repository URL holds credentials: any user information in an
+/// `http(s)://` URL (a token is often given as the user), a password in any.
+fn url_carries_credentials(url: &str) -> bool {
+    let Some((scheme, rest)) = url.split_once("://") else { return false };
+    let authority = rest.split(['/', '?', '#']).next().unwrap_or_default();
+    let Some((userinfo, _host)) = authority.rsplit_once('@') else { return false };
+    scheme.eq_ignore_ascii_case("http") || scheme.eq_ignore_ascii_case("https") || userinfo.contains(':')
+}
+
+/// The token as git configuration in the environment of the status
+/// writer's `git` (GIT_CONFIG_COUNT, git 2.31 and later): an
+/// `Authorization` header sent to the repository's URL only, as the fetcher
+/// sends it (user `x-access-token`); never in a URL, an argument or a file.
+fn token_env(url: &str, token: &str) -> Vec<(String, String)> {
+    use base64::Engine as _;
+    let pair = base64::engine::general_purpose::STANDARD.encode(format!("x-access-token:{token}"));
+    vec![
+        ("GIT_CONFIG_COUNT".into(), "1".into()),
+        ("GIT_CONFIG_KEY_0".into(), format!("http.{url}.extraHeader")),
+        ("GIT_CONFIG_VALUE_0".into(), format!("Authorization: Basic {pair}")),
+    ]
+}
+
 pub async fn start(
     client: Client,
     opts: GitopsOptions,
     metrics: Arc<Metrics>,
 ) -> anyhow::Result<GitopsHandle> {
     let gitops = Arc::new(Gitops::new(client.clone(), opts.clone())?.with_metrics(metrics.clone()));
+    if let Some(forge) = &gitops.forge {
+        // Whose comments the bot may edit, known before the first plan. A
+        // forge that cannot say is a configuration error; one that is down
+        // is asked again before the first edit.
+        match forge.login().await {
+            Ok(login) => {
+                tracing::info!(%login, "forge: plan comments are written and edited as this account")
+            }
+            Err(e) if !e.retryable() && matches!(e.status, Some(401 | 403 | 404)) => {
+                anyhow::bail!("resolving the forge account: {e}")
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "forge: cannot resolve the bot's account yet; no comment is edited until it is known")
+            }
+        }
+    }
     let (events_tx, mut events) = mpsc::channel::<WebhookEvent>(64);
     let webhooks = match opts.webhook_listen {
         Some(addr) => {
@@ -679,6 +767,9 @@ pub async fn start(
             if let Some(cmd) = TrackedRepo::ssh_command(&auth) {
                 cfg.git_env.push(("GIT_SSH_COMMAND".into(), cmd));
             }
+        } else if let Some(token) = &opts.git_token {
+            // The fetcher's HTTPS credentials, for the pushes.
+            cfg.git_env.extend(token_env(&opts.repo, token));
         }
         let writer = Arc::new(StatusWriter::new(cfg));
         Some(tokio::spawn(run_coalescing(writer, status_rx, Duration::from_secs(opts.status_window_seconds))))
@@ -808,4 +899,54 @@ pub(crate) fn read_status_branch(
     let mut cfg = StatusWriterConfig::new(remote.to_owned(), cache);
     cfg.target = Target::Branch(branch.to_owned());
     Ok(StatusWriter::new(cfg).read_remote()?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_repository_url_with_a_user_or_token_is_refused() {
+        for url in [
+            "https://x-access-token:ghp_abc@github.com/acme/vms.git",
+            "https://ghp_abc@github.com/acme/vms.git",
+            "HTTP://user@git.example/vms.git",
+            "ssh://git:hunter2@git.example/vms.git",
+        ] {
+            assert!(url_carries_credentials(url), "{url}");
+        }
+        for url in ["https://github.com/acme/vms.git", "ssh://git@git.example/vms.git", "/srv/git/vms.git"] {
+            assert!(!url_carries_credentials(url), "{url}");
+        }
+    }
+
+    /// Real git reads the configuration the writer's environment carries.
+    #[test]
+    fn the_status_writers_git_sends_the_token_to_the_repository_url_only() {
+        let url = "https://git.example/acme/vms.git";
+        let env = token_env(url, "s3cret");
+        let ask = |target: &str| {
+            let out = std::process::Command::new("git")
+                .env_clear()
+                .env("GIT_CONFIG_NOSYSTEM", "1")
+                .env("GIT_CONFIG_GLOBAL", "/dev/null")
+                .env("HOME", "/nonexistent")
+                .envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+                .args(["config", "--get-urlmatch", "http.extraheader", target])
+                .output()
+                .expect("git");
+            String::from_utf8(out.stdout).unwrap().trim().to_owned()
+        };
+        use base64::Engine as _;
+        let expected = format!(
+            "Authorization: Basic {}",
+            base64::engine::general_purpose::STANDARD.encode("x-access-token:s3cret")
+        );
+        assert_eq!(ask(url), expected);
+        assert_eq!(ask("https://elsewhere.example/acme/vms.git"), "", "sent to another host");
+        assert!(
+            env.iter().all(|(k, v)| !k.contains("s3cret") && !v.contains("s3cret")),
+            "the token in clear"
+        );
+    }
 }

@@ -20,7 +20,9 @@ pub struct Install<'a> {
     /// `VMMIGRATE_NAMESPACE`: the only namespace the controller watches
     /// (`None`: all of them, the base's default).
     pub watch_namespace: Option<&'a str>,
-    /// Namespaces besides vmmigrate-system whose ESXi Secrets it may read.
+    /// Namespaces besides vmmigrate-system that hold migrations (their ESXi
+    /// Secrets) or their VMs (the import Secrets and CAs): the Role of
+    /// deploy/overlays/example-tenant in each.
     pub credential_namespaces: &'a [&'a str],
     /// Extra `VMMIGRATE_*` settings for the ConfigMap.
     pub settings: &'a [(&'a str, &'a str)],
@@ -90,9 +92,47 @@ pub fn remove_workloads(env: &KubeEnv) -> anyhow::Result<()> {
     if env.kubectl(&["get", "namespace", SYSTEM]).is_err() {
         return Ok(());
     }
-    for what in ["deployment/vmmigrate", "pvc/vmmigrate-work"] {
-        env.kubectl(&["-n", SYSTEM, "delete", what, "--ignore-not-found", "--wait=true", "--timeout=120s"])?;
-    }
+    env.kubectl(&[
+        "-n",
+        SYSTEM,
+        "delete",
+        "deployment/vmmigrate",
+        "--ignore-not-found",
+        "--wait=true",
+        "--timeout=120s",
+    ])?;
+    // Conversion Jobs and any pod still holding the work claim (a test that
+    // failed midway leaves some): the claim is not released before they go.
+    env.kubectl(&[
+        "-n",
+        SYSTEM,
+        "delete",
+        "jobs",
+        "--all",
+        "--ignore-not-found",
+        "--wait=true",
+        "--timeout=60s",
+    ])?;
+    env.kubectl(&[
+        "-n",
+        SYSTEM,
+        "delete",
+        "pods",
+        "-l",
+        "app.kubernetes.io/name=vmmigrate",
+        "--ignore-not-found",
+        "--grace-period=0",
+        "--force",
+    ])?;
+    env.kubectl(&[
+        "-n",
+        SYSTEM,
+        "delete",
+        "pvc/vmmigrate-work",
+        "--ignore-not-found",
+        "--wait=true",
+        "--timeout=120s",
+    ])?;
     Ok(())
 }
 

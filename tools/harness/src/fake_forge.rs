@@ -128,6 +128,8 @@ struct State {
     next_comment_id: u64,
     /// Issues whose comments cannot be written (an outage for one pull request).
     refused_issues: std::collections::BTreeSet<u64>,
+    /// `GET /user` answers 403, as GitHub does for app installation tokens.
+    user_hidden: bool,
 }
 
 /// The running server; stops when dropped.
@@ -185,6 +187,12 @@ impl FakeForge {
     /// Writes of comments on `issue` fail with 502 until [`FakeForge::accept_writes_on`].
     pub fn refuse_writes_on(&self, issue: u64) {
         self.lock().refused_issues.insert(issue);
+    }
+
+    /// `GET /user` answers 403 "Resource not accessible by integration", as
+    /// GitHub does for an app installation token.
+    pub fn hide_user(&self) {
+        self.lock().user_hidden = true;
     }
 
     pub fn accept_writes_on(&self, issue: u64) {
@@ -358,6 +366,9 @@ fn handle(request: Request, addr: SocketAddr, state: &Mutex<State>) -> Response 
     let segments: Vec<&str> = path.trim_matches('/').split('/').collect();
     let method = request.method.as_str();
     if segments == ["user"] && method == "GET" {
+        if state.user_hidden {
+            return Response::message(403, "Resource not accessible by integration");
+        }
         return Response::json(200, json!({ "id": 1, "login": BOT_LOGIN }));
     }
     let ["repos", owner, repo, rest @ ..] = segments.as_slice() else {
