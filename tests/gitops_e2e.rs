@@ -474,6 +474,72 @@ async fn a_pull_request_gets_one_plan_comment_edited_in_place_that_follows_the_m
     assert!(body.contains("web-01"), "{body}");
 }
 
+/// The real process against a real git server over HTTPS that demands the
+/// token, so the fetcher (gix) and the status writer (git) are both proven
+/// to carry it, and only there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_private_https_repository_is_fetched_and_its_status_pushed_with_the_token_and_a_wrong_token_applies_nothing()
+ {
+    use crate::support::git_http::GitHttp;
+    const TOKEN_VALUE: &str = "t0ken-of-a-private-repo";
+    let env = KubeEnv::shared();
+    let client = env.client().await;
+    let ns = test_namespace(&client, "gitops-token").await;
+    let remote = Remote::new();
+    remote.push("main", &[("migrations/web-01.yaml", &manifest(&ns, "web-01", "web 01"))], "Add web-01");
+    let server = GitHttp::start(remote.dir.path(), "x-access-token", TOKEN_VALUE).await;
+    let url = server.url("remote.git");
+    struct Kill(std::process::Child);
+    impl Drop for Kill {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let gitops = |token: &str, cache: &Path| {
+        let child = std::process::Command::new(env!("CARGO_BIN_EXE_vmmigrate"))
+            .args(["gitops", "--repo", &url, "--branch", "main", "--poll-seconds", "1"])
+            .args(["--manifest-namespace", &ns, "--status-window-seconds", "1"])
+            .args(["--metrics-listen", "127.0.0.1:0"])
+            .arg("--cache-dir")
+            .arg(cache)
+            .env("VMMIGRATE_GIT_TOKEN", token)
+            // The test CA, for gix (rustls reads SSL_CERT_FILE) and git (GnuTLS reads GIT_SSL_CAINFO).
+            .env("SSL_CERT_FILE", server.ca_file())
+            .env("GIT_SSL_CAINFO", server.ca_file())
+            .env("KUBECONFIG", env.kubeconfig_path())
+            .env("RUST_LOG", "warn")
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .expect("vmmigrate gitops");
+        Kill(child)
+    };
+    let api: Api<VirtualMachineMigration> = Api::namespaced(client.clone(), &ns);
+
+    // A wrong token: it asks, is refused, and applies nothing.
+    let wrong_cache = tempfile::tempdir().unwrap();
+    let wrong = gitops("not-the-token", wrong_cache.path());
+    wait_for("the wrong token to be tried", async || {
+        server.seen().iter().filter(|s| !s.authorized).nth(1).map(|_| ())
+    })
+    .await;
+    drop(wrong);
+    assert!(api.get_opt("web-01").await.unwrap().is_none());
+    assert!(server.seen().iter().all(|s| !s.authorized), "{:?}", server.seen());
+
+    // The token: fetched, applied, and the status writer pushes with it too.
+    let cache = tempfile::tempdir().unwrap();
+    let _running = gitops(TOKEN_VALUE, cache.path());
+    let created = wait_for("the CR", async || api.get_opt("web-01").await.unwrap()).await;
+    wait_for("STATUS.md on the status branch", async || remote.show("migration-status:STATUS.md")).await;
+    let seen = server.seen();
+    let pushes: Vec<_> = seen.iter().filter(|s| s.target.ends_with("/git-receive-pack")).collect();
+    assert!(!pushes.is_empty() && pushes.iter().all(|s| s.authorized), "{seen:?}");
+    let annotations = serde_json::to_string(created.annotations()).unwrap();
+    assert!(annotations.contains(&url) && !annotations.contains(TOKEN_VALUE), "{annotations}");
+    assert!(!seen.iter().any(|s| s.target.contains(TOKEN_VALUE)));
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_plan_that_discovers_a_vm_another_migration_claims_fails_naming_that_migration() {
     use vmmigrate::ports::EsxiHost;
@@ -726,11 +792,8 @@ fn proc_status_kib(pid: u32, field: &str) -> u64 {
 /// Reads a connection to its end, at most `within`; the status code of what
 /// came back, 0 for a close without an answer.
 async fn answer_of(stream: &mut tokio::net::TcpStream, within: Duration) -> u16 {
-    use tokio::io::AsyncReadExt;
-    let mut reply = Vec::new();
-    let read = tokio::time::timeout(within, stream.read_to_end(&mut reply)).await;
-    assert!(read.is_ok(), "the server kept a connection open for more than {within:?}");
-    let text = String::from_utf8_lossy(&reply);
+    let text = crate::support::read_answer(stream, within).await;
+    let text = text.unwrap_or_else(|| panic!("the server kept a connection open for more than {within:?}"));
     text.strip_prefix("HTTP/1.1 ").and_then(|t| t.get(..3)).and_then(|c| c.parse().ok()).unwrap_or(0)
 }
 

@@ -632,11 +632,10 @@ async fn candidates_racing_for_a_new_lease_elect_exactly_one() {
 
 /// `name{labels} value` of a Prometheus scrape of `127.0.0.1:port`, 0 when absent.
 async fn scrape(port: u16, series: &str) -> Option<f64> {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::io::AsyncWriteExt;
     let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port)).await.ok()?;
     stream.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n").await.ok()?;
-    let mut reply = String::new();
-    stream.read_to_string(&mut reply).await.ok()?;
+    let reply = crate::support::read_answer(&mut stream, std::time::Duration::from_secs(10)).await?;
     let value = reply.lines().find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok());
     Some(value.unwrap_or(0.0))
 }

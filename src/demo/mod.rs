@@ -491,7 +491,7 @@ async fn start_services(
         let _ = stopped_rx.await;
     }));
     screen.line(&format!(
-        "✓ vmmigrate controller: production adapters, staging server http://{}, work dir {}",
+        "✓ vmmigrate controller: production adapters, staging server https://{}, work dir {}",
         staging.local_addr(),
         controller.work_dir.display()
     ));

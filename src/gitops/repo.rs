@@ -72,7 +72,7 @@ pub(crate) struct GitError {
 }
 
 fn err(what: &str, e: impl std::fmt::Display) -> GitError {
-    GitError { what: what.to_owned(), message: e.to_string() }
+    GitError { what: what.to_owned(), message: format!("{e:#}") }
 }
 
 /// The tracked repository's local bare clone.

@@ -50,6 +50,8 @@ const PASSTHROUGH_ENV: &[&str] = &[
     "NO_PROXY",
     "SSL_CERT_FILE",
     "SSL_CERT_DIR",
+    // A private CA for git's own TLS (Debian's git uses GnuTLS, which reads no SSL_CERT_FILE).
+    "GIT_SSL_CAINFO",
 ];
 
 /// Where the status files go.

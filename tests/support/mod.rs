@@ -4,7 +4,7 @@
 
 pub mod sim;
 
-pub use vmmigrate_harness::{KubeEnv, esxi_emulator, fake_forge, kubevirt_sim, netns};
+pub use vmmigrate_harness::{KubeEnv, esxi_emulator, fake_forge, git_http, kubevirt_sim, netns};
 
 /// A namespace unique to one test, created in the cluster.
 pub async fn test_namespace(client: &kube::Client, prefix: &str) -> String {
@@ -26,6 +26,16 @@ pub async fn test_namespace(client: &kube::Client, prefix: &str) -> String {
 /// bind (it may be taken in between; the caller's start-up then fails loudly).
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+/// Reads a raw HTTP/1.1 answer to its end (vmmigrate's servers close the
+/// connection after each answer), or as much as arrived before the
+/// connection broke; `None` when it takes longer than `within`.
+pub async fn read_answer(stream: &mut tokio::net::TcpStream, within: std::time::Duration) -> Option<String> {
+    use tokio::io::AsyncReadExt;
+    let mut reply = Vec::new();
+    let read = tokio::time::timeout(within, stream.read_to_end(&mut reply)).await;
+    read.is_ok().then(|| String::from_utf8_lossy(&reply).into_owned())
 }
 
 fn rand_u32() -> u32 {

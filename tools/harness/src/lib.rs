@@ -13,6 +13,7 @@ pub mod deploy;
 pub mod esxi_emulator;
 pub mod fake_forge;
 pub mod git_daemon;
+pub mod git_http;
 pub mod kube_env;
 pub mod kubevirt_sim;
 pub mod netns;
