@@ -117,7 +117,7 @@ impl StagingServer {
     /// at URL path `/artifacts/<migration-uid>/disk-<n>.<raw|qcow2>`, over
     /// TLS, to holders of each artifact's credentials. `url` is where CDI
     /// reaches it (the host its certificate names).
-    pub(crate) async fn start(
+    pub async fn start(
         listener: TcpListener,
         root: PathBuf,
         url: String,
