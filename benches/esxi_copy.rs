@@ -11,41 +11,23 @@
 //! (sha256 and write included) with 1 and 4 streams. Client CPU is the
 //! client's own user+system time (for the shell rows: ssh, tee, sha256sum).
 
-use std::path::Path;
-use std::process::Command;
 use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
 use std::time::{Duration, Instant};
 use vmmigrate::source::esxi::copy::{self, CopyPlan};
 use vmmigrate::source::esxi::ssh::{Credentials, Secret, Session, Target};
 use vmmigrate_harness::esxi_emulator::{EsxiEmulator, EsxiOptions};
+use vmmigrate_harness::process::{cpu_seconds, timed_shell as shell};
+
+/// user+system CPU seconds of this process so far.
+fn own_cpu() -> f64 {
+    cpu_seconds(std::process::id())
+}
 
 struct Row {
     name: String,
     seconds: f64,
     cpu_seconds: f64,
-}
-
-/// user+system CPU seconds of this process so far.
-fn own_cpu() -> f64 {
-    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
-    let after = stat.rsplit_once(')').map(|(_, rest)| rest).unwrap_or("");
-    let fields: Vec<&str> = after.split_whitespace().collect();
-    let ticks = |i: usize| fields.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
-    // Fields 14 and 15 of /proc/pid/stat (utime, stime) are 11 and 12 after the comm.
-    (ticks(11) + ticks(12)) / 100.0
-}
-
-/// Runs a shell pipeline under bash's `time`, returning (wall, children CPU).
-/// The timing report and the pipeline's stderr both land in `errors`.
-fn shell(script: &str, errors: &Path) -> (f64, f64) {
-    let wrapped = format!("TIMEFORMAT='TIMING %R %U %S'; time ( {script} ) 2>{}", errors.display());
-    let status = Command::new("bash").arg("-c").arg(&wrapped).status().expect("bash");
-    let report = std::fs::read_to_string(errors).unwrap_or_default();
-    let timing = report.lines().rev().find_map(|l| l.strip_prefix("TIMING ")).unwrap_or("");
-    let nums: Vec<f64> = timing.split_whitespace().filter_map(|v| v.parse().ok()).collect();
-    assert!(status.success() && nums.len() == 3, "`{script}` failed ({status}): {report}");
-    (nums[0], nums[1] + nums[2])
 }
 
 fn main() {

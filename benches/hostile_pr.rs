@@ -17,6 +17,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 use vmmigrate_harness::fake_forge::{BOT_LOGIN, Dialect, FakeForge, FakePr, OWNER, REPO, TOKEN};
 use vmmigrate_harness::kube_env::KubeEnv;
+use vmmigrate_harness::process::{cpu_seconds, status_kib};
 
 const HOST_KEY: &str = "SHA256:uNiVztksCsDhcc0u9e8BujQXVUpKZIDTMczCvj3tD2s";
 
@@ -48,24 +49,6 @@ fn laughs(bytes: usize) -> String {
         i += 1;
     }
     text
-}
-
-/// Kilobytes of memory in `/proc/<pid>/status` under `field` (VmRSS, VmHWM).
-fn status_kib(pid: u32, field: &str) -> u64 {
-    let text = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    text.lines()
-        .find_map(|l| l.strip_prefix(field)?.trim_start_matches(':').trim().strip_suffix(" kB")?.parse().ok())
-        .unwrap_or(0)
-}
-
-/// User plus system CPU seconds of the process.
-fn cpu_seconds(pid: u32) -> f64 {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    let after = stat.rsplit_once(") ").map(|(_, rest)| rest).unwrap_or("");
-    let fields: Vec<&str> = after.split_whitespace().collect();
-    let ticks: u64 = fields.get(11).and_then(|v| v.parse().ok()).unwrap_or(0)
-        + fields.get(12).and_then(|v| v.parse().ok()).unwrap_or(0);
-    ticks as f64 / 100.0
 }
 
 struct Attack {

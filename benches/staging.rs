@@ -20,34 +20,10 @@ use std::sync::Arc;
 use vmmigrate::convert::access::StagingAccess;
 use vmmigrate::convert::artifact::{Marker, sha256_file, write_marker};
 use vmmigrate::convert::staging::StagingServer;
+use vmmigrate_harness::process::{cpu_seconds, timed_shell as shell};
 
-/// user+system CPU seconds of this process so far.
 fn own_cpu() -> f64 {
-    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
-    let after = stat.rsplit_once(')').map(|(_, rest)| rest).unwrap_or("");
-    let fields: Vec<&str> = after.split_whitespace().collect();
-    let ticks = |i: usize| fields.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
-    (ticks(11) + ticks(12)) / 100.0
-}
-
-/// user+system CPU seconds of process `pid` so far.
-fn cpu_of(pid: u32) -> f64 {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    let after = stat.rsplit_once(')').map(|(_, rest)| rest).unwrap_or("");
-    let fields: Vec<&str> = after.split_whitespace().collect();
-    let ticks = |i: usize| fields.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
-    (ticks(11) + ticks(12)) / 100.0
-}
-
-/// Runs a shell pipeline under bash's `time`: (wall, children CPU).
-fn shell(script: &str, errors: &std::path::Path) -> (f64, f64) {
-    let wrapped = format!("TIMEFORMAT='TIMING %R %U %S'; time ( {script} ) 2>{}", errors.display());
-    let status = Command::new("bash").arg("-c").arg(&wrapped).status().expect("bash");
-    let report = std::fs::read_to_string(errors).unwrap_or_default();
-    let timing = report.lines().rev().find_map(|l| l.strip_prefix("TIMING ")).unwrap_or("");
-    let nums: Vec<f64> = timing.split_whitespace().filter_map(|v| v.parse().ok()).collect();
-    assert!(status.success() && nums.len() == 3, "`{script}` failed ({status}): {report}");
-    (nums[0], nums[1] + nums[2])
+    cpu_seconds(std::process::id())
 }
 
 fn main() {
@@ -127,10 +103,10 @@ fn main() {
     rows.push(("sha256sum of the file (coreutils)".into(), s, c));
     let openssl_pid = openssl.id();
     let (s, c) = median(&mut || {
-        let before = cpu_of(openssl_pid);
+        let before = cpu_seconds(openssl_pid);
         let (s, c) =
             shell(&format!("curl -sS --fail -k https://127.0.0.1:{port}/disk-0.raw -o /dev/null"), &errors);
-        (s, c + cpu_of(openssl_pid) - before)
+        (s, c + cpu_seconds(openssl_pid) - before)
     });
     rows.push(("openssl s_server -WWW → curl (TLS, no hash)".into(), s, c));
     let (s, c) = median(&mut || {

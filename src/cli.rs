@@ -151,6 +151,22 @@ pub enum Command {
         #[arg(long)]
         virt_v2v: bool,
     },
+    /// Verify an imported volume against the copy's sha256 (what the verify
+    /// Job runs where CDI cannot check a checksum itself).
+    ///
+    /// Prints the digest as a JSON line (also the container's termination
+    /// message); exits 0 when it matches, 3 when it does not, 1 on an error.
+    VerifyVolume {
+        /// The imported image (`/volume/disk.img`) or block device.
+        #[arg(long)]
+        path: PathBuf,
+        /// The disk's size in bytes: what was copied.
+        #[arg(long)]
+        size: u64,
+        /// The copy's sha256 (64 hex digits).
+        #[arg(long, value_parser = parse_sha256)]
+        sha256: String,
+    },
 }
 
 /// A subcommand this build leaves out (`demo` without the `demo` feature).
@@ -186,6 +202,7 @@ pub fn run(cli: Cli) -> ExitCode {
         // `main` runs the demo when it is built in.
         Command::Demo(_) => Err(NotBuiltIn("demo").into()),
         Command::Status { repo, branch, all, watch } => status(repo, &branch, all, watch),
+        Command::VerifyVolume { path, size, sha256 } => return verify_volume(&path, size, &sha256),
         Command::Convert { input, input_sha256, input_marker, expected_size, output, format, virt_v2v } => {
             format.parse().map_err(anyhow::Error::from).and_then(|format| {
                 convert(ConversionRequest {
@@ -412,6 +429,29 @@ fn convert(req: ConversionRequest) -> anyhow::Result<()> {
     let marker = runtime.block_on(produce(&req, &progress)).map_err(|e| e.failure())?;
     println!("{}", serde_json::json!({ "size": marker.size, "sha256": marker.sha256 }));
     Ok(())
+}
+
+/// Exit code of `verify-volume` when the volume differs from the copy.
+pub const VOLUME_DIFFERS: u8 = 3;
+
+fn verify_volume(path: &std::path::Path, size: u64, sha256: &str) -> ExitCode {
+    let digest = match crate::convert::artifact::volume_digest(path, size) {
+        Ok(digest) => digest,
+        Err(e) => {
+            let line = format!("error: reading {}: {e}", path.display());
+            eprintln!("{line}");
+            let _ = std::fs::write("/dev/termination-log", &line);
+            return ExitCode::FAILURE;
+        }
+    };
+    let line = serde_json::to_string(&digest).unwrap_or_default();
+    println!("{line}");
+    let _ = std::fs::write("/dev/termination-log", &line);
+    if digest.sha256 == sha256 && digest.nonzero_tail_bytes == 0 {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(VOLUME_DIFFERS)
+    }
 }
 
 /// The repository's manifests were rendered and found wrong (each error printed already).

@@ -146,6 +146,19 @@ spec:
     )
 }
 
+/// [`options`] planning pull requests on `forge` (GitHub's API), without a
+/// status writer.
+fn planning_options(remote: &Remote, cache: &Path, ns: &str, forge: &FakeForge) -> GitopsOptions {
+    GitopsOptions {
+        no_status: true,
+        forge: Some("github".into()),
+        forge_api: Some(forge.base_url(Dialect::GitHub)),
+        forge_repo: Some(format!("{OWNER}/{REPO}")),
+        forge_token: Some(TOKEN.into()),
+        ..options(remote, cache, ns)
+    }
+}
+
 fn options(remote: &Remote, cache: &Path, ns: &str) -> GitopsOptions {
     GitopsOptions {
         repo: remote.bare().to_string_lossy().into_owned(),
@@ -400,12 +413,7 @@ async fn a_pull_request_gets_one_plan_comment_edited_in_place_that_follows_the_m
     let remote = Remote::new();
     let cache = tempfile::tempdir().unwrap();
     let forge = FakeForge::start().await;
-    let mut opts = options(&remote, cache.path(), &ns);
-    opts.no_status = true;
-    opts.forge = Some("github".into());
-    opts.forge_api = Some(forge.base_url(Dialect::GitHub));
-    opts.forge_repo = Some(format!("{OWNER}/{REPO}"));
-    opts.forge_token = Some(TOKEN.into());
+    let opts = planning_options(&remote, cache.path(), &ns, &forge);
     // Read-only discovery through the simulated ESXi world (the real adapter
     // is proven against the ESXi emulator in tests/esxi_source.rs).
     let world = SimWorld::new(3, FaultPlan::default());
@@ -548,12 +556,7 @@ async fn a_plan_that_discovers_a_vm_another_migration_claims_fails_naming_that_m
     let remote = Remote::new();
     let cache = tempfile::tempdir().unwrap();
     let forge = FakeForge::start().await;
-    let mut opts = options(&remote, cache.path(), &ns);
-    opts.no_status = true;
-    opts.forge = Some("github".into());
-    opts.forge_api = Some(forge.base_url(Dialect::GitHub));
-    opts.forge_repo = Some(format!("{OWNER}/{REPO}"));
-    opts.forge_token = Some(TOKEN.into());
+    let opts = planning_options(&remote, cache.path(), &ns, &forge);
     let world = SimWorld::new(3, FaultPlan::default());
     let gitops =
         Gitops::new(client.clone(), opts).unwrap().with_discoverer(world.clone()).with_source_claims(&ns);
@@ -595,12 +598,7 @@ async fn a_hostile_pull_request_fails_its_plan_naming_each_file_and_limit_and_th
     let remote = Remote::new();
     let cache = tempfile::tempdir().unwrap();
     let forge = FakeForge::start().await;
-    let mut opts = options(&remote, cache.path(), &ns);
-    opts.no_status = true;
-    opts.forge = Some("github".into());
-    opts.forge_api = Some(forge.base_url(Dialect::GitHub));
-    opts.forge_repo = Some(format!("{OWNER}/{REPO}"));
-    opts.forge_token = Some(TOKEN.into());
+    let opts = planning_options(&remote, cache.path(), &ns, &forge);
     let gitops = Gitops::new(client.clone(), opts).unwrap();
     assert!(matches!(gitops.sync().await.unwrap(), SyncOutcome::Applied { .. }));
 
@@ -666,12 +664,7 @@ async fn one_pull_requests_failed_comment_does_not_stop_the_others_and_plans_sho
     let remote = Remote::new();
     let cache = tempfile::tempdir().unwrap();
     let forge = FakeForge::start().await;
-    let mut opts = options(&remote, cache.path(), &ns);
-    opts.no_status = true;
-    opts.forge = Some("github".into());
-    opts.forge_api = Some(forge.base_url(Dialect::GitHub));
-    opts.forge_repo = Some(format!("{OWNER}/{REPO}"));
-    opts.forge_token = Some(TOKEN.into());
+    let opts = planning_options(&remote, cache.path(), &ns, &forge);
     let gitops = Gitops::new(client.clone(), opts).unwrap();
     assert!(matches!(gitops.sync().await.unwrap(), SyncOutcome::Applied { .. }));
 
@@ -781,14 +774,6 @@ async fn a_thousand_manifests_render_and_apply_without_error() {
     assert_eq!(again.applied.len(), 1000);
 }
 
-/// `field` of /proc/<pid>/status in KiB.
-fn proc_status_kib(pid: u32, field: &str) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    let line = status.lines().find(|l| l.starts_with(&format!("{field}:"))).unwrap();
-    line.split_whitespace().nth(1).unwrap().parse().unwrap()
-}
-
-/// A loopback port nobody listens on (bound and released).
 /// Reads a connection to its end, at most `within`; the status code of what
 /// came back, 0 for a close without an answer.
 async fn answer_of(stream: &mut tokio::net::TcpStream, within: Duration) -> u16 {
@@ -847,7 +832,7 @@ async fn a_webhook_flood_of_idle_connections_and_oversized_unsigned_bodies_costs
     let hook = std::net::SocketAddr::from(([127, 0, 0, 1], hook_port));
 
     std::fs::write(format!("/proc/{pid}/clear_refs"), "5").expect("reset the peak RSS");
-    let rss_before = proc_status_kib(pid, "VmRSS");
+    let rss_before = vmmigrate_harness::process::status_kib(pid, "VmRSS");
 
     // 1,000 connections that send nothing, or a head that never ends.
     let mut idle = Vec::new();
@@ -889,7 +874,7 @@ async fn a_webhook_flood_of_idle_connections_and_oversized_unsigned_bodies_costs
     // Round one measures the flood's own cost, apart from the fetch and
     // apply a push causes.
     collect(flood()).await;
-    let peak = proc_status_kib(pid, "VmHWM");
+    let peak = vmmigrate_harness::process::status_kib(pid, "VmHWM");
     let growth_mib = (peak.saturating_sub(rss_before)) as f64 / 1024.0;
     // Round two, with the idle ones still open: a real delivery meanwhile.
     let second = flood();
@@ -911,7 +896,7 @@ async fn a_webhook_flood_of_idle_connections_and_oversized_unsigned_bodies_costs
          {:.1} MiB after a second flood and the apply; signed push applied after {:.0} ms; idle answers {idle_answers:?}",
         rss_before as f64 / 1024.0,
         peak as f64 / 1024.0,
-        proc_status_kib(pid, "VmHWM") as f64 / 1024.0,
+        vmmigrate_harness::process::status_kib(pid, "VmHWM") as f64 / 1024.0,
         applied_after.as_secs_f64() * 1000.0
     );
     assert!(

@@ -28,6 +28,7 @@ use vmmigrate::convert::artifact::sha256_file;
 use vmmigrate::convert::staging::StagingServer;
 use vmmigrate::destination::cluster::{data_volume_resource, virtual_machine_resource};
 use vmmigrate::metrics::Metrics;
+use vmmigrate_harness::virt_api::canonical_quantity;
 
 const WAIT: Duration = Duration::from_secs(180);
 const VM: &str = "db-02";
@@ -47,17 +48,43 @@ struct Migration {
     jobs_seen: Arc<std::sync::Mutex<std::collections::HashSet<String>>>,
     job_watch: tokio::task::JoinHandle<()>,
     _netns: Netns,
+    cdi: Cdi,
+    _cdi_definition: Option<tokio::sync::RwLockReadGuard<'static, ()>>,
+    /// virt-api's VirtualMachine webhook (the stand-in), counting writes.
+    virt_api: vmmigrate_harness::virt_api::VirtApi,
     /// What the adapters and the staging server record into (one registry
     /// across controller restarts, like the Service's view of the pods).
     metrics: Arc<Metrics>,
     controller: Option<tokio::task::JoinHandle<()>>,
 }
 
+/// Who imports the DataVolumes.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Cdi {
+    /// Real CDI v1.65.0 on the node: importer pods download from the staging
+    /// server into PersistentVolumes of the node's provisioner.
+    Real,
+    /// Real CDI while its DataVolume definition lacks `checksum`
+    /// ([`CdiWithoutChecksum`], held by the test).
+    RealWithoutChecksum,
+    /// The harness's CDI simulator, for tests that hold imports at will.
+    Simulated,
+}
+
 impl Migration {
     async fn new(prefix: &str) -> Migration {
+        Migration::with(prefix, Cdi::Real).await
+    }
+
+    async fn with(prefix: &str, cdi: Cdi) -> Migration {
         let env = KubeEnv::shared();
         // The conversion Jobs' image; built and imported on first use.
         let image = tokio::task::block_in_place(|| env.controller_image()).expect("the release image");
+        if cdi != Cdi::Simulated {
+            tokio::task::block_in_place(|| env.cdi()).expect("real CDI on the node");
+        }
+        let cdi_definition = if cdi == Cdi::Real { Some(CDI_DEFINITION.read().await) } else { None };
+        let node_ip = env.node.as_ref().expect("the shared cluster has a node").host_ip;
         let client = env.client().await;
         ensure_storage_class(&client).await;
         let ns = test_namespace(&client, prefix).await;
@@ -78,7 +105,11 @@ impl Migration {
         let opts = ControllerOptions {
             namespace: Some(ns.clone()),
             work_dir: work.path().to_path_buf(),
-            staging_listen: "127.0.0.1:0".parse().unwrap(),
+            // Where importer pods reach the test process: the host end of the node's veth.
+            staging_listen: match cdi {
+                Cdi::Simulated => "127.0.0.1:0".parse().unwrap(),
+                _ => std::net::SocketAddr::new(node_ip.into(), 0),
+            },
             staging_url: None,
             conversions: 2,
             copy_streams: 2,
@@ -100,11 +131,13 @@ impl Migration {
         let sims = kubevirt_sim::start_with(
             client.clone(),
             &ns,
-            kubevirt_sim::SimOptions { pvc_root: Some(pvc_root) },
+            kubevirt_sim::SimOptions { pvc_root: Some(pvc_root), real_cdi: cdi != Cdi::Simulated },
         );
         *sims.control.kubevirt.vmi_ip.lock().unwrap() = netns.ip.to_string();
         work_volume(&client, &ns, work.path()).await;
         let (jobs_seen, job_watch) = watch_jobs(&client, &ns);
+        let virt_api =
+            vmmigrate_harness::virt_api::VirtApi::start(client.clone(), &ns).await.expect("virt-api");
         let api = Api::namespaced(client.clone(), &ns);
         let mut m = Migration {
             client,
@@ -118,6 +151,9 @@ impl Migration {
             jobs_seen,
             job_watch,
             _netns: netns,
+            cdi,
+            _cdi_definition: cdi_definition,
+            virt_api,
             metrics,
             controller: None,
         };
@@ -152,6 +188,8 @@ impl Migration {
     }
 
     async fn create(&self, mutate: impl FnOnce(&mut Value)) {
+        // Real CDI writes PersistentVolumes of the node's provisioner.
+        let class = if self.cdi == Cdi::Simulated { "standard" } else { "local-path" };
         let mut body = json!({
             "apiVersion": "migration.platform.example/v1alpha1",
             "kind": "VirtualMachineMigration",
@@ -164,7 +202,7 @@ impl Migration {
                     "credentialsSecretRef": {"name": "esxi"},
                     "vm": {"name": VM}
                 },
-                "destination": {"namespace": self.ns, "storageClassName": "standard"},
+                "destination": {"namespace": self.ns, "storageClassName": class},
                 "networkMap": [
                     {"source": "VM Network", "type": "Pod"},
                     {"source": "DMZ", "type": "Multus", "networkName": "dmz"}
@@ -224,14 +262,32 @@ impl Migration {
         api.list(&ListParams::default()).await.expect("list").items
     }
 
-    /// sha256 of what the CDI simulator wrote into the "PVC" of each disk.
-    fn imported_sha256(&self, disks: usize) -> Vec<String> {
-        (0..disks)
-            .map(|d| {
-                let image = self.sims.pvc_image(&self.ns, &format!("{VM}-disk-{d}"));
-                sha256_file(&image, None).unwrap_or_else(|e| panic!("{}: {e}", image.display())).1
-            })
-            .collect()
+    /// sha256 of the disk bytes imported into the volume of each disk: for
+    /// real CDI the `disk.img` in the PersistentVolume's directory on the
+    /// node (its first `size` bytes; CDI grows the image with zeros to fill
+    /// the volume), for the simulator its "PVC".
+    async fn imported_sha256(&self, disks: usize) -> Vec<String> {
+        let mut found = Vec::new();
+        for d in 0..disks {
+            let dv = format!("{VM}-disk-{d}");
+            let image = match self.cdi {
+                Cdi::Simulated => self.sims.pvc_image(&self.ns, &dv),
+                Cdi::Real | Cdi::RealWithoutChecksum => {
+                    let claims: Api<PersistentVolumeClaim> = Api::namespaced(self.client.clone(), &self.ns);
+                    let pv = claims.get(&dv).await.unwrap().spec.unwrap().volume_name.unwrap();
+                    let pv = Api::<PersistentVolume>::all(self.client.clone()).get(&pv).await.unwrap();
+                    let spec = pv.spec.unwrap();
+                    let dir = spec.host_path.map(|h| h.path).or(spec.local.map(|l| l.path)).unwrap();
+                    PathBuf::from(dir).join("disk.img")
+                }
+            };
+            let size = self.emu.disk_files(VMID)[d].3;
+            let digest = vmmigrate::convert::artifact::volume_digest(&image, size)
+                .unwrap_or_else(|e| panic!("{}: {e}", image.display()));
+            assert_eq!(digest.nonzero_tail_bytes, 0, "{}: bytes after the disk", image.display());
+            found.push(digest.sha256);
+        }
+        found
     }
 
     /// The source disks' sha256 as they are on the emulated datastore now.
@@ -372,7 +428,7 @@ async fn two_disk_efi_vm_with_two_nics_migrates_to_completed_with_checksums_end_
     assert_eq!(recorded, source, "sha256 of the copies");
     let artifacts: Vec<String> = status.disks.iter().map(|d| d.artifact_sha256.clone().unwrap()).collect();
     assert_eq!(artifacts, source, "a raw artifact is the copy itself");
-    assert_eq!(m.imported_sha256(2), source, "the bytes in the PVCs are the source's");
+    assert_eq!(m.imported_sha256(2).await, source, "the bytes in the PVCs are the source's");
 
     // The rendered VirtualMachine matches the inventory, field by field.
     let inventory = status.source_inventory.clone().unwrap();
@@ -385,7 +441,10 @@ async fn two_disk_efi_vm_with_two_nics_migrates_to_completed_with_checksums_end_
     assert_eq!(domain["cpu"]["sockets"], json!(inventory.cpu_sockets));
     assert_eq!(domain["cpu"]["cores"], json!(inventory.cores_per_socket));
     assert_eq!(inventory.cpu_sockets * inventory.cores_per_socket, 4, "db-02 has 4 vCPUs");
-    assert_eq!(domain["memory"]["guest"], json!(format!("{}Mi", inventory.memory_mib)));
+    // As virt-api stores it: the rendered `4096Mi` comes back canonical.
+    let rendered = format!("{}Mi", inventory.memory_mib);
+    assert_eq!(domain["memory"]["guest"], json!(canonical_quantity(&rendered).unwrap()));
+    assert_eq!(domain["machine"]["type"], "q35", "virt-api's defaults are there");
     assert_eq!(inventory.memory_mib, 4096);
     let disks = domain["devices"]["disks"].as_array().unwrap();
     let volumes = vm["template"]["spec"]["volumes"].as_array().unwrap();
@@ -421,6 +480,12 @@ async fn two_disk_efi_vm_with_two_nics_migrates_to_completed_with_checksums_end_
     );
     let dvs = m.list(&data_volume_resource()).await;
     assert_eq!(dvs.len(), 2);
+    // Real CDI v1.65 checked each download against the copy's sha256.
+    for (dv, disk) in dvs.iter().zip(&status.disks) {
+        let checksum = &dv.data["spec"]["source"]["http"]["checksum"];
+        assert_eq!(checksum, &json!(format!("sha256:{}", disk.artifact_sha256.clone().unwrap())));
+        assert_eq!(disk.import_verification, Some(vmmigrate::api::ImportVerification::CdiChecksum));
+    }
     // Imported over TLS with per-artifact credentials, which are gone now.
     for dv in &dvs {
         let http = &dv.data["spec"]["source"]["http"];
@@ -454,7 +519,7 @@ async fn two_disk_efi_vm_with_two_nics_migrates_to_completed_with_checksums_end_
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn controller_killed_during_converting_and_importing_completes_with_one_job_and_data_volume_per_disk() {
-    let mut m = Migration::new("e2e-kill").await;
+    let mut m = Migration::with("e2e-kill", Cdi::Simulated).await;
     // The Jobs' pods wait for the work claim, created after the first kill.
     m.sims.control.hold_imports.store(true, Ordering::SeqCst);
     m.create(|body| {
@@ -489,13 +554,13 @@ async fn controller_killed_during_converting_and_importing_completes_with_one_jo
     assert!(jobs.list(&ListParams::default()).await.unwrap().items.is_empty(), "Jobs are cleaned up");
     // qcow2 artifacts: CDI converted them back to raw; the bytes are the source's.
     assert!(status.disks.iter().all(|d| d.artifact_format.as_deref() == Some("qcow2")));
-    assert_eq!(m.imported_sha256(2), m.source_sha256_at_start());
+    assert_eq!(m.imported_sha256(2).await, m.source_sha256_at_start());
     m.assert_source_off_and_untouched();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_byte_flipped_in_a_staged_artifact_is_caught_retried_and_never_imported() {
-    let m = Migration::new("e2e-flip").await;
+    let m = Migration::with("e2e-flip", Cdi::Simulated).await;
     m.sims.control.hold_imports.store(true, Ordering::SeqCst);
     m.create(|_| {}).await;
     let vmm = m.wait_for("Importing", |v| phase_of(v) == Phase::Importing).await;
@@ -520,8 +585,196 @@ async fn a_byte_flipped_in_a_staged_artifact_is_caught_retried_and_never_importe
     );
     assert!(m.staging.stats().corrupt_detected.load(Ordering::SeqCst) >= 1, "the staging server withheld it");
     // Never imported: the only successful imports carry the source's bytes.
-    assert_eq!(m.imported_sha256(2), m.source_sha256_at_start());
+    assert_eq!(m.imported_sha256(2).await, m.source_sha256_at_start());
     assert_eq!(m.sims.control.verified_imports.load(Ordering::SeqCst), 2);
     assert_eq!(m.leftovers(&uid), Vec::<PathBuf>::new());
+    m.assert_source_off_and_untouched();
+}
+
+/// The controller's reconcile count (ok and error) from its metrics.
+fn reconciles(metrics: &Metrics) -> u64 {
+    metrics
+        .encode()
+        .lines()
+        .filter(|l| l.starts_with("vmmigrate_reconcile_total{"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+        .sum()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_completed_vm_rewritten_by_virt_api_gets_no_writes_over_20_reconciles_and_a_later_change_is_reported_not_undone()
+ {
+    let m = Migration::new("e2e-drift").await;
+    m.create(|body| {
+        body["spec"]["validation"] = json!({ "checks": [{ "name": "agent", "guestAgent": {} }] })
+    })
+    .await;
+    m.wait_completed().await;
+    let writes_at_completed = m.virt_api.admitted().len();
+    assert!(writes_at_completed >= 1, "the VM was created through virt-api");
+    let vms: Api<DynamicObject> = Api::namespaced_with(m.client.clone(), &m.ns, &virtual_machine_resource());
+    let stored = vms.get(VM).await.unwrap();
+    assert_eq!(
+        stored.data["spec"]["template"]["spec"]["domain"]["memory"]["guest"], "4Gi",
+        "rewritten by virt-api"
+    );
+
+    // 20 reconciles forced by touching the migration: no write to the VM.
+    for i in 0..20 {
+        let before = reconciles(&m.metrics);
+        let poke = json!({ "metadata": { "annotations": { "test.vmmigrate/poke": i.to_string() } } });
+        m.api.patch(VM, &kube::api::PatchParams::default(), &kube::api::Patch::Merge(&poke)).await.unwrap();
+        let deadline = Instant::now() + WAIT;
+        while reconciles(&m.metrics) <= before {
+            assert!(Instant::now() < deadline, "reconcile {i} never ran");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+    let after: Vec<_> = m.virt_api.admitted().into_iter().skip(writes_at_completed).collect();
+    assert!(after.is_empty(), "writes to the VM after Completed: {after:?}");
+    assert_eq!(
+        vms.get(VM).await.unwrap().resource_version(),
+        stored.resource_version(),
+        "the VM was written"
+    );
+
+    // A person gives the VM more memory: reported as drift, not undone.
+    let more = json!({ "spec": { "template": { "spec": { "domain": { "memory": { "guest": "8Gi" },
+                        "resources": { "requests": { "memory": "8Gi" } } } } } } });
+    vms.patch(VM, &kube::api::PatchParams::default(), &kube::api::Patch::Merge(&more)).await.unwrap();
+    let vmm = m
+        .wait_for("VMDrifted", |v| {
+            v.status.as_ref().is_some_and(|s| {
+                s.conditions
+                    .iter()
+                    .any(|c| c.type_ == "VMDrifted" && c.status == vmmigrate::api::ConditionStatus::True)
+            })
+        })
+        .await;
+    let status = vmm.status.clone().unwrap();
+    let drifted = status.conditions.iter().find(|c| c.type_ == "VMDrifted").unwrap();
+    assert!(drifted.message.contains("memory.guest"), "{}", drifted.message);
+    assert_eq!(status.phase, Phase::Completed);
+    let events: Api<k8s_openapi::api::core::v1::Event> = Api::namespaced(m.client.clone(), &m.ns);
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let list = events.list(&ListParams::default()).await.unwrap().items;
+        if list.iter().any(|e| {
+            e.reason.as_deref() == Some("VMDrifted") && e.involved_object.name.as_deref() == Some(VM)
+        }) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "no VMDrifted Event");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // More reconciles: the person's change stands, the controller wrote nothing.
+    let writes = m.virt_api.admitted().len();
+    for i in 0..3 {
+        let before = reconciles(&m.metrics);
+        let poke = json!({ "metadata": { "annotations": { "test.vmmigrate/poke": format!("after-{i}") } } });
+        m.api.patch(VM, &kube::api::PatchParams::default(), &kube::api::Patch::Merge(&poke)).await.unwrap();
+        while reconciles(&m.metrics) <= before {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+    assert_eq!(m.virt_api.admitted().len(), writes, "the controller wrote to the changed VM");
+    assert_eq!(
+        vms.get(VM).await.unwrap().data["spec"]["template"]["spec"]["domain"]["memory"]["guest"],
+        "8Gi"
+    );
+}
+
+/// Held by every test importing with real CDI; taken exclusively by the one
+/// that changes CDI's DataVolume definition for the whole cluster.
+static CDI_DEFINITION: tokio::sync::RwLock<()> = tokio::sync::RwLock::const_new(());
+
+/// CDI's DataVolume definition without `spec.source.http.checksum` (as CDI
+/// v1.64 and older install it) while this lives; CDI's operator, which would
+/// put the field back, is scaled to zero meanwhile. Restored on drop.
+struct CdiWithoutChecksum {
+    _exclusive: tokio::sync::RwLockWriteGuard<'static, ()>,
+}
+
+impl CdiWithoutChecksum {
+    async fn install() -> CdiWithoutChecksum {
+        let exclusive = CDI_DEFINITION.write().await;
+        let env = KubeEnv::shared();
+        tokio::task::block_in_place(|| {
+            env.kubectl(&["-n", "cdi", "scale", "deployment", "cdi-operator", "--replicas=0"]).unwrap();
+            env.kubectl(&[
+                "-n",
+                "cdi",
+                "wait",
+                "--for=delete",
+                "pod",
+                "-l",
+                "name=cdi-operator",
+                "--timeout=120s",
+            ])
+            .unwrap();
+        });
+        let crds: Api<
+            k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition,
+        > = Api::all(env.client().await);
+        let crd = crds.get("datavolumes.cdi.kubevirt.io").await.unwrap();
+        let versions = crd.spec.versions.len();
+        let remove: Vec<Value> = (0..versions)
+            .map(|i| json!({ "op": "remove", "path": format!(
+                "/spec/versions/{i}/schema/openAPIV3Schema/properties/spec/properties/source/properties/http/properties/checksum") }))
+            .collect();
+        crds.patch(
+            "datavolumes.cdi.kubevirt.io",
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::<()>::Json(serde_json::from_value(Value::Array(remove)).unwrap()),
+        )
+        .await
+        .expect("removing checksum from the DataVolume definition");
+        CdiWithoutChecksum { _exclusive: exclusive }
+    }
+}
+
+impl Drop for CdiWithoutChecksum {
+    fn drop(&mut self) {
+        let env = KubeEnv::shared();
+        let crds = vmmigrate_harness::setup::upstream().unwrap().join("crds/cdi.yaml");
+        let restore = || -> anyhow::Result<()> {
+            env.kubectl(&[
+                "apply",
+                "--server-side",
+                "--force-conflicts",
+                "--field-manager=vmmigrate-tests",
+                "-f",
+                &crds.to_string_lossy(),
+            ])?;
+            env.kubectl(&["-n", "cdi", "scale", "deployment", "cdi-operator", "--replicas=1"])?;
+            Ok(())
+        };
+        let _ = std::thread::scope(|s| s.spawn(restore).join());
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn with_a_cdi_that_cannot_check_checksums_each_import_is_read_back_and_compared_before_the_vm_is_created()
+ {
+    let _old_cdi = CdiWithoutChecksum::install().await;
+    let m = Migration::with("e2e-nochecksum", Cdi::RealWithoutChecksum).await;
+    m.create(|body| {
+        body["spec"]["validation"] = json!({ "checks": [{ "name": "agent", "guestAgent": {} }] })
+    })
+    .await;
+    let vmm = m.wait_completed().await;
+    let status = vmm.status.unwrap();
+    let source = m.source_sha256_at_start();
+    for (disk, sha) in status.disks.iter().zip(&source) {
+        assert_eq!(disk.import_verification, Some(vmmigrate::api::ImportVerification::VolumeSha256));
+        assert_eq!(disk.imported_sha256.as_ref(), Some(sha), "read back from the volume");
+    }
+    // The DataVolumes went without the field CDI would not have checked.
+    for dv in m.list(&data_volume_resource()).await {
+        assert!(dv.data["spec"]["source"]["http"].get("checksum").is_none(), "{}", dv.data["spec"]);
+    }
+    let seen = m.jobs_seen.lock().unwrap().clone();
+    assert!(seen.len() >= 2, "a verify Job per disk: {seen:?}");
+    assert_eq!(m.imported_sha256(2).await, source);
     m.assert_source_off_and_untouched();
 }

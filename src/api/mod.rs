@@ -42,6 +42,8 @@ pub mod condition {
     pub(crate) const VM_CREATED: &str = "VMCreated";
     pub const VM_STARTED: &str = "VMStarted";
     pub const GUEST_READY: &str = "GuestReady";
+    /// After Completed: True when the VirtualMachine was changed since.
+    pub const VM_DRIFTED: &str = "VMDrifted";
 }
 
 /// The CRD, with `nullable: true` removed from optional fields: we never send

@@ -313,6 +313,27 @@ pub struct DiskStatus {
     pub artifact_format: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub data_volume_name: Option<String>,
+    /// How the import is verified, chosen when its DataVolume is created:
+    /// by CDI against `spec.source.http.checksum`, or, where the installed
+    /// CDI has no such field, by a Job reading the imported volume.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub import_verification: Option<ImportVerification>,
+    /// sha256 of the imported volume's disk bytes as the verify Job read
+    /// them (`VolumeSha256` only); equal to `sourceSha256`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub imported_sha256: Option<String>,
+}
+
+/// How an import is proven to hold the copied bytes.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, JsonSchema)]
+pub enum ImportVerification {
+    /// CDI (v1.65 and later) checked the sha256 of what it downloaded and
+    /// fails the DataVolume on a mismatch.
+    #[serde(rename = "CDIChecksum")]
+    CdiChecksum,
+    /// CDI cannot check (its DataVolume has no `checksum`): a Job read the
+    /// volume after the import and compared its sha256 with the copy's.
+    VolumeSha256,
 }
 
 /// The VirtualMachine created by this migration.

@@ -6,7 +6,10 @@
 use crate::api::Reason;
 use crate::api::{Phase, VirtualMachineMigration};
 use crate::machine::tenancy::DestinationRules;
-use crate::machine::{self, Action, ArtifactState, CopyState, Decision, Failure, Input, Observed};
+use crate::machine::{
+    self, Action, ArtifactState, CopyState, DataVolumeState, Decision, Failure, ImportingFacts, Input,
+    Observed,
+};
 use crate::ports::Adapters;
 use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt;
@@ -122,15 +125,41 @@ pub(crate) async fn observe(adapters: &Adapters, vmm: &VirtualMachineMigration) 
             Observed::Converting(Ok(artifacts))
         }
         Phase::Importing => {
-            let mut volumes = Vec::with_capacity(disks);
+            let mut facts = ImportingFacts {
+                volumes: Vec::with_capacity(disks),
+                cdi_verifies_checksum: None,
+                checks: Vec::new(),
+            };
             for disk in 0..disks {
-                match bounded("DataVolume read", CALL_TIMEOUT, adapters.cluster.data_volume(vmm, disk)).await
-                {
-                    Ok(dv) => volumes.push(dv),
+                let read = async {
+                    let dv = adapters.cluster.data_volume(vmm, disk).await?;
+                    let check = match dv {
+                        DataVolumeState::Succeeded => adapters.cluster.import_check(vmm, disk).await?,
+                        _ => None,
+                    };
+                    Ok::<_, Failure>((dv, check))
+                };
+                match bounded("DataVolume read", CALL_TIMEOUT, read).await {
+                    Ok((dv, check)) => {
+                        facts.volumes.push(dv);
+                        facts.checks.push(check);
+                    }
                     Err(failure) => return Observed::Importing(Err(failure)),
                 }
             }
-            Observed::Importing(Ok(volumes))
+            if facts.volumes.contains(&DataVolumeState::Absent) {
+                match bounded(
+                    "DataVolume definition read",
+                    CALL_TIMEOUT,
+                    adapters.cluster.cdi_verifies_checksum(),
+                )
+                .await
+                {
+                    Ok(verifies) => facts.cdi_verifies_checksum = Some(verifies),
+                    Err(failure) => return Observed::Importing(Err(failure)),
+                }
+            }
+            Observed::Importing(Ok(facts))
         }
         Phase::CreatingVm => {
             Observed::CreatingVm(bounded("VM read", CALL_TIMEOUT, adapters.cluster.vm(vmm)).await)
@@ -147,6 +176,10 @@ pub(crate) async fn observe(adapters: &Adapters, vmm: &VirtualMachineMigration) 
                 }));
             }
             Observed::Validating(Ok(results))
+        }
+        // The migrated VM is the user's now: read to report changes, never written.
+        Phase::Completed if vmm.status.as_ref().is_some_and(|s| s.destination_vm.is_some()) => {
+            Observed::Completed(bounded("VM read", CALL_TIMEOUT, adapters.cluster.vm(vmm)).await)
         }
         Phase::Pending
         | Phase::Retryable
@@ -189,6 +222,12 @@ pub(crate) async fn perform(
                 bounded("import access", CALL_TIMEOUT, adapters.staging.import_access(vmm, *disk)).await?;
             let create = adapters.cluster.create_data_volume(vmm, *disk, &access);
             bounded("DataVolume create", CALL_TIMEOUT, create).await
+        }
+        Action::StartVolumeCheck { disk } => {
+            bounded("verify Job create", CALL_TIMEOUT, adapters.cluster.start_volume_check(vmm, *disk)).await
+        }
+        Action::DeleteVolumeCheck { disk } => {
+            bounded("verify Job delete", CALL_TIMEOUT, adapters.cluster.delete_volume_check(vmm, *disk)).await
         }
         Action::DeleteDataVolume { disk } => {
             bounded("DataVolume delete", CALL_TIMEOUT, adapters.cluster.delete_data_volume(vmm, *disk)).await
@@ -252,9 +291,12 @@ pub async fn step(
         jitter: input.jitter,
     };
     let decision = machine::decide(make_input(observed));
+    // Actions act on what this decision says (a DataVolume is rendered with
+    // the verification it chose), though it is recorded only after them.
+    let acting = VirtualMachineMigration { status: Some(decision.status.clone()), ..vmm.clone() };
     let mut performed = Vec::new();
     for action in &decision.actions {
-        if let Err(failure) = perform(adapters, vmm, action).await {
+        if let Err(failure) = perform(adapters, &acting, action).await {
             // Nothing of this decision is recorded: the failure is recorded
             // against the recorded status and phase (record before you advance).
             let failed = machine::action_failed(make_input(Observed::Nothing), status.phase, failure.clone());

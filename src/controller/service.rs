@@ -10,6 +10,7 @@ use crate::convert::job::JobSettings;
 use crate::convert::staging::StagingServer;
 use crate::convert::store::{ArtifactStore, StoreSettings};
 use crate::destination::cluster::{KubeCluster, KubeProber};
+use crate::destination::verify::VerifySettings;
 use crate::machine::tenancy::DestinationRules;
 use crate::metrics::Metrics;
 use crate::ports::Adapters;
@@ -173,7 +174,11 @@ pub fn adapters(
         disks: source,
         converter: store.clone(),
         staging: store,
-        cluster: Arc::new(KubeCluster::new(client.clone(), &opts.leader_election.lease_namespace)),
+        cluster: Arc::new(match &opts.job_image {
+            Some(image) => KubeCluster::new(client.clone(), &opts.leader_election.lease_namespace)
+                .with_volume_checks(VerifySettings { image: image.clone(), run_as: own_ids() }),
+            None => KubeCluster::new(client.clone(), &opts.leader_election.lease_namespace),
+        }),
         prober: Arc::new(KubeProber::new(client)),
     }
 }

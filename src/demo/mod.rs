@@ -456,7 +456,7 @@ async fn start_services(
     let sims = support::kubevirt_sim::start_with(
         client.clone(),
         NAMESPACE,
-        support::kubevirt_sim::SimOptions { pvc_root: Some(work.join("pvcs")) },
+        support::kubevirt_sim::SimOptions { pvc_root: Some(work.join("pvcs")), real_cdi: false },
     );
     *sims.control.kubevirt.vmi_ip.lock().unwrap_or_else(|p| p.into_inner()) = guest_ip.to_string();
     screen.line(&format!("✓ CDI + KubeVirt simulators (\"PVCs\" in {})", work.join("pvcs").display()));
@@ -529,7 +529,7 @@ async fn start_cluster_services(
     let sims = support::kubevirt_sim::start_with(
         client.clone(),
         NAMESPACE,
-        support::kubevirt_sim::SimOptions { pvc_root: Some(work.join("pvcs")) },
+        support::kubevirt_sim::SimOptions { pvc_root: Some(work.join("pvcs")), real_cdi: false },
     );
     *sims.control.kubevirt.vmi_ip.lock().unwrap_or_else(|p| p.into_inner()) = guest_ip.to_string();
     screen.line(&format!("✓ CDI + KubeVirt simulators (\"PVCs\" in {})", work.join("pvcs").display()));

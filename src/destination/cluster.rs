@@ -4,16 +4,18 @@
 use super::claims::SourceClaims;
 use super::http_check::run_http_check;
 use super::render;
+use super::verify::{self, VerifySettings};
 use crate::api::Reason;
 use crate::api::labels::MIGRATION_UID as LABEL_MIGRATION_UID;
 use crate::api::{CheckKindRef, ValidationCheck, VirtualMachineMigration};
 use crate::machine::{
     CheckResult, DataVolumeState, DestinationOccupancy, Failure, PreflightFacts, StartingFacts, VmState,
-    VmiState, data_volume_name, destination_name,
+    VmiState, VolumeCheck, data_volume_name, destination_name,
 };
 use crate::ports::kube_errors::{classify, is_not_found};
 use crate::ports::{Cluster, ImportAccess, Prober};
 use async_trait::async_trait;
+use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::core::v1::Namespace;
 use k8s_openapi::api::storage::v1::StorageClass;
 use kube::api::{Api, DeleteParams, DynamicObject, GroupVersionKind, Patch, PatchParams, PostParams};
@@ -43,6 +45,40 @@ pub fn virtual_machine_instance_resource() -> ApiResource {
     )
 }
 
+/// A rendered object as the API client takes it.
+fn object(body: Value) -> Result<DynamicObject, Failure> {
+    serde_json::from_value(body).map_err(|e| Failure::terminal(Reason::RenderError, e.to_string()))
+}
+
+/// Creates `obj` with `fieldValidation=Strict`: a field the installed CRD
+/// does not know (an older CDI without `checksum`, say) is an error naming
+/// it, never pruned in silence. kube's `PostParams` has no field validation,
+/// so the request is built here.
+pub(crate) async fn create_strict(
+    client: &Client,
+    ar: &ApiResource,
+    namespace: &str,
+    obj: &DynamicObject,
+) -> Result<DynamicObject, kube::Error> {
+    use kube::Resource as _;
+    let params = PostParams { field_manager: Some(FIELD_MANAGER.into()), ..Default::default() };
+    let body = serde_json::to_vec(obj).map_err(kube::Error::SerdeError)?;
+    let mut request = kube::core::Request::new(DynamicObject::url_path(ar, Some(namespace)))
+        .create(&params, body)
+        .map_err(kube::Error::BuildRequest)?;
+    let uri = request.uri().to_string();
+    let joiner = if uri.contains('?') { '&' } else { '?' };
+    *request.uri_mut() =
+        format!("{uri}{joiner}fieldValidation=Strict").parse().map_err(|e: http::uri::InvalidUri| {
+            kube::Error::BuildRequest(kube::core::request::Error::Validation(e.to_string()))
+        })?;
+    client.request::<DynamicObject>(request).await
+}
+
+fn job_resource() -> ApiResource {
+    ApiResource::erase::<Job>(&())
+}
+
 fn secret_resource() -> ApiResource {
     ApiResource::erase::<k8s_openapi::api::core::v1::Secret>(&())
 }
@@ -61,12 +97,20 @@ fn is_ours(vmm: &VirtualMachineMigration, obj: &DynamicObject) -> bool {
 pub struct KubeCluster {
     client: Client,
     claims: SourceClaims,
+    verify: Option<VerifySettings>,
 }
 
 impl KubeCluster {
     /// `claims_namespace` holds the source-VM claims (the controller's own namespace).
     pub fn new(client: Client, claims_namespace: &str) -> KubeCluster {
-        KubeCluster { claims: SourceClaims::new(client.clone(), claims_namespace), client }
+        KubeCluster { claims: SourceClaims::new(client.clone(), claims_namespace), client, verify: None }
+    }
+
+    /// Lets this cluster read imported volumes back with Jobs of this image
+    /// where CDI cannot check a checksum (`super::verify`).
+    pub fn with_volume_checks(mut self, settings: VerifySettings) -> KubeCluster {
+        self.verify = Some(settings);
+        self
     }
 
     fn dynamic(&self, vmm: &VirtualMachineMigration, ar: &ApiResource) -> Api<DynamicObject> {
@@ -99,13 +143,8 @@ impl KubeCluster {
         ar: &ApiResource,
         body: Value,
     ) -> Result<(), Failure> {
-        let obj: DynamicObject = serde_json::from_value(body)
-            .map_err(|e| Failure::terminal(Reason::RenderError, e.to_string()))?;
-        match self
-            .dynamic(vmm, ar)
-            .create(&PostParams { field_manager: Some(FIELD_MANAGER.into()), ..Default::default() }, &obj)
-            .await
-        {
+        let obj = object(body)?;
+        match create_strict(&self.client, ar, &vmm.spec.destination.namespace, &obj).await {
             Ok(_) => Ok(()),
             // Create-if-absent: someone (a previous reconcile) was first.
             Err(kube::Error::Api(s)) if s.code == 409 && s.reason == "AlreadyExists" => Ok(()),
@@ -120,11 +159,10 @@ impl KubeCluster {
         ar: &ApiResource,
         body: Value,
     ) -> Result<(), Failure> {
-        let obj: DynamicObject = serde_json::from_value(body)
-            .map_err(|e| Failure::terminal(Reason::RenderError, e.to_string()))?;
+        let obj = object(body)?;
         let name = obj.name_any();
         self.dynamic(vmm, ar)
-            .patch(&name, &PatchParams::apply(FIELD_MANAGER).force(), &Patch::Apply(&obj))
+            .patch(&name, &PatchParams::apply(FIELD_MANAGER).force().validation_strict(), &Patch::Apply(&obj))
             .await
             .map(|_| ())
             .map_err(|e| classify(&format!("applying {} {name}", ar.kind), e))
@@ -178,6 +216,52 @@ impl KubeCluster {
             .await
             .map(|_| ())
             .map_err(|e| classify(&format!("releasing {} {name}", ar.kind), e))
+    }
+}
+
+/// What a DataVolume's status says, the way CDI v1.65 writes it: `Failed`
+/// only for a fatal error (a checksum mismatch, reason `ChecksumError` on the
+/// `Running` condition); any other importer error restarts the importer pod
+/// (`restartCount`), with the phase kept and `Running=False` carrying the
+/// importer's reason and message.
+pub(crate) fn data_volume_state(name: &str, status: &Value) -> DataVolumeState {
+    let phase = status.get("phase").and_then(Value::as_str).unwrap_or("Pending").to_owned();
+    let conditions =
+        status.get("conditions").and_then(Value::as_array).map(Vec::as_slice).unwrap_or_default();
+    let running = conditions.iter().find(|c| c["type"] == "Running");
+    let text = |c: &Value, key: &str| c.get(key).and_then(Value::as_str).unwrap_or_default().to_owned();
+    match phase.as_str() {
+        "Succeeded" => DataVolumeState::Succeeded,
+        "Failed" => {
+            let message = running
+                .into_iter()
+                .chain(conditions)
+                .map(|c| text(c, "message"))
+                .find(|m| !m.is_empty())
+                .unwrap_or_else(|| "the import failed".to_owned());
+            let checksum = running.is_some_and(|c| c["reason"] == "ChecksumError");
+            let reason = if checksum { Reason::ImportChecksumMismatch } else { Reason::ImportFailed };
+            DataVolumeState::Failed(Failure::retryable(reason, format!("DataVolume {name}: {message}")))
+        }
+        _ => DataVolumeState::InProgress {
+            percent: percent(status.get("progress").and_then(Value::as_str)),
+            phase,
+            restarts: status
+                .get("restartCount")
+                .and_then(Value::as_i64)
+                .unwrap_or(0)
+                .clamp(0, i32::MAX as i64) as i32,
+            importer_error: running.filter(|c| c["status"] == "False" && !text(c, "message").is_empty()).map(
+                |c| {
+                    let reason = text(c, "reason");
+                    if reason.is_empty() {
+                        text(c, "message")
+                    } else {
+                        format!("{reason}: {}", text(c, "message"))
+                    }
+                },
+            ),
+        },
     }
 }
 
@@ -241,32 +325,7 @@ impl Cluster for KubeCluster {
                 format!("DataVolume {name} exists and was not created by this migration"),
             ));
         }
-        let status = dv.data.get("status").cloned().unwrap_or(Value::Null);
-        let phase = status.get("phase").and_then(Value::as_str).unwrap_or("Pending").to_owned();
-        Ok(match phase.as_str() {
-            "Succeeded" => DataVolumeState::Succeeded,
-            "Failed" => {
-                // CDI puts the importer's error on the Running condition.
-                let conditions =
-                    status.get("conditions").and_then(Value::as_array).cloned().unwrap_or_default();
-                let message = conditions
-                    .iter()
-                    .find(|c| c["type"] == "Running")
-                    .into_iter()
-                    .chain(conditions.iter())
-                    .find_map(|c| c.get("message").and_then(Value::as_str).filter(|m| !m.is_empty()))
-                    .unwrap_or("the import failed")
-                    .to_owned();
-                DataVolumeState::Failed(Failure::retryable(
-                    Reason::ImportFailed,
-                    format!("DataVolume {name}: {message}"),
-                ))
-            }
-            _ => DataVolumeState::InProgress {
-                percent: percent(status.get("progress").and_then(Value::as_str)),
-                phase,
-            },
-        })
+        Ok(data_volume_state(&name, dv.data.get("status").unwrap_or(&Value::Null)))
     }
 
     async fn create_data_volume(
@@ -281,6 +340,94 @@ impl Cluster for KubeCluster {
         self.apply(vmm, &secret_resource(), render::import_secret(vmm, disk, access)).await?;
         self.apply(vmm, &config_map_resource(), render::import_ca(vmm, disk, access)).await?;
         self.create(vmm, &data_volume_resource(), render::data_volume(vmm, disk)).await
+    }
+
+    async fn cdi_verifies_checksum(&self) -> Result<bool, Failure> {
+        use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+        let crds: Api<CustomResourceDefinition> = Api::all(self.client.clone());
+        match crds.get_opt(verify::DATA_VOLUME_CRD).await {
+            Ok(Some(crd)) => Ok(verify::crd_has_checksum(&serde_json::to_value(&crd).unwrap_or(Value::Null))),
+            Ok(None) => Err(Failure::needs_human(
+                Reason::CDIMissing,
+                format!(
+                    "CustomResourceDefinition {} is not installed: is CDI installed?",
+                    verify::DATA_VOLUME_CRD
+                ),
+            )),
+            Err(e) => {
+                Err(classify(&format!("reading CustomResourceDefinition {}", verify::DATA_VOLUME_CRD), e))
+            }
+        }
+    }
+
+    async fn import_check(
+        &self,
+        vmm: &VirtualMachineMigration,
+        disk: usize,
+    ) -> Result<Option<VolumeCheck>, Failure> {
+        let name = Self::dv_name(vmm, disk);
+        let Some(dv) = self.get(vmm, &data_volume_resource(), &name).await? else {
+            return Ok(Some(VolumeCheck::Absent));
+        };
+        if dv.data["spec"]["source"]["http"].get("checksum").is_some_and(Value::is_string) {
+            return Ok(None);
+        }
+        let Some(settings) = &self.verify else {
+            return Ok(Some(VolumeCheck::Unavailable(
+                "no image for Jobs is configured (--job-image) to read the volume back".into(),
+            )));
+        };
+        let _ = settings;
+        let jobs: Api<Job> = Api::namespaced(self.client.clone(), &vmm.spec.destination.namespace);
+        let job_name = verify::job_name(vmm, disk);
+        let job = match jobs.get_opt(&job_name).await {
+            Ok(Some(job)) => job,
+            Ok(None) => return Ok(Some(VolumeCheck::Absent)),
+            Err(e) => return Err(classify(&format!("reading Job {job_name}"), e)),
+        };
+        let status = job.status.unwrap_or_default();
+        let finished =
+            |t: &str| status.conditions.iter().flatten().any(|c| c.type_ == t && c.status == "True");
+        if !finished("Complete") && !finished("Failed") {
+            return Ok(Some(VolumeCheck::Running));
+        }
+        let said = crate::convert::store::job_termination_line(
+            &self.client,
+            &vmm.spec.destination.namespace,
+            &job_name,
+        )
+        .await
+        .unwrap_or_default();
+        Ok(Some(match verify::parse_answer(&said) {
+            Some(d) if finished("Complete") => VolumeCheck::Matches { sha256: d.sha256 },
+            Some(d) => VolumeCheck::Differs { sha256: d.sha256, nonzero_tail_bytes: d.nonzero_tail_bytes },
+            None => VolumeCheck::Failed(Failure::retryable(
+                Reason::VolumeCheckFailed,
+                format!(
+                    "Job {job_name} could not read the volume: {}",
+                    if said.is_empty() { "no message" } else { said.as_str() }
+                ),
+            )),
+        }))
+    }
+
+    async fn start_volume_check(&self, vmm: &VirtualMachineMigration, disk: usize) -> Result<(), Failure> {
+        let Some(settings) = &self.verify else { return Ok(()) };
+        let job: Job = serde_json::from_value(verify::verify_job(settings, vmm, disk))
+            .map_err(|e| Failure::terminal(Reason::RenderError, e.to_string()))?;
+        let jobs: Api<Job> = Api::namespaced(self.client.clone(), &vmm.spec.destination.namespace);
+        match jobs
+            .create(&PostParams { field_manager: Some(FIELD_MANAGER.into()), ..Default::default() }, &job)
+            .await
+        {
+            Ok(_) => Ok(()),
+            Err(kube::Error::Api(s)) if s.code == 409 => Ok(()),
+            Err(e) => Err(classify(&format!("creating Job {}", verify::job_name(vmm, disk)), e)),
+        }
+    }
+
+    async fn delete_volume_check(&self, vmm: &VirtualMachineMigration, disk: usize) -> Result<(), Failure> {
+        self.delete_if_ours(vmm, &job_resource(), &verify::job_name(vmm, disk)).await
     }
 
     async fn delete_data_volume(&self, vmm: &VirtualMachineMigration, disk: usize) -> Result<(), Failure> {
@@ -299,7 +446,12 @@ impl Cluster for KubeCluster {
         let live =
             json!({ "spec": { "template": vm.data.get("spec").and_then(|s| s.get("template")).cloned() } });
         let want = json!({ "spec": { "template": wanted["spec"]["template"].clone() } });
-        Ok(if render::contains(&live, &want) { VmState::Matching { uid } } else { VmState::Drifted { uid } })
+        let differences = super::semantic::differences(&live, &want);
+        Ok(if differences.is_empty() {
+            VmState::Matching { uid }
+        } else {
+            VmState::Drifted { uid, differences }
+        })
     }
 
     async fn create_vm(&self, vmm: &VirtualMachineMigration) -> Result<(), Failure> {
@@ -311,7 +463,7 @@ impl Cluster for KubeCluster {
         let wanted = render::virtual_machine(vmm);
         let patch = json!({ "spec": { "template": wanted["spec"]["template"].clone() } });
         self.dynamic(vmm, &virtual_machine_resource())
-            .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
+            .patch(&name, &PatchParams::default().validation_strict(), &Patch::Merge(&patch))
             .await
             .map(|_| ())
             .map_err(|e| classify(&format!("updating VirtualMachine {name}"), e))
@@ -361,7 +513,7 @@ impl Cluster for KubeCluster {
         let name = Self::vm_name(vmm);
         let patch = json!({ "spec": { "runStrategy": vmm.spec.destination.run_strategy } });
         self.dynamic(vmm, &virtual_machine_resource())
-            .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
+            .patch(&name, &PatchParams::default().validation_strict(), &Patch::Merge(&patch))
             .await
             .map(|_| ())
             .map_err(|e| classify(&format!("setting runStrategy on {name}"), e))
@@ -430,22 +582,40 @@ impl Prober for KubeProber {
                     CheckResult::NotYet { message: "the guest agent is not connected yet".into() }
                 }
             }
-            Some(CheckKindRef::Ip) => {
-                let ip = status["interfaces"].as_array().and_then(|is| {
-                    is.iter()
-                        .find_map(|i| i["ipAddress"].as_str().filter(|s| !s.is_empty()).map(str::to_owned))
-                });
-                match ip {
-                    Some(ip) => CheckResult::Pass { message: format!("the VMI reports {ip}") },
-                    None => CheckResult::NotYet { message: "the VMI reports no IP address yet".into() },
-                }
-            }
+            Some(CheckKindRef::Ip) => ip_check(&status),
             Some(CheckKindRef::Http(http)) => {
                 run_http_check(&self.client, &vmm.spec.destination.namespace, http, &vmi_addresses(&status))
                     .await
             }
             None => CheckResult::Wrong { message: "the check sets none of http, guestAgent, ip".into() },
         }
+    }
+}
+
+/// The `ip` check: an address the guest itself reports. virt-handler fills
+/// `ipAddress` from the pod's network for a masquerade interface before the
+/// guest has booted; only an interface whose `infoSource` names
+/// `guest-agent` shows the guest holds an address.
+fn ip_check(status: &Value) -> CheckResult {
+    let interfaces = status["interfaces"].as_array().map(Vec::as_slice).unwrap_or_default();
+    let from_agent = |i: &&Value| {
+        i["infoSource"].as_str().is_some_and(|s| s.split(',').any(|p| p.trim() == "guest-agent"))
+    };
+    let address = |i: &Value| i["ipAddress"].as_str().filter(|s| !s.is_empty()).map(str::to_owned);
+    if let Some((ip, name)) = interfaces
+        .iter()
+        .filter(from_agent)
+        .find_map(|i| Some((address(i)?, i["interfaceName"].as_str().unwrap_or("?").to_owned())))
+    {
+        return CheckResult::Pass { message: format!("the guest agent reports {ip} on {name}") };
+    }
+    match interfaces.iter().find_map(address) {
+        Some(ip) => CheckResult::NotYet {
+            message: format!(
+                "the VMI shows {ip}, but not from the guest agent (infoSource); the guest has not reported an address yet"
+            ),
+        },
+        None => CheckResult::NotYet { message: "the VMI reports no IP address yet".into() },
     }
 }
 
@@ -464,4 +634,56 @@ fn vmi_addresses(status: &Value) -> Vec<std::net::IpAddr> {
         }
     }
     addresses
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_ip_check_passes_only_on_an_address_the_guest_agent_reports() {
+        let pod_address =
+            json!({ "interfaces": [{ "name": "nic-0", "ipAddress": "10.244.0.7", "infoSource": "domain" }] });
+        let CheckResult::NotYet { message } = ip_check(&pod_address) else {
+            panic!("passed on the pod's address")
+        };
+        assert!(message.contains("10.244.0.7") && message.contains("guest agent"), "{message}");
+        let guest = json!({ "interfaces": [
+            { "name": "nic-0", "ipAddress": "10.244.0.7", "infoSource": "domain, guest-agent", "interfaceName": "eth0" }] });
+        assert!(matches!(ip_check(&guest), CheckResult::Pass { message } if message.contains("eth0")));
+        assert!(matches!(ip_check(&json!({})), CheckResult::NotYet { .. }));
+    }
+
+    #[test]
+    fn data_volume_status_is_read_the_way_cdi_writes_it() {
+        let running = |status: &str, reason: &str, message: &str| json!([{ "type": "Running", "status": status, "reason": reason, "message": message }]);
+        // An importer error: the pod restarts, the phase stays.
+        let restarting = json!({ "phase": "ImportInProgress", "progress": "N/A", "restartCount": 2,
+            "conditions": running("False", "Error", "Unable to connect to http data source: expected status code 200, got 403") });
+        assert_eq!(
+            data_volume_state("dv", &restarting),
+            DataVolumeState::InProgress {
+                phase: "ImportInProgress".into(),
+                percent: 0,
+                restarts: 2,
+                importer_error: Some(
+                    "Error: Unable to connect to http data source: expected status code 200, got 403".into()
+                ),
+            }
+        );
+        let importing = json!({ "phase": "ImportInProgress", "progress": "42.5%", "conditions": running("True", "Pod is running", "") });
+        assert!(matches!(
+            data_volume_state("dv", &importing),
+            DataVolumeState::InProgress { percent: 42, restarts: 0, importer_error: None, .. }
+        ));
+        // Fatal: a checksum mismatch fails the DataVolume.
+        let mismatch = json!({ "phase": "Failed", "conditions": running("False", "ChecksumError", "checksum mismatch") });
+        let DataVolumeState::Failed(failure) = data_volume_state("dv", &mismatch) else {
+            panic!("not failed")
+        };
+        assert_eq!(failure.reason, Reason::ImportChecksumMismatch);
+        assert!(failure.message.contains("dv: checksum mismatch"), "{}", failure.message);
+        assert_eq!(data_volume_state("dv", &json!({ "phase": "Succeeded" })), DataVolumeState::Succeeded);
+        assert!(matches!(data_volume_state("dv", &Value::Null), DataVolumeState::InProgress { .. }));
+    }
 }

@@ -5,3 +5,5 @@ pub mod claims;
 pub mod cluster;
 pub mod http_check;
 pub(crate) mod render;
+pub(crate) mod semantic;
+pub mod verify;

@@ -79,7 +79,7 @@ pub(crate) fn reconcile_spec(
     if matches!(phase, Phase::Completed | Phase::Failed) {
         // The live spec carries the server's defaults: it contains an
         // unchanged manifest's spec.
-        let changed = !crate::destination::render::contains(&live_spec, &rendered["spec"]);
+        let changed = !crate::destination::semantic::agrees(&live_spec, &rendered["spec"]);
         object["spec"] = live_spec;
         let note = changed.then(|| {
             format!("{phase} is terminal: spec changes are not applied; create a new migration to run again")
@@ -94,7 +94,7 @@ pub(crate) fn reconcile_spec(
         let wanted = rendered["spec"].get(*field).cloned().unwrap_or(Value::Null);
         let current = live_spec.get(*field).cloned().unwrap_or(Value::Null);
         // Server defaults make the live value a superset of what was written.
-        if !wanted.is_null() && !crate::destination::render::contains(&current, &wanted) {
+        if !wanted.is_null() && !crate::destination::semantic::agrees(&current, &wanted) {
             held.push(*field);
         }
         if !current.is_null() {

@@ -102,7 +102,7 @@ pub(crate) fn summarize(status: &mut VirtualMachineMigrationStatus, generation: 
 }
 
 fn order(type_: &str) -> usize {
-    const ORDER: [&str; 12] = [
+    const ORDER: [&str; 13] = [
         condition::READY,
         condition::RECONCILING,
         condition::STALLED,
@@ -115,6 +115,7 @@ fn order(type_: &str) -> usize {
         condition::VM_CREATED,
         condition::VM_STARTED,
         condition::GUEST_READY,
+        condition::VM_DRIFTED,
     ];
     ORDER.iter().position(|t| *t == type_).unwrap_or(ORDER.len())
 }

@@ -20,9 +20,10 @@ pub mod tenancy;
 pub use observe::*;
 
 use crate::api::{
-    CleanupAction, DiskProgress, DiskStatus, MAX_ERRORS, MAX_HISTORY, MigrationError, Phase, PhaseTransition,
-    PowerOffPolicy, Progress, RetriesExhausted, RetryStatus, RunStrategy, SourcePowerState, ValidationResult,
-    VirtualMachineMigrationSpec, VirtualMachineMigrationStatus, condition,
+    CleanupAction, DiskProgress, DiskStatus, ImportVerification, MAX_ERRORS, MAX_HISTORY, MigrationError,
+    Phase, PhaseTransition, PowerOffPolicy, Progress, RetriesExhausted, RetryStatus, RunStrategy,
+    SourcePowerState, ValidationResult, VirtualMachineMigrationSpec, VirtualMachineMigrationStatus,
+    condition,
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
@@ -65,19 +66,40 @@ pub enum Action {
     /// `power.off`: hard power-off. Only when the policy allows it.
     PowerOffHard,
     /// Start or resume copying one disk; a no-op when it is running or complete.
-    StartDiskCopy { disk: usize },
+    StartDiskCopy {
+        disk: usize,
+    },
     /// Remove a failed or corrupt local copy.
-    DiscardDiskCopy { disk: usize },
+    DiscardDiskCopy {
+        disk: usize,
+    },
     /// Start converting one disk (a no-op for raw, where the copy is the artifact).
-    StartConversion { disk: usize },
+    StartConversion {
+        disk: usize,
+    },
     /// Remove an invalid or partial artifact.
-    DiscardArtifact { disk: usize },
+    DiscardArtifact {
+        disk: usize,
+    },
     /// Publish a valid artifact where CDI can fetch it.
-    StageArtifact { disk: usize },
+    StageArtifact {
+        disk: usize,
+    },
     /// Create the DataVolume `<name>-disk-<n>` if absent.
-    CreateDataVolume { disk: usize },
+    CreateDataVolume {
+        disk: usize,
+    },
     /// Delete the DataVolume `<name>-disk-<n>` ("not found" is success).
-    DeleteDataVolume { disk: usize },
+    DeleteDataVolume {
+        disk: usize,
+    },
+    /// Start the Job that reads disk's imported volume and hashes it.
+    StartVolumeCheck {
+        disk: usize,
+    },
+    DeleteVolumeCheck {
+        disk: usize,
+    },
     /// Create the VirtualMachine (runStrategy Halted) if absent.
     CreateVm,
     /// Update our drifted VirtualMachine to the rendered spec.
@@ -385,6 +407,9 @@ pub(crate) fn decide(input: Input<'_>) -> Decision {
         }
         Phase::Completed | Phase::Failed => {
             ctx.finish();
+            if let Observed::Completed(vm) = input.observed {
+                watch_drift(&mut ctx, vm);
+            }
             if input.retry_requested {
                 ctx.event(
                     EventType::Warning,
@@ -791,27 +816,69 @@ fn converting(ctx: &mut Ctx<'_>, observed: Observed) {
 }
 
 fn importing(ctx: &mut Ctx<'_>, observed: Observed) {
-    let volumes = match observed {
-        Observed::Importing(Ok(v)) => v,
+    let facts = match observed {
+        Observed::Importing(Ok(facts)) => facts,
         Observed::Importing(Err(failure)) => return ctx.fail(Phase::Importing, failure),
         _ => return mismatch(ctx, Phase::Importing, "importing"),
     };
+    let volumes = facts.volumes;
     let mut succeeded = 0;
+    let mut verifying = 0;
     let mut progress = Progress::default();
+    let mut importer_trouble = Vec::new();
     for (disk, dv) in volumes.iter().enumerate() {
         let name = data_volume_name(ctx.destination, disk);
         if let Some(d) = ctx.status.disks.get_mut(disk) {
-            d.data_volume_name = Some(name);
+            d.data_volume_name = Some(name.clone());
         }
         let size = ctx.status.disks.get(disk).map(|d| d.size_bytes).unwrap_or(0);
         let percent = match dv {
             DataVolumeState::Absent => {
+                // The checksum goes into the DataVolume only where CDI
+                // knows the field; otherwise the volume is read afterwards.
+                let planned = match facts.cdi_verifies_checksum {
+                    Some(true) => ImportVerification::CdiChecksum,
+                    Some(false) => ImportVerification::VolumeSha256,
+                    None => return mismatch(ctx, Phase::Importing, "CDI's checksum support"),
+                };
+                if let Some(d) = ctx.status.disks.get_mut(disk) {
+                    d.import_verification = Some(planned);
+                    d.imported_sha256 = None;
+                }
                 ctx.actions.push(Action::CreateDataVolume { disk });
                 0
             }
-            DataVolumeState::InProgress { percent, .. } => *percent,
+            DataVolumeState::InProgress { percent, restarts, importer_error, .. } => {
+                if *restarts >= IMPORTER_RESTART_LIMIT {
+                    // An import that fails the same way again and again (a
+                    // refused credential, a wrong URL) never ends in CDI: stop
+                    // it here, and go back through Converting, which checks
+                    // the artifact before a new DataVolume is made.
+                    let last = importer_error.as_deref().unwrap_or("no message");
+                    let failure = Failure::retryable(
+                        Reason::ImportFailed,
+                        format!("DataVolume {name}: the importer failed {restarts} times; last: {last}"),
+                    );
+                    ctx.condition(
+                        condition::DISK_IMPORTED,
+                        false,
+                        failure.reason.as_str(),
+                        failure.message.clone(),
+                    );
+                    ctx.actions.push(Action::DeleteDataVolume { disk });
+                    return ctx.fail_resuming(Phase::Importing, Some(Phase::Converting), failure);
+                }
+                if let Some(error) = importer_error {
+                    importer_trouble.push(format!("{name}: importer restarted {restarts} time(s): {error}"));
+                }
+                *percent
+            }
             DataVolumeState::Succeeded => {
-                succeeded += 1;
+                match verify_import(ctx, disk, &name, facts.checks.get(disk).cloned().flatten()) {
+                    Verified::Yes => succeeded += 1,
+                    Verified::NotYet => verifying += 1,
+                    Verified::Stop => return,
+                }
                 100
             }
             DataVolumeState::Failed(failure) => {
@@ -849,15 +916,127 @@ fn importing(ctx: &mut Ctx<'_>, observed: Observed) {
         ctx.advance(Phase::CreatingVm);
     } else {
         set_progress(ctx, progress);
-        ctx.condition(
-            condition::DISK_IMPORTED,
-            false,
-            "Importing",
-            format!("{succeeded} of {} DataVolume(s) succeeded", volumes.len()),
-        );
+        let mut message = format!("{succeeded} of {} DataVolume(s) succeeded and verified", volumes.len());
+        if verifying > 0 {
+            message.push_str(&format!("; {verifying} being read back to compare its sha256 with the copy's"));
+        }
+        let reason = if importer_trouble.is_empty() { "Importing" } else { "ImporterRestarting" };
+        for trouble in &importer_trouble {
+            message.push_str("; ");
+            message.push_str(trouble);
+        }
+        ctx.condition(condition::DISK_IMPORTED, false, reason, message);
         ctx.wait(POLL_IN_PROGRESS);
     }
 }
+
+enum Verified {
+    Yes,
+    NotYet,
+    /// The phase failed (recorded).
+    Stop,
+}
+
+/// A succeeded DataVolume is done only once its bytes are proven the copy's:
+/// by CDI's own checksum check (`check` is `None`: the stored DataVolume
+/// kept `checksum`), or by the verify Job reading the volume.
+fn verify_import(ctx: &mut Ctx<'_>, disk: usize, name: &str, check: Option<VolumeCheck>) -> Verified {
+    let expected = ctx.status.disks.get(disk).and_then(|d| d.source_sha256.clone()).unwrap_or_default();
+    let record = |ctx: &mut Ctx<'_>, how: ImportVerification, sha: Option<String>| {
+        if let Some(d) = ctx.status.disks.get_mut(disk) {
+            d.import_verification = Some(how);
+            d.imported_sha256 = sha;
+        }
+    };
+    match check {
+        None => {
+            record(ctx, ImportVerification::CdiChecksum, None);
+            Verified::Yes
+        }
+        Some(VolumeCheck::Absent) => {
+            ctx.actions.push(Action::StartVolumeCheck { disk });
+            Verified::NotYet
+        }
+        Some(VolumeCheck::Running) => Verified::NotYet,
+        Some(VolumeCheck::Matches { sha256 }) if sha256 == expected => {
+            record(ctx, ImportVerification::VolumeSha256, Some(sha256));
+            Verified::Yes
+        }
+        Some(VolumeCheck::Matches { sha256 } | VolumeCheck::Differs { sha256, .. }) => {
+            let failure = Failure::retryable(
+                Reason::ImportChecksumMismatch,
+                format!(
+                    "DataVolume {name}: the imported volume's sha256 is {sha256}, the copy's {expected} (or bytes after the disk are not zero)"
+                ),
+            );
+            ctx.condition(condition::DISK_IMPORTED, false, failure.reason.as_str(), failure.message.clone());
+            ctx.actions.push(Action::DeleteVolumeCheck { disk });
+            ctx.actions.push(Action::DeleteDataVolume { disk });
+            ctx.fail_resuming(Phase::Importing, Some(Phase::Converting), failure);
+            Verified::Stop
+        }
+        Some(VolumeCheck::Failed(failure)) => {
+            ctx.actions.push(Action::DeleteVolumeCheck { disk });
+            ctx.fail(Phase::Importing, failure);
+            Verified::Stop
+        }
+        Some(VolumeCheck::Unavailable(why)) => {
+            ctx.fail(
+                Phase::Importing,
+                Failure::needs_human(
+                    Reason::ImportUnverifiable,
+                    format!("DataVolume {name} was imported by a CDI that does not check checksums, and it cannot be read back: {why}"),
+                ),
+            );
+            Verified::Stop
+        }
+    }
+}
+
+/// Importer pod restarts (CDI's `restartCount`) after which an import is
+/// given up on and retried from Converting.
+pub(crate) const IMPORTER_RESTART_LIMIT: i32 = 3;
+
+/// After Completed the VirtualMachine is the user's: a change somebody makes
+/// to it is reported (condition, Event, and through the status in Git),
+/// never undone.
+fn watch_drift(ctx: &mut Ctx<'_>, vm: Result<VmState, Failure>) {
+    let (drifted, reason, message) = match vm {
+        // A failed read says nothing about the VM.
+        Err(_) => return,
+        Ok(VmState::Matching { .. }) => {
+            (false, "InSync", "the VirtualMachine says what the migration created".to_owned())
+        }
+        Ok(VmState::Drifted { differences, .. }) => (
+            true,
+            "Changed",
+            format!(
+                "the VirtualMachine was changed after the migration (not undone): {}",
+                differences.join("; ")
+            ),
+        ),
+        Ok(VmState::Absent) => {
+            (true, "Deleted", "the VirtualMachine was deleted after the migration".to_owned())
+        }
+        Ok(VmState::NotOurs) => (
+            true,
+            "Replaced",
+            "the VirtualMachine was replaced by one this migration did not create".to_owned(),
+        ),
+    };
+    let before =
+        ctx.status.conditions.iter().find(|c| c.type_ == condition::VM_DRIFTED).map(|c| c.message.clone());
+    if drifted && before.as_deref() != Some(message.as_str()) {
+        ctx.event(EventType::Warning, "VMDrifted", message.clone());
+    }
+    if drifted || before.is_some() {
+        ctx.condition(condition::VM_DRIFTED, drifted, reason, message);
+    }
+    ctx.wait(DRIFT_WATCH);
+}
+
+/// How often a completed migration looks at its VirtualMachine.
+pub(crate) const DRIFT_WATCH: Duration = Duration::from_secs(300);
 
 fn creating_vm(ctx: &mut Ctx<'_>, observed: Observed) {
     let vm = match observed {
@@ -871,9 +1050,24 @@ fn creating_vm(ctx: &mut Ctx<'_>, observed: Observed) {
             ctx.actions.push(Action::CreateVm);
             ctx.wait(Duration::from_secs(1));
         }
-        VmState::Drifted { .. } => {
+        VmState::Drifted { differences, .. } => {
+            let differences = differences.join("; ");
+            // Updated once already and still different: the cluster rewrites
+            // what we write (a webhook, a default this version does not
+            // know). Fighting it would rewrite the VM forever.
+            let updated = ctx.status.conditions.iter().any(|c| c.type_ == condition::VM_CREATED && c.reason == "Updating");
+            if updated {
+                return ctx.fail(
+                    Phase::CreatingVm,
+                    Failure::needs_human(
+                        Reason::DestinationVMNotConverging,
+                        format!("the VirtualMachine still differs from the rendered spec after one update (something in the cluster rewrites it): {differences}"),
+                    ),
+                );
+            }
             ctx.actions.push(Action::UpdateVm);
-            ctx.event(EventType::Normal, "VMDrifted", "the VirtualMachine drifted from the rendered spec; updating");
+            ctx.condition(condition::VM_CREATED, false, "Updating", format!("updating the VirtualMachine: {differences}"));
+            ctx.event(EventType::Normal, "VMDrifted", format!("the VirtualMachine differs from the rendered spec; updating once: {differences}"));
             ctx.wait(Duration::from_secs(1));
         }
         VmState::Matching { uid } => {

@@ -58,14 +58,16 @@ pub(crate) enum Observed {
     Preparing(Result<PreparingFacts, Failure>),
     /// Converting: the artifact of every disk.
     Converting(Result<Vec<ArtifactState>, Failure>),
-    /// Importing: the DataVolume of every disk.
-    Importing(Result<Vec<DataVolumeState>, Failure>),
+    /// Importing: the DataVolume of every disk and how imports are verified.
+    Importing(Result<ImportingFacts, Failure>),
     /// CreatingVM: the destination VirtualMachine.
     CreatingVm(Result<VmState, Failure>),
     /// Starting: runStrategy and the VMI.
     Starting(Result<StartingFacts, Failure>),
     /// Validating: one result per `spec.validation.checks` entry, in order.
     Validating(Result<Vec<CheckResult>, Failure>),
+    /// Completed: the migrated VirtualMachine, watched for changes made after.
+    Completed(Result<VmState, Failure>),
 }
 
 /// Facts from the cluster for the pre-flight rules.
@@ -141,12 +143,55 @@ pub enum ArtifactState {
 pub enum DataVolumeState {
     Absent,
     /// Pending, WaitForFirstConsumer, ImportScheduled, ImportInProgress...
+    /// CDI does not fail a DataVolume on an importer error: the importer pod
+    /// restarts (`status.restartCount`) and the `Running` condition carries
+    /// its reason and message, while the phase stays where it was.
     InProgress {
         phase: String,
         percent: i32,
+        restarts: i32,
+        /// The importer's last error (`Running=False`), when it has one.
+        importer_error: Option<String>,
     },
     Succeeded,
     Failed(Failure),
+}
+
+/// What Importing sees: every disk's DataVolume, whether the installed CDI
+/// checks `spec.source.http.checksum` (read only while a DataVolume is to be
+/// made), and the verify Job of every disk whose import CDI cannot check.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ImportingFacts {
+    pub volumes: Vec<DataVolumeState>,
+    pub cdi_verifies_checksum: Option<bool>,
+    /// One per disk; `None` where no verify Job is looked for.
+    pub checks: Vec<Option<VolumeCheck>>,
+}
+
+impl ImportingFacts {
+    /// DataVolumes on a CDI that checks checksums (nothing else to look at).
+    pub fn volumes(volumes: Vec<DataVolumeState>) -> ImportingFacts {
+        let checks = vec![None; volumes.len()];
+        ImportingFacts { volumes, cdi_verifies_checksum: Some(true), checks }
+    }
+}
+
+/// The Job that reads an imported volume and compares its sha256 with the copy's.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum VolumeCheck {
+    Absent,
+    Running,
+    Matches {
+        sha256: String,
+    },
+    /// The volume holds other bytes than the copy.
+    Differs {
+        sha256: String,
+        nonzero_tail_bytes: u64,
+    },
+    Failed(Failure),
+    /// This controller cannot run one (no image for Jobs configured).
+    Unavailable(String),
 }
 
 /// The destination VirtualMachine.
@@ -157,9 +202,11 @@ pub enum VmState {
     Matching {
         uid: String,
     },
-    /// Ours but drifted from the rendered spec.
+    /// Ours but saying something else than the rendered spec (judged by
+    /// meaning: `destination::semantic`), with the differences by path.
     Drifted {
         uid: String,
+        differences: Vec<String>,
     },
     /// A VM with that name that this migration did not create.
     NotOurs,

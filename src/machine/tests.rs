@@ -507,14 +507,17 @@ fn staged_artifact_url_and_checksum_are_recorded_in_the_status_that_advances() {
 
 #[test]
 fn importing_creates_one_data_volume_per_disk_with_a_deterministic_name() {
-    let d = Run::at(Phase::Importing).decide_at(Observed::Importing(Ok(vec![DataVolumeState::Absent])), t(0));
+    let d = Run::at(Phase::Importing)
+        .decide_at(Observed::Importing(Ok(ImportingFacts::volumes(vec![DataVolumeState::Absent]))), t(0));
     assert_eq!(d.actions, vec![Action::CreateDataVolume { disk: 0 }]);
     assert_eq!(d.status.disks[0].data_volume_name.as_deref(), Some("web-01-disk-0"));
     let progress = Run::at(Phase::Importing).decide_at(
-        Observed::Importing(Ok(vec![DataVolumeState::InProgress {
+        Observed::Importing(Ok(ImportingFacts::volumes(vec![DataVolumeState::InProgress {
             phase: "ImportInProgress".into(),
             percent: 50,
-        }])),
+            restarts: 0,
+            importer_error: None,
+        }]))),
         t(0),
     );
     assert!(progress.actions.is_empty());
@@ -524,10 +527,10 @@ fn importing_creates_one_data_volume_per_disk_with_a_deterministic_name() {
 #[test]
 fn transient_data_volume_failure_deletes_it_for_recreation_within_the_budget() {
     let d = Run::at(Phase::Importing).decide_at(
-        Observed::Importing(Ok(vec![DataVolumeState::Failed(Failure::retryable(
+        Observed::Importing(Ok(ImportingFacts::volumes(vec![DataVolumeState::Failed(Failure::retryable(
             Reason::ImportFailed,
             "importer evicted",
-        ))])),
+        ))]))),
         t(0),
     );
     assert_eq!(d.actions, vec![Action::DeleteDataVolume { disk: 0 }]);
@@ -537,10 +540,10 @@ fn transient_data_volume_failure_deletes_it_for_recreation_within_the_budget() {
 #[test]
 fn failed_import_rechecks_the_artifact_in_converting_and_counts_against_the_importing_budget() {
     let failed_import = || {
-        Observed::Importing(Ok(vec![DataVolumeState::Failed(Failure::retryable(
+        Observed::Importing(Ok(ImportingFacts::volumes(vec![DataVolumeState::Failed(Failure::retryable(
             Reason::ImportFailed,
             "unexpected EOF: got 1000 of 1048576 bytes",
-        ))]))
+        ))])))
     };
     let staged = || {
         Observed::Converting(Ok(vec![ArtifactState::Complete {
@@ -581,7 +584,8 @@ fn import_success_after_rework_clears_the_retry_bookkeeping() {
         next_attempt_at: api_time(t(0)),
     });
     run.status.failed_phase = Some(Phase::Importing);
-    let d = run.step(Observed::Importing(Ok(vec![DataVolumeState::Succeeded])), t(10));
+    let d =
+        run.step(Observed::Importing(Ok(ImportingFacts::volumes(vec![DataVolumeState::Succeeded]))), t(10));
     assert_eq!(d.status.phase, Phase::CreatingVm);
     assert_eq!((d.status.retry, d.status.failed_phase), (None, None));
 }
@@ -611,8 +615,8 @@ fn corrupt_acquired_copy_is_discarded_and_copied_again_without_touching_power() 
 
 #[test]
 fn succeeded_data_volumes_advance_to_creating_vm() {
-    let d =
-        Run::at(Phase::Importing).decide_at(Observed::Importing(Ok(vec![DataVolumeState::Succeeded])), t(0));
+    let d = Run::at(Phase::Importing)
+        .decide_at(Observed::Importing(Ok(ImportingFacts::volumes(vec![DataVolumeState::Succeeded]))), t(0));
     assert_eq!(d.status.phase, Phase::CreatingVm);
     assert_eq!(cond(&d.status, condition::DISK_IMPORTED).unwrap().0, ConditionStatus::True);
 }
@@ -624,7 +628,9 @@ fn creating_vm_creates_updates_adopts_or_stops_on_a_foreign_vm() {
     let run = Run::at(Phase::CreatingVm);
     let vm = |s: VmState| run.decide_at(Observed::CreatingVm(Ok(s)), t(0));
     assert_eq!(vm(VmState::Absent).actions, vec![Action::CreateVm]);
-    assert_eq!(vm(VmState::Drifted { uid: "u".into() }).actions, vec![Action::UpdateVm]);
+    let drifted =
+        || VmState::Drifted { uid: "u".into(), differences: vec!["spec.x: wanted 1, found 2".into()] };
+    assert_eq!(vm(drifted()).actions, vec![Action::UpdateVm]);
     let matching = vm(VmState::Matching { uid: "uid-1".into() });
     assert_eq!(matching.status.phase, Phase::Starting);
     assert_eq!(matching.status.destination_vm.unwrap().uid, "uid-1");
@@ -935,4 +941,82 @@ fn copy_progress_reports_the_rate_between_observations() {
     assert_eq!(stalled.status.progress.as_ref().unwrap().bytes_per_second, 0);
     let again = run.decide_at(copying(250 << 20), t(40));
     assert_eq!(again.status, stalled.status);
+}
+
+#[test]
+fn a_vm_that_still_differs_after_one_update_stops_for_a_human_instead_of_being_rewritten_forever() {
+    let mut run = Run::at(Phase::CreatingVm);
+    let drifted = || {
+        Observed::CreatingVm(Ok(VmState::Drifted {
+            uid: "u".into(),
+            differences: vec!["spec.template.spec.domain.memory.guest: wanted \"4Gi\", found \"2Gi\"".into()],
+        }))
+    };
+    assert_eq!(run.step(drifted(), t(0)).actions, vec![Action::UpdateVm]);
+    let d = run.step(drifted(), t(1));
+    assert!(d.actions.is_empty(), "a second update is not tried: {:?}", d.actions);
+    assert_eq!(d.status.phase, Phase::ManualInterventionRequired);
+    let error = d.status.errors.last().unwrap();
+    assert_eq!(error.reason, Reason::DestinationVMNotConverging);
+    assert!(error.message.contains("memory.guest"), "{}", error.message);
+}
+
+#[test]
+fn after_completed_a_changed_vm_is_reported_once_and_never_written() {
+    let mut run = Run::at(Phase::Completed);
+    let seen = |s: VmState| Observed::Completed(Ok(s));
+    let d = run.step(seen(VmState::Matching { uid: "u".into() }), t(0));
+    assert!(d.actions.iter().all(|a| !matches!(a, Action::UpdateVm | Action::CreateVm)), "{:?}", d.actions);
+    assert!(cond(&d.status, condition::VM_DRIFTED).is_none(), "no condition while nothing changed");
+    assert_eq!(d.requeue, Some(crate::machine::DRIFT_WATCH));
+    let changed = || VmState::Drifted {
+        uid: "u".into(),
+        differences: vec!["spec.template.spec.domain.memory.guest: wanted \"4Gi\", found \"8Gi\"".into()],
+    };
+    let d = run.step(seen(changed()), t(1));
+    assert_eq!(d.status.phase, Phase::Completed);
+    assert!(d.actions.is_empty(), "{:?}", d.actions);
+    let (value, reason) = cond(&d.status, condition::VM_DRIFTED).unwrap();
+    assert_eq!((value, reason.as_str()), (ConditionStatus::True, "Changed"));
+    assert_eq!(d.events.iter().filter(|e| e.reason == "VMDrifted").count(), 1);
+    // The same drift seen again: no second Event.
+    let d = run.step(seen(changed()), t(2));
+    assert_eq!(d.events.iter().filter(|e| e.reason == "VMDrifted").count(), 0);
+    // Put back by its owner: the condition goes False.
+    let d = run.step(seen(VmState::Matching { uid: "u".into() }), t(3));
+    assert_eq!(cond(&d.status, condition::VM_DRIFTED).unwrap().0, ConditionStatus::False);
+    // A failed read changes nothing.
+    let d = run.step(Observed::Completed(Err(Failure::retryable(Reason::Timeout, "slow"))), t(4));
+    assert_eq!(cond(&d.status, condition::VM_DRIFTED).unwrap().0, ConditionStatus::False);
+}
+
+#[test]
+fn an_importer_that_keeps_restarting_is_reported_then_given_up_on_and_retried_from_converting() {
+    let restarting = |restarts: i32| {
+        Observed::Importing(Ok(ImportingFacts::volumes(vec![DataVolumeState::InProgress {
+            phase: "ImportInProgress".into(),
+            percent: 0,
+            restarts,
+            importer_error: Some(
+                "Error: Unable to connect to http data source: expected status code 200, got 403".into(),
+            ),
+        }])))
+    };
+    let d = Run::at(Phase::Importing).decide_at(restarting(1), t(0));
+    assert_eq!(d.status.phase, Phase::Importing, "CDI retries on its own: so do we, for a while");
+    let (value, reason) = cond(&d.status, condition::DISK_IMPORTED).unwrap();
+    assert_eq!((value, reason.as_str()), (ConditionStatus::False, "ImporterRestarting"));
+    let message = &d.status.conditions.iter().find(|c| c.type_ == condition::DISK_IMPORTED).unwrap().message;
+    assert!(message.contains("got 403"), "the importer's own words: {message}");
+    let d = Run::at(Phase::Importing).decide_at(restarting(crate::machine::IMPORTER_RESTART_LIMIT), t(0));
+    assert_eq!(d.actions, vec![Action::DeleteDataVolume { disk: 0 }]);
+    assert_eq!(d.status.phase, Phase::Retryable);
+    assert_eq!(d.status.retry.as_ref().and_then(|r| r.resume), Some(Phase::Converting));
+    let error = d.status.errors.last().unwrap();
+    assert_eq!(error.reason, Reason::ImportFailed);
+    assert!(
+        error.message.contains("failed 3 times") && error.message.contains("got 403"),
+        "{}",
+        error.message
+    );
 }

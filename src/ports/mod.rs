@@ -135,6 +135,27 @@ pub trait Cluster: Send + Sync {
     async fn release_source(&self, _vmm: &VirtualMachineMigration) -> Result<(), Failure> {
         Ok(())
     }
+    /// Whether the installed DataVolume definition has
+    /// `spec.source.http.checksum` (CDI v1.65 and later check it).
+    async fn cdi_verifies_checksum(&self) -> Result<bool, Failure> {
+        Ok(true)
+    }
+    /// For a succeeded DataVolume: `None` when CDI checked its checksum (the
+    /// stored DataVolume kept the field), else the state of the Job that
+    /// reads the volume back.
+    async fn import_check(
+        &self,
+        _vmm: &VirtualMachineMigration,
+        _disk: usize,
+    ) -> Result<Option<crate::machine::VolumeCheck>, Failure> {
+        Ok(None)
+    }
+    async fn start_volume_check(&self, _vmm: &VirtualMachineMigration, _disk: usize) -> Result<(), Failure> {
+        Ok(())
+    }
+    async fn delete_volume_check(&self, _vmm: &VirtualMachineMigration, _disk: usize) -> Result<(), Failure> {
+        Ok(())
+    }
 }
 
 /// Read-only application checks.

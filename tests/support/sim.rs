@@ -680,7 +680,12 @@ impl Cluster for SimWorld {
             )));
         }
         dv.ticks -= 1;
-        Ok(DataVolumeState::InProgress { phase: "ImportInProgress".into(), percent: 50 })
+        Ok(DataVolumeState::InProgress {
+            phase: "ImportInProgress".into(),
+            percent: 50,
+            restarts: 0,
+            importer_error: None,
+        })
     }
 
     async fn create_data_volume(
@@ -730,7 +735,10 @@ impl Cluster for SimWorld {
         Ok(match &w.vm {
             None => VmState::Absent,
             Some(vm) if !vm.ours => VmState::NotOurs,
-            Some(vm) if vm.drifted => VmState::Drifted { uid: vm.uid.clone() },
+            Some(vm) if vm.drifted => VmState::Drifted {
+                uid: vm.uid.clone(),
+                differences: vec!["spec.template: changed in the simulated world".into()],
+            },
             Some(vm) => VmState::Matching { uid: vm.uid.clone() },
         })
     }

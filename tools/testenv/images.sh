@@ -18,7 +18,7 @@ for tool in umoci jq; do
   command -v "$tool" >/dev/null || { echo "images: $tool not found (apt-get install umoci jq)" >&2; exit 1; }
 done
 [ -x "$busybox" ] || { echo "images: $busybox not found (apt-get install busybox-static)" >&2; exit 1; }
-key=$(cat "$0" "$bin/pause" "$bin/local-path-provisioner" "$busybox" | sha256sum | cut -c1-12)
+key=$(cat "$0" "$(dirname "$0")/image-lib.sh" "$bin/pause" "$bin/local-path-provisioner" "$busybox" | sha256sum | cut -c1-12)
 dest="$out/$key"
 if [ -s "$dest/done" ]; then
   echo "$dest"
@@ -28,44 +28,8 @@ mkdir -p "$dest"
 arch=$(dpkg --print-architecture)
 epoch=0
 
-# image NAME TAG FILL_FUNCTION ENTRYPOINT...: an image whose rootfs FILL_FUNCTION fills.
-image() {
-  local name=$1 tag=$2 fill=$3
-  shift 3
-  local tmp
-  tmp=$(mktemp -d "$dest/.build.XXXXXX")
-  umoci init --layout "$tmp/layout"
-  umoci new --image "$tmp/layout:$tag"
-  umoci unpack --image "$tmp/layout:$tag" "$tmp/bundle" >/dev/null
-  "$fill" "$tmp/bundle/rootfs"
-  find "$tmp/bundle/rootfs" -exec touch -h -d "@$epoch" {} +
-  umoci repack --image "$tmp/layout:$tag" --history.created_by "tools/testenv/images.sh $name" "$tmp/bundle"
-  local cfg=()
-  for arg in "$@"; do cfg+=(--config.entrypoint "$arg"); done
-  umoci config --image "$tmp/layout:$tag" --os linux --architecture "$arch" "${cfg[@]}" \
-    --config.env PATH=/usr/local/bin:/usr/bin:/bin
-  umoci gc --layout "$tmp/layout"
-  jq --arg n "$name:$tag" --arg t "$tag" \
-    '.manifests |= map(.annotations += {"io.containerd.image.name": $n, "org.opencontainers.image.ref.name": $t})' \
-    "$tmp/layout/index.json" > "$tmp/index.json"
-  mv "$tmp/index.json" "$tmp/layout/index.json"
-  local file
-  file="$dest/$(basename "$name")-$tag.oci.tar"
-  tar -C "$tmp/layout" -cf "$file" oci-layout index.json blobs
-  rm -rf "$tmp"
-  echo "images: $name:$tag ($(stat -c %s "$file") bytes)" >&2
-}
+. "$(dirname "$0")/image-lib.sh"
 
-busybox_tree() {
-  install -d "$1/bin" "$1/tmp" "$1/etc"
-  install -m 0755 "$busybox" "$1/bin/busybox"
-  for applet in $("$busybox" --list); do
-    [ "$applet" = busybox ] || ln -sf busybox "$1/bin/$applet"
-  done
-  chmod 1777 "$1/tmp"
-  echo 'root:x:0:0:root:/root:/bin/sh' > "$1/etc/passwd"
-  echo 'root:x:0:' > "$1/etc/group"
-}
 pause_tree() { install -D -m 0755 "$bin/pause" "$1/pause"; }
 lpp_tree() {
   busybox_tree "$1"

@@ -44,7 +44,7 @@ impl GitHttp {
     pub async fn start(root: &Path, user: &str, password: &str) -> GitHttp {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind the git HTTP server");
         let addr = listener.local_addr().expect("git HTTP address");
-        let (acceptor, ca_pem) = tls("127.0.0.1");
+        let (acceptor, ca_pem) = crate::tls::server("127.0.0.1", "git test CA");
         let mut ca = tempfile::NamedTempFile::new().expect("CA file");
         std::io::Write::write_all(&mut ca, ca_pem.as_bytes()).expect("writing the CA");
         let pair = base64::engine::general_purpose::STANDARD.encode(format!("{user}:{password}"));
@@ -84,29 +84,6 @@ impl GitHttp {
 }
 
 /// A TLS acceptor for `host` and the PEM of the CA that signed its certificate.
-fn tls(host: &str) -> (tokio_rustls::TlsAcceptor, String) {
-    use rcgen::{BasicConstraints, CertificateParams, IsCa, Issuer, KeyPair};
-    let ca_key = KeyPair::generate().expect("CA key");
-    let mut ca_params = CertificateParams::new(Vec::<String>::new()).expect("CA params");
-    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    ca_params.distinguished_name.push(rcgen::DnType::CommonName, "git test CA");
-    let ca = ca_params.self_signed(&ca_key).expect("CA");
-    let key = KeyPair::generate().expect("server key");
-    let cert = CertificateParams::new(vec![host.to_owned()])
-        .expect("server params")
-        .signed_by(&key, &Issuer::new(ca_params, &ca_key))
-        .expect("server certificate");
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let der = rustls::pki_types::PrivatePkcs8KeyDer::from(key.serialize_der());
-    let config = rustls::ServerConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()
-        .expect("TLS versions")
-        .with_no_client_auth()
-        .with_single_cert(vec![cert.der().clone()], der.into())
-        .expect("server config");
-    (tokio_rustls::TlsAcceptor::from(Arc::new(config)), ca.pem())
-}
-
 async fn serve<S: AsyncRead + AsyncWrite + Unpin>(
     stream: S,
     root: &PathBuf,

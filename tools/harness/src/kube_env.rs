@@ -47,6 +47,8 @@ pub struct KubeEnv {
     pub startup: Duration,
     /// The release image, once imported into the node.
     imported: std::sync::Mutex<Option<String>>,
+    /// Whether real CDI was installed (`cdi()`), or why it could not be.
+    cdi: std::sync::Mutex<Option<Result<(), String>>>,
     // Dropped in this order: processes (janitor), then the node's network,
     // cgroups and mounts (its guard).
     _janitor: Option<Janitor>,
@@ -103,6 +105,21 @@ impl KubeEnv {
         Ok(name)
     }
 
+    /// Imports an image archive into the node's containerd.
+    pub fn import_image(&self, archive: &Path) -> anyhow::Result<()> {
+        let node = self.node.as_ref().ok_or_else(|| anyhow::anyhow!("this cluster has no node"))?;
+        node.import_image(archive)
+    }
+
+    /// Real CDI on this cluster's node, installed on first use (`crate::cdi`).
+    pub fn cdi(&self) -> anyhow::Result<()> {
+        let mut state = self.cdi.lock().unwrap_or_else(|e| e.into_inner());
+        if state.is_none() {
+            *state = Some(crate::cdi::install(self).map_err(|e| format!("{e:#}")));
+        }
+        state.clone().unwrap_or(Ok(())).map_err(anyhow::Error::msg)
+    }
+
     /// `kubectl ARGS…` against this cluster.
     pub fn kubectl(&self, args: &[&str]) -> anyhow::Result<String> {
         let bin = match &self.bin {
@@ -113,12 +130,11 @@ impl KubeEnv {
     }
 
     /// A client for this cluster, bound to the calling tokio runtime.
+    /// A client whose every write asks for `fieldValidation=Strict`: in the
+    /// tests a field no installed schema knows is an error, never pruned in
+    /// silence (the API's default only warns).
     pub async fn client(&self) -> Client {
-        let kubeconfig = Kubeconfig::read_from(&self.kubeconfig).expect("read test kubeconfig");
-        let config = Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
-            .await
-            .expect("load test kubeconfig");
-        Client::try_from(config).expect("build kube client")
+        client_for(&self.kubeconfig).await.expect("build kube client")
     }
 
     /// Path of the kubeconfig, for tools and subprocesses.
@@ -138,6 +154,7 @@ impl KubeEnv {
                 bin: None,
                 startup: started.elapsed(),
                 imported: Default::default(),
+                cdi: Default::default(),
                 _janitor: None,
                 _net: None,
             });
@@ -219,6 +236,21 @@ impl KubeEnv {
                 "--authorization-mode=Node,RBAC",
                 "--allow-privileged=true",
                 "--kubelet-preferred-address-types=InternalIP",
+            ]);
+            // The aggregation layer (CDI registers its upload API), reaching
+            // extension servers and webhook Services at their endpoints: the
+            // API server runs outside the node, where Service IPs mean nothing
+            // but the pod network is routed.
+            let [ca, cert, key] = crate::tls::front_proxy(&dir)?;
+            apiserver.args([
+                &format!("--requestheader-client-ca-file={}", ca.display()),
+                "--requestheader-allowed-names=front-proxy-client",
+                "--requestheader-username-headers=X-Remote-User",
+                "--requestheader-group-headers=X-Remote-Group",
+                "--requestheader-extra-headers-prefix=X-Remote-Extra-",
+                &format!("--proxy-client-cert-file={}", cert.display()),
+                &format!("--proxy-client-key-file={}", key.display()),
+                "--enable-aggregator-routing=true",
             ]);
         } else {
             apiserver.args(["--authorization-mode=RBAC", "--endpoint-reconciler-type=none"]);
@@ -304,6 +336,7 @@ impl KubeEnv {
             bin: Some(bin),
             startup: started.elapsed(),
             imported: Default::default(),
+            cdi: Default::default(),
             _janitor: Some(janitor),
             _net: net,
         })
@@ -349,7 +382,23 @@ async fn client_for(kubeconfig: &Path) -> anyhow::Result<Client> {
     let config =
         Config::from_custom_kubeconfig(Kubeconfig::read_from(kubeconfig)?, &KubeConfigOptions::default())
             .await?;
-    Ok(Client::try_from(config)?)
+    let strict = tower::util::MapRequestLayer::new(strict_writes);
+    Ok(kube::client::ClientBuilder::try_from(config)?.with_layer(&strict).build())
+}
+
+/// Adds `fieldValidation=Strict` to a create, update or patch that does not
+/// choose its own validation.
+fn strict_writes(mut request: http::Request<kube::client::Body>) -> http::Request<kube::client::Body> {
+    let write = matches!(*request.method(), http::Method::POST | http::Method::PUT | http::Method::PATCH);
+    let query = request.uri().query().unwrap_or_default();
+    if write && !query.contains("fieldValidation=") {
+        let joined = if query.is_empty() { "?" } else { "&" };
+        let uri = format!("{}{joined}fieldValidation=Strict", request.uri());
+        if let Ok(uri) = uri.parse() {
+            *request.uri_mut() = uri;
+        }
+    }
+    request
 }
 
 /// Polls `/readyz` until the API server says ok.
@@ -370,8 +419,9 @@ async fn wait_ready(kubeconfig: &Path, janitor: &Janitor) -> anyhow::Result<()> 
     }
 }
 
-/// Installs our CRDs and the simulated CDI/KubeVirt CRDs, waits until they are
-/// established, and returns the server version.
+/// Installs our CRD and KubeVirt's and CDI's own (generated from their Go
+/// modules, `setup::upstream`), waits until they are established, and
+/// returns the server version.
 async fn prepare_cluster(kubeconfig: &Path) -> anyhow::Result<String> {
     use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
     use kube::api::{Patch, PatchParams};
@@ -381,16 +431,15 @@ async fn prepare_cluster(kubeconfig: &Path) -> anyhow::Result<String> {
     let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
     let root = crate::repo_root();
     let mut files = Vec::new();
-    // Ours, then the CDI/KubeVirt definitions the simulators act on.
-    for dir in [root.join("crds"), Path::new(env!("CARGO_MANIFEST_DIR")).join("crds")] {
-        for entry in std::fs::read_dir(&dir)? {
-            let path = entry?.path();
-            if path.extension().is_some_and(|e| e == "yaml") {
-                files.push(path);
-            }
+    for entry in std::fs::read_dir(root.join("crds"))? {
+        let path = entry?.path();
+        if path.extension().is_some_and(|e| e == "yaml") {
+            files.push(path);
         }
     }
     files.sort();
+    let upstream = tokio::task::spawn_blocking(crate::setup::upstream).await??.join("crds");
+    files.extend([upstream.join("kubevirt.yaml"), upstream.join("cdi.yaml")]);
     let mut names = Vec::new();
     for path in files {
         let text = std::fs::read_to_string(&path)?;

@@ -119,6 +119,8 @@ pub struct SimOptions {
     /// Where the "PVCs" live; a temporary directory owned by the
     /// [`Simulators`] (removed on drop) when `None`.
     pub pvc_root: Option<PathBuf>,
+    /// Leave DataVolumes to real CDI (`KubeEnv::cdi`): only KubeVirt is simulated.
+    pub real_cdi: bool,
 }
 
 /// Both simulators for one namespace; aborts them when dropped.
@@ -165,9 +167,11 @@ pub fn start_with(client: Client, namespace: &str, options: SimOptions) -> Simul
         }
     };
     let control = Arc::new(SimControl::default());
-    let cdi = tokio::spawn(cdi_loop(client.clone(), namespace.to_owned(), pvc_root.clone(), control.clone()));
-    let kubevirt = tokio::spawn(kubevirt_loop(client, namespace.to_owned(), control.clone()));
-    Simulators { control, tasks: vec![cdi, kubevirt], pvc_root, _pvc_tempdir: tempdir }
+    let mut tasks = vec![tokio::spawn(kubevirt_loop(client.clone(), namespace.to_owned(), control.clone()))];
+    if !options.real_cdi {
+        tasks.push(tokio::spawn(cdi_loop(client, namespace.to_owned(), pvc_root.clone(), control.clone())));
+    }
+    Simulators { control, tasks, pvc_root, _pvc_tempdir: tempdir }
 }
 
 fn pvc_dir(root: &Path, namespace: &str, dv_name: &str) -> PathBuf {

@@ -9,6 +9,7 @@
 //! parts need and the control-plane build, under a lock so parallel test
 //! processes wait instead of racing.
 
+pub mod cdi;
 pub mod deploy;
 pub mod esxi_emulator;
 pub mod fake_forge;
@@ -20,6 +21,8 @@ pub mod netns;
 pub mod node;
 pub mod process;
 pub mod setup;
+pub mod tls;
+pub mod virt_api;
 
 pub use kube_env::KubeEnv;
 

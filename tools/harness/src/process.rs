@@ -178,10 +178,39 @@ pub fn http_get_plain(port: u16, path: &str) -> std::io::Result<String> {
 
 /// A process's resident set size (0 when it is gone).
 pub fn rss_bytes(pid: u32) -> u64 {
+    status_kib(pid, "VmRSS") * 1024
+}
+
+/// Kilobytes under `field` (VmRSS, VmHWM, …) of `/proc/<pid>/status`; 0 when
+/// the process is gone.
+pub fn status_kib(pid: u32, field: &str) -> u64 {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
     status
         .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
         .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-        .map_or(0, |kib| kib * 1024)
+        .unwrap_or(0)
+}
+
+/// User plus system CPU seconds a process has used (0 when it is gone).
+pub fn cpu_seconds(pid: u32) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    // Fields 14 and 15 (utime, stime) are 11 and 12 after the `(comm)`.
+    let after = stat.rsplit_once(')').map(|(_, rest)| rest).unwrap_or("");
+    let fields: Vec<&str> = after.split_whitespace().collect();
+    let ticks = |i: usize| fields.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
+    (ticks(11) + ticks(12)) / 100.0
+}
+
+/// Runs a shell pipeline under bash's `time`: (wall seconds, CPU seconds of
+/// its processes). The timing report and the pipeline's stderr land in
+/// `errors`; a failing pipeline panics with them (for benchmarks).
+pub fn timed_shell(script: &str, errors: &Path) -> (f64, f64) {
+    let wrapped = format!("TIMEFORMAT='TIMING %R %U %S'; time ( {script} ) 2>{}", errors.display());
+    let status = Command::new("bash").arg("-c").arg(&wrapped).status().expect("bash");
+    let report = std::fs::read_to_string(errors).unwrap_or_default();
+    let timing = report.lines().rev().find_map(|l| l.strip_prefix("TIMING ")).unwrap_or("");
+    let nums: Vec<f64> = timing.split_whitespace().filter_map(|v| v.parse().ok()).collect();
+    assert!(status.success() && nums.len() == 3, "`{script}` failed ({status}): {report}");
+    (nums[0], nums[1] + nums[2])
 }

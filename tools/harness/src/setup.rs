@@ -129,6 +129,28 @@ fn build_control_plane() -> anyhow::Result<PathBuf> {
     Ok(PathBuf::from(dir))
 }
 
+/// What the tests take from KubeVirt v1.8.0 and CDI v1.65.0, built from
+/// their Go modules by `tools/testenv/upstream.sh` on first use, under a
+/// lock: `crds/kubevirt.yaml`, `crds/cdi.yaml` and CDI's commands in `bin/`.
+pub fn upstream() -> anyhow::Result<PathBuf> {
+    static DIR: OnceLock<Result<PathBuf, String>> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let build = || -> anyhow::Result<PathBuf> {
+            let _lock = lock("testenv-upstream")?;
+            let script = crate::repo_root().join("tools/testenv/upstream.sh");
+            let out =
+                Command::new("bash").arg(&script).env("PATH", go_path()).stderr(Stdio::inherit()).output()?;
+            anyhow::ensure!(out.status.success(), "{} failed", script.display());
+            let dir = String::from_utf8(out.stdout)?.lines().last().unwrap_or_default().trim().to_owned();
+            anyhow::ensure!(!dir.is_empty(), "{} printed no directory", script.display());
+            Ok(PathBuf::from(dir))
+        };
+        build().map_err(|e| format!("{e:#}"))
+    })
+    .clone()
+    .map_err(anyhow::Error::msg)
+}
+
 /// The directory of the node's image archives (pause, busybox,
 /// local-path-provisioner), built by `tools/testenv/images.sh` on first use.
 pub fn node_images() -> anyhow::Result<PathBuf> {
@@ -262,7 +284,7 @@ fn go_path() -> String {
 }
 
 /// An exclusive lock on `<cache>/<name>.lock`, held until dropped.
-fn lock(name: &str) -> anyhow::Result<File> {
+pub(crate) fn lock(name: &str) -> anyhow::Result<File> {
     let dir = cache_root();
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
     let path = dir.join(format!("{name}.lock"));
