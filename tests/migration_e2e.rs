@@ -77,12 +77,12 @@ impl Migration {
     }
 
     async fn with(prefix: &str, cdi: Cdi) -> Migration {
-        let env = KubeEnv::shared();
+        let env = match cdi {
+            Cdi::Simulated => KubeEnv::shared(),
+            _ => tokio::task::block_in_place(KubeEnv::shared_with_cdi),
+        };
         // The conversion Jobs' image; built and imported on first use.
         let image = tokio::task::block_in_place(|| env.controller_image()).expect("the release image");
-        if cdi != Cdi::Simulated {
-            tokio::task::block_in_place(|| env.cdi()).expect("real CDI on the node");
-        }
         let cdi_definition = if cdi == Cdi::Real { Some(CDI_DEFINITION.read().await) } else { None };
         let node_ip = env.node.as_ref().expect("the shared cluster has a node").host_ip;
         let client = env.client().await;
@@ -698,7 +698,7 @@ struct CdiWithoutChecksum {
 impl CdiWithoutChecksum {
     async fn install() -> CdiWithoutChecksum {
         let exclusive = CDI_DEFINITION.write().await;
-        let env = KubeEnv::shared();
+        let env = tokio::task::block_in_place(KubeEnv::shared_with_cdi);
         tokio::task::block_in_place(|| {
             env.kubectl(&["-n", "cdi", "scale", "deployment", "cdi-operator", "--replicas=0"]).unwrap();
             env.kubectl(&[
@@ -735,7 +735,7 @@ impl CdiWithoutChecksum {
 
 impl Drop for CdiWithoutChecksum {
     fn drop(&mut self) {
-        let env = KubeEnv::shared();
+        let env = KubeEnv::shared_with_cdi();
         let crds = vmmigrate_harness::setup::upstream().unwrap().join("crds/cdi.yaml");
         let restore = || -> anyhow::Result<()> {
             env.kubectl(&[

@@ -230,6 +230,16 @@ pub(crate) fn data_volume_state(name: &str, status: &Value) -> DataVolumeState {
         status.get("conditions").and_then(Value::as_array).map(Vec::as_slice).unwrap_or_default();
     let running = conditions.iter().find(|c| c["type"] == "Running");
     let text = |c: &Value, key: &str| c.get(key).and_then(Value::as_str).unwrap_or_default().to_owned();
+    // CDI cannot make the volume at all (the class's StorageProfile says no
+    // access mode, say): nothing will change without a person.
+    if let Some(bound) = conditions.iter().find(|c| c["type"] == "Bound" && c["status"] == "False")
+        && bound["reason"] == "ErrClaimNotValid"
+    {
+        return DataVolumeState::Failed(Failure::needs_human(
+            Reason::ImportFailed,
+            format!("DataVolume {name}: CDI cannot create its volume: {}", text(bound, "message")),
+        ));
+    }
     match phase.as_str() {
         "Succeeded" => DataVolumeState::Succeeded,
         "Failed" => {
@@ -251,16 +261,25 @@ pub(crate) fn data_volume_state(name: &str, status: &Value) -> DataVolumeState {
                 .and_then(Value::as_i64)
                 .unwrap_or(0)
                 .clamp(0, i32::MAX as i64) as i32,
-            importer_error: running.filter(|c| c["status"] == "False" && !text(c, "message").is_empty()).map(
-                |c| {
+            // Running=False also says "Completed" (done) or "Pending": an
+            // error only once the importer failed (restarted, or says Error).
+            importer_error: running
+                .filter(|c| {
+                    let restarted = status.get("restartCount").and_then(Value::as_i64).unwrap_or(0) > 0;
+                    let failed = restarted || c["reason"] == "Error";
+                    c["status"] == "False"
+                        && c["reason"] != "Completed"
+                        && failed
+                        && !text(c, "message").is_empty()
+                })
+                .map(|c| {
                     let reason = text(c, "reason");
                     if reason.is_empty() {
                         text(c, "message")
                     } else {
                         format!("{reason}: {}", text(c, "message"))
                     }
-                },
-            ),
+                }),
         },
     }
 }
@@ -684,6 +703,14 @@ mod tests {
         assert_eq!(failure.reason, Reason::ImportChecksumMismatch);
         assert!(failure.message.contains("dv: checksum mismatch"), "{}", failure.message);
         assert_eq!(data_volume_state("dv", &json!({ "phase": "Succeeded" })), DataVolumeState::Succeeded);
+        // A volume CDI cannot even create waits for a person, not for ever.
+        let invalid = json!({ "phase": "", "conditions": [{ "type": "Bound", "status": "False", "reason": "ErrClaimNotValid",
+                              "message": "no accessMode specified in StorageProfile local-path" }] });
+        let DataVolumeState::Failed(failure) = data_volume_state("dv", &invalid) else {
+            panic!("not failed")
+        };
+        assert_eq!(failure.class, crate::machine::FailureClass::NeedsHuman);
+        assert!(failure.message.contains("no accessMode specified"), "{}", failure.message);
         assert!(matches!(data_volume_state("dv", &Value::Null), DataVolumeState::InProgress { .. }));
     }
 }

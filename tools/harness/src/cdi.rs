@@ -100,6 +100,17 @@ pub fn install(env: &KubeEnv) -> anyhow::Result<()> {
         }
         std::thread::sleep(Duration::from_millis(500));
     }
+    // CDI knows which access and volume modes a class supports only for the
+    // provisioners it lists; for the node's rancher.io/local-path a cluster
+    // administrator says so on its StorageProfile (CDI's documented way).
+    let profile =
+        r#"{"spec":{"claimPropertySets":[{"accessModes":["ReadWriteOnce"],"volumeMode":"Filesystem"}]}}"#;
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while let Err(e) = env.kubectl(&["patch", "storageprofile", "local-path", "--type=merge", "-p", profile])
+    {
+        anyhow::ensure!(Instant::now() < deadline, "StorageProfile local-path: {e:#}");
+        std::thread::sleep(Duration::from_millis(500));
+    }
     eprintln!("vmmigrate-harness: CDI {VERSION} deployed in {:.0} s", started.elapsed().as_secs_f64());
     Ok(())
 }

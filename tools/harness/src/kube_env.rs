@@ -57,6 +57,7 @@ pub struct KubeEnv {
 
 static SHARED: OnceLock<KubeEnv> = OnceLock::new();
 static SHARED_CONTROL_PLANE: OnceLock<KubeEnv> = OnceLock::new();
+static SHARED_CDI: OnceLock<KubeEnv> = OnceLock::new();
 
 impl KubeEnv {
     /// The one-node cluster of this test binary, started on first use.
@@ -67,6 +68,24 @@ impl KubeEnv {
     /// The control plane alone (no node, no scheduler), started on first use.
     pub fn shared_control_plane() -> &'static KubeEnv {
         SHARED_CONTROL_PLANE.get_or_init(|| start_blocking(false))
+    }
+
+    /// A one-node cluster of its own with real CDI (`cdi()`), started on
+    /// first use. Separate from [`KubeEnv::shared`], whose tests run the CDI
+    /// simulator: real CDI acts on every DataVolume of a cluster, and its
+    /// operator installs its own definitions (it refuses to start beside
+    /// definitions somebody else applied).
+    pub fn shared_with_cdi() -> &'static KubeEnv {
+        SHARED_CDI.get_or_init(|| {
+            let env = std::thread::spawn(|| KubeEnv::start_shape(true, false))
+                .join()
+                .unwrap_or_else(|_| {
+                    Err(anyhow::anyhow!("the Kubernetes test environment panicked while starting"))
+                })
+                .unwrap_or_else(|e| panic!("cannot start the Kubernetes test environment: {e:#}"));
+            env.cdi().unwrap_or_else(|e| panic!("cannot install CDI: {e:#}"));
+            env
+        })
     }
 
     /// A cluster of its own, stopped when dropped (for tests of the harness).
@@ -143,10 +162,16 @@ impl KubeEnv {
     }
 
     fn start(with_node: bool) -> anyhow::Result<KubeEnv> {
+        KubeEnv::start_shape(with_node, true)
+    }
+
+    /// `cdi_definitions`: apply CDI's definitions for the CDI simulator
+    /// (false where real CDI's operator will install them).
+    fn start_shape(with_node: bool, cdi_definitions: bool) -> anyhow::Result<KubeEnv> {
         let started = std::time::Instant::now();
         if let Some(path) = std::env::var_os("VMMIGRATE_TEST_KUBECONFIG") {
             let kubeconfig = PathBuf::from(path);
-            let version = runtime().block_on(prepare_cluster(&kubeconfig))?;
+            let version = runtime().block_on(prepare_cluster(&kubeconfig, cdi_definitions))?;
             return Ok(KubeEnv {
                 kubeconfig,
                 version,
@@ -297,7 +322,7 @@ impl KubeEnv {
 
         let version = runtime().block_on(async {
             wait_ready(&kubeconfig, &janitor).await?;
-            prepare_cluster(&kubeconfig).await
+            prepare_cluster(&kubeconfig, cdi_definitions).await
         })?;
         let node = match &net {
             Some(net) => {
@@ -422,7 +447,7 @@ async fn wait_ready(kubeconfig: &Path, janitor: &Janitor) -> anyhow::Result<()> 
 /// Installs our CRD and KubeVirt's and CDI's own (generated from their Go
 /// modules, `setup::upstream`), waits until they are established, and
 /// returns the server version.
-async fn prepare_cluster(kubeconfig: &Path) -> anyhow::Result<String> {
+async fn prepare_cluster(kubeconfig: &Path, cdi_definitions: bool) -> anyhow::Result<String> {
     use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
     use kube::api::{Patch, PatchParams};
     use serde::Deserialize;
@@ -439,7 +464,10 @@ async fn prepare_cluster(kubeconfig: &Path) -> anyhow::Result<String> {
     }
     files.sort();
     let upstream = tokio::task::spawn_blocking(crate::setup::upstream).await??.join("crds");
-    files.extend([upstream.join("kubevirt.yaml"), upstream.join("cdi.yaml")]);
+    files.push(upstream.join("kubevirt.yaml"));
+    if cdi_definitions {
+        files.push(upstream.join("cdi.yaml"));
+    }
     let mut names = Vec::new();
     for path in files {
         let text = std::fs::read_to_string(&path)?;

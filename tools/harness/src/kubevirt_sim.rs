@@ -191,9 +191,20 @@ fn now() -> Value {
     serde_json::to_value(Time(Timestamp::now())).unwrap_or(Value::Null)
 }
 
+/// Writes `status` through the status subresource (VirtualMachines) or,
+/// for a kind without one (KubeVirt's VirtualMachineInstance definition has
+/// none: virt-handler writes the whole object), through the object.
 async fn set_status(api: &Api<DynamicObject>, name: &str, status: Value) {
     let patch = json!({ "status": status });
-    let _ = api.patch_status(name, &PatchParams::default(), &Patch::Merge(&patch)).await;
+    let params = PatchParams::default();
+    let written = if api.resource_url().ends_with("/virtualmachineinstances") {
+        api.patch(name, &params, &Patch::Merge(&patch)).await
+    } else {
+        api.patch_status(name, &params, &Patch::Merge(&patch)).await
+    };
+    if let Err(e) = written {
+        eprintln!("simulator: status of {name}: {e}");
+    }
 }
 
 // ---------------------------------------------------------------- CDI
@@ -738,7 +749,9 @@ async fn sync_vm(
                 "spec": vm.data["spec"]["template"]["spec"].clone(),
             });
             let Ok(obj) = serde_json::from_value::<DynamicObject>(body) else { return };
-            if vmis.create(&PostParams::default(), &obj).await.is_err() {
+            if let Err(e) = vmis.create(&PostParams::default(), &obj).await {
+                // Seen again next poll; a test that waits says what was wrong.
+                eprintln!("kubevirt simulator: creating VMI {name}: {e}");
                 return;
             }
             let unschedulable = kv
