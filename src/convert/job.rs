@@ -52,15 +52,25 @@ pub(crate) struct JobInput {
 
 /// The Job's name: `<migration>-convert-<n>`, at most 63 characters.
 pub(crate) fn job_name(vmm: &VirtualMachineMigration, disk: usize) -> String {
-    let name = vmm.metadata.name.clone().unwrap_or_default();
-    let suffix = format!("-convert-{disk}");
-    if name.len() + suffix.len() <= 63 {
-        return format!("{name}{suffix}");
+    bounded_name(&vmm.metadata.name.clone().unwrap_or_default(), &format!("-convert-{disk}"))
+}
+
+/// `<base><suffix>` in at most 63 characters (a Job's name becomes a pod
+/// label): a longer base is cut and marked with a hash of itself, so
+/// names stay deterministic and distinct.
+pub(crate) fn bounded_name(base: &str, suffix: &str) -> String {
+    if base.len() + suffix.len() <= 63 {
+        return format!("{base}{suffix}");
     }
-    let hash: String = Sha256::digest(name.as_bytes()).iter().take(4).map(|b| format!("{b:02x}")).collect();
+    let hash: String = Sha256::digest(base.as_bytes()).iter().take(4).map(|b| format!("{b:02x}")).collect();
     let keep = 63 - suffix.len() - hash.len() - 1;
-    let head = name[..keep].trim_end_matches(['-', '.']);
+    let head = base[..keep].trim_end_matches(['-', '.']);
     format!("{head}-{hash}{suffix}")
+}
+
+/// The pod security context of a helper Job run as the controller's ids.
+pub(crate) fn run_as_context(run_as: Option<(u32, u32)>) -> Option<Value> {
+    run_as.map(|(uid, gid)| json!({ "runAsUser": uid, "runAsGroup": gid, "runAsNonRoot": uid != 0 }))
 }
 
 /// The namespace the Job runs in.
@@ -142,9 +152,8 @@ pub(crate) fn conversion_job(
     if let Some(sa) = &settings.service_account {
         pod_spec["serviceAccountName"] = json!(sa);
     }
-    if let Some((uid, gid)) = settings.run_as {
-        pod_spec["securityContext"] =
-            json!({ "runAsUser": uid, "runAsGroup": gid, "runAsNonRoot": uid != 0 });
+    if let Some(context) = run_as_context(settings.run_as) {
+        pod_spec["securityContext"] = context;
     }
     json!({
         "apiVersion": "batch/v1",

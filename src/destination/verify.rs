@@ -17,7 +17,6 @@ use crate::convert::artifact::VolumeDigest;
 use crate::destination::render::{labels, owner_references};
 use crate::machine::{data_volume_name, destination_name};
 use serde_json::{Value, json};
-use sha2::{Digest, Sha256};
 
 /// The DataVolume definition CDI installs.
 pub(crate) const DATA_VOLUME_CRD: &str = "datavolumes.cdi.kubevirt.io";
@@ -47,13 +46,7 @@ pub(crate) fn crd_has_checksum(crd: &Value) -> bool {
 pub(crate) fn job_name(vmm: &VirtualMachineMigration, disk: usize) -> String {
     let dv =
         data_volume_name(destination_name(&vmm.spec, vmm.metadata.name.as_deref().unwrap_or_default()), disk);
-    let suffix = "-verify";
-    if dv.len() + suffix.len() <= 63 {
-        return format!("{dv}{suffix}");
-    }
-    let hash: String = Sha256::digest(dv.as_bytes()).iter().take(4).map(|b| format!("{b:02x}")).collect();
-    let head = dv[..63 - suffix.len() - hash.len() - 1].trim_end_matches(['-', '.']);
-    format!("{head}-{hash}{suffix}")
+    crate::convert::job::bounded_name(&dv, "-verify")
 }
 
 /// The Job reading disk `disk`'s imported volume (a filesystem volume: CDI
@@ -85,9 +78,8 @@ pub(crate) fn verify_job(settings: &VerifySettings, vmm: &VirtualMachineMigratio
         }],
         "volumes": [{ "name": "volume", "persistentVolumeClaim": { "claimName": dv, "readOnly": true } }],
     });
-    if let Some((uid, gid)) = settings.run_as {
-        pod_spec["securityContext"] =
-            json!({ "runAsUser": uid, "runAsGroup": gid, "runAsNonRoot": uid != 0 });
+    if let Some(context) = crate::convert::job::run_as_context(settings.run_as) {
+        pod_spec["securityContext"] = context;
     }
     json!({
         "apiVersion": "batch/v1",
@@ -116,17 +108,7 @@ mod tests {
     use super::*;
 
     fn vmm() -> VirtualMachineMigration {
-        let mut vmm: VirtualMachineMigration = serde_json::from_value(json!({
-            "apiVersion": "migration.platform.example/v1alpha1",
-            "kind": "VirtualMachineMigration",
-            "metadata": { "name": "web", "namespace": "apps", "uid": "u-1" },
-            "spec": {
-                "source": { "host": "esxi", "hostKey": format!("SHA256:{}", "A".repeat(43)),
-                            "credentialsSecretRef": { "name": "s" }, "vm": { "name": "web" } },
-                "destination": { "namespace": "apps", "storageClassName": "fast" },
-            },
-        }))
-        .unwrap();
+        let mut vmm = crate::destination::render::test_migration();
         vmm.status = Some(crate::api::VirtualMachineMigrationStatus {
             disks: vec![crate::api::DiskStatus {
                 size_bytes: 1 << 30,

@@ -52,6 +52,16 @@ module() {
   chmod -R u+w "$3"
 }
 
+# generate TREE GENERATOR OUT: builds one of our generators inside a
+# module's tree and writes what it prints to crds/OUT.
+generate() {
+  mkdir -p "$1/tools/vmmigrate-crds"
+  cp "$here/upstream/$2/main.go" "$1/tools/vmmigrate-crds/"
+  (cd "$1" && go build -trimpath -o "$tmp/$2" ./tools/vmmigrate-crds)
+  "$tmp/$2" > "$out/crds/$3.part"
+  mv "$out/crds/$3.part" "$out/crds/$3"
+}
+
 # KubeVirt: the CRD generator only.
 kv="$tmp/kubevirt"
 module kubevirt.io/kubevirt "$kubevirt_version" "$kv"
@@ -60,11 +70,7 @@ module kubevirt.io/api "$kubevirt_version" "$kv/staging/src/kubevirt.io/api"
 module kubevirt.io/client-go "$kubevirt_version" "$kv/staging/src/kubevirt.io/client-go"
 cp -r "$here/upstream/libnbd" "$tmp/libnbd"
 (cd "$kv" && go mod edit -replace "libguestfs.org/libnbd=$tmp/libnbd")
-mkdir -p "$kv/tools/vmmigrate-crds"
-cp "$here/upstream/kubevirt-crds/main.go" "$kv/tools/vmmigrate-crds/"
-(cd "$kv" && go build -o "$tmp/kubevirt-crds" ./tools/vmmigrate-crds)
-"$tmp/kubevirt-crds" > "$out/crds/kubevirt.yaml.part"
-mv "$out/crds/kubevirt.yaml.part" "$out/crds/kubevirt.yaml"
+generate "$kv" kubevirt-crds kubevirt.yaml
 echo "upstream: KubeVirt CRDs after $(( $(date +%s) - start )) s" >&2
 
 # CDI: the CRD generator and its commands.
@@ -73,20 +79,16 @@ module kubevirt.io/containerized-data-importer "$cdi_version" "$cdi"
 rm -rf "$cdi/staging/src/kubevirt.io/containerized-data-importer-api"
 module kubevirt.io/containerized-data-importer-api "$cdi_version" "$cdi/staging/src/kubevirt.io/containerized-data-importer-api"
 (cd "$cdi" && go mod edit -replace "libguestfs.org/libnbd=$tmp/libnbd")
-mkdir -p "$cdi/tools/vmmigrate-crds"
-cp "$here/upstream/cdi-crds/main.go" "$cdi/tools/vmmigrate-crds/"
-(cd "$cdi" && go build -o "$tmp/cdi-crds" ./tools/vmmigrate-crds)
-"$tmp/cdi-crds" > "$out/crds/cdi.yaml.part"
-mv "$out/crds/cdi.yaml.part" "$out/crds/cdi.yaml"
+generate "$cdi" cdi-crds cdi.yaml
 echo "upstream: CDI CRDs after $(( $(date +%s) - start )) s" >&2
 
 ldflags="-s -w -X kubevirt.io/containerized-data-importer/pkg/version.gitVersion=$cdi_version -X kubevirt.io/containerized-data-importer/pkg/version.gitTreeState=clean"
 for cmd in "${cdi_commands[@]}"; do
-  (cd "$cdi" && go build -ldflags "$ldflags" -o "$out/bin/$cmd.part" "./cmd/$cmd")
+  (cd "$cdi" && go build -trimpath -ldflags "$ldflags" -o "$out/bin/$cmd.part" "./cmd/$cmd")
   mv "$out/bin/$cmd.part" "$out/bin/$cmd"
   echo "upstream: $cmd after $(( $(date +%s) - start )) s" >&2
 done
-(cd "$cdi" && go build -o "$out/bin/manifest-generator.part" ./tools/manifest-generator)
+(cd "$cdi" && go build -trimpath -o "$out/bin/manifest-generator.part" ./tools/manifest-generator)
 mv "$out/bin/manifest-generator.part" "$out/bin/manifest-generator"
 echo "upstream: built in $(( $(date +%s) - start )) s" >&2
 echo "$out"
