@@ -202,6 +202,11 @@ struct DiskView<'a> {
     artifact_format: Option<&'a str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     data_volume_name: Option<&'a str>,
+    /// How the import was proven the copy's bytes (`CDIChecksum`, `VolumeSha256`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    import_verification: Option<crate::api::ImportVerification>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    imported_sha256: Option<&'a str>,
 }
 
 fn no_timestamps(timestamps: &&Timestamps) -> bool {
@@ -259,6 +264,8 @@ fn status_yaml(row: &Row<'_>) -> String {
                 artifact_sha256: d.artifact_sha256.as_deref(),
                 artifact_format: d.artifact_format.as_deref(),
                 data_volume_name: d.data_volume_name.as_deref(),
+                import_verification: d.import_verification,
+                imported_sha256: d.imported_sha256.as_deref(),
             })
             .collect(),
         timestamps: &status.timestamps,
@@ -528,6 +535,8 @@ mod tests {
             source_sha256: Some("aa".repeat(32)),
             artifact_url: Some("https://artifacts.example/x?token=s3cr3t".into()),
             artifact_sha256: Some("bb".repeat(32)),
+            import_verification: Some(crate::api::ImportVerification::VolumeSha256),
+            imported_sha256: Some("aa".repeat(32)),
             ..Default::default()
         }];
         status.errors = (0..8)
@@ -549,6 +558,9 @@ mod tests {
         assert_eq!(value["conditions"][0]["type"], "DiskAcquired");
         assert_eq!(value["disks"][0]["sourceSha256"], "aa".repeat(32).as_str());
         assert_eq!(value["disks"][0]["artifactSha256"], "bb".repeat(32).as_str());
+        // How the import was proven is in Git too, never just "succeeded".
+        assert_eq!(value["disks"][0]["importVerification"], "VolumeSha256");
+        assert_eq!(value["disks"][0]["importedSha256"], "aa".repeat(32).as_str());
         assert_eq!(value["errors"].as_sequence().unwrap().len(), ERRORS_SHOWN);
         assert_eq!(value["errors"][ERRORS_SHOWN - 1]["reason"], "Reason7");
         for text in files.values() {

@@ -907,11 +907,22 @@ fn importing(ctx: &mut Ctx<'_>, observed: Observed) {
         });
     }
     if succeeded == volumes.len() && !volumes.is_empty() {
+        let read_back = ctx
+            .status
+            .disks
+            .iter()
+            .filter(|d| d.import_verification == Some(ImportVerification::VolumeSha256))
+            .count();
+        let how = match read_back {
+            0 => "each checked by CDI against the copy's sha256".to_owned(),
+            n if n == succeeded => "each read back and hashed to the copy's sha256".to_owned(),
+            n => format!("{n} read back and hashed, the others checked by CDI, against the copy's sha256"),
+        };
         ctx.condition(
             condition::DISK_IMPORTED,
             true,
             "Imported",
-            format!("{succeeded} DataVolume(s) succeeded"),
+            format!("{succeeded} DataVolume(s) succeeded, {how}"),
         );
         ctx.advance(Phase::CreatingVm);
     } else {
