@@ -778,3 +778,67 @@ async fn with_a_cdi_that_cannot_check_checksums_each_import_is_read_back_and_com
     assert_eq!(m.imported_sha256(2).await, source);
     m.assert_source_off_and_untouched();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_importer_refused_by_the_staging_server_restarts_in_cdi_until_the_controller_gives_up_and_imports_again()
+ {
+    use k8s_openapi::api::core::v1::ResourceQuota;
+    let m = Migration::new("e2e-refused").await;
+    // Hold the importer pods (a quota of no pods) until the credentials are spoilt.
+    let quotas: Api<ResourceQuota> = Api::namespaced(m.client.clone(), &m.ns);
+    let quota: ResourceQuota = serde_json::from_value(json!({
+        "apiVersion": "v1", "kind": "ResourceQuota", "metadata": { "name": "hold-importers" },
+        "spec": { "hard": { "pods": "0" } },
+    }))
+    .unwrap();
+    quotas.create(&PostParams::default(), &quota).await.unwrap();
+    m.create(|body| {
+        body["spec"]["validation"] = json!({ "checks": [{ "name": "agent", "guestAgent": {} }] })
+    })
+    .await;
+    m.wait_for("Importing", |v| phase_of(v) == Phase::Importing).await;
+    let secrets: Api<Secret> = Api::namespaced(m.client.clone(), &m.ns);
+    let deadline = Instant::now() + WAIT;
+    for disk in 0..2 {
+        let name = format!("{VM}-disk-{disk}-import");
+        while secrets.get_opt(&name).await.unwrap().is_none() {
+            assert!(Instant::now() < deadline, "no import Secret {name}");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let wrong = json!({ "stringData": { "secretKey": "not-the-key" } });
+        secrets
+            .patch(&name, &kube::api::PatchParams::default(), &kube::api::Patch::Merge(&wrong))
+            .await
+            .unwrap();
+    }
+    quotas.delete("hold-importers", &Default::default()).await.unwrap();
+
+    // CDI restarts the importers (401 from the staging server); after three
+    // restarts the controller deletes the DataVolumes, goes back through
+    // Converting and imports again with credentials applied anew.
+    let deadline = Instant::now() + Duration::from_secs(600);
+    let vmm = loop {
+        let vmm = m.get().await;
+        if phase_of(&vmm) == Phase::Completed {
+            break vmm;
+        }
+        assert!(
+            !matches!(phase_of(&vmm), Phase::Failed | Phase::ManualInterventionRequired),
+            "{:#?}",
+            vmm.status
+        );
+        assert!(Instant::now() < deadline, "still {}: {:#?}", phase_of(&vmm), vmm.status);
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    let status = vmm.status.unwrap();
+    let given_up = status
+        .errors
+        .iter()
+        .find(|e| e.reason == vmmigrate::api::Reason::ImportFailed)
+        .unwrap_or_else(|| panic!("no ImportFailed: {:#?}", status.errors));
+    assert!(given_up.message.contains("failed 3 times"), "{}", given_up.message);
+    assert!(given_up.message.contains("401"), "the importer's own words: {}", given_up.message);
+    assert!(m.staging.stats().unauthorized.load(Ordering::Relaxed) >= 3, "the staging server refused them");
+    assert_eq!(m.imported_sha256(2).await, m.source_sha256_at_start());
+    m.assert_source_off_and_untouched();
+}

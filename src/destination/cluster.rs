@@ -106,6 +106,24 @@ impl KubeCluster {
         KubeCluster { claims: SourceClaims::new(client.clone(), claims_namespace), client, verify: None }
     }
 
+    /// The last termination message of CDI's importer pod of DataVolume
+    /// `dv` (`importer-<dv>`), as `<reason>: <message>`.
+    async fn importer_last_error(&self, vmm: &VirtualMachineMigration, dv: &str) -> Option<String> {
+        use k8s_openapi::api::core::v1::Pod;
+        let pods: Api<Pod> = Api::namespaced(self.client.clone(), &vmm.spec.destination.namespace);
+        let pod = pods.get_opt(&format!("importer-{dv}")).await.ok()??;
+        let statuses = pod.status?.container_statuses?;
+        statuses.iter().find_map(|s| {
+            let ended = s.last_state.as_ref()?.terminated.as_ref()?;
+            let message = ended.message.as_deref()?.lines().rev().map(str::trim).find(|l| !l.is_empty())?;
+            let message: String = message.chars().take(512).collect();
+            Some(match ended.reason.as_deref() {
+                Some(reason) => format!("{reason}: {message}"),
+                None => message,
+            })
+        })
+    }
+
     /// Lets this cluster read imported volumes back with Jobs of this image
     /// where CDI cannot check a checksum (`super::verify`).
     pub fn with_volume_checks(mut self, settings: VerifySettings) -> KubeCluster {
@@ -344,7 +362,16 @@ impl Cluster for KubeCluster {
                 format!("DataVolume {name} exists and was not created by this migration"),
             ));
         }
-        Ok(data_volume_state(&name, dv.data.get("status").unwrap_or(&Value::Null)))
+        let mut state = data_volume_state(&name, dv.data.get("status").unwrap_or(&Value::Null));
+        // Between restarts the Running condition may say nothing; what the
+        // importer said when it last failed is its pod's termination message.
+        if let DataVolumeState::InProgress { restarts, importer_error, .. } = &mut state
+            && *restarts > 0
+            && let Some(said) = self.importer_last_error(vmm, &name).await
+        {
+            *importer_error = Some(said);
+        }
+        Ok(state)
     }
 
     async fn create_data_volume(
