@@ -89,6 +89,8 @@ const CALLS: &[Call] = &[
     ("list", "discovery.k8s.io", "endpointslices", "", ANY),
     // Pre-flight.
     ("get", "storage.k8s.io", "storageclasses", "", ""),
+    // Does the installed CDI check checksums? Its DataVolume definition.
+    ("get", "apiextensions.k8s.io", "customresourcedefinitions", "", ""),
     ("get", "", "namespaces", "", ""),
     // kube-runtime's Recorder.
     ("create", "events.k8s.io", "events", "", ANY),
@@ -626,7 +628,14 @@ async fn example_tenant_overlay_lets_it_get_secrets_and_create_import_access_in_
     apply_all(&client, &objects).await;
     let get = ("get", "", "secrets", "", TENANT);
     assert!(eventually(&client, get, true).await, "{}", show(get));
-    for call in [("create", "", "secrets", "", TENANT), ("create", "", "configmaps", "", TENANT)] {
+    for call in [
+        ("create", "", "secrets", "", TENANT),
+        ("create", "", "configmaps", "", TENANT),
+        // The verify Job where CDI cannot check a checksum, and the
+        // importer's last words.
+        ("create", "batch", "jobs", "", TENANT),
+        ("get", "", "pods", "", TENANT),
+    ] {
         assert!(may(&client, call).await, "the ServiceAccount may not {}", show(call));
     }
     for call in [
