@@ -108,7 +108,9 @@ fn main() {
 }
 
 async fn run() {
-    let env = KubeEnv::shared_control_plane();
+    // The control plane alone: the gitops process needs an API server, no node.
+    let env = KubeEnv::start_owned(false).expect("the control plane");
+    let env = &env;
     let dir = tempfile::tempdir().unwrap();
     let bare = dir.path().join("remote.git");
     let work = dir.path().join("work");

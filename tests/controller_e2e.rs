@@ -1,7 +1,8 @@
 //! The controller end to end against the real kube-apiserver: the real
 //! kube-runtime glue, the real Kubernetes `Cluster` adapter (DataVolumes and
-//! VirtualMachines are real objects in the API server), the CDI/KubeVirt
-//! simulators of tests/support, and the in-memory ESXi/disk/staging world.
+//! VirtualMachines are real objects in the API server), real CDI importing
+//! what the in-memory ESXi/disk world (`support::sim`) stages through the
+//! real staging server, and the KubeVirt simulator.
 
 use crate::support::sim::{FaultPlan, SimWorld};
 use crate::support::{KubeEnv, ensure_storage_class, kubevirt_sim, phase_of, test_namespace};
@@ -9,7 +10,6 @@ use kube::api::{Api, DeleteParams, DynamicObject, ListParams, Patch, PatchParams
 use kube::{Client, ResourceExt};
 use serde_json::json;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 use std::time::Duration;
 use vmmigrate::api::Reason;
 use vmmigrate::api::{Phase, RETRY_ANNOTATION, VirtualMachineMigration, condition};
@@ -24,7 +24,8 @@ struct Harness {
     ns: String,
     world: Arc<SimWorld>,
     api: Api<VirtualMachineMigration>,
-    sims: kubevirt_sim::Simulators,
+    _sims: kubevirt_sim::Simulators,
+    _staging: crate::support::SimStaging,
     controller: Option<tokio::task::JoinHandle<()>>,
     interrupt: Option<reconciler::Interrupt>,
 }
@@ -35,10 +36,19 @@ impl Harness {
         ensure_storage_class(&client).await;
         let ns = test_namespace(&client, prefix).await;
         let world = SimWorld::new(7, faults);
-        crate::support::publish_sim_staging(&world);
+        let staging = crate::support::publish_sim_staging(&world).await;
         let sims = kubevirt_sim::start(client.clone(), &ns);
         let api = Api::namespaced(client.clone(), &ns);
-        let mut h = Harness { client, ns, world, api, sims, controller: None, interrupt: None };
+        let mut h = Harness {
+            client,
+            ns,
+            world,
+            api,
+            _sims: sims,
+            _staging: staging,
+            controller: None,
+            interrupt: None,
+        };
         h.start_controller();
         h
     }
@@ -166,7 +176,13 @@ async fn migration_reaches_completed_and_kubectl_shows_phase_and_progress() {
         assert_eq!(disk.artifact_sha256, disk.source_sha256);
         assert_eq!(disk.data_volume_name.as_deref(), Some(format!("web-01-disk-{i}").as_str()));
     }
-    assert_eq!(h.sims.control.verified_imports.load(Ordering::SeqCst), 2, "CDI verified both downloads");
+    // Real CDI checked each download against the artifact's sha256.
+    for (dv, disk) in h.count(&data_volume_resource()).await.iter().zip(&status.disks) {
+        let checksum = &dv.data["spec"]["source"]["http"]["checksum"];
+        assert_eq!(checksum, &json!(format!("sha256:{}", disk.artifact_sha256.clone().unwrap())));
+        assert_eq!(dv.data["status"]["phase"], "Succeeded");
+        assert_eq!(disk.import_verification, Some(vmmigrate::api::ImportVerification::CdiChecksum));
+    }
     for c in [condition::READY, condition::GUEST_READY, condition::VM_STARTED, condition::DISK_IMPORTED] {
         let cond = status.conditions.iter().find(|x| x.type_ == c).unwrap();
         assert_eq!(format!("{:?}", cond.status), "True", "{c}");
@@ -257,8 +273,14 @@ async fn controller_killed_at_the_start_of_every_phase_still_completes_without_d
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn retryable_faults_recover_within_the_budget() {
     let h = Harness::new("e2e-retry", FaultPlan { fail_nth_call: Some(2), ..Default::default() }).await;
-    h.sims.control.fail_imports.store(1, Ordering::SeqCst);
-    h.create(|_| {}).await;
+    // No importer pod may start until the first DataVolumes are given up on.
+    crate::support::hold_pods(&h.client, &h.ns).await;
+    h.create(|m| m["spec"]["strategy"]["timeouts"]["importStallSeconds"] = json!(10)).await;
+    h.wait_for("ImportStalled", |v| {
+        v.status.as_ref().is_some_and(|s| s.errors.iter().any(|e| e.reason == Reason::ImportStalled))
+    })
+    .await;
+    crate::support::release_pods(&h.client, &h.ns).await;
     let done = h.wait_phase(Phase::Completed).await;
     let errors = done.status.unwrap().errors;
     let reasons: Vec<_> = errors.iter().map(|e| e.reason.as_str()).collect();
@@ -268,9 +290,9 @@ async fn retryable_faults_recover_within_the_budget() {
             .any(|e| e.reason == Reason::APIUnavailable && e.message.contains("injected failure of call 2")),
         "{errors:?}"
     );
-    assert!(reasons.contains(&"ImportFailed"), "{reasons:?}");
+    assert!(reasons.contains(&"ImportStalled"), "{reasons:?}");
     assert!(errors.iter().all(|e| e.retryable));
-    // The failed DataVolume was deleted and recreated: still exactly two.
+    // The stalled DataVolumes were deleted and recreated: still exactly two.
     assert_eq!(h.count(&data_volume_resource()).await.len(), 2);
 }
 
@@ -311,7 +333,7 @@ async fn manual_intervention_is_left_through_the_retry_annotation_which_is_remov
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn deleting_a_migration_mid_way_runs_cleanup_and_removes_the_finalizer() {
     let h = Harness::new("e2e-delete", FaultPlan::default()).await;
-    h.sims.control.hold_imports.store(true, Ordering::SeqCst);
+    crate::support::hold_pods(&h.client, &h.ns).await;
     h.create(|m| m["spec"]["cleanup"] = json!({"onFailure": "Delete"})).await;
     h.wait_for("DataVolumes importing", |v| phase_of(v) == Phase::Importing).await;
     let deadline = tokio::time::Instant::now() + WAIT;

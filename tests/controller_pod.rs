@@ -5,8 +5,8 @@
 //! repository served by a real `git daemon`, the ESXi emulator's real sshd on
 //! the host address pods reach. The controller pod runs with the
 //! ServiceAccount and RBAC of `deploy/` only; its conversion Jobs are real
-//! pods from the same image. CDI and KubeVirt are the simulators (they reach
-//! the staging server through its Service's endpoints).
+//! pods from the same image, and real CDI's importer pods download the
+//! artifacts through the staging Service. KubeVirt is the simulator.
 
 use crate::support::esxi_emulator::{EsxiEmulator, EsxiOptions};
 use crate::support::{KubeEnv, ensure_storage_class, kubevirt_sim, test_namespace};
@@ -200,7 +200,7 @@ spec:
       name: {VM}
   destination:
     namespace: {apps}
-    storageClassName: standard
+    storageClassName: local-path
   networkMap:
     - source: VM Network
       type: Pod
@@ -243,6 +243,8 @@ spec:
     let repo_url = daemon.url("migrations.git");
     // vmmigrate-system is shared with tests/deploy_rbac.rs: one at a time.
     let _exclusive = crate::deploy_rbac::CLUSTER_RBAC.write().await;
+    // Imports through real CDI with its definition as installed.
+    let _cdi = crate::support::CDI_DEFINITION.read().await;
     deploy::remove_workloads(env).expect("removing an earlier installation");
     let _ = env.kubectl(&["-n", SYSTEM, "delete", "secret", "esxi", "--ignore-not-found"]);
     let _installed = Installed { env };
@@ -353,9 +355,13 @@ spec:
     let now: Vec<String> =
         emu.disk_files(VMID).iter().map(|(_, p, _, _)| sha256_file(p, None).unwrap().1).collect();
     assert_eq!(now, source, "the source disks were written");
-    let imported: Vec<String> = (0..source.len())
-        .map(|d| sha256_file(&sims.pvc_image(&apps, &format!("{VM}-disk-{d}")), None).unwrap().1)
-        .collect();
+    let mut imported = Vec::new();
+    for (d, (_, _, _, size)) in emu.disk_files(VMID).into_iter().enumerate() {
+        let image = crate::support::imported_image(&client, &apps, &format!("{VM}-disk-{d}")).await;
+        let digest = vmmigrate::convert::artifact::volume_digest(&image, size).unwrap();
+        assert_eq!(digest.nonzero_tail_bytes, 0, "{}: bytes after the disk", image.display());
+        imported.push(digest.sha256);
+    }
     assert_eq!(imported, source, "imported bytes differ from the source");
     let status = vmm.status.unwrap();
     assert!(status.disks.iter().all(|d| d.artifact_format.as_deref() == Some("qcow2")));

@@ -1,7 +1,8 @@
 //! GitOps end to end with a real bare Git remote (driven with the `git` CLI
 //! as a user would), the real kube-apiserver, the controller on the
-//! in-memory ESXi/disk world (`support::sim`) with the CDI/KubeVirt
-//! simulators, the webhook receiver on loopback, and the fake forge of
+//! in-memory ESXi/disk world (`support::sim`), real CDI importing what it
+//! stages, the KubeVirt simulator, the webhook receiver on loopback, and the
+//! fake forge of
 //! tests/support for pull requests.
 
 use crate::support::fake_forge::{BOT_LOGIN, Dialect, FakeForge, FakePr, OWNER, REPO, TOKEN};
@@ -127,7 +128,7 @@ spec:
       name: {vm}
   destination:
     namespace: {ns}
-    storageClassName: standard
+    storageClassName: local-path
   networkMap:
     - source: VM Network
       type: Pod
@@ -194,6 +195,7 @@ fn options(remote: &Remote, cache: &Path, ns: &str) -> GitopsOptions {
 /// The controller on the simulated source world, watching `ns`.
 struct SimController {
     _sims: kubevirt_sim::Simulators,
+    _staging: crate::support::SimStaging,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -203,9 +205,9 @@ impl Drop for SimController {
     }
 }
 
-fn start_controller(client: &Client, ns: &str) -> SimController {
+async fn start_controller(client: &Client, ns: &str) -> SimController {
     let world = SimWorld::new(11, FaultPlan::default());
-    crate::support::publish_sim_staging(&world);
+    let staging = crate::support::publish_sim_staging(&world).await;
     let sims = kubevirt_sim::start(client.clone(), ns);
     let adapters = crate::support::sim_adapters(client, &world, ns);
     let config = ControllerConfig {
@@ -215,7 +217,7 @@ fn start_controller(client: &Client, ns: &str) -> SimController {
         ..Default::default()
     };
     let task = tokio::spawn(reconciler::run(client.clone(), adapters, config, std::future::pending()));
-    SimController { _sims: sims, task }
+    SimController { _sims: sims, _staging: staging, task }
 }
 
 async fn wait_for<T>(what: &str, mut f: impl AsyncFnMut() -> Option<T>) -> T {
@@ -258,7 +260,7 @@ async fn merged_manifest_is_applied_run_to_completed_and_reported_on_the_status_
     let ns = test_namespace(&client, "gitops-e2e").await;
     let remote = Remote::new();
     let cache = tempfile::tempdir().unwrap();
-    let _controller = start_controller(&client, &ns);
+    let _controller = start_controller(&client, &ns).await;
     let metrics = Arc::new(Metrics::new());
     let gitops = service::start(client.clone(), options(&remote, cache.path(), &ns), metrics.clone())
         .await
@@ -464,7 +466,7 @@ async fn a_pull_request_gets_one_plan_comment_edited_in_place_that_follows_the_m
 
     // The merge of PR 1: its comment follows the migration until it ends.
     ensure_storage_class(&client).await;
-    let _controller = start_controller(&client, &ns);
+    let _controller = start_controller(&client, &ns).await;
     git(&remote.work(), &["push", "-q", "origin", "add-web:main"]);
     forge.add_pr(
         FakePr { head_ref: "add-web".into(), ..FakePr::open(1, &second) }.with_files(&[path]).merged(),

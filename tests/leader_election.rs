@@ -344,7 +344,7 @@ async fn only_the_leader_reconciles_and_a_killed_leader_hands_over_after_its_lea
     let lease_name = format!("{ns}-controller");
     // Copies are held so the migration can be caught in Preparing.
     let world = SimWorld::new(7, FaultPlan { hold_copies: true, ..Default::default() });
-    crate::support::publish_sim_staging(&world);
+    let _staging = crate::support::publish_sim_staging(&world).await;
     let _sims = kubevirt_sim::start(client.clone(), &ns);
     let leases: Api<Lease> = Api::namespaced(client.clone(), &ns);
     let migrations: Api<VirtualMachineMigration> = Api::namespaced(client.clone(), &ns);

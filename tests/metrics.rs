@@ -1,7 +1,7 @@
 //! The metrics server while a migration runs, against the real
-//! kube-apiserver and the real kube-runtime glue; CDI and KubeVirt are the
-//! simulators of tests/support and ESXi, the disk store and staging are the
-//! in-memory world (the same setup as controller_e2e.rs). Scrapes go over
+//! kube-apiserver and the real kube-runtime glue; real CDI imports what the
+//! in-memory ESXi/disk world stages, KubeVirt is the simulator (the same
+//! setup as controller_e2e.rs). Scrapes go over
 //! plain TCP, as Prometheus would send them. Each controller records into the
 //! registry its config names, so tests running side by side do not see each
 //! other's counts.
@@ -85,7 +85,7 @@ async fn a_migration_is_visible_by_name_phase_and_bytes_until_completed() {
     ensure_storage_class(&client).await;
     let ns = test_namespace(&client, "metrics").await;
     let world = SimWorld::new(11, FaultPlan::default());
-    crate::support::publish_sim_staging(&world);
+    let _staging = crate::support::publish_sim_staging(&world).await;
     let _sims = kubevirt_sim::start(client.clone(), &ns);
     let controller = controller(&client, &ns, &world, &registry);
 

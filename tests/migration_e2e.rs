@@ -1,17 +1,20 @@
 //! A whole migration with every real part this machine can run: the ESXi
 //! emulator (real OpenSSH, BusyBox, vim-cmd scripts, VMDKs made by qemu-img)
-//! → the real SSH copy with sha256 → real qemu-img → the real staging HTTP
-//! server → the CDI simulator (downloads, verifies, writes a "PVC") → real
-//! DataVolume, VirtualMachine and VMI objects in the real kube-apiserver →
-//! the KubeVirt simulator → a real HTTP check through a real Service and
-//! EndpointSlice to busybox httpd in a network namespace → Completed.
+//! → the real SSH copy with sha256 → real qemu-img → the real staging HTTPS
+//! server → real CDI v1.65.0 (its importer pods download with per-artifact
+//! credentials, check the sha256 themselves and write real PersistentVolumes
+//! of the node's provisioner; their restarts and failures are CDI's own) →
+//! real DataVolume, VirtualMachine and VMI objects in the real kube-apiserver,
+//! VMs rewritten by the virt-api stand-in → the KubeVirt simulator → a real
+//! HTTP check through a real Service and EndpointSlice to busybox httpd in a
+//! network namespace → Completed.
 //! Conversion Jobs are real Jobs: the scheduler places their pods on the test
 //! cluster's node and the kubelet runs them from the release image, on a
 //! PersistentVolume holding the controller's work directory.
 
 use crate::support::esxi_emulator::{EsxiEmulator, EsxiOptions};
 use crate::support::netns::Netns;
-use crate::support::{KubeEnv, ensure_storage_class, kubevirt_sim, phase_of, test_namespace};
+use crate::support::{CDI_DEFINITION, KubeEnv, ensure_storage_class, kubevirt_sim, phase_of, test_namespace};
 use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim, Secret};
 use kube::api::{Api, DynamicObject, ListParams, PostParams};
@@ -43,12 +46,11 @@ struct Migration {
     work: tempfile::TempDir,
     opts: ControllerOptions,
     staging: StagingServer,
-    sims: kubevirt_sim::Simulators,
+    _sims: kubevirt_sim::Simulators,
     /// Every conversion Job ever created in the namespace, by uid.
     jobs_seen: Arc<std::sync::Mutex<std::collections::HashSet<String>>>,
     job_watch: tokio::task::JoinHandle<()>,
     _netns: Netns,
-    cdi: Cdi,
     _cdi_definition: Option<tokio::sync::RwLockReadGuard<'static, ()>>,
     /// virt-api's VirtualMachine webhook (the stand-in), counting writes.
     virt_api: vmmigrate_harness::virt_api::VirtApi,
@@ -56,6 +58,9 @@ struct Migration {
     /// across controller restarts, like the Service's view of the pods).
     metrics: Arc<Metrics>,
     controller: Option<tokio::task::JoinHandle<()>>,
+    /// What importer pods reach instead of the staging server, when the test
+    /// asked for one.
+    front: Option<UnavailableFront>,
 }
 
 /// Who imports the DataVolumes.
@@ -67,8 +72,6 @@ enum Cdi {
     /// Real CDI while its DataVolume definition lacks `checksum`
     /// ([`CdiWithoutChecksum`], held by the test).
     RealWithoutChecksum,
-    /// The harness's CDI simulator, for tests that hold imports at will.
-    Simulated,
 }
 
 impl Migration {
@@ -77,10 +80,13 @@ impl Migration {
     }
 
     async fn with(prefix: &str, cdi: Cdi) -> Migration {
-        let env = match cdi {
-            Cdi::Simulated => KubeEnv::shared(),
-            _ => tokio::task::block_in_place(KubeEnv::shared_with_cdi),
-        };
+        Migration::with_front(prefix, cdi, false).await
+    }
+
+    /// With `front`, importer pods reach the staging server through an
+    /// [`UnavailableFront`], which answers 503 until the test opens it.
+    async fn with_front(prefix: &str, cdi: Cdi, front: bool) -> Migration {
+        let env = tokio::task::block_in_place(KubeEnv::shared);
         // The conversion Jobs' image; built and imported on first use.
         let image = tokio::task::block_in_place(|| env.controller_image()).expect("the release image");
         let cdi_definition = if cdi == Cdi::Real { Some(CDI_DEFINITION.read().await) } else { None };
@@ -102,15 +108,19 @@ impl Migration {
         crate::support::db_web_service(&client, &ns, netns.ip).await;
 
         let work = tempfile::tempdir().expect("work dir");
+        let front = if front {
+            let listener = tokio::net::TcpListener::bind((node_ip, 0)).await.expect("front listener");
+            Some(listener)
+        } else {
+            None
+        };
+        let staging_url = front.as_ref().map(|l| format!("https://{}", l.local_addr().unwrap()));
         let opts = ControllerOptions {
             namespace: Some(ns.clone()),
             work_dir: work.path().to_path_buf(),
             // Where importer pods reach the test process: the host end of the node's veth.
-            staging_listen: match cdi {
-                Cdi::Simulated => "127.0.0.1:0".parse().unwrap(),
-                _ => std::net::SocketAddr::new(node_ip.into(), 0),
-            },
-            staging_url: None,
+            staging_listen: std::net::SocketAddr::new(node_ip.into(), 0),
+            staging_url,
             conversions: 2,
             copy_streams: 2,
             job_image: Some(image),
@@ -127,15 +137,11 @@ impl Migration {
         };
         let metrics = Arc::new(Metrics::new());
         let staging = service::start_staging(&opts, &metrics).await.expect("staging server");
-        let pvc_root = work.path().join("pvcs");
-        let sims = kubevirt_sim::start_with(
-            client.clone(),
-            &ns,
-            kubevirt_sim::SimOptions { pvc_root: Some(pvc_root), real_cdi: cdi != Cdi::Simulated },
-        );
+        let front = front.map(|listener| UnavailableFront::start(listener, &staging));
+        let sims = kubevirt_sim::start(client.clone(), &ns);
         *sims.control.kubevirt.vmi_ip.lock().unwrap() = netns.ip.to_string();
         work_volume(&client, &ns, work.path()).await;
-        let (jobs_seen, job_watch) = watch_jobs(&client, &ns);
+        let (jobs_seen, job_watch) = watch_uids(Api::<Job>::namespaced(client.clone(), &ns));
         let virt_api =
             vmmigrate_harness::virt_api::VirtApi::start(client.clone(), &ns).await.expect("virt-api");
         let api = Api::namespaced(client.clone(), &ns);
@@ -147,15 +153,15 @@ impl Migration {
             work,
             opts,
             staging,
-            sims,
+            _sims: sims,
             jobs_seen,
             job_watch,
             _netns: netns,
-            cdi,
             _cdi_definition: cdi_definition,
             virt_api,
             metrics,
             controller: None,
+            front,
         };
         m.start_controller();
         m
@@ -189,7 +195,7 @@ impl Migration {
 
     async fn create(&self, mutate: impl FnOnce(&mut Value)) {
         // Real CDI writes PersistentVolumes of the node's provisioner.
-        let class = if self.cdi == Cdi::Simulated { "standard" } else { "local-path" };
+        let class = "local-path";
         let mut body = json!({
             "apiVersion": "migration.platform.example/v1alpha1",
             "kind": "VirtualMachineMigration",
@@ -221,27 +227,13 @@ impl Migration {
         self.api.create(&PostParams::default(), &vmm).await.expect("create migration");
     }
 
-    /// Holds real CDI's importer pods the Kubernetes way: a ResourceQuota of
-    /// no pods in the namespace (CDI retries creating them until it goes).
+    /// Holds real CDI's importer pods (`support::hold_pods`).
     async fn hold_importer_pods(&self) {
-        use k8s_openapi::api::core::v1::ResourceQuota;
-        let quota: ResourceQuota = serde_json::from_value(json!({
-            "apiVersion": "v1", "kind": "ResourceQuota", "metadata": { "name": "hold-importers" },
-            "spec": { "hard": { "pods": "0" } },
-        }))
-        .unwrap();
-        Api::<ResourceQuota>::namespaced(self.client.clone(), &self.ns)
-            .create(&PostParams::default(), &quota)
-            .await
-            .unwrap();
+        crate::support::hold_pods(&self.client, &self.ns).await;
     }
 
     async fn release_importer_pods(&self) {
-        use k8s_openapi::api::core::v1::ResourceQuota;
-        Api::<ResourceQuota>::namespaced(self.client.clone(), &self.ns)
-            .delete("hold-importers", &Default::default())
-            .await
-            .unwrap();
+        crate::support::release_pods(&self.client, &self.ns).await;
     }
 
     async fn get(&self) -> VirtualMachineMigration {
@@ -288,22 +280,12 @@ impl Migration {
     /// sha256 of the disk bytes imported into the volume of each disk: for
     /// real CDI the `disk.img` in the PersistentVolume's directory on the
     /// node (its first `size` bytes; CDI grows the image with zeros to fill
-    /// the volume), for the simulator its "PVC".
+    /// the volume).
     async fn imported_sha256(&self, disks: usize) -> Vec<String> {
         let mut found = Vec::new();
         for d in 0..disks {
             let dv = format!("{VM}-disk-{d}");
-            let image = match self.cdi {
-                Cdi::Simulated => self.sims.pvc_image(&self.ns, &dv),
-                Cdi::Real | Cdi::RealWithoutChecksum => {
-                    let claims: Api<PersistentVolumeClaim> = Api::namespaced(self.client.clone(), &self.ns);
-                    let pv = claims.get(&dv).await.unwrap().spec.unwrap().volume_name.unwrap();
-                    let pv = Api::<PersistentVolume>::all(self.client.clone()).get(&pv).await.unwrap();
-                    let spec = pv.spec.unwrap();
-                    let dir = spec.host_path.map(|h| h.path).or(spec.local.map(|l| l.path)).unwrap();
-                    PathBuf::from(dir).join("disk.img")
-                }
-            };
+            let image = crate::support::imported_image(&self.client, &self.ns, &dv).await;
             let size = self.emu.disk_files(VMID)[d].3;
             let digest = vmmigrate::convert::artifact::volume_digest(&image, size)
                 .unwrap_or_else(|e| panic!("{}: {e}", image.display()));
@@ -327,7 +309,7 @@ impl Migration {
         let mut found = Vec::new();
         walk(self.work.path(), &mut |p| {
             let s = p.to_string_lossy();
-            if s.contains(uid) && !p.starts_with(self.work.path().join("pvcs")) {
+            if s.contains(uid) {
                 found.push(p.to_path_buf());
             }
         });
@@ -384,22 +366,23 @@ async fn create_work_claim(client: &Client, ns: &str) {
         .expect("work PVC");
 }
 
-/// Records the uid of every Job created in `ns` (a watch sees each one,
-/// however short-lived).
-fn watch_jobs(
-    client: &Client,
-    ns: &str,
-) -> (Arc<std::sync::Mutex<std::collections::HashSet<String>>>, tokio::task::JoinHandle<()>) {
+/// Records the uid of every object of `api` ever created (a watch sees each
+/// one, however short-lived).
+fn watch_uids<K>(
+    api: Api<K>,
+) -> (Arc<std::sync::Mutex<std::collections::HashSet<String>>>, tokio::task::JoinHandle<()>)
+where
+    K: kube::Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug + Send + 'static,
+{
     use futures::StreamExt as _;
     use kube::runtime::watcher;
     let seen = Arc::new(std::sync::Mutex::new(std::collections::HashSet::new()));
-    let jobs: Api<Job> = Api::namespaced(client.clone(), ns);
     let record = seen.clone();
     let task = tokio::spawn(async move {
-        let mut events = std::pin::pin!(watcher(jobs, watcher::Config::default()));
+        let mut events = std::pin::pin!(watcher(api, watcher::Config::default()));
         while let Some(event) = events.next().await {
-            if let Ok(watcher::Event::Apply(job) | watcher::Event::InitApply(job)) = event {
-                record.lock().unwrap().insert(job.uid().unwrap_or_default());
+            if let Ok(watcher::Event::Apply(object) | watcher::Event::InitApply(object)) = event {
+                record.lock().unwrap().insert(object.meta().uid.clone().unwrap_or_default());
             }
         }
     });
@@ -542,22 +525,30 @@ async fn two_disk_efi_vm_with_two_nics_migrates_to_completed_with_checksums_end_
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn controller_killed_during_converting_and_importing_completes_with_one_job_and_data_volume_per_disk() {
-    let mut m = Migration::with("e2e-kill", Cdi::Simulated).await;
+    let mut m = Migration::new("e2e-kill").await;
+    let data_volumes: Api<DynamicObject> =
+        Api::namespaced_with(m.client.clone(), &m.ns, &data_volume_resource());
+    let (dvs_seen, dv_watch) = watch_uids(data_volumes);
     // The Jobs' pods wait for the work claim, created after the first kill.
-    m.sims.control.hold_imports.store(true, Ordering::SeqCst);
     m.create(|body| {
         body["spec"]["conversion"] = json!({"format": "qcow2", "runner": "job"});
     })
     .await;
 
-    // Converting: both Jobs exist (held); kill the controller, release the Jobs.
+    // Converting: both Jobs and their pods exist (held); no pod may start
+    // after them (real CDI's importers wait for the quota to go); kill the
+    // controller, release the Jobs.
     let jobs: Api<Job> = Api::namespaced(m.client.clone(), &m.ns);
+    let pods: Api<k8s_openapi::api::core::v1::Pod> = Api::namespaced(m.client.clone(), &m.ns);
     m.wait_for("two conversion Jobs", |v| phase_of(v) == Phase::Converting).await;
     let deadline = Instant::now() + WAIT;
-    while jobs.list(&ListParams::default()).await.unwrap().items.len() < 2 {
-        assert!(Instant::now() < deadline, "the conversion Jobs were never created");
+    while jobs.list(&ListParams::default()).await.unwrap().items.len() < 2
+        || pods.list(&ListParams::default().labels("job-name")).await.unwrap().items.len() < 2
+    {
+        assert!(Instant::now() < deadline, "the conversion Jobs and their pods were never created");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+    m.hold_importer_pods().await;
     m.kill_and_restart_controller().await;
     create_work_claim(&m.client, &m.ns).await;
 
@@ -568,14 +559,16 @@ async fn controller_killed_during_converting_and_importing_completes_with_one_jo
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     m.kill_and_restart_controller().await;
-    m.sims.control.hold_imports.store(false, Ordering::SeqCst);
+    m.release_importer_pods().await;
 
     let vmm = m.wait_completed().await;
+    dv_watch.abort();
     let status = vmm.status.unwrap();
     assert_eq!(m.jobs_seen.lock().unwrap().len(), 2, "one conversion Job per disk");
-    assert_eq!(m.sims.control.dv_uids_seen.lock().unwrap().len(), 2, "one DataVolume per disk");
+    assert_eq!(dvs_seen.lock().unwrap().len(), 2, "one DataVolume per disk");
     assert!(jobs.list(&ListParams::default()).await.unwrap().items.is_empty(), "Jobs are cleaned up");
-    // qcow2 artifacts: CDI converted them back to raw; the bytes are the source's.
+    // qcow2 artifacts: CDI's importer converted them back to raw; the bytes
+    // are the source's.
     assert!(status.disks.iter().all(|d| d.artifact_format.as_deref() == Some("qcow2")));
     assert_eq!(m.imported_sha256(2).await, m.source_sha256_at_start());
     m.assert_source_off_and_untouched();
@@ -731,10 +724,6 @@ async fn a_completed_vm_rewritten_by_virt_api_gets_no_writes_over_20_reconciles_
     );
 }
 
-/// Held by every test importing with real CDI; taken exclusively by the one
-/// that changes CDI's DataVolume definition for the whole cluster.
-static CDI_DEFINITION: tokio::sync::RwLock<()> = tokio::sync::RwLock::const_new(());
-
 /// CDI's DataVolume definition without `spec.source.http.checksum` (as CDI
 /// v1.64 and older install it) while this lives; CDI's operator, which would
 /// put the field back, is scaled to zero meanwhile. Restored on drop.
@@ -745,7 +734,7 @@ struct CdiWithoutChecksum {
 impl CdiWithoutChecksum {
     async fn install() -> CdiWithoutChecksum {
         let exclusive = CDI_DEFINITION.write().await;
-        let env = tokio::task::block_in_place(KubeEnv::shared_with_cdi);
+        let env = tokio::task::block_in_place(KubeEnv::shared);
         tokio::task::block_in_place(|| {
             env.kubectl(&["-n", "cdi", "scale", "deployment", "cdi-operator", "--replicas=0"]).unwrap();
             env.kubectl(&[
@@ -782,7 +771,7 @@ impl CdiWithoutChecksum {
 
 impl Drop for CdiWithoutChecksum {
     fn drop(&mut self) {
-        let env = KubeEnv::shared_with_cdi();
+        let env = KubeEnv::shared();
         let crds = vmmigrate_harness::setup::upstream().unwrap().join("crds/cdi.yaml");
         let restore = || -> anyhow::Result<()> {
             env.kubectl(&[
@@ -879,6 +868,178 @@ async fn an_importer_refused_by_the_staging_server_restarts_in_cdi_until_the_con
     assert!(given_up.message.contains("failed 3 times"), "{}", given_up.message);
     assert!(given_up.message.contains("401"), "the importer's own words: {}", given_up.message);
     assert!(m.staging.stats().unauthorized.load(Ordering::Relaxed) >= 3, "the staging server refused them");
+    assert_eq!(m.imported_sha256(2).await, m.source_sha256_at_start());
+    m.assert_source_off_and_untouched();
+}
+
+/// Stands where the staging Service would during a rollout of the
+/// controller: while closed it completes TLS with the staging server's own
+/// certificate and answers every request `503 Service Unavailable`; once
+/// opened it passes each connection through to the staging server untouched
+/// (TLS end to end, the server's credentials check included).
+struct UnavailableFront {
+    open: Arc<std::sync::atomic::AtomicBool>,
+    refused: Arc<std::sync::atomic::AtomicUsize>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl UnavailableFront {
+    fn start(listener: tokio::net::TcpListener, staging: &StagingServer) -> UnavailableFront {
+        use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+        let open = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let refused = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let tls = tokio_rustls::TlsAcceptor::from(staging.access().tls());
+        let upstream = staging.local_addr();
+        let (is_open, count) = (open.clone(), refused.clone());
+        let task = tokio::spawn(async move {
+            while let Ok((mut stream, _)) = listener.accept().await {
+                let (tls, is_open, count) = (tls.clone(), is_open.clone(), count.clone());
+                tokio::spawn(async move {
+                    if is_open.load(Ordering::SeqCst) {
+                        if let Ok(mut server) = tokio::net::TcpStream::connect(upstream).await {
+                            let _ = tokio::io::copy_bidirectional(&mut stream, &mut server).await;
+                        }
+                        return;
+                    }
+                    let Ok(mut stream) = tls.accept(stream).await else { return };
+                    let mut head = Vec::new();
+                    let mut buf = [0u8; 4096];
+                    while !head.windows(4).any(|w| w == b"\r\n\r\n") && head.len() < 64 * 1024 {
+                        match stream.read(&mut buf).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => head.extend_from_slice(&buf[..n]),
+                        }
+                    }
+                    count.fetch_add(1, Ordering::SeqCst);
+                    let body = "the staging server is starting\n";
+                    let answer = format!(
+                        "HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                        body.len()
+                    );
+                    let _ = stream.write_all(answer.as_bytes()).await;
+                    let _ = stream.shutdown().await;
+                });
+            }
+        });
+        UnavailableFront { open, refused, task }
+    }
+
+    fn open(&self) {
+        self.open.store(true, Ordering::SeqCst);
+    }
+
+    fn refused(&self) -> usize {
+        self.refused.load(Ordering::SeqCst)
+    }
+}
+
+impl Drop for UnavailableFront {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// The `DiskImported` condition's message, when there is one.
+fn disk_imported_message(vmm: &VirtualMachineMigration) -> Option<String> {
+    let status = vmm.status.as_ref()?;
+    status
+        .conditions
+        .iter()
+        .find(|c| c.type_ == "DiskImported")
+        .map(|c| format!("{}: {}", c.reason, c.message))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_staging_server_unavailable_for_a_while_restarts_the_importers_and_the_import_completes_without_rework()
+ {
+    let m = Migration::with_front("e2e-503", Cdi::Real, true).await;
+    let front = m.front.as_ref().unwrap();
+    m.create(|body| {
+        body["spec"]["validation"] = json!({ "checks": [{ "name": "agent", "guestAgent": {} }] })
+    })
+    .await;
+
+    // Every importer is answered 503 until each disk's importer has failed
+    // at least once and the controller has said so.
+    let mut seen_restarting = None;
+    let deadline = Instant::now() + Duration::from_secs(300);
+    while seen_restarting.is_none() {
+        let vmm = m.get().await;
+        assert!(
+            !matches!(phase_of(&vmm), Phase::Failed | Phase::ManualInterventionRequired),
+            "{:#?}",
+            vmm.status
+        );
+        if let Some(message) = disk_imported_message(&vmm).filter(|m| m.starts_with("ImporterRestarting"))
+            && front.refused() >= 2
+        {
+            seen_restarting = Some(message);
+        }
+        assert!(Instant::now() < deadline, "no importer restart reported: {:#?}", vmm.status);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let message = seen_restarting.unwrap();
+    assert!(message.contains("503"), "the importer's own words in the condition: {message}");
+    front.open();
+
+    let vmm = m.wait_completed().await;
+    let status = vmm.status.unwrap();
+    let reasons: Vec<&str> = status.errors.iter().map(|e| e.reason.as_str()).collect();
+    assert!(reasons.is_empty(), "a transient outage is no failure: {reasons:?}");
+    // The same DataVolumes carried on (restarted by CDI, not remade by us),
+    // and each artifact was served whole exactly once.
+    let dvs = m.list(&data_volume_resource()).await;
+    let restarts: i64 = dvs.iter().map(|dv| dv.data["status"]["restartCount"].as_i64().unwrap_or(0)).sum();
+    assert!(restarts >= 1, "CDI restarted an importer: {restarts}");
+    assert!(
+        dvs.iter().all(|dv| dv.data["status"]["restartCount"].as_i64().unwrap_or(0)
+            < i64::from(vmmigrate::machine::IMPORTER_RESTART_LIMIT)),
+        "no importer reached the give-up limit"
+    );
+    let total: u64 = m.emu.disk_files(VMID).iter().map(|d| d.3).sum();
+    let served = m.staging.stats().bytes_served.load(Ordering::Relaxed);
+    assert_eq!(served, total, "each artifact imported once");
+    assert_eq!(m.imported_sha256(2).await, m.source_sha256_at_start());
+    m.assert_source_off_and_untouched();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_import_whose_importer_never_starts_is_given_up_after_the_stall_timeout_and_made_again() {
+    let m = Migration::new("e2e-stall").await;
+    // No importer pod may start: the DataVolumes sit in their first phase.
+    m.hold_importer_pods().await;
+    m.create(|body| {
+        body["spec"]["validation"] = json!({ "checks": [{ "name": "agent", "guestAgent": {} }] });
+        body["spec"]["strategy"]["timeouts"]["importStallSeconds"] = json!(15);
+    })
+    .await;
+    let first = m.wait_for("Importing", |v| phase_of(v) == Phase::Importing).await;
+    let deadline = Instant::now() + WAIT;
+    let first_dvs: std::collections::HashSet<String> = loop {
+        let dvs = m.list(&data_volume_resource()).await;
+        if dvs.len() == 2 {
+            break dvs.iter().filter_map(|dv| dv.uid()).collect();
+        }
+        assert!(Instant::now() < deadline, "the DataVolumes were never created");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let stalled = m
+        .wait_for("ImportStalled", |v| {
+            v.status.as_ref().is_some_and(|s| s.errors.iter().any(|e| e.reason == "ImportStalled"))
+        })
+        .await;
+    let error = stalled.status.unwrap().errors.into_iter().find(|e| e.reason == "ImportStalled").unwrap();
+    assert!(error.message.contains("made no progress for"), "{}", error.message);
+    assert!(error.message.contains(&format!("{VM}-disk-")), "names the DataVolume: {}", error.message);
+    assert_eq!(first.status.unwrap().phase, Phase::Importing);
+    m.release_importer_pods().await;
+
+    let vmm = m.wait_completed().await;
+    let dvs: std::collections::HashSet<String> =
+        m.list(&data_volume_resource()).await.iter().filter_map(|dv| dv.uid()).collect();
+    assert!(dvs.is_disjoint(&first_dvs), "the stalled DataVolumes were replaced");
+    let status = vmm.status.unwrap();
+    assert!(status.errors.iter().all(|e| e.reason == "ImportStalled"), "{:#?}", status.errors);
     assert_eq!(m.imported_sha256(2).await, m.source_sha256_at_start());
     m.assert_source_off_and_untouched();
 }

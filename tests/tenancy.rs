@@ -101,7 +101,7 @@ async fn the_controller_refuses_a_destination_namespace_outside_the_rules() {
     let ns = test_namespace(&client, "tenancy").await;
     let other = test_namespace(&client, "tenancy-other").await;
     let world = SimWorld::new(7, FaultPlan::default());
-    crate::support::publish_sim_staging(&world);
+    let _staging = crate::support::publish_sim_staging(&world).await;
     let _sims = kubevirt_sim::start(client.clone(), &ns);
     let config = ControllerConfig {
         namespace: Some(ns.clone()),

@@ -107,6 +107,7 @@ reasons! {
     APIError,
     DataVolumeNotOwned,
     ImportFailed,
+    ImportStalled,
     ImportChecksumMismatch,
     ImportUnverifiable,
     CDIMissing,

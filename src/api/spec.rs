@@ -340,6 +340,12 @@ pub struct TimeoutSpec {
     #[serde(default = "default_ssh_timeout")]
     #[schemars(range(min = 1, max = 3600))]
     pub ssh_seconds: i32,
+    /// An import whose DataVolume shows no progress (neither its phase nor
+    /// its percentage moves) for this long is given up on and made again
+    /// after Converting re-checks the artifact.
+    #[serde(default = "default_import_stall_timeout")]
+    #[schemars(range(min = 10, max = 86400))]
+    pub import_stall_seconds: i32,
 }
 
 impl Default for TimeoutSpec {
@@ -349,6 +355,7 @@ impl Default for TimeoutSpec {
             starting_seconds: default_start_timeout(),
             validating_seconds: default_validation_timeout(),
             ssh_seconds: default_ssh_timeout(),
+            import_stall_seconds: default_import_stall_timeout(),
         }
     }
 }
@@ -364,6 +371,9 @@ fn default_validation_timeout() -> i32 {
 }
 fn default_ssh_timeout() -> i32 {
     30
+}
+fn default_import_stall_timeout() -> i32 {
+    600
 }
 
 /// Checks that prove the migrated application works.

@@ -322,6 +322,13 @@ pub struct DiskStatus {
     /// them (`VolumeSha256` only); equal to `sourceSha256`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub imported_sha256: Option<String>,
+    /// The import's progress as last seen changing (CDI's phase and
+    /// percentage, e.g. `ImportInProgress 42%`) and when: the clock of
+    /// `timeouts.importStallSeconds`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub import_progress: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub import_progress_at: Option<Time>,
 }
 
 /// How an import is proven to hold the copied bytes.

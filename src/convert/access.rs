@@ -107,7 +107,9 @@ impl StagingAccess {
         &self.ca_pem
     }
 
-    pub(crate) fn tls(&self) -> Arc<rustls::ServerConfig> {
+    /// The server's TLS configuration (its certificate for the staging
+    /// URL's host, signed by the CA above).
+    pub fn tls(&self) -> Arc<rustls::ServerConfig> {
         self.tls.clone()
     }
 

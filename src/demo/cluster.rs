@@ -1,10 +1,10 @@
 //! What an administrator would have set up in the cluster before the first
-//! pull request: the namespace, the ESXi credentials Secret, a StorageClass,
-//! and the Service the application check goes through.
+//! pull request: the namespace, the ESXi credentials Secret and the Service
+//! the application check goes through (the StorageClass `local-path` is the
+//! node's provisioner's).
 
 use k8s_openapi::api::core::v1::{Namespace, Secret, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
-use k8s_openapi::api::storage::v1::StorageClass;
 use kube::Client;
 use kube::api::{Api, Patch, PatchParams};
 use serde_json::json;
@@ -23,7 +23,7 @@ where
     Ok(())
 }
 
-/// Namespace `ns`, Secret `secret` with the ESXi login, StorageClass `standard`.
+/// Namespace `ns` and Secret `secret` with the ESXi login.
 pub(crate) async fn prepare(
     client: &Client,
     ns: &str,
@@ -43,15 +43,6 @@ pub(crate) async fn prepare(
         json!({
             "apiVersion": "v1", "kind": "Secret", "metadata": {"name": secret, "namespace": ns},
             "stringData": {"username": username, "password": password},
-        }),
-    )
-    .await?;
-    apply(
-        Api::<StorageClass>::all(client.clone()),
-        "standard",
-        json!({
-            "apiVersion": "storage.k8s.io/v1", "kind": "StorageClass",
-            "metadata": {"name": "standard"}, "provisioner": "kubernetes.io/no-provisioner",
         }),
     )
     .await

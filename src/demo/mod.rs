@@ -1,18 +1,16 @@
 //! `vmmigrate demo`: one whole migration on this machine, on loopback.
 //!
 //! It starts what the integration tests start (`tests/support`, compiled in
-//! through [`support`]): a real etcd + kube-apiserver, an emulated ESXi host
-//! that is a real sshd, a network namespace serving the "guest's" web page,
-//! and the CDI/KubeVirt simulators. Then a bare Git remote, vmmigrate's
-//! gitops loop and controller with the production adapters, and walks
-//! through a pull request: push a branch, print the plan, merge, follow the
-//! migration to Completed and the status branch. See docs/quickstart.md.
+//! through [`support`]): a real one-node cluster with real CDI v1.65.0, an
+//! emulated ESXi host that is a real sshd, a network namespace serving the
+//! "guest's" web page, and the KubeVirt simulator. Then a bare Git remote,
+//! vmmigrate's gitops loop and controller with the production adapters, and
+//! walks through a pull request: push a branch, print the plan, merge, follow
+//! the migration to Completed and the status branch. See docs/quickstart.md.
 //!
-//! By default vmmigrate runs in this process, on the control plane alone: it
-//! starts in seconds, and its log is the demo's. With `--cluster` the same
-//! walkthrough runs against a real one-node cluster, and vmmigrate is the
-//! release image installed from `deploy/` (two pods, leader election), its
-//! repository served by `git daemon`.
+//! By default vmmigrate runs in this process: its log is the demo's. With
+//! `--cluster` vmmigrate is the release image installed from `deploy/` (two
+//! pods, leader election), its repository served by `git daemon`.
 
 mod cluster;
 mod remote;
@@ -131,7 +129,7 @@ fn demo(opts: DemoOptions) -> anyhow::Result<()> {
     } else {
         screen.line(&format!("! still running: {}", left.join(" ")));
     }
-    for dir in ["laptop", "controller", "pvcs", "gitops-cache", "kubeconfig"] {
+    for dir in ["laptop", "controller", "gitops-cache", "kubeconfig"] {
         let path = work.join(dir);
         let _ = if path.is_dir() { std::fs::remove_dir_all(&path) } else { std::fs::remove_file(&path) };
     }
@@ -188,42 +186,38 @@ fn init_log(path: &Path) -> anyhow::Result<()> {
 }
 
 fn intro(screen: &mut Screen, cluster: bool) {
-    let (kubernetes, vmmigrate): (&[&str], &[&str]) = if cluster {
-        (
-            &[
-                "  real       Kubernetes: etcd, kube-apiserver, kube-controller-manager, kube-scheduler and one node",
-                "             (kubelet, containerd + runc, kube-proxy, CNI bridge, local-path-provisioner)",
-            ],
-            &[
-                "  real       vmmigrate as installed from deploy/: the release image, two pods with leader",
-                "             election; its repository served by git daemon",
-            ],
-        )
+    let vmmigrate: &[&str] = if cluster {
+        &[
+            "  real       vmmigrate as installed from deploy/: the release image, two pods with leader",
+            "             election; its repository served by git daemon",
+        ]
     } else {
-        (
-            &[
-                "  real       Kubernetes API: etcd, kube-apiserver, kube-controller-manager (built from source)",
-            ],
-            &[
-                "  real       vmmigrate's controller with its production adapters: SSH copy + sha256, qemu-img, staging",
-            ],
-        )
+        &[
+            "  real       vmmigrate's controller with its production adapters: SSH copy + sha256, qemu-img, staging",
+        ]
     };
     screen.line(
         "vmmigrate demo: a VM moves from ESXi to KubeVirt through a Git pull request, on this machine.",
     );
     screen.line("");
-    for line in kubernetes.iter().chain(vmmigrate) {
+    for line in [
+        "  real       Kubernetes: etcd, kube-apiserver, kube-controller-manager, kube-scheduler and one node",
+        "             (kubelet, containerd + runc, kube-proxy, CNI bridge, local-path-provisioner)",
+    ]
+    .iter()
+    .chain(vmmigrate)
+    {
         screen.line(line);
     }
     for line in [
+        "  real       CDI v1.65.0 (operator, controller, API server; built from its Go module): its importer pods",
+        "             download each disk from vmmigrate's staging server over HTTPS and check its sha256",
         "  real       ESXi 8 host: OpenSSH sshd with ESXi's algorithms, BusyBox shell, vim-cmd, VMDKs on a datastore",
         "  real       Git: a bare remote pushed to with the git CLI; vmmigrate's gitops loop writes status back",
         "  real       the application check: HTTP through a Service and EndpointSlice to busybox httpd in a",
         "             network namespace (with --cluster: the node's), standing in for the guest's web server",
-        "  simulated  CDI and KubeVirt (they need nodes, KVM and storage): the CDI simulator downloads each",
-        "             disk from vmmigrate's staging server and verifies its sha256; the KubeVirt simulator",
-        "             reports the VirtualMachineInstance running. Nothing boots.",
+        "  simulated  KubeVirt (no guest runs under this machine's KVM): the KubeVirt simulator reports the",
+        "             VirtualMachineInstance running. Nothing boots.",
         "",
     ] {
         screen.line(line);
@@ -243,8 +237,8 @@ fn start_local_parts(cluster: bool) -> anyhow::Result<LocalParts> {
         return start_cluster_parts();
     }
     let (kube, esxi, web) = std::thread::scope(|s| {
-        // `shared()` panics when the control plane cannot start (the message is printed).
-        let kube = s.spawn(KubeEnv::shared_control_plane);
+        // `shared()` panics when the cluster or CDI cannot start (the message is printed).
+        let kube = s.spawn(KubeEnv::shared);
         let esxi = s.spawn(|| EsxiEmulator::start(EsxiOptions::default()));
         let web = s.spawn(|| -> anyhow::Result<Netns> {
             let netns = Netns::new()?;
@@ -421,8 +415,9 @@ struct RunFlags {
     controller: ControllerOptions,
 }
 
-fn run_flags(remote: &Path, work: &Path) -> Vec<String> {
+fn run_flags(remote: &Path, work: &Path, staging_ip: std::net::Ipv4Addr) -> Vec<String> {
     let p = |p: &Path| p.display().to_string();
+    let staging_listen = format!("{staging_ip}:0");
     [
         ["--repo", &p(remote)],
         ["--branch", "main"],
@@ -433,7 +428,9 @@ fn run_flags(remote: &Path, work: &Path) -> Vec<String> {
         ["--status-window-seconds", "3"],
         ["--namespace", NAMESPACE],
         ["--work-dir", &p(&work.join("controller"))],
-        ["--staging-listen", "127.0.0.1:0"],
+        // Where CDI's importer pods reach this process: the host end of
+        // the node's network.
+        ["--staging-listen", &staging_listen],
         ["--conversions", "2"],
         ["--copy-streams", "2"],
         ["--instance", "vmmigrate-demo"],
@@ -452,14 +449,11 @@ async fn start_services(
     remote: &GitRemote,
     work: &Path,
     guest_ip: std::net::Ipv4Addr,
+    staging_ip: std::net::Ipv4Addr,
 ) -> anyhow::Result<Services> {
-    let sims = support::kubevirt_sim::start_with(
-        client.clone(),
-        NAMESPACE,
-        support::kubevirt_sim::SimOptions { pvc_root: Some(work.join("pvcs")), real_cdi: false },
-    );
+    let sims = support::kubevirt_sim::start(client.clone(), NAMESPACE);
     *sims.control.kubevirt.vmi_ip.lock().unwrap_or_else(|p| p.into_inner()) = guest_ip.to_string();
-    screen.line(&format!("✓ CDI + KubeVirt simulators (\"PVCs\" in {})", work.join("pvcs").display()));
+    screen.line("✓ KubeVirt simulator; real CDI v1.65.0 imports into local-path volumes on the node");
 
     let registry = Arc::new(crate::metrics::Metrics::new());
     let metrics = match crate::metrics::serve(([127, 0, 0, 1], METRICS_PORT).into(), registry.clone()).await {
@@ -467,7 +461,7 @@ async fn start_services(
         Err(_) => crate::metrics::serve(([127, 0, 0, 1], 0).into(), registry.clone()).await.ok(),
     };
 
-    let flags = run_flags(remote.bare(), work);
+    let flags = run_flags(remote.bare(), work, staging_ip);
     let RunFlags { gitops, controller } =
         RunFlags::try_parse_from(std::iter::once("vmmigrate run".to_owned()).chain(flags.iter().cloned()))
             .context("the demo's `vmmigrate run` flags")?;
@@ -526,13 +520,9 @@ async fn start_cluster_services(
     guest_ip: std::net::Ipv4Addr,
 ) -> anyhow::Result<Services> {
     let node = kube.node.as_ref().context("the cluster has no node")?;
-    let sims = support::kubevirt_sim::start_with(
-        client.clone(),
-        NAMESPACE,
-        support::kubevirt_sim::SimOptions { pvc_root: Some(work.join("pvcs")), real_cdi: false },
-    );
+    let sims = support::kubevirt_sim::start(client.clone(), NAMESPACE);
     *sims.control.kubevirt.vmi_ip.lock().unwrap_or_else(|p| p.into_inner()) = guest_ip.to_string();
-    screen.line(&format!("✓ CDI + KubeVirt simulators (\"PVCs\" in {})", work.join("pvcs").display()));
+    screen.line("✓ KubeVirt simulator; real CDI v1.65.0 imports into local-path volumes on the node");
 
     let served = remote.bare().parent().context("the remote's directory")?.to_path_buf();
     let daemon = support::git_daemon::GitDaemon::start(node.host_ip, &served)?;
@@ -616,9 +606,7 @@ async fn walkthrough(
 
     cluster::prepare(&client, NAMESPACE, SECRET, &esxi.username, &esxi.password).await?;
     cluster::web_service(&client, NAMESPACE, "db-web", parts.guest_web.ip(), GUEST_HTTP_PORT).await?;
-    screen.line(&format!(
-        "✓ namespace {NAMESPACE}: Secret {SECRET} (the ESXi login), Service db-web; StorageClass standard"
-    ));
+    screen.line(&format!("✓ namespace {NAMESPACE}: Secret {SECRET} (the ESXi login), Service db-web"));
 
     let examples = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples-repo");
     let remote = tokio::task::block_in_place(|| GitRemote::create(work, &examples))?;
@@ -630,7 +618,8 @@ async fn walkthrough(
     let services = if opts.cluster {
         start_cluster_services(screen, parts.kube, &client, &remote, work, parts.guest_web.ip()).await?
     } else {
-        start_services(screen, &client, &remote, work, parts.guest_web.ip()).await?
+        let node = parts.kube.node.as_ref().context("the cluster has no node")?;
+        start_services(screen, &client, &remote, work, parts.guest_web.ip(), node.host_ip).await?
     };
     let metrics_url = services.metrics_url();
     let host = source_host(parts);
@@ -684,7 +673,7 @@ spec:
       name: {VM}
   destination:
     namespace: {NAMESPACE}
-    storageClassName: standard
+    storageClassName: local-path
   networkMap:
     - source: VM Network
       type: Pod
@@ -1006,7 +995,8 @@ mod tests {
 
     #[test]
     fn the_run_flags_parse_with_the_real_option_definitions() {
-        let flags = run_flags(Path::new("/tmp/r.git"), Path::new("/tmp/w"));
+        let flags =
+            run_flags(Path::new("/tmp/r.git"), Path::new("/tmp/w"), std::net::Ipv4Addr::new(10, 0, 0, 1));
         let parsed = RunFlags::try_parse_from(std::iter::once("vmmigrate run".to_owned()).chain(flags));
         let RunFlags { gitops, controller } = parsed.unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(gitops.repo, "/tmp/r.git");
@@ -1014,6 +1004,7 @@ mod tests {
         assert_eq!(gitops.status_branch, STATUS_BRANCH);
         assert_eq!(controller.namespace.as_deref(), Some(NAMESPACE));
         assert_eq!(controller.work_dir, Path::new("/tmp/w/controller"));
+        assert_eq!(controller.staging_listen, "10.0.0.1:0".parse().unwrap());
     }
 
     #[test]

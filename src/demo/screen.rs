@@ -144,9 +144,7 @@ pub(crate) fn caption(phase: Phase) -> &'static str {
         Phase::Validated => "pre-flight checks passed (disks, firmware, networks, storage class)",
         Phase::Preparing => "powering the source off and copying its disks over SSH, hashing with sha256",
         Phase::Converting => "checking the copies with qemu-img and staging them for CDI",
-        Phase::Importing => {
-            "CDI DataVolumes import from the staging server, checksum verified (simulated CDI)"
-        }
+        Phase::Importing => "CDI DataVolumes import from the staging server, checksum verified by CDI",
         Phase::CreatingVm => "creating the KubeVirt VirtualMachine from the discovered hardware",
         Phase::Starting => "waiting for the VirtualMachineInstance to run (simulated KubeVirt)",
         Phase::Validating => "checking the application: HTTP through Service db-web, guest agent, IP address",

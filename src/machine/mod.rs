@@ -841,14 +841,27 @@ fn importing(ctx: &mut Ctx<'_>, observed: Observed) {
                     Some(false) => ImportVerification::VolumeSha256,
                     None => return mismatch(ctx, Phase::Importing, "CDI's checksum support"),
                 };
+                let now = ctx.now.clone();
                 if let Some(d) = ctx.status.disks.get_mut(disk) {
                     d.import_verification = Some(planned);
                     d.imported_sha256 = None;
+                    d.import_progress = None;
+                    d.import_progress_at = Some(now);
                 }
                 ctx.actions.push(Action::CreateDataVolume { disk });
                 0
             }
-            DataVolumeState::InProgress { percent, restarts, importer_error, .. } => {
+            DataVolumeState::InProgress { phase, percent, restarts, importer_error } => {
+                if let Some(stalled) = import_stalled(ctx, disk, &name, phase, *percent, importer_error) {
+                    ctx.condition(
+                        condition::DISK_IMPORTED,
+                        false,
+                        stalled.reason.as_str(),
+                        stalled.message.clone(),
+                    );
+                    ctx.actions.push(Action::DeleteDataVolume { disk });
+                    return ctx.fail_resuming(Phase::Importing, Some(Phase::Converting), stalled);
+                }
                 if *restarts >= IMPORTER_RESTART_LIMIT {
                     // An import that fails the same way again and again (a
                     // refused credential, a wrong URL) never ends in CDI: stop
@@ -1006,7 +1019,44 @@ fn verify_import(ctx: &mut Ctx<'_>, disk: usize, name: &str, check: Option<Volum
 
 /// Importer pod restarts (CDI's `restartCount`) after which an import is
 /// given up on and retried from Converting.
-pub(crate) const IMPORTER_RESTART_LIMIT: i32 = 3;
+pub const IMPORTER_RESTART_LIMIT: i32 = 3;
+
+/// Records the import's progress when it moved and returns the failure of an
+/// import that has not moved for `timeouts.importStallSeconds`: an importer
+/// pod that never starts (no room, a quota, a missing image) or a download
+/// that hangs without failing leaves CDI waiting for ever, with no restart
+/// to count.
+fn import_stalled(
+    ctx: &mut Ctx<'_>,
+    disk: usize,
+    name: &str,
+    phase: &str,
+    percent: i32,
+    importer_error: &Option<String>,
+) -> Option<Failure> {
+    let seen = format!("{} {percent}%", if phase.is_empty() { "Pending" } else { phase });
+    let now = ctx.now.clone();
+    let now_ts = ctx.now_ts;
+    let limit = Duration::from_secs(ctx.spec.strategy.timeouts.import_stall_seconds.max(1) as u64);
+    let d = ctx.status.disks.get_mut(disk)?;
+    if d.import_progress.as_deref() != Some(seen.as_str()) || d.import_progress_at.is_none() {
+        d.import_progress = Some(seen);
+        d.import_progress_at = Some(now);
+        return None;
+    }
+    let still = elapsed_since(&d.import_progress_at, now_ts).unwrap_or_default();
+    if still < limit {
+        return None;
+    }
+    d.import_progress = None;
+    d.import_progress_at = None;
+    let last =
+        importer_error.as_deref().map(|e| format!("; the importer's last error: {e}")).unwrap_or_default();
+    Some(Failure::retryable(
+        Reason::ImportStalled,
+        format!("DataVolume {name} made no progress for {}s (still {seen}){last}", still.as_secs()),
+    ))
+}
 
 /// After Completed the VirtualMachine is the user's: a change somebody makes
 /// to it is reported (condition, Event, and through the status in Git),

@@ -1020,3 +1020,37 @@ fn an_importer_that_keeps_restarting_is_reported_then_given_up_on_and_retried_fr
         error.message
     );
 }
+
+#[test]
+fn an_import_that_does_not_move_for_the_stall_timeout_is_given_up_on_and_retried_from_converting() {
+    let at = |phase: &str, percent: i32| {
+        Observed::Importing(Ok(ImportingFacts::volumes(vec![DataVolumeState::InProgress {
+            phase: phase.into(),
+            percent,
+            restarts: 0,
+            importer_error: None,
+        }])))
+    };
+    let mut run = Run::at(Phase::Importing);
+    run.spec.strategy.timeouts.import_stall_seconds = 60;
+    assert!(!run.status.disks.is_empty(), "the run has a disk to import");
+    // Progress resets the clock: phase moves, then the percentage.
+    run.step(at("ImportScheduled", 0), t(0));
+    run.step(at("ImportScheduled", 0), t(50));
+    run.step(at("ImportInProgress", 0), t(100));
+    run.step(at("ImportInProgress", 10), t(150));
+    let d = run.step(at("ImportInProgress", 10), t(209));
+    assert_eq!(d.status.phase, Phase::Importing, "59 s without progress is within the limit");
+    assert_eq!(d.status.disks[0].import_progress.as_deref(), Some("ImportInProgress 10%"));
+    let d = run.step(at("ImportInProgress", 10), t(210));
+    assert_eq!(d.status.phase, Phase::Retryable);
+    assert_eq!(d.actions, vec![Action::DeleteDataVolume { disk: 0 }]);
+    assert_eq!(d.status.retry.as_ref().and_then(|r| r.resume), Some(Phase::Converting));
+    let error = d.status.errors.last().unwrap();
+    assert_eq!(error.reason, Reason::ImportStalled);
+    assert!(
+        error.message.contains("no progress for 60s") && error.message.contains("ImportInProgress 10%"),
+        "{}",
+        error.message
+    );
+}

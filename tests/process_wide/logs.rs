@@ -32,7 +32,7 @@ async fn every_reconcile_line_of_a_migration_names_it_in_json() {
     ensure_storage_class(&client).await;
     let ns = test_namespace(&client, "logs").await;
     let world = SimWorld::new(11, FaultPlan::default());
-    crate::support::publish_sim_staging(&world);
+    let _staging = crate::support::publish_sim_staging(&world).await;
     let _sims = kubevirt_sim::start(client.clone(), &ns);
     let adapters = crate::support::sim_adapters(&client, &world, &ns);
     let config = ControllerConfig {

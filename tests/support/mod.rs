@@ -76,7 +76,7 @@ pub fn sim_migration_json(ns: &str) -> serde_json::Value {
                 "credentialsSecretRef": {"name": "esxi01"},
                 "vm": {"name": "web 01"}
             },
-            "destination": {"namespace": ns, "storageClassName": "standard"},
+            "destination": {"namespace": ns, "storageClassName": "local-path"},
             "networkMap": [{"source": "VM Network", "type": "Pod"}],
             "powerOffPolicy": "GracefulThenForce",
             "strategy": {"backoff": {"initialSeconds": 1, "maxSeconds": 1}},
@@ -85,15 +85,80 @@ pub fn sim_migration_json(ns: &str) -> serde_json::Value {
     })
 }
 
-/// Publishes the simulated world's staged artifacts over real HTTP, for the
-/// CDI simulator to download.
-pub fn publish_sim_staging(world: &std::sync::Arc<sim::SimWorld>) {
-    let served = world.clone();
-    let base = kubevirt_sim::serve_http(move |path| {
-        let disk: usize = path.rsplit("/disk-").next()?.split('.').next()?.parse().ok()?;
-        served.artifact_bytes(disk)
-    });
-    world.set_staging_base(&base);
+/// Held by every test whose migrations import through real CDI; taken
+/// exclusively by the one that changes CDI's DataVolume definition for the
+/// whole cluster (`migration_e2e`'s CDI without `checksum`).
+pub static CDI_DEFINITION: tokio::sync::RwLock<()> = tokio::sync::RwLock::const_new(());
+
+/// The simulated world's artifacts, staged as files and served to real CDI's
+/// importer pods by the real staging server (HTTPS, per-artifact
+/// credentials) on the host end of the node's network; CDI's definition is
+/// held as it is while this lives.
+pub struct SimStaging {
+    _server: vmmigrate::convert::staging::StagingServer,
+    _dir: tempfile::TempDir,
+    _cdi: tokio::sync::RwLockReadGuard<'static, ()>,
+}
+
+pub async fn publish_sim_staging(world: &std::sync::Arc<sim::SimWorld>) -> SimStaging {
+    use vmmigrate::convert::access::StagingAccess;
+    let cdi = CDI_DEFINITION.read().await;
+    let node_ip = KubeEnv::shared().node.as_ref().expect("the shared cluster has a node").host_ip;
+    let listener = tokio::net::TcpListener::bind((node_ip, 0)).await.expect("staging listener");
+    let url = format!("https://{}", listener.local_addr().unwrap());
+    let dir = tempfile::tempdir().expect("staging dir");
+    let access = StagingAccess::load_or_create(&dir.path().join("tls"), &url).expect("staging TLS");
+    let access = std::sync::Arc::new(access);
+    let root = dir.path().join("staging");
+    std::fs::create_dir_all(&root).unwrap();
+    let server = vmmigrate::convert::staging::StagingServer::start(
+        listener,
+        root.clone(),
+        url.clone(),
+        access.clone(),
+    )
+    .await
+    .expect("staging server");
+    world.publish(&root, &url, access);
+    SimStaging { _server: server, _dir: dir, _cdi: cdi }
+}
+
+/// The disk image real CDI imported for DataVolume `dv` of `ns`: `disk.img`
+/// in its PersistentVolume's directory on the node (local-path volumes are
+/// directories of this machine).
+pub async fn imported_image(client: &kube::Client, ns: &str, dv: &str) -> std::path::PathBuf {
+    use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim};
+    let claims: kube::Api<PersistentVolumeClaim> = kube::Api::namespaced(client.clone(), ns);
+    let claim = claims.get(dv).await.unwrap_or_else(|e| panic!("claim {ns}/{dv}: {e}"));
+    let pv = claim.spec.and_then(|s| s.volume_name).unwrap_or_else(|| panic!("claim {ns}/{dv} is not bound"));
+    let pv = kube::Api::<PersistentVolume>::all(client.clone()).get(&pv).await.expect("the claim's volume");
+    let spec = pv.spec.unwrap_or_default();
+    let dir = spec.host_path.map(|h| h.path).or(spec.local.map(|l| l.path)).expect("a node-local volume");
+    std::path::PathBuf::from(dir).join("disk.img")
+}
+
+/// Holds every new pod of `ns` the Kubernetes way, real CDI's importers
+/// among them: a ResourceQuota of no pods (CDI retries creating them until
+/// it goes). Pods that exist already run on.
+pub async fn hold_pods(client: &kube::Client, ns: &str) {
+    use k8s_openapi::api::core::v1::ResourceQuota;
+    let quota: ResourceQuota = serde_json::from_value(serde_json::json!({
+        "apiVersion": "v1", "kind": "ResourceQuota", "metadata": { "name": "hold-pods" },
+        "spec": { "hard": { "pods": "0" } },
+    }))
+    .unwrap();
+    kube::Api::<ResourceQuota>::namespaced(client.clone(), ns)
+        .create(&Default::default(), &quota)
+        .await
+        .expect("hold-pods quota");
+}
+
+pub async fn release_pods(client: &kube::Client, ns: &str) {
+    use k8s_openapi::api::core::v1::ResourceQuota;
+    kube::Api::<ResourceQuota>::namespaced(client.clone(), ns)
+        .delete("hold-pods", &Default::default())
+        .await
+        .expect("release the hold-pods quota");
 }
 
 /// The controller's adapters on the simulated world (ESXi, disks, conversion,

@@ -154,6 +154,29 @@ struct World {
     vmi_ticks: Option<u32>,
     app_ticks: u32,
     staging_base: String,
+    published: Option<Published>,
+}
+
+/// Where staged artifacts are written for the real staging server to serve
+/// to real CDI (set by `support::publish_sim_staging`).
+struct Published {
+    root: std::path::PathBuf,
+    access: Arc<vmmigrate::convert::access::StagingAccess>,
+}
+
+impl Published {
+    fn file(&self, uid: &str, disk: usize) -> std::path::PathBuf {
+        self.root.join(vmmigrate::machine::artifact_key(uid, disk, "raw"))
+    }
+
+    /// The artifact as the converter leaves it: data, then its marker.
+    fn write(&self, uid: &str, disk: usize, data: &[u8]) -> std::io::Result<()> {
+        use vmmigrate::convert::artifact::{Marker, write_marker};
+        let file = self.file(uid, disk);
+        std::fs::create_dir_all(file.parent().expect("a parent"))?;
+        std::fs::write(&file, data)?;
+        write_marker(&file, &Marker { size: data.len() as u64, sha256: sha_hex(data) })
+    }
 }
 
 /// The simulated world; clone the `Arc` into every adapter slot.
@@ -199,6 +222,7 @@ impl SimWorld {
                 vmi_ticks: None,
                 app_ticks: 3,
                 staging_base: "http://staging.sim".into(),
+                published: None,
             }),
         })
     }
@@ -236,16 +260,17 @@ impl SimWorld {
         }
     }
 
-    /// Where staged URLs point (a test may serve `artifact_bytes` there over HTTP).
-    pub fn set_staging_base(&self, base: &str) {
-        self.lock().staging_base = base.trim_end_matches('/').to_owned();
-    }
-
-    /// The bytes of a staged artifact, as an HTTP server would serve them.
-    pub fn artifact_bytes(&self, disk: usize) -> Option<Vec<u8>> {
-        let w = self.lock();
-        w.staged.get(&disk)?;
-        w.copies.get(disk).map(|c| c.data.clone())
+    /// Stage artifacts as files under `root` (the layout of the real staging
+    /// server, which serves them at `url`) with the credentials of `access`.
+    pub fn publish(
+        &self,
+        root: &std::path::Path,
+        url: &str,
+        access: Arc<vmmigrate::convert::access::StagingAccess>,
+    ) {
+        let mut w = self.lock();
+        w.staging_base = url.trim_end_matches('/').to_owned();
+        w.published = Some(Published { root: root.to_path_buf(), access });
     }
 
     /// Lets held copies progress again.
@@ -601,11 +626,18 @@ impl Staging for SimWorld {
             .map(|_| format!("{}/artifacts/{key}", w.staging_base)))
     }
 
-    async fn stage(&self, _vmm: &VirtualMachineMigration, disk: usize) -> Result<(), Failure> {
+    async fn stage(&self, vmm: &VirtualMachineMigration, disk: usize) -> Result<(), Failure> {
         call!(self, "stage");
         let mut w = self.lock();
         match w.artifacts.get(disk).and_then(|a| a.done.clone()) {
             Some(sha) => {
+                if let Some(published) = &w.published {
+                    let data = w.copies.get(disk).map(|c| c.data.clone()).unwrap_or_default();
+                    let uid = vmm.metadata.uid.as_deref().unwrap_or("uid");
+                    published.write(uid, disk, &data).map_err(|e| {
+                        Failure::retryable(Reason::WorkDirError, format!("staging disk {disk}: {e}"))
+                    })?;
+                }
                 w.staged.insert(disk, sha);
                 Ok(())
             }
@@ -622,17 +654,31 @@ impl Staging for SimWorld {
         disk: usize,
     ) -> Result<vmmigrate::ports::ImportAccess, Failure> {
         call!(self, "import access");
-        let key = vmmigrate::machine::artifact_key(vmm.metadata.uid.as_deref().unwrap_or("uid"), disk, "raw");
-        Ok(vmmigrate::ports::ImportAccess {
-            access_key_id: key,
-            secret_key: format!("sim-secret-{disk}"),
-            ca_pem: String::new(),
+        let uid = vmm.metadata.uid.as_deref().unwrap_or("uid");
+        let w = self.lock();
+        Ok(match &w.published {
+            Some(published) => published.access.credential(uid, &format!("disk-{disk}.raw")),
+            None => vmmigrate::ports::ImportAccess {
+                access_key_id: vmmigrate::machine::artifact_key(uid, disk, "raw"),
+                secret_key: format!("sim-secret-{disk}"),
+                ca_pem: String::new(),
+            },
         })
     }
 
-    async fn remove_all(&self, _vmm: &VirtualMachineMigration) -> Result<(), Failure> {
+    async fn remove_all(&self, vmm: &VirtualMachineMigration) -> Result<(), Failure> {
         call!(self, "unstage");
-        self.lock().staged.clear();
+        let mut w = self.lock();
+        if let Some(published) = &w.published {
+            let dir = published.root.join(vmm.metadata.uid.as_deref().unwrap_or("uid"));
+            match std::fs::remove_dir_all(&dir) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                    return Err(Failure::retryable(Reason::WorkDirError, format!("{}: {e}", dir.display())));
+                }
+                _ => {}
+            }
+        }
+        w.staged.clear();
         Ok(())
     }
 }

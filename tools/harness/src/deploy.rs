@@ -4,13 +4,21 @@
 //! they imported, a ReadWriteOnce claim of the node's provisioner, their
 //! repository, and smaller CPU requests (the node has two cores); plus, per
 //! extra namespace holding migrations, the Secret-reading Role of
-//! `deploy/overlays/example-tenant`.
+//! `deploy/overlays/example-tenant`. The test cluster runs no cluster DNS,
+//! so CDI's importer pods reach the staging server by its Service's
+//! address: the overlay pins the Service to [`STAGING_CLUSTER_IP`] and
+//! names that address in `VMMIGRATE_STAGING_URL` (the staging certificate
+//! is made for it).
 
 use crate::KubeEnv;
 use std::path::Path;
 
 /// vmmigrate's namespace in `deploy/base`.
 pub const SYSTEM: &str = "vmmigrate-system";
+
+/// The staging Service's address in the test cluster's Service range
+/// (`10.96.0.0/16`), fixed so that the staging URL can name it.
+pub const STAGING_CLUSTER_IP: &str = "10.96.0.80";
 
 pub struct Install<'a> {
     /// The release image as containerd names it.
@@ -47,7 +55,10 @@ pub fn install(env: &KubeEnv, dir: &Path, install: &Install<'_>) -> anyhow::Resu
         )?;
         resources.push(file);
     }
-    let mut settings: Vec<(String, String)> = vec![("VMMIGRATE_REPO".into(), install.repo_url.into())];
+    let mut settings: Vec<(String, String)> = vec![
+        ("VMMIGRATE_REPO".into(), install.repo_url.into()),
+        ("VMMIGRATE_STAGING_URL".into(), format!("https://{STAGING_CLUSTER_IP}:8443")),
+    ];
     if let Some(ns) = install.watch_namespace {
         settings.push(("VMMIGRATE_NAMESPACE".into(), ns.into()));
     }
@@ -76,6 +87,9 @@ patches:
     patch: |-
       - {{op: replace, path: /spec/template/spec/containers/0/imagePullPolicy, value: Never}}
       - {{op: replace, path: /spec/template/spec/containers/0/resources/requests/cpu, value: 100m}}
+  - target: {{kind: Service, name: vmmigrate-staging}}
+    patch: |-
+      - {{op: add, path: /spec/clusterIP, value: {STAGING_CLUSTER_IP}}}
   - target: {{kind: ConfigMap, name: vmmigrate-config}}
     patch: |-
 {config}"#

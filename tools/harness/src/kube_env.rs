@@ -4,12 +4,10 @@
 //! one-node shape, kube-scheduler and a real node (`crate::node`: kubelet,
 //! containerd, kube-proxy, CNI, local-path-provisioner).
 //!
-//! Two shapes:
-//! - [`KubeEnv::shared`]: the one-node cluster, once per test binary. Pods
-//!   run; the API server listens on the host end of the node's veth.
-//! - [`KubeEnv::shared_control_plane`]: the control plane alone on loopback
-//!   (garbage collector and namespace controllers only), for what needs no
-//!   pods: the in-process demo starts in a few seconds with it.
+//! [`KubeEnv::shared`] is the one-node cluster with real CDI, once per test
+//! binary: pods run, and the API server listens on the host end of the
+//! node's veth. [`KubeEnv::start_owned`] starts a cluster of its own, with
+//! or without a node, for tests of the harness.
 //!
 //! Each test makes its own `kube::Client` (a client belongs to the tokio
 //! runtime it was made in) and its own namespace. When
@@ -56,34 +54,18 @@ pub struct KubeEnv {
 }
 
 static SHARED: OnceLock<KubeEnv> = OnceLock::new();
-static SHARED_CONTROL_PLANE: OnceLock<KubeEnv> = OnceLock::new();
-static SHARED_CDI: OnceLock<KubeEnv> = OnceLock::new();
 
 impl KubeEnv {
-    /// The one-node cluster of this test binary, started on first use.
+    /// The one-node cluster of this test binary with real CDI (`cdi()`),
+    /// started on first use. CDI's operator installs CDI's definitions
+    /// itself (it refuses to start beside definitions somebody else applied).
     pub fn shared() -> &'static KubeEnv {
-        SHARED.get_or_init(|| start_blocking(true))
-    }
-
-    /// The control plane alone (no node, no scheduler), started on first use.
-    pub fn shared_control_plane() -> &'static KubeEnv {
-        SHARED_CONTROL_PLANE.get_or_init(|| start_blocking(false))
-    }
-
-    /// A one-node cluster of its own with real CDI (`cdi()`), started on
-    /// first use. Separate from [`KubeEnv::shared`], whose tests run the CDI
-    /// simulator: real CDI acts on every DataVolume of a cluster, and its
-    /// operator installs its own definitions (it refuses to start beside
-    /// definitions somebody else applied).
-    pub fn shared_with_cdi() -> &'static KubeEnv {
-        SHARED_CDI.get_or_init(|| {
-            let env = std::thread::spawn(|| KubeEnv::start_shape(true, false))
-                .join()
-                .unwrap_or_else(|_| {
-                    Err(anyhow::anyhow!("the Kubernetes test environment panicked while starting"))
-                })
-                .unwrap_or_else(|e| panic!("cannot start the Kubernetes test environment: {e:#}"));
-            env.cdi().unwrap_or_else(|e| panic!("cannot install CDI: {e:#}"));
+        SHARED.get_or_init(|| {
+            let env = start_blocking(true);
+            // A borrowed cluster (`VMMIGRATE_TEST_KUBECONFIG`) brings its own.
+            if env.node.is_some() {
+                env.cdi().unwrap_or_else(|e| panic!("cannot install CDI: {e:#}"));
+            }
             env
         })
     }
@@ -161,17 +143,12 @@ impl KubeEnv {
         &self.kubeconfig
     }
 
+    /// Starts the cluster; CDI comes later, by its operator (`cdi()`).
     fn start(with_node: bool) -> anyhow::Result<KubeEnv> {
-        KubeEnv::start_shape(with_node, true)
-    }
-
-    /// `cdi_definitions`: apply CDI's definitions for the CDI simulator
-    /// (false where real CDI's operator will install them).
-    fn start_shape(with_node: bool, cdi_definitions: bool) -> anyhow::Result<KubeEnv> {
         let started = std::time::Instant::now();
         if let Some(path) = std::env::var_os("VMMIGRATE_TEST_KUBECONFIG") {
             let kubeconfig = PathBuf::from(path);
-            let version = runtime().block_on(prepare_cluster(&kubeconfig, cdi_definitions))?;
+            let version = runtime().block_on(prepare_cluster(&kubeconfig))?;
             return Ok(KubeEnv {
                 kubeconfig,
                 version,
@@ -322,7 +299,7 @@ impl KubeEnv {
 
         let version = runtime().block_on(async {
             wait_ready(&kubeconfig, &janitor).await?;
-            prepare_cluster(&kubeconfig, cdi_definitions).await
+            prepare_cluster(&kubeconfig).await
         })?;
         let node = match &net {
             Some(net) => {
@@ -444,10 +421,10 @@ async fn wait_ready(kubeconfig: &Path, janitor: &Janitor) -> anyhow::Result<()> 
     }
 }
 
-/// Installs our CRD and KubeVirt's and CDI's own (generated from their Go
-/// modules, `setup::upstream`), waits until they are established, and
-/// returns the server version.
-async fn prepare_cluster(kubeconfig: &Path, cdi_definitions: bool) -> anyhow::Result<String> {
+/// Installs our CRD and KubeVirt's own (generated from its Go module,
+/// `setup::upstream`), waits until they are established, and returns the
+/// server version. CDI's are its operator's to install.
+async fn prepare_cluster(kubeconfig: &Path) -> anyhow::Result<String> {
     use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
     use kube::api::{Patch, PatchParams};
     use serde::Deserialize;
@@ -465,9 +442,6 @@ async fn prepare_cluster(kubeconfig: &Path, cdi_definitions: bool) -> anyhow::Re
     files.sort();
     let upstream = tokio::task::spawn_blocking(crate::setup::upstream).await??.join("crds");
     files.push(upstream.join("kubevirt.yaml"));
-    if cdi_definitions {
-        files.push(upstream.join("cdi.yaml"));
-    }
     let mut names = Vec::new();
     for path in files {
         let text = std::fs::read_to_string(&path)?;

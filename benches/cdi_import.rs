@@ -1,0 +1,166 @@
+//! Benchmark (not a test): one DataVolume imported by real CDI v1.65.0 on the
+//! test node from vmmigrate's staging server (HTTPS, per-artifact
+//! credentials, `checksum` checked by CDI), against baselines in the same
+//! run.
+//!
+//!   cargo bench --bench cdi_import                  # 1024 MiB artifact
+//!   VMMIGRATE_BENCH_MIB=256 cargo bench --bench cdi_import
+//!   VMMIGRATE_BENCH_REPEAT=3 ...                    # imports (the median is shown)
+//!
+//! Rows: `curl` from the staging server piped into `sha256sum` (the bytes
+//! and the hash CDI's importer has to move, nothing else: the baseline),
+//! `qemu-img convert` of the file to a raw file on the same disk (the
+//! importer's writing step), and the real import from creating the
+//! DataVolume to `Succeeded` (claim binding by local-path's helper pod, the
+//! importer pod's start, nbdkit + qemu-img through the pod network, CDI
+//! noticing the end). Each import gets a namespace of its own, removed
+//! afterwards. Needs root and the cluster's build (as `cargo test` does).
+
+use kube::api::{Api, DynamicObject, PostParams};
+use serde_json::json;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use vmmigrate::convert::access::StagingAccess;
+use vmmigrate::convert::artifact::{Marker, sha256_file, write_marker};
+use vmmigrate::convert::staging::StagingServer;
+use vmmigrate::destination::cluster::data_volume_resource;
+use vmmigrate_harness::KubeEnv;
+use vmmigrate_harness::process::timed_shell as shell;
+
+fn main() {
+    let mib: u64 = std::env::var("VMMIGRATE_BENCH_MIB").ok().and_then(|v| v.parse().ok()).unwrap_or(1024);
+    let repeat: usize =
+        std::env::var("VMMIGRATE_BENCH_REPEAT").ok().and_then(|v| v.parse().ok()).unwrap_or(3).max(1);
+    let env = KubeEnv::shared();
+    let node_ip = env.node.as_ref().expect("the shared cluster has a node").host_ip;
+    let work = tempfile::tempdir().expect("tempdir");
+    let errors = work.path().join("stderr");
+    let uid = "bench-cdi-0000";
+    let dir = work.path().join("staging").join(uid);
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("disk-0.raw");
+    // Incompressible bytes: nothing in the path gets to skip them.
+    shell(&format!("head -c {mib}M /dev/urandom > {}", file.display()), &errors);
+    let (size, sha256) = sha256_file(&file, None).unwrap();
+    write_marker(&file, &Marker { size, sha256: sha256.clone() }).unwrap();
+
+    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let listener = runtime.block_on(tokio::net::TcpListener::bind((node_ip, 0))).unwrap();
+    let url = format!("https://{}", listener.local_addr().unwrap());
+    let access = Arc::new(StagingAccess::load_or_create(&work.path().join("tls"), &url).unwrap());
+    let credential = access.credential(uid, "disk-0.raw");
+    let ca = work.path().join("ca.pem");
+    std::fs::write(&ca, access.ca_pem()).unwrap();
+    let server = runtime
+        .block_on(StagingServer::start(listener, work.path().join("staging"), url.clone(), access.clone()))
+        .unwrap();
+    let artifact_url = format!("{url}/artifacts/{uid}/disk-0.raw");
+
+    let median = |runs: &mut Vec<f64>| {
+        runs.sort_by(f64::total_cmp);
+        runs[runs.len() / 2]
+    };
+    let mut rows: Vec<(&str, f64)> = Vec::new();
+    let curl = format!(
+        "curl -sS --fail --cacert {} -u '{}:{}' {artifact_url} | sha256sum | grep -q {sha256}",
+        ca.display(),
+        credential.access_key_id,
+        credential.secret_key
+    );
+    let mut runs: Vec<f64> = (0..repeat).map(|_| shell(&curl, &errors).0).collect();
+    rows.push(("staging → curl | sha256sum (the baseline)", median(&mut runs)));
+    let out = work.path().join("converted.raw");
+    let convert = format!(
+        "qemu-img convert -f raw -O raw {} {} && sync -f {}",
+        file.display(),
+        out.display(),
+        out.display()
+    );
+    let mut runs: Vec<f64> = (0..repeat)
+        .map(|_| {
+            let _ = std::fs::remove_file(&out);
+            shell(&convert, &errors).0
+        })
+        .collect();
+    let _ = std::fs::remove_file(&out);
+    rows.push(("qemu-img convert raw → raw, same disk", median(&mut runs)));
+
+    let mut runs: Vec<f64> = (0..repeat)
+        .map(|i| runtime.block_on(import_once(env, &access, uid, &artifact_url, &sha256, size, i)))
+        .collect();
+    rows.push(("real CDI v1.65.0: DataVolume created → Succeeded", median(&mut runs)));
+    let served = server.stats().bytes_served.load(std::sync::atomic::Ordering::Relaxed);
+    assert!(served >= 2 * repeat as u64 * size, "every run got the whole artifact ({served} bytes served)");
+
+    let gib = mib as f64 / 1024.0;
+    println!("real CDI import, {mib} MiB artifact, median of {repeat}:");
+    println!("{:<52} {:>8} {:>8} {:>8}", "row", "wall s", "s/GiB", "MiB/s");
+    let baseline = rows[0].1;
+    for (name, seconds) in &rows {
+        println!(
+            "{name:<52} {seconds:>8.2} {:>8.2} {:>8.0}   ({:.2}× the baseline)",
+            seconds / gib,
+            mib as f64 / seconds,
+            seconds / baseline
+        );
+    }
+}
+
+/// One DataVolume in a namespace of its own: its Secret and CA as the
+/// controller writes them, then the DataVolume; returns the seconds from
+/// its creation to `Succeeded`.
+async fn import_once(
+    env: &KubeEnv,
+    access: &StagingAccess,
+    uid: &str,
+    url: &str,
+    sha256: &str,
+    size: u64,
+    run: usize,
+) -> f64 {
+    use k8s_openapi::api::core::v1::{ConfigMap, Namespace, Secret};
+    let client = env.client().await;
+    let ns = format!("bench-cdi-{}-{run}", std::process::id());
+    let namespaces: Api<Namespace> = Api::all(client.clone());
+    let namespace = serde_json::from_value(json!({ "metadata": { "name": ns } })).unwrap();
+    namespaces.create(&PostParams::default(), &namespace).await.expect("namespace");
+    let credential = access.credential(uid, "disk-0.raw");
+    let secret: Secret = serde_json::from_value(json!({
+        "metadata": { "name": "disk-0-import" },
+        "stringData": { "accessKeyId": credential.access_key_id, "secretKey": credential.secret_key },
+    }))
+    .unwrap();
+    Api::<Secret>::namespaced(client.clone(), &ns).create(&PostParams::default(), &secret).await.unwrap();
+    let ca: ConfigMap = serde_json::from_value(json!({
+        "metadata": { "name": "disk-0-import-ca" }, "data": { "ca.pem": access.ca_pem() },
+    }))
+    .unwrap();
+    Api::<ConfigMap>::namespaced(client.clone(), &ns).create(&PostParams::default(), &ca).await.unwrap();
+    let request = format!("{}Mi", size.div_ceil(1 << 20));
+    let dv: DynamicObject = serde_json::from_value(json!({
+        "apiVersion": "cdi.kubevirt.io/v1beta1", "kind": "DataVolume",
+        "metadata": { "name": "disk-0", "annotations": { "cdi.kubevirt.io/storage.bind.immediate.requested": "true" } },
+        "spec": {
+            "source": { "http": { "url": url, "secretRef": "disk-0-import", "certConfigMap": "disk-0-import-ca",
+                                  "checksum": format!("sha256:{sha256}") } },
+            "storage": { "storageClassName": "local-path", "resources": { "requests": { "storage": request } } },
+        },
+    }))
+    .unwrap();
+    let dvs: Api<DynamicObject> = Api::namespaced_with(client.clone(), &ns, &data_volume_resource());
+    let started = Instant::now();
+    dvs.create(&PostParams::default(), &dv).await.expect("DataVolume");
+    let deadline = started + Duration::from_secs(1800);
+    let seconds = loop {
+        let dv = dvs.get("disk-0").await.expect("DataVolume");
+        let phase = dv.data["status"]["phase"].as_str().unwrap_or("").to_owned();
+        if phase == "Succeeded" {
+            break started.elapsed().as_secs_f64();
+        }
+        assert!(phase != "Failed", "the import failed: {}", dv.data["status"]);
+        assert!(Instant::now() < deadline, "the import did not finish: {}", dv.data["status"]);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    namespaces.delete(&ns, &Default::default()).await.expect("namespace removal");
+    seconds
+}
