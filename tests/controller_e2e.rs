@@ -17,7 +17,8 @@ use vmmigrate::controller::reconciler::{self, ControllerConfig, FINALIZER};
 use vmmigrate::destination::cluster::{data_volume_resource, virtual_machine_resource};
 use vmmigrate::ports::Adapters;
 
-const WAIT: Duration = Duration::from_secs(90);
+/// Real CDI imports in these tests: room for a loaded two-core machine.
+const WAIT: Duration = Duration::from_secs(300);
 
 struct Harness {
     client: Client,
@@ -275,7 +276,13 @@ async fn retryable_faults_recover_within_the_budget() {
     let h = Harness::new("e2e-retry", FaultPlan { fail_nth_call: Some(2), ..Default::default() }).await;
     // No importer pod may start until the first DataVolumes are given up on.
     crate::support::hold_pods(&h.client, &h.ns).await;
-    h.create(|m| m["spec"]["strategy"]["timeouts"]["importStallSeconds"] = json!(10)).await;
+    h.create(|m| {
+        m["spec"]["strategy"]["timeouts"]["importStallSeconds"] = json!(20);
+        // A loaded node may be slow enough to stall an import again after
+        // the release: that retries too, within a roomier budget.
+        m["spec"]["strategy"]["retryLimit"] = json!(10);
+    })
+    .await;
     h.wait_for("ImportStalled", |v| {
         v.status.as_ref().is_some_and(|s| s.errors.iter().any(|e| e.reason == Reason::ImportStalled))
     })

@@ -21,7 +21,8 @@ use vmmigrate::controller::reconciler::{self, ControllerConfig};
 use vmmigrate::gitops::service::{self, Gitops, GitopsOptions, SyncOutcome};
 use vmmigrate::metrics::Metrics;
 
-const WAIT: Duration = Duration::from_secs(120);
+/// Migrations import through real CDI: room for a loaded two-core machine.
+const WAIT: Duration = Duration::from_secs(300);
 const SECRET: &str = "webhook-secret-for-tests";
 
 /// A bare remote plus a work clone to push from, as a user's laptop would.

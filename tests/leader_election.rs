@@ -36,7 +36,8 @@ use vmmigrate::ports::{
     Adapters, Cluster, Converter, DiskStore, EsxiHost, ImportAccess, PowerObservation, Prober, Staging,
 };
 
-const WAIT: Duration = Duration::from_secs(90);
+/// Migrations import through real CDI: room for a loaded two-core machine.
+const WAIT: Duration = Duration::from_secs(300);
 
 /// The timing of the handover test: a 3 s lease renewed every 500 ms.
 fn short_lease(ns: &str, name: &str, identity: &str) -> LeaseConfig {

@@ -18,7 +18,8 @@ use vmmigrate::api::{Phase, VirtualMachineMigration};
 use vmmigrate::controller::reconciler::{self, ControllerConfig};
 use vmmigrate::metrics::{self, Metrics};
 
-const WAIT: Duration = Duration::from_secs(90);
+/// Migrations import through real CDI: room for a loaded two-core machine.
+const WAIT: Duration = Duration::from_secs(300);
 
 /// One GET over a fresh connection: (status code, body).
 async fn get(addr: SocketAddr, path: &str) -> (u16, String) {

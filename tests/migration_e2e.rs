@@ -33,7 +33,8 @@ use vmmigrate::destination::cluster::{data_volume_resource, virtual_machine_reso
 use vmmigrate::metrics::Metrics;
 use vmmigrate_harness::virt_api::canonical_quantity;
 
-const WAIT: Duration = Duration::from_secs(180);
+/// What a step may take on a loaded two-core machine running the whole suite.
+const WAIT: Duration = Duration::from_secs(300);
 const VM: &str = "db-02";
 const VMID: &str = "2";
 const PAGE: &str = "<html><body><h1>db-02 status page</h1><p>migrated from ESXi</p></body></html>\n";
@@ -1010,7 +1011,9 @@ async fn an_import_whose_importer_never_starts_is_given_up_after_the_stall_timeo
     m.hold_importer_pods().await;
     m.create(|body| {
         body["spec"]["validation"] = json!({ "checks": [{ "name": "agent", "guestAgent": {} }] });
-        body["spec"]["strategy"]["timeouts"]["importStallSeconds"] = json!(15);
+        // Long enough for a loaded node to bind a volume and start an
+        // importer once they may; each phase CDI moves through resets it.
+        body["spec"]["strategy"]["timeouts"]["importStallSeconds"] = json!(30);
     })
     .await;
     let first = m.wait_for("Importing", |v| phase_of(v) == Phase::Importing).await;

@@ -13,7 +13,8 @@ use vmmigrate::api::{Phase, VirtualMachineMigration};
 use vmmigrate::cli::{LogFormat, log_subscriber};
 use vmmigrate::controller::reconciler::{self, ControllerConfig};
 
-const WAIT: Duration = Duration::from_secs(90);
+/// Migrations import through real CDI: room for a loaded two-core machine.
+const WAIT: Duration = Duration::from_secs(300);
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_reconcile_line_of_a_migration_names_it_in_json() {
