@@ -241,6 +241,20 @@ impl Migration {
         self.api.get(VM).await.expect("get migration")
     }
 
+    /// Waits for Importing and both disks' DataVolumes; returns them.
+    async fn importing_with_both_data_volumes(&self) -> (VirtualMachineMigration, Vec<DynamicObject>) {
+        let vmm = self.wait_for("Importing", |v| phase_of(v) == Phase::Importing).await;
+        let deadline = Instant::now() + WAIT;
+        loop {
+            let dvs = self.list(&data_volume_resource()).await;
+            if dvs.len() == 2 {
+                return (vmm, dvs);
+            }
+            assert!(Instant::now() < deadline, "the DataVolumes were never created");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
     /// Polls the migration until `done` holds; fails on Failed or
     /// ManualInterventionRequired (with the status) or after `WAIT`.
     async fn wait_for(
@@ -554,11 +568,7 @@ async fn controller_killed_during_converting_and_importing_completes_with_one_jo
     create_work_claim(&m.client, &m.ns).await;
 
     // Importing: both DataVolumes exist (held); kill again, release the imports.
-    m.wait_for("Importing", |v| phase_of(v) == Phase::Importing).await;
-    while m.list(&data_volume_resource()).await.len() < 2 {
-        assert!(Instant::now() < deadline, "the DataVolumes were never created");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    m.importing_with_both_data_volumes().await;
     m.kill_and_restart_controller().await;
     m.release_importer_pods().await;
 
@@ -1016,16 +1026,8 @@ async fn an_import_whose_importer_never_starts_is_given_up_after_the_stall_timeo
         body["spec"]["strategy"]["timeouts"]["importStallSeconds"] = json!(30);
     })
     .await;
-    let first = m.wait_for("Importing", |v| phase_of(v) == Phase::Importing).await;
-    let deadline = Instant::now() + WAIT;
-    let first_dvs: std::collections::HashSet<String> = loop {
-        let dvs = m.list(&data_volume_resource()).await;
-        if dvs.len() == 2 {
-            break dvs.iter().filter_map(|dv| dv.uid()).collect();
-        }
-        assert!(Instant::now() < deadline, "the DataVolumes were never created");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
+    let (first, dvs) = m.importing_with_both_data_volumes().await;
+    let first_dvs: std::collections::HashSet<String> = dvs.iter().filter_map(|dv| dv.uid()).collect();
     let stalled = m
         .wait_for("ImportStalled", |v| {
             v.status.as_ref().is_some_and(|s| s.errors.iter().any(|e| e.reason == "ImportStalled"))
@@ -1044,5 +1046,44 @@ async fn an_import_whose_importer_never_starts_is_given_up_after_the_stall_timeo
     let status = vmm.status.unwrap();
     assert!(status.errors.iter().all(|e| e.reason == "ImportStalled"), "{:#?}", status.errors);
     assert_eq!(m.imported_sha256(2).await, m.source_sha256_at_start());
+    m.assert_source_off_and_untouched();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn bytes_served_under_another_checksum_fail_in_cdis_own_check_and_the_copy_is_imported_again() {
+    use vmmigrate::convert::artifact::{Marker, write_marker};
+    let m = Migration::new("e2e-checksum").await;
+    m.hold_importer_pods().await;
+    m.create(|body| {
+        body["spec"]["validation"] = json!({ "checks": [{ "name": "agent", "guestAgent": {} }] })
+    })
+    .await;
+    let (vmm, _) = m.importing_with_both_data_volumes().await;
+    // The staged file is replaced by other bytes with a marker of their own:
+    // the staging server serves them whole, and only the checksum the
+    // DataVolume carries (the copy's) can tell.
+    let uid = vmm.uid().unwrap();
+    let staged = m.work.path().join("staging").join(&uid).join("disk-0.raw");
+    let mut other = std::fs::read(&staged).expect("staged artifact");
+    other[4096] ^= 0x01;
+    let replacement = staged.with_extension("replacement");
+    std::fs::write(&replacement, &other).unwrap();
+    std::fs::rename(&replacement, &staged).unwrap();
+    let (size, sha256) = sha256_file(&staged, None).unwrap();
+    write_marker(&staged, &Marker { size, sha256 }).unwrap();
+    m.release_importer_pods().await;
+
+    let vmm = m.wait_completed().await;
+    let status = vmm.status.unwrap();
+    let mismatch = status
+        .errors
+        .iter()
+        .find(|e| e.reason == vmmigrate::api::Reason::ImportChecksumMismatch)
+        .unwrap_or_else(|| panic!("CDI's checksum check did not fail the import: {:#?}", status.errors));
+    assert!(mismatch.message.contains(&format!("{VM}-disk-0")), "{}", mismatch.message);
+    assert_eq!(m.staging.stats().corrupt_detected.load(Ordering::SeqCst), 0, "the server could not tell");
+    // Only the copy's bytes were ever imported into the volumes that stay.
+    assert_eq!(m.imported_sha256(2).await, m.source_sha256_at_start());
+    assert_eq!(m.leftovers(&uid), Vec::<PathBuf>::new());
     m.assert_source_off_and_untouched();
 }

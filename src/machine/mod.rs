@@ -20,10 +20,10 @@ pub mod tenancy;
 pub use observe::*;
 
 use crate::api::{
-    CleanupAction, DiskProgress, DiskStatus, ImportVerification, MAX_ERRORS, MAX_HISTORY, MigrationError,
-    Phase, PhaseTransition, PowerOffPolicy, Progress, RetriesExhausted, RetryStatus, RunStrategy,
-    SourcePowerState, ValidationResult, VirtualMachineMigrationSpec, VirtualMachineMigrationStatus,
-    condition,
+    CleanupAction, DiskFormat, DiskProgress, DiskStatus, ImportVerification, MAX_ERRORS, MAX_HISTORY,
+    MigrationError, Phase, PhaseTransition, PowerOffPolicy, Progress, RetriesExhausted, RetryStatus,
+    RunStrategy, SourcePowerState, ValidationResult, VirtualMachineMigrationSpec,
+    VirtualMachineMigrationStatus, condition,
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
@@ -752,6 +752,28 @@ fn converting(ctx: &mut Ctx<'_>, observed: Observed) {
     let mut ready = Vec::new();
     let mut progress = Progress::default();
     for (disk, artifact) in artifacts.iter().enumerate() {
+        // A raw artifact is the copy itself: any other sha256 means it is
+        // not what was copied, whatever its marker says.
+        let foreign_raw = match artifact {
+            ArtifactState::Complete { sha256, .. } if ctx.spec.conversion.format == DiskFormat::Raw => ctx
+                .status
+                .disks
+                .get(disk)
+                .and_then(|d| d.source_sha256.as_ref())
+                .filter(|copied| *copied != sha256)
+                .map(|copied| format!("the raw artifact's sha256 {sha256} is not the copy's {copied}")),
+            _ => None,
+        };
+        if let Some(reason) = foreign_raw {
+            ctx.event(
+                EventType::Warning,
+                "InvalidArtifact",
+                format!("disk {disk}: {reason}; converting again"),
+            );
+            ctx.actions.push(Action::DiscardArtifact { disk });
+            ctx.actions.push(Action::StartConversion { disk });
+            continue;
+        }
         match artifact {
             ArtifactState::Absent => ctx.actions.push(Action::StartConversion { disk }),
             ArtifactState::InProgress { bytes_done, bytes_total } => progress.disks.push(DiskProgress {
@@ -853,33 +875,17 @@ fn importing(ctx: &mut Ctx<'_>, observed: Observed) {
             }
             DataVolumeState::InProgress { phase, percent, restarts, importer_error } => {
                 if let Some(stalled) = import_stalled(ctx, disk, &name, phase, *percent, importer_error) {
-                    ctx.condition(
-                        condition::DISK_IMPORTED,
-                        false,
-                        stalled.reason.as_str(),
-                        stalled.message.clone(),
-                    );
-                    ctx.actions.push(Action::DeleteDataVolume { disk });
-                    return ctx.fail_resuming(Phase::Importing, Some(Phase::Converting), stalled);
+                    return redo_import(ctx, disk, stalled);
                 }
                 if *restarts >= IMPORTER_RESTART_LIMIT {
                     // An import that fails the same way again and again (a
-                    // refused credential, a wrong URL) never ends in CDI: stop
-                    // it here, and go back through Converting, which checks
-                    // the artifact before a new DataVolume is made.
+                    // refused credential, a wrong URL) never ends in CDI.
                     let last = importer_error.as_deref().unwrap_or("no message");
                     let failure = Failure::retryable(
                         Reason::ImportFailed,
                         format!("DataVolume {name}: the importer failed {restarts} times; last: {last}"),
                     );
-                    ctx.condition(
-                        condition::DISK_IMPORTED,
-                        false,
-                        failure.reason.as_str(),
-                        failure.message.clone(),
-                    );
-                    ctx.actions.push(Action::DeleteDataVolume { disk });
-                    return ctx.fail_resuming(Phase::Importing, Some(Phase::Converting), failure);
+                    return redo_import(ctx, disk, failure);
                 }
                 if let Some(error) = importer_error {
                     importer_trouble.push(format!("{name}: importer restarted {restarts} time(s): {error}"));
@@ -894,23 +900,16 @@ fn importing(ctx: &mut Ctx<'_>, observed: Observed) {
                 }
                 100
             }
-            DataVolumeState::Failed(failure) => {
+            DataVolumeState::Failed(failure) if failure.class == FailureClass::Terminal => {
                 ctx.condition(
                     condition::DISK_IMPORTED,
                     false,
                     failure.reason.as_str(),
                     failure.message.clone(),
                 );
-                if failure.class == FailureClass::Terminal {
-                    return ctx.fail(Phase::Importing, failure.clone());
-                }
-                // Recreated when the phase is retried (by backoff or by a human),
-                // after Converting has checked the artifact again: a failed
-                // import may mean the staged bytes are bad, and a DataVolume
-                // must never be recreated on an artifact known to be corrupt.
-                ctx.actions.push(Action::DeleteDataVolume { disk });
-                return ctx.fail_resuming(Phase::Importing, Some(Phase::Converting), failure.clone());
+                return ctx.fail(Phase::Importing, failure.clone());
             }
+            DataVolumeState::Failed(failure) => return redo_import(ctx, disk, failure.clone()),
         };
         progress.disks.push(DiskProgress {
             index: disk as i32,
@@ -1015,6 +1014,16 @@ fn verify_import(ctx: &mut Ctx<'_>, disk: usize, name: &str, check: Option<Volum
             Verified::Stop
         }
     }
+}
+
+/// Gives an import up: its DataVolume goes, and it is made again when the
+/// phase is retried (by backoff or by a human) after Converting has checked
+/// the artifact again: a failed import may mean the staged bytes are bad, and
+/// a DataVolume must never be recreated on an artifact known to be corrupt.
+fn redo_import(ctx: &mut Ctx<'_>, disk: usize, failure: Failure) {
+    ctx.condition(condition::DISK_IMPORTED, false, failure.reason.as_str(), failure.message.clone());
+    ctx.actions.push(Action::DeleteDataVolume { disk });
+    ctx.fail_resuming(Phase::Importing, Some(Phase::Converting), failure);
 }
 
 /// Importer pod restarts (CDI's `restartCount`) after which an import is

@@ -479,7 +479,7 @@ fn converting_starts_resumes_cleans_and_stages_per_disk() {
         vec![Action::DiscardArtifact { disk: 0 }, Action::StartConversion { disk: 0 }]
     );
     assert_eq!(
-        conv(ArtifactState::Complete { sha256: "cd".into(), staged_url: None }).actions,
+        conv(ArtifactState::Complete { sha256: "ab".repeat(32), staged_url: None }).actions,
         vec![Action::StageArtifact { disk: 0 }]
     );
     let killed =
@@ -492,15 +492,36 @@ fn converting_starts_resumes_cleans_and_stages_per_disk() {
 fn staged_artifact_url_and_checksum_are_recorded_in_the_status_that_advances() {
     let d = Run::at(Phase::Converting).decide_at(
         Observed::Converting(Ok(vec![ArtifactState::Complete {
-            sha256: "cd".repeat(32),
+            sha256: "ab".repeat(32),
             staged_url: Some("http://stage/artifacts/u/disk-0.raw".into()),
         }])),
         t(0),
     );
     assert_eq!(d.status.phase, Phase::Importing);
     assert_eq!(d.status.disks[0].artifact_url.as_deref(), Some("http://stage/artifacts/u/disk-0.raw"));
-    assert_eq!(d.status.disks[0].artifact_sha256.as_deref(), Some("cd".repeat(32).as_str()));
+    assert_eq!(d.status.disks[0].artifact_sha256.as_deref(), Some("ab".repeat(32).as_str()));
     assert_eq!(d.status.disks[0].artifact_format.as_deref(), Some("raw"));
+}
+
+#[test]
+fn a_raw_artifact_whose_sha256_is_not_the_copys_is_converted_again_whatever_its_marker_says() {
+    let complete = |sha: &str| {
+        Observed::Converting(Ok(vec![ArtifactState::Complete {
+            sha256: sha.into(),
+            staged_url: Some("http://stage/artifacts/u/disk-0.raw".into()),
+        }]))
+    };
+    let d = Run::at(Phase::Converting).decide_at(complete(&"ee".repeat(32)), t(0));
+    assert_eq!(d.status.phase, Phase::Converting, "never imported");
+    assert_eq!(d.actions, vec![Action::DiscardArtifact { disk: 0 }, Action::StartConversion { disk: 0 }]);
+    assert!(
+        d.events.iter().any(|e| e.reason == "InvalidArtifact" && e.message.contains("is not the copy's"))
+    );
+    // A qcow2 artifact has a sha256 of its own.
+    let mut run = Run::at(Phase::Converting);
+    run.spec.conversion.format = crate::api::DiskFormat::Qcow2;
+    let d = run.decide_at(complete(&"ee".repeat(32)), t(0));
+    assert_eq!(d.status.phase, Phase::Importing);
 }
 
 // ---- Importing ----
@@ -547,7 +568,7 @@ fn failed_import_rechecks_the_artifact_in_converting_and_counts_against_the_impo
     };
     let staged = || {
         Observed::Converting(Ok(vec![ArtifactState::Complete {
-            sha256: "cd".repeat(32),
+            sha256: "ab".repeat(32),
             staged_url: Some("http://stage/artifacts/u/disk-0.raw".into()),
         }]))
     };
