@@ -1,0 +1,237 @@
+//! Importing: one DataVolume per disk, imported by CDI from the staging
+//! server and proven to hold the copy's bytes (CDI's own checksum check, or
+//! the verify Job where CDI has none), with CDI's failure model turned into
+//! the machine's: importer restarts and imports that stop moving are given
+//! up on and made again after Converting re-checks the artifact.
+
+use super::*;
+
+pub(super) fn importing(ctx: &mut Ctx<'_>, observed: Observed) {
+    let facts = match observed {
+        Observed::Importing(Ok(facts)) => facts,
+        Observed::Importing(Err(failure)) => return ctx.fail(Phase::Importing, failure),
+        _ => return mismatch(ctx, Phase::Importing, "importing"),
+    };
+    let volumes = facts.volumes;
+    let mut succeeded = 0;
+    let mut verifying = 0;
+    let mut progress = Progress::default();
+    let mut importer_trouble = Vec::new();
+    for (disk, dv) in volumes.iter().enumerate() {
+        let name = data_volume_name(ctx.destination, disk);
+        if let Some(d) = ctx.status.disks.get_mut(disk) {
+            d.data_volume_name = Some(name.clone());
+        }
+        let size = ctx.status.disks.get(disk).map(|d| d.size_bytes).unwrap_or(0);
+        let percent = match dv {
+            DataVolumeState::Absent => {
+                // The checksum goes into the DataVolume only where CDI
+                // knows the field; otherwise the volume is read afterwards.
+                let planned = match facts.cdi_verifies_checksum {
+                    Some(true) => ImportVerification::CdiChecksum,
+                    Some(false) => ImportVerification::VolumeSha256,
+                    None => return mismatch(ctx, Phase::Importing, "CDI's checksum support"),
+                };
+                let now = ctx.now.clone();
+                if let Some(d) = ctx.status.disks.get_mut(disk) {
+                    d.import_verification = Some(planned);
+                    d.imported_sha256 = None;
+                    d.import_progress = None;
+                    d.import_progress_at = Some(now);
+                }
+                ctx.actions.push(Action::CreateDataVolume { disk });
+                0
+            }
+            DataVolumeState::InProgress { phase, percent, restarts, importer_error } => {
+                if let Some(stalled) = import_stalled(ctx, disk, &name, phase, *percent, importer_error) {
+                    return redo_import(ctx, disk, stalled);
+                }
+                if *restarts >= IMPORTER_RESTART_LIMIT {
+                    // An import that fails the same way again and again (a
+                    // refused credential, a wrong URL) never ends in CDI.
+                    let last = importer_error.as_deref().unwrap_or("no message");
+                    let failure = Failure::retryable(
+                        Reason::ImportFailed,
+                        format!("DataVolume {name}: the importer failed {restarts} times; last: {last}"),
+                    );
+                    return redo_import(ctx, disk, failure);
+                }
+                if let Some(error) = importer_error {
+                    importer_trouble.push(format!("{name}: importer restarted {restarts} time(s): {error}"));
+                }
+                *percent
+            }
+            DataVolumeState::Succeeded => {
+                match verify_import(ctx, disk, &name, facts.checks.get(disk).cloned().flatten()) {
+                    Verified::Yes => succeeded += 1,
+                    Verified::NotYet => verifying += 1,
+                    Verified::Stop => return,
+                }
+                100
+            }
+            DataVolumeState::Failed(failure) if failure.class == FailureClass::Terminal => {
+                ctx.condition(
+                    condition::DISK_IMPORTED,
+                    false,
+                    failure.reason.as_str(),
+                    failure.message.clone(),
+                );
+                return ctx.fail(Phase::Importing, failure.clone());
+            }
+            DataVolumeState::Failed(failure) => return redo_import(ctx, disk, failure.clone()),
+        };
+        progress.disks.push(DiskProgress {
+            index: disk as i32,
+            bytes_done: size * i64::from(percent.clamp(0, 100)) / 100,
+            bytes_total: size,
+            ..Default::default()
+        });
+    }
+    if succeeded == volumes.len() && !volumes.is_empty() {
+        let read_back = ctx
+            .status
+            .disks
+            .iter()
+            .filter(|d| d.import_verification == Some(ImportVerification::VolumeSha256))
+            .count();
+        let how = match read_back {
+            0 => "each checked by CDI against the copy's sha256".to_owned(),
+            n if n == succeeded => "each read back and hashed to the copy's sha256".to_owned(),
+            n => format!("{n} read back and hashed, the others checked by CDI, against the copy's sha256"),
+        };
+        ctx.condition(
+            condition::DISK_IMPORTED,
+            true,
+            "Imported",
+            format!("{succeeded} DataVolume(s) succeeded, {how}"),
+        );
+        ctx.advance(Phase::CreatingVm);
+    } else {
+        set_progress(ctx, progress);
+        let mut message = format!("{succeeded} of {} DataVolume(s) succeeded and verified", volumes.len());
+        if verifying > 0 {
+            message.push_str(&format!("; {verifying} being read back to compare its sha256 with the copy's"));
+        }
+        let reason = if importer_trouble.is_empty() { "Importing" } else { "ImporterRestarting" };
+        for trouble in &importer_trouble {
+            message.push_str("; ");
+            message.push_str(trouble);
+        }
+        ctx.condition(condition::DISK_IMPORTED, false, reason, message);
+        ctx.wait(POLL_IN_PROGRESS);
+    }
+}
+
+enum Verified {
+    Yes,
+    NotYet,
+    /// The phase failed (recorded).
+    Stop,
+}
+
+/// A succeeded DataVolume is done only once its bytes are proven the copy's:
+/// by CDI's own checksum check (`check` is `None`: the stored DataVolume
+/// kept `checksum`), or by the verify Job reading the volume.
+fn verify_import(ctx: &mut Ctx<'_>, disk: usize, name: &str, check: Option<VolumeCheck>) -> Verified {
+    let expected = ctx.status.disks.get(disk).and_then(|d| d.source_sha256.clone()).unwrap_or_default();
+    let record = |ctx: &mut Ctx<'_>, how: ImportVerification, sha: Option<String>| {
+        if let Some(d) = ctx.status.disks.get_mut(disk) {
+            d.import_verification = Some(how);
+            d.imported_sha256 = sha;
+        }
+    };
+    match check {
+        None => {
+            record(ctx, ImportVerification::CdiChecksum, None);
+            Verified::Yes
+        }
+        Some(VolumeCheck::Absent) => {
+            ctx.actions.push(Action::StartVolumeCheck { disk });
+            Verified::NotYet
+        }
+        Some(VolumeCheck::Running) => Verified::NotYet,
+        Some(VolumeCheck::Matches { sha256 }) if sha256 == expected => {
+            record(ctx, ImportVerification::VolumeSha256, Some(sha256));
+            Verified::Yes
+        }
+        Some(VolumeCheck::Matches { sha256 } | VolumeCheck::Differs { sha256, .. }) => {
+            let failure = Failure::retryable(
+                Reason::ImportChecksumMismatch,
+                format!(
+                    "DataVolume {name}: the imported volume's sha256 is {sha256}, the copy's {expected} (or bytes after the disk are not zero)"
+                ),
+            );
+            ctx.condition(condition::DISK_IMPORTED, false, failure.reason.as_str(), failure.message.clone());
+            ctx.actions.push(Action::DeleteVolumeCheck { disk });
+            ctx.actions.push(Action::DeleteDataVolume { disk });
+            ctx.fail_resuming(Phase::Importing, Some(Phase::Converting), failure);
+            Verified::Stop
+        }
+        Some(VolumeCheck::Failed(failure)) => {
+            ctx.actions.push(Action::DeleteVolumeCheck { disk });
+            ctx.fail(Phase::Importing, failure);
+            Verified::Stop
+        }
+        Some(VolumeCheck::Unavailable(why)) => {
+            ctx.fail(
+                Phase::Importing,
+                Failure::needs_human(
+                    Reason::ImportUnverifiable,
+                    format!("DataVolume {name} was imported by a CDI that does not check checksums, and it cannot be read back: {why}"),
+                ),
+            );
+            Verified::Stop
+        }
+    }
+}
+
+/// Gives an import up: its DataVolume goes, and it is made again when the
+/// phase is retried (by backoff or by a human) after Converting has checked
+/// the artifact again: a failed import may mean the staged bytes are bad, and
+/// a DataVolume must never be recreated on an artifact known to be corrupt.
+fn redo_import(ctx: &mut Ctx<'_>, disk: usize, failure: Failure) {
+    ctx.condition(condition::DISK_IMPORTED, false, failure.reason.as_str(), failure.message.clone());
+    ctx.actions.push(Action::DeleteDataVolume { disk });
+    ctx.fail_resuming(Phase::Importing, Some(Phase::Converting), failure);
+}
+
+/// Importer pod restarts (CDI's `restartCount`) after which an import is
+/// given up on and retried from Converting.
+pub const IMPORTER_RESTART_LIMIT: i32 = 3;
+
+/// Records the import's progress when it moved and returns the failure of an
+/// import that has not moved for `timeouts.importStallSeconds`: an importer
+/// pod that never starts (no room, a quota, a missing image) or a download
+/// that hangs without failing leaves CDI waiting for ever, with no restart
+/// to count.
+fn import_stalled(
+    ctx: &mut Ctx<'_>,
+    disk: usize,
+    name: &str,
+    phase: &str,
+    percent: i32,
+    importer_error: &Option<String>,
+) -> Option<Failure> {
+    let seen = format!("{} {percent}%", if phase.is_empty() { "Pending" } else { phase });
+    let now = ctx.now.clone();
+    let now_ts = ctx.now_ts;
+    let limit = Duration::from_secs(ctx.spec.strategy.timeouts.import_stall_seconds.max(1) as u64);
+    let d = ctx.status.disks.get_mut(disk)?;
+    if d.import_progress.as_deref() != Some(seen.as_str()) || d.import_progress_at.is_none() {
+        d.import_progress = Some(seen);
+        d.import_progress_at = Some(now);
+        return None;
+    }
+    let still = elapsed_since(&d.import_progress_at, now_ts).unwrap_or_default();
+    if still < limit {
+        return None;
+    }
+    d.import_progress = None;
+    d.import_progress_at = None;
+    let last =
+        importer_error.as_deref().map(|e| format!("; the importer's last error: {e}")).unwrap_or_default();
+    Some(Failure::retryable(
+        Reason::ImportStalled,
+        format!("DataVolume {name} made no progress for {}s (still {seen}){last}", still.as_secs()),
+    ))
+}
