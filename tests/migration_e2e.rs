@@ -4,16 +4,24 @@
 //! server → real CDI v1.65.0 (its importer pods download with per-artifact
 //! credentials, check the sha256 themselves and write real PersistentVolumes
 //! of the node's provisioner; their restarts and failures are CDI's own) →
-//! real DataVolume, VirtualMachine and VMI objects in the real kube-apiserver,
-//! VMs rewritten by the virt-api stand-in → the KubeVirt simulator → a real
-//! HTTP check through a real Service and EndpointSlice to busybox httpd in a
-//! network namespace → Completed.
+//! real DataVolume, VirtualMachine and VMI objects in the real kube-apiserver
+//! → then, for the VMs whose disks are real guests (the emulator's
+//! `GUEST_VMS`, built by `tools/guest/build.sh`), real KubeVirt v1.8.0 on a
+//! cluster of its own: real virt-api admits and rewrites the VM, real
+//! virt-controller and virt-handler start a virt-launcher pod whose QEMU
+//! boots the imported bytes in software emulation, and the checks talk to
+//! the guest itself (its own web server through a Service, its real
+//! qemu-guest-agent) → Completed. The other tests end in the KubeVirt
+//! simulator on the shared cluster, with busybox httpd in a network
+//! namespace playing db-02's application: they are about CDI and the
+//! controller, not the guest.
 //! Conversion Jobs are real Jobs: the scheduler places their pods on the test
 //! cluster's node and the kubelet runs them from the release image, on a
 //! PersistentVolume holding the controller's work directory.
 
-use crate::support::esxi_emulator::{EsxiEmulator, EsxiOptions};
+use crate::support::esxi_emulator::{self, EsxiEmulator, EsxiOptions};
 use crate::support::netns::Netns;
+use crate::support::setup;
 use crate::support::{CDI_DEFINITION, KubeEnv, ensure_storage_class, kubevirt_sim, phase_of, test_namespace};
 use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim, Secret};
@@ -29,9 +37,10 @@ use vmmigrate::controller::reconciler::{self, ControllerConfig};
 use vmmigrate::controller::service::{self, ControllerOptions};
 use vmmigrate::convert::artifact::sha256_file;
 use vmmigrate::convert::staging::StagingServer;
-use vmmigrate::destination::cluster::{data_volume_resource, virtual_machine_resource};
+use vmmigrate::destination::cluster::{
+    data_volume_resource, virtual_machine_instance_resource, virtual_machine_resource,
+};
 use vmmigrate::metrics::Metrics;
-use vmmigrate_harness::virt_api::canonical_quantity;
 
 /// What a step may take on a loaded two-core machine running the whole suite.
 const WAIT: Duration = Duration::from_secs(300);
@@ -42,19 +51,21 @@ const PAGE: &str = "<html><body><h1>db-02 status page</h1><p>migrated from ESXi<
 struct Migration {
     client: Client,
     ns: String,
+    /// The source VM's name and vmid on the emulated host.
+    vm: &'static str,
+    vmid: &'static str,
+    kubevirt: Kubevirt,
     api: Api<VirtualMachineMigration>,
     emu: EsxiEmulator,
     work: tempfile::TempDir,
     opts: ControllerOptions,
     staging: StagingServer,
-    _sims: kubevirt_sim::Simulators,
+    _sims: Option<kubevirt_sim::Simulators>,
     /// Every conversion Job ever created in the namespace, by uid.
     jobs_seen: Arc<std::sync::Mutex<std::collections::HashSet<String>>>,
     job_watch: tokio::task::JoinHandle<()>,
-    _netns: Netns,
+    _netns: Option<Netns>,
     _cdi_definition: Option<tokio::sync::RwLockReadGuard<'static, ()>>,
-    /// virt-api's VirtualMachine webhook (the stand-in), counting writes.
-    virt_api: vmmigrate_harness::virt_api::VirtApi,
     /// What the adapters and the staging server record into (one registry
     /// across controller restarts, like the Service's view of the pods).
     metrics: Arc<Metrics>,
@@ -62,6 +73,26 @@ struct Migration {
     /// What importer pods reach instead of the staging server, when the test
     /// asked for one.
     front: Option<UnavailableFront>,
+}
+
+/// What a real guest showed ([`Migration::guest_facts`]).
+struct GuestFacts {
+    console: String,
+    page: String,
+    interfaces: Vec<Value>,
+}
+
+/// What runs the migrated VM.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Kubevirt {
+    /// db-02 (patterned bytes, no OS) on the shared cluster: the KubeVirt
+    /// simulator declares its VMI running, and busybox httpd in a network
+    /// namespace answers for its application.
+    Simulated,
+    /// A VM of the emulator's `GUEST_VMS`, whose disks are a real guest, on
+    /// the cluster with real KubeVirt: it boots, takes its address by DHCP,
+    /// runs qemu-guest-agent and serves a page naming itself.
+    Real,
 }
 
 /// Who imports the DataVolumes.
@@ -84,18 +115,50 @@ impl Migration {
         Migration::with_front(prefix, cdi, false).await
     }
 
+    async fn with_front(prefix: &str, cdi: Cdi, front: bool) -> Migration {
+        Migration::start(prefix, cdi, front, Kubevirt::Simulated, ("db-02", "2")).await
+    }
+
+    /// The real guest `vm` of the emulator's `GUEST_VMS`, on real KubeVirt.
+    async fn guest(prefix: &str, vm: &'static str) -> Migration {
+        let (vmid, vm) = esxi_emulator::GUEST_VMS
+            .iter()
+            .find(|(_, name)| *name == vm)
+            .copied()
+            .unwrap_or_else(|| panic!("{vm} is not a guest VM of the emulator"));
+        Migration::start(prefix, Cdi::Real, false, Kubevirt::Real, (vm, vmid)).await
+    }
+
     /// With `front`, importer pods reach the staging server through an
     /// [`UnavailableFront`], which answers 503 until the test opens it.
-    async fn with_front(prefix: &str, cdi: Cdi, front: bool) -> Migration {
-        let env = tokio::task::block_in_place(KubeEnv::shared);
+    async fn start(
+        prefix: &str,
+        cdi: Cdi,
+        front: bool,
+        kubevirt: Kubevirt,
+        (vm, vmid): (&'static str, &'static str),
+    ) -> Migration {
+        let env = match kubevirt {
+            Kubevirt::Simulated => tokio::task::block_in_place(KubeEnv::shared),
+            Kubevirt::Real => tokio::task::block_in_place(KubeEnv::shared_kubevirt),
+        };
         // The conversion Jobs' image; built and imported on first use.
         let image = tokio::task::block_in_place(|| env.controller_image()).expect("the release image");
-        let cdi_definition = if cdi == Cdi::Real { Some(CDI_DEFINITION.read().await) } else { None };
+        // The no-checksum test changes CDI on the shared cluster only.
+        let cdi_definition = if cdi == Cdi::Real && kubevirt == Kubevirt::Simulated {
+            Some(CDI_DEFINITION.read().await)
+        } else {
+            None
+        };
         let node_ip = env.node.as_ref().expect("the shared cluster has a node").host_ip;
         let client = env.client().await;
         ensure_storage_class(&client).await;
         let ns = test_namespace(&client, prefix).await;
-        let emu = EsxiEmulator::start(EsxiOptions::default()).expect("ESXi emulator");
+        let guests = match kubevirt {
+            Kubevirt::Simulated => None,
+            Kubevirt::Real => Some(tokio::task::block_in_place(setup::guest_images).expect("guest images")),
+        };
+        let emu = EsxiEmulator::start(EsxiOptions { guests, ..Default::default() }).expect("ESXi emulator");
         let secret: Secret = serde_json::from_value(json!({
             "apiVersion": "v1", "kind": "Secret", "metadata": {"name": "esxi"},
             "stringData": {"username": emu.username, "password": emu.password},
@@ -103,10 +166,20 @@ impl Migration {
         .unwrap();
         Api::<Secret>::namespaced(client.clone(), &ns).create(&PostParams::default(), &secret).await.unwrap();
 
-        // The guest's application: a real web server at the address the VMI reports.
-        let netns = Netns::new().expect("network namespace");
-        netns.serve_http(8080, &[("index.html", PAGE)]).expect("httpd");
-        crate::support::db_web_service(&client, &ns, netns.ip).await;
+        let netns = match kubevirt {
+            // db-02's application: a real web server at the address the simulated VMI reports.
+            Kubevirt::Simulated => {
+                let netns = Netns::new().expect("network namespace");
+                netns.serve_http(8080, &[("index.html", PAGE)]).expect("httpd");
+                crate::support::db_web_service(&client, &ns, netns.ip).await;
+                Some(netns)
+            }
+            // The guest's own web server, behind a Service on its launcher pod.
+            Kubevirt::Real => {
+                guest_web_service(&client, &ns, vm).await;
+                None
+            }
+        };
 
         let work = tempfile::tempdir().expect("work dir");
         let front = if front {
@@ -139,16 +212,20 @@ impl Migration {
         let metrics = Arc::new(Metrics::new());
         let staging = service::start_staging(&opts, &metrics).await.expect("staging server");
         let front = front.map(|listener| UnavailableFront::start(listener, &staging));
-        let sims = kubevirt_sim::start(client.clone(), &ns);
-        *sims.control.kubevirt.vmi_ip.lock().unwrap() = netns.ip.to_string();
+        let sims = netns.as_ref().map(|netns| {
+            let sims = kubevirt_sim::start(client.clone(), &ns);
+            *sims.control.kubevirt.vmi_ip.lock().unwrap() = netns.ip.to_string();
+            sims
+        });
         work_volume(&client, &ns, work.path()).await;
         let (jobs_seen, job_watch) = watch_uids(Api::<Job>::namespaced(client.clone(), &ns));
-        let virt_api =
-            vmmigrate_harness::virt_api::VirtApi::start(client.clone(), &ns).await.expect("virt-api");
         let api = Api::namespaced(client.clone(), &ns);
         let mut m = Migration {
             client,
             ns,
+            vm,
+            vmid,
+            kubevirt,
             api,
             emu,
             work,
@@ -159,7 +236,6 @@ impl Migration {
             job_watch,
             _netns: netns,
             _cdi_definition: cdi_definition,
-            virt_api,
             metrics,
             controller: None,
             front,
@@ -197,27 +273,43 @@ impl Migration {
     async fn create(&self, mutate: impl FnOnce(&mut Value)) {
         // Real CDI writes PersistentVolumes of the node's provisioner.
         let class = "local-path";
+        let (networks, page) = match self.kubevirt {
+            Kubevirt::Simulated => (
+                json!([
+                    {"source": "VM Network", "type": "Pod"},
+                    {"source": "DMZ", "type": "Multus", "networkName": "dmz"}
+                ]),
+                json!({"service": "db-web", "port": 80, "path": "/", "expectedStatus": 200,
+                       "bodyContains": "db-02 status page"}),
+            ),
+            Kubevirt::Real => {
+                let mut networks = vec![json!({"source": "VM Network", "type": "Pod"})];
+                if self.vm == "app-efi" {
+                    networks.push(json!({"source": "DMZ", "type": "Multus", "networkName": "dmz"}));
+                }
+                // The guest names itself with the hostname KubeVirt's DHCP gives it: the VMI's name.
+                let page = json!({"service": "web", "port": 80, "path": "/", "expectedStatus": 200,
+                                  "bodyContains": format!("vmmigrate-guest {}", self.vm)});
+                (json!(networks), page)
+            }
+        };
         let mut body = json!({
             "apiVersion": "migration.platform.example/v1alpha1",
             "kind": "VirtualMachineMigration",
-            "metadata": {"name": VM, "namespace": self.ns},
+            "metadata": {"name": self.vm, "namespace": self.ns},
             "spec": {
                 "source": {
                     "host": "127.0.0.1",
                     "port": self.emu.port,
                     "hostKey": self.emu.host_key_fingerprint(),
                     "credentialsSecretRef": {"name": "esxi"},
-                    "vm": {"name": VM}
+                    "vm": {"name": self.vm}
                 },
                 "destination": {"namespace": self.ns, "storageClassName": class},
-                "networkMap": [
-                    {"source": "VM Network", "type": "Pod"},
-                    {"source": "DMZ", "type": "Multus", "networkName": "dmz"}
-                ],
+                "networkMap": networks,
                 "strategy": {"backoff": {"initialSeconds": 1, "maxSeconds": 2}, "timeouts": {"sshSeconds": 20}},
                 "validation": {"checks": [
-                    {"name": "status-page", "http": {"service": "db-web", "port": 80, "path": "/",
-                                                     "expectedStatus": 200, "bodyContains": "db-02 status page"}},
+                    {"name": "status-page", "http": page},
                     {"name": "agent", "guestAgent": {}},
                     {"name": "address", "ip": {}}
                 ]}
@@ -238,7 +330,7 @@ impl Migration {
     }
 
     async fn get(&self) -> VirtualMachineMigration {
-        self.api.get(VM).await.expect("get migration")
+        self.api.get(self.vm).await.expect("get migration")
     }
 
     /// Waits for Importing and both disks' DataVolumes; returns them.
@@ -279,6 +371,66 @@ impl Migration {
         }
     }
 
+    /// Polls the migration until `done` holds (Failed and
+    /// ManualInterventionRequired are `done`'s to judge), or fails after
+    /// `WAIT` per phase at most three times over.
+    async fn wait_until_stopped(
+        &self,
+        mut done: impl FnMut(&VirtualMachineMigration) -> bool,
+    ) -> VirtualMachineMigration {
+        let deadline = Instant::now() + WAIT * 3;
+        loop {
+            let vmm = self.get().await;
+            if done(&vmm) {
+                return vmm;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "still {} after {:?}: {:#?}",
+                phase_of(&vmm),
+                WAIT * 3,
+                vmm.status
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// What the real guest shows: its serial console (KubeVirt's
+    /// `guest-console-log` container), its page (GET / at the address its
+    /// VMI reports) and the VMI's `status.interfaces`.
+    async fn guest_facts(&self) -> GuestFacts {
+        use k8s_openapi::api::core::v1::Pod;
+        let pods: Api<Pod> = Api::namespaced(self.client.clone(), &self.ns);
+        let launcher = pods
+            .list(&ListParams::default().labels(&format!("kubevirt.io/domain={}", self.vm)))
+            .await
+            .unwrap()
+            .items
+            .into_iter()
+            .next()
+            .expect("the virt-launcher pod");
+        let params =
+            kube::api::LogParams { container: Some("guest-console-log".into()), ..Default::default() };
+        let console = pods.logs(&launcher.name_any(), &params).await.unwrap_or_default();
+        let vmis: Api<DynamicObject> =
+            Api::namespaced_with(self.client.clone(), &self.ns, &virtual_machine_instance_resource());
+        let vmi = vmis.get(self.vm).await.expect("the VMI");
+        let interfaces = vmi.data["status"]["interfaces"].as_array().cloned().unwrap_or_default();
+        let ip = interfaces.first().and_then(|i| i["ipAddress"].as_str()).unwrap_or_default().to_owned();
+        let page = if ip.is_empty() {
+            String::new()
+        } else {
+            let url = format!("http://{ip}/");
+            let client =
+                reqwest::Client::builder().no_proxy().timeout(Duration::from_secs(10)).build().unwrap();
+            match client.get(&url).send().await {
+                Ok(answer) => answer.text().await.unwrap_or_default(),
+                Err(e) => format!("GET {url}: {e}"),
+            }
+        };
+        GuestFacts { console, page, interfaces }
+    }
+
     async fn wait_completed(&self) -> VirtualMachineMigration {
         self.wait_for("Completed", |v| {
             phase_of(v) == Phase::Completed
@@ -299,9 +451,9 @@ impl Migration {
     async fn imported_sha256(&self, disks: usize) -> Vec<String> {
         let mut found = Vec::new();
         for d in 0..disks {
-            let dv = format!("{VM}-disk-{d}");
+            let dv = format!("{}-disk-{d}", self.vm);
             let image = crate::support::imported_image(&self.client, &self.ns, &dv).await;
-            let size = self.emu.disk_files(VMID)[d].3;
+            let size = self.emu.disk_files(self.vmid)[d].3;
             let digest = vmmigrate::convert::artifact::volume_digest(&image, size)
                 .unwrap_or_else(|e| panic!("{}: {e}", image.display()));
             assert_eq!(digest.nonzero_tail_bytes, 0, "{}: bytes after the disk", image.display());
@@ -312,11 +464,15 @@ impl Migration {
 
     /// The source disks' sha256 as they are on the emulated datastore now.
     fn source_sha256_now(&self) -> Vec<String> {
-        self.emu.disk_files(VMID).iter().map(|(_, path, _, _)| sha256_file(path, None).unwrap().1).collect()
+        self.emu
+            .disk_files(self.vmid)
+            .iter()
+            .map(|(_, path, _, _)| sha256_file(path, None).unwrap().1)
+            .collect()
     }
 
     fn source_sha256_at_start(&self) -> Vec<String> {
-        self.emu.disk_files(VMID).iter().map(|(_, _, sha, _)| sha.clone()).collect()
+        self.emu.disk_files(self.vmid).iter().map(|(_, _, sha, _)| sha.clone()).collect()
     }
 
     /// Files left for this migration in the work directory.
@@ -333,8 +489,8 @@ impl Migration {
 
     /// The safety properties every migration must end with.
     fn assert_source_off_and_untouched(&self) {
-        assert_eq!(self.emu.vm_power(VMID), "off");
-        assert_eq!(self.emu.power_off_transitions(VMID), 1, "powered off exactly once");
+        assert_eq!(self.emu.vm_power(self.vmid), "off");
+        assert_eq!(self.emu.power_off_transitions(self.vmid), 1, "powered off exactly once");
         assert_eq!(self.source_sha256_now(), self.source_sha256_at_start(), "the source disks were written");
     }
 }
@@ -381,6 +537,45 @@ async fn create_work_claim(client: &Client, ns: &str) {
         .expect("work PVC");
 }
 
+/// The Service `web` in front of the guest `vm`'s launcher pod (KubeVirt
+/// labels it `kubevirt.io/domain: <vm>`, from the VM's template): the
+/// endpoints controller fills its EndpointSlice once the pod is ready.
+async fn guest_web_service(client: &Client, ns: &str, vm: &str) {
+    use k8s_openapi::api::core::v1::Service;
+    let service: Service = serde_json::from_value(json!({
+        "apiVersion": "v1", "kind": "Service", "metadata": {"name": "web"},
+        "spec": {"selector": {"kubevirt.io/domain": vm},
+                 "ports": [{"name": "http", "port": 80, "targetPort": 80}]},
+    }))
+    .unwrap();
+    Api::<Service>::namespaced(client.clone(), ns).create(&PostParams::default(), &service).await.unwrap();
+}
+
+/// The NetworkAttachmentDefinition `dmz` the EFI guest's second NIC is
+/// mapped to: a bridge of its own on the node with host-local addresses,
+/// attached by the node's real Multus (`vmmigrate_harness::kubevirt`).
+async fn dmz_network(m: &Migration) {
+    let ar = kube::core::ApiResource::from_gvk(&kube::core::GroupVersionKind::gvk(
+        "k8s.cni.cncf.io",
+        "v1",
+        "NetworkAttachmentDefinition",
+    ));
+    let config = json!({
+        "cniVersion": "0.3.1", "name": "dmz", "type": "bridge", "bridge": "dmz0",
+        "ipam": {"type": "host-local", "subnet": "172.16.5.0/24", "dataDir": m.work.path().join("dmz-ipam")},
+    });
+    let nad: DynamicObject = serde_json::from_value(json!({
+        "apiVersion": "k8s.cni.cncf.io/v1", "kind": "NetworkAttachmentDefinition",
+        "metadata": {"name": "dmz", "namespace": m.ns},
+        "spec": {"config": config.to_string()},
+    }))
+    .unwrap();
+    Api::<DynamicObject>::namespaced_with(m.client.clone(), &m.ns, &ar)
+        .create(&PostParams::default(), &nad)
+        .await
+        .expect("the dmz NetworkAttachmentDefinition");
+}
+
 /// Records the uid of every object of `api` ever created (a watch sees each
 /// one, however short-lived).
 fn watch_uids<K>(
@@ -416,9 +611,9 @@ fn walk(dir: &Path, f: &mut impl FnMut(&Path)) {
 
 /// `ssh host cat <disk>` of every disk, the bare transfer a migration can
 /// never beat, timed in the same run as the migration.
-fn bare_ssh_cat_seconds(emu: &EsxiEmulator) -> f64 {
+fn bare_ssh_cat_seconds(emu: &EsxiEmulator, vmid: &str) -> f64 {
     let start = Instant::now();
-    for (path, _, _, size) in emu.disk_files(VMID) {
+    for (path, _, _, size) in emu.disk_files(vmid) {
         let out = emu.ssh_command().arg(format!("cat '{path}'")).output().expect("ssh cat");
         assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
         assert_eq!(out.stdout.len() as u64, size);
@@ -427,14 +622,16 @@ fn bare_ssh_cat_seconds(emu: &EsxiEmulator) -> f64 {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn two_disk_efi_vm_with_two_nics_migrates_to_completed_with_checksums_end_to_end() {
-    let m = Migration::new("e2e-full").await;
+async fn an_efi_guest_with_two_disks_and_two_nics_boots_on_real_kubevirt_and_completes_with_checksums_end_to_end()
+ {
+    let m = Migration::guest("e2e-efi", "app-efi").await;
+    dmz_network(&m).await;
     let started = Instant::now();
     m.create(|_| {}).await;
     let vmm = m.wait_completed().await;
     let wall = started.elapsed().as_secs_f64();
-    let cat = bare_ssh_cat_seconds(&m.emu);
-    let total: u64 = m.emu.disk_files(VMID).iter().map(|d| d.3).sum();
+    let cat = bare_ssh_cat_seconds(&m.emu, m.vmid);
+    let total: u64 = m.emu.disk_files(m.vmid).iter().map(|d| d.3).sum();
     eprintln!(
         "end-to-end migration of {} MiB in two disks: {wall:.2} s; bare `ssh cat` of the same disks: {cat:.2} s",
         total >> 20
@@ -461,19 +658,22 @@ async fn two_disk_efi_vm_with_two_nics_migrates_to_completed_with_checksums_end_
     assert_eq!(domain["firmware"]["bootloader"]["efi"]["secureBoot"], json!(inventory.secure_boot));
     assert_eq!(domain["cpu"]["sockets"], json!(inventory.cpu_sockets));
     assert_eq!(domain["cpu"]["cores"], json!(inventory.cores_per_socket));
-    assert_eq!(inventory.cpu_sockets * inventory.cores_per_socket, 4, "db-02 has 4 vCPUs");
-    // As virt-api stores it: the rendered `4096Mi` comes back canonical.
-    let rendered = format!("{}Mi", inventory.memory_mib);
-    assert_eq!(domain["memory"]["guest"], json!(canonical_quantity(&rendered).unwrap()));
+    assert_eq!(inventory.cpu_sockets * inventory.cores_per_socket, 1, "app-efi has 1 vCPU");
+    assert_eq!(domain["memory"]["guest"], "256Mi");
+    assert_eq!(inventory.memory_mib, 256);
+    assert!(
+        inventory.firmware == vmmigrate::api::Firmware::Efi && !inventory.secure_boot,
+        "app-efi boots UEFI without secure boot"
+    );
+    // Real virt-api admitted the VM and put its defaults in.
     assert_eq!(domain["machine"]["type"], "q35", "virt-api's defaults are there");
-    assert_eq!(inventory.memory_mib, 4096);
     let disks = domain["devices"]["disks"].as_array().unwrap();
     let volumes = vm["template"]["spec"]["volumes"].as_array().unwrap();
     assert_eq!((disks.len(), volumes.len(), inventory.disks.len()), (2, 2, 2));
     for (i, source_disk) in inventory.disks.iter().enumerate() {
         let bus = if matches!(source_disk.bus.as_str(), "ide" | "sata") { "sata" } else { "virtio" };
         assert_eq!(disks[i]["disk"]["bus"], bus, "disk {i} on {}", source_disk.bus);
-        assert_eq!(volumes[i]["dataVolume"]["name"], format!("{VM}-disk-{i}"));
+        assert_eq!(volumes[i]["dataVolume"]["name"], format!("{}-disk-{i}", m.vm));
     }
     assert_eq!(disks[0]["bootOrder"], 1);
     let interfaces = domain["devices"]["interfaces"].as_array().unwrap();
@@ -484,11 +684,29 @@ async fn two_disk_efi_vm_with_two_nics_migrates_to_completed_with_checksums_end_
         assert_eq!(interfaces[i]["model"], model, "nic {i} was {}", nic.model);
         assert_eq!(interfaces[i]["macAddress"], nic.mac_address.as_str(), "MAC of nic {i} preserved");
     }
-    assert_eq!((inventory.nics[0].model.as_str(), inventory.nics[1].model.as_str()), ("vmxnet3", "e1000"));
+    assert_eq!((inventory.nics[0].model.as_str(), inventory.nics[1].model.as_str()), ("vmxnet3", "vmxnet3"));
     assert!(interfaces[0].get("masquerade").is_some() && networks[0].get("pod").is_some());
     assert!(interfaces[1].get("bridge").is_some());
     assert_eq!(networks[1]["multus"]["networkName"], "dmz");
     assert_eq!(vms[0].labels()["migration.platform.example/migration-uid"], uid);
+
+    // The guest booted from the imported bytes under UEFI, saw both disks
+    // and took an address on both NICs; its agent reported them.
+    let guest = m.guest_facts().await;
+    assert!(guest.console.contains("vmmigrate-guest: booted firmware efi"), "console:\n{}", guest.console);
+    assert!(guest.page.contains("vmmigrate-guest app-efi"), "{}", guest.page);
+    assert!(guest.page.contains("disks: vda vdb") || guest.page.contains("disks: sda sdb"), "{}", guest.page);
+    assert!(guest.page.contains("vmmdata"), "the data disk's marker: {}", guest.page);
+    let from_agent: Vec<&Value> = guest
+        .interfaces
+        .iter()
+        .filter(|i| i["infoSource"].as_str().unwrap_or("").contains("guest-agent"))
+        .collect();
+    assert_eq!(from_agent.len(), 2, "both NICs reported by the agent: {:#?}", guest.interfaces);
+    for (nic, iface) in inventory.nics.iter().zip(&guest.interfaces) {
+        assert_eq!(iface["mac"], nic.mac_address.as_str(), "the guest sees the source's MAC");
+        assert!(iface["ipAddress"].as_str().is_some_and(|ip| !ip.is_empty()), "{iface}");
+    }
 
     // Every check ran against the real thing and passed.
     let results: Vec<(String, bool)> =
@@ -652,47 +870,56 @@ fn reconciles(metrics: &Metrics) -> u64 {
         .sum()
 }
 
+/// What the API server records of the VM's writers: its generation (bumped
+/// by every change to the spec) and, per field manager other than
+/// KubeVirt's own controllers (which keep the VM's status), the time of its
+/// last write.
+async fn vm_writers(vms: &Api<DynamicObject>, name: &str) -> (i64, Vec<(String, String)>) {
+    let vm = vms.get(name).await.unwrap();
+    let mut writers: Vec<(String, String)> = vm
+        .metadata
+        .managed_fields
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|f| !matches!(f.manager.as_deref(), Some("virt-controller" | "virt-handler" | "virt-api")))
+        .map(|f| (f.manager.unwrap_or_default(), f.time.map(|t| format!("{t:?}")).unwrap_or_default()))
+        .collect();
+    writers.sort();
+    (vm.metadata.generation.unwrap_or_default(), writers)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_completed_vm_rewritten_by_virt_api_gets_no_writes_over_20_reconciles_and_a_later_change_is_reported_not_undone()
+async fn a_completed_vm_rewritten_by_real_virt_api_gets_no_writes_over_20_reconciles_and_a_later_change_is_reported_not_undone()
  {
-    let m = Migration::new("e2e-drift").await;
+    let m = Migration::guest("e2e-drift", "app-bios").await;
     m.create(|body| {
         body["spec"]["validation"] = json!({ "checks": [{ "name": "agent", "guestAgent": {} }] })
     })
     .await;
     m.wait_completed().await;
-    let writes_at_completed = m.virt_api.admitted().len();
-    assert!(writes_at_completed >= 1, "the VM was created through virt-api");
     let vms: Api<DynamicObject> = Api::namespaced_with(m.client.clone(), &m.ns, &virtual_machine_resource());
-    let stored = vms.get(VM).await.unwrap();
-    assert_eq!(
-        stored.data["spec"]["template"]["spec"]["domain"]["memory"]["guest"], "4Gi",
-        "rewritten by virt-api"
-    );
+    let stored = vms.get(m.vm).await.unwrap();
+    let domain = &stored.data["spec"]["template"]["spec"]["domain"];
+    assert_eq!(domain["machine"]["type"], "q35", "rewritten by real virt-api's mutating webhook");
+    let at_completed = vm_writers(&vms, m.vm).await;
 
     // 20 reconciles forced by touching the migration: no write to the VM.
     for i in 0..20 {
         let before = reconciles(&m.metrics);
         let poke = json!({ "metadata": { "annotations": { "test.vmmigrate/poke": i.to_string() } } });
-        m.api.patch(VM, &kube::api::PatchParams::default(), &kube::api::Patch::Merge(&poke)).await.unwrap();
+        m.api.patch(m.vm, &kube::api::PatchParams::default(), &kube::api::Patch::Merge(&poke)).await.unwrap();
         let deadline = Instant::now() + WAIT;
         while reconciles(&m.metrics) <= before {
             assert!(Instant::now() < deadline, "reconcile {i} never ran");
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
-    let after: Vec<_> = m.virt_api.admitted().into_iter().skip(writes_at_completed).collect();
-    assert!(after.is_empty(), "writes to the VM after Completed: {after:?}");
-    assert_eq!(
-        vms.get(VM).await.unwrap().resource_version(),
-        stored.resource_version(),
-        "the VM was written"
-    );
+    assert_eq!(vm_writers(&vms, m.vm).await, at_completed, "the VM was written after Completed");
 
     // A person gives the VM more memory: reported as drift, not undone.
-    let more = json!({ "spec": { "template": { "spec": { "domain": { "memory": { "guest": "8Gi" },
-                        "resources": { "requests": { "memory": "8Gi" } } } } } } });
-    vms.patch(VM, &kube::api::PatchParams::default(), &kube::api::Patch::Merge(&more)).await.unwrap();
+    let more = json!({ "spec": { "template": { "spec": { "domain": { "memory": { "guest": "320Mi" },
+                        "resources": { "requests": { "memory": "320Mi" } } } } } } });
+    vms.patch(m.vm, &kube::api::PatchParams::default(), &kube::api::Patch::Merge(&more)).await.unwrap();
     let vmm = m
         .wait_for("VMDrifted", |v| {
             v.status.as_ref().is_some_and(|s| {
@@ -711,7 +938,7 @@ async fn a_completed_vm_rewritten_by_virt_api_gets_no_writes_over_20_reconciles_
     loop {
         let list = events.list(&ListParams::default()).await.unwrap().items;
         if list.iter().any(|e| {
-            e.reason.as_deref() == Some("VMDrifted") && e.involved_object.name.as_deref() == Some(VM)
+            e.reason.as_deref() == Some("VMDrifted") && e.involved_object.name.as_deref() == Some(m.vm)
         }) {
             break;
         }
@@ -719,20 +946,93 @@ async fn a_completed_vm_rewritten_by_virt_api_gets_no_writes_over_20_reconciles_
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     // More reconciles: the person's change stands, the controller wrote nothing.
-    let writes = m.virt_api.admitted().len();
+    let after_change = vm_writers(&vms, m.vm).await;
     for i in 0..3 {
         let before = reconciles(&m.metrics);
         let poke = json!({ "metadata": { "annotations": { "test.vmmigrate/poke": format!("after-{i}") } } });
-        m.api.patch(VM, &kube::api::PatchParams::default(), &kube::api::Patch::Merge(&poke)).await.unwrap();
+        m.api.patch(m.vm, &kube::api::PatchParams::default(), &kube::api::Patch::Merge(&poke)).await.unwrap();
         while reconciles(&m.metrics) <= before {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
-    assert_eq!(m.virt_api.admitted().len(), writes, "the controller wrote to the changed VM");
+    assert_eq!(vm_writers(&vms, m.vm).await, after_change, "the controller wrote to the changed VM");
     assert_eq!(
-        vms.get(VM).await.unwrap().data["spec"]["template"]["spec"]["domain"]["memory"]["guest"],
-        "8Gi"
+        vms.get(m.vm).await.unwrap().data["spec"]["template"]["spec"]["domain"]["memory"]["guest"],
+        "320Mi"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_bios_guest_boots_from_the_copied_bytes_on_real_kubevirt_and_its_own_page_agent_and_address_pass() {
+    let m = Migration::guest("e2e-bios", "app-bios").await;
+    let started = Instant::now();
+    m.create(|_| {}).await;
+    let vmm = m.wait_completed().await;
+    eprintln!(
+        "BIOS guest, merge of the manifest to Completed on real KubeVirt: {:.1} s",
+        started.elapsed().as_secs_f64()
+    );
+    let status = vmm.status.clone().unwrap();
+    let source = m.source_sha256_at_start();
+    assert_eq!(m.imported_sha256(1).await, source, "the bytes in the PVC are the source's");
+    let results: Vec<(String, bool)> =
+        status.validation_results.iter().map(|r| (r.name.clone(), r.passed)).collect();
+    assert_eq!(
+        results,
+        vec![("status-page".into(), true), ("agent".into(), true), ("address".into(), true)],
+        "{:#?}",
+        status.validation_results
+    );
+    let guest = m.guest_facts().await;
+    assert!(guest.console.contains("vmmigrate-guest: booted firmware bios"), "console:\n{}", guest.console);
+    assert!(
+        guest.page.contains("vmmigrate-guest app-bios") && guest.page.contains("firmware: bios"),
+        "{}",
+        guest.page
+    );
+    let iface = &guest.interfaces[0];
+    assert!(iface["infoSource"].as_str().unwrap_or("").contains("guest-agent"), "{iface}");
+    assert_eq!(iface["mac"], "00:0c:29:aa:bb:08", "the guest sees the source's MAC");
+    m.assert_source_off_and_untouched();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_disk_without_an_os_runs_but_fails_its_checks_retries_and_waits_for_a_person_never_completed() {
+    let m = Migration::guest("e2e-no-os", "no-os").await;
+    m.create(|body| {
+        body["spec"]["strategy"]["retryLimit"] = json!(1);
+        body["spec"]["strategy"]["onRetriesExhausted"] = json!("ManualIntervention");
+        body["spec"]["strategy"]["timeouts"]["validatingSeconds"] = json!(30);
+    })
+    .await;
+    let mut phases = Vec::new();
+    let vmm = m
+        .wait_until_stopped(|v| {
+            let phase = phase_of(v);
+            if phases.last() != Some(&phase) {
+                phases.push(phase);
+            }
+            assert_ne!(phase, Phase::Completed, "a disk without an OS completed: {:#?}", v.status);
+            phase == Phase::ManualInterventionRequired
+        })
+        .await;
+    assert!(phases.contains(&Phase::Validating), "{phases:?}");
+    let status = vmm.status.clone().unwrap();
+    let timeouts: Vec<_> =
+        status.errors.iter().filter(|e| e.reason == vmmigrate::api::Reason::ValidationTimeout).collect();
+    assert!(timeouts.len() >= 2, "validated again within its retry budget first: {:#?}", status.errors);
+    // The VMI ran: QEMU started, and what it ran answered nothing.
+    let guest = m.guest_facts().await;
+    assert!(!guest.console.contains("vmmigrate-guest: booted"), "{}", guest.console);
+    let failed: Vec<_> = status.validation_results.iter().filter(|r| !r.passed).collect();
+    assert!(!failed.is_empty(), "{:#?}", status.validation_results);
+    let error = status.errors.last().expect("an error names what failed");
+    assert!(
+        ["status-page", "agent", "address"].iter().any(|check| error.message.contains(check)),
+        "the message names the check: {}",
+        error.message
+    );
+    eprintln!("no-OS disk stopped with: {}", error.message);
 }
 
 /// CDI's DataVolume definition without `spec.source.http.checksum` (as CDI

@@ -1035,9 +1035,20 @@ fn validating(ctx: &mut Ctx<'_>, observed: Observed) {
     ctx.condition(condition::GUEST_READY, false, "Checking", message.clone());
     if waited >= timeout {
         ctx.status.timestamps.validation_started = None;
+        // Name each check still failing and what it saw last.
+        let failing: Vec<String> = ctx
+            .status
+            .validation_results
+            .iter()
+            .filter(|r| !r.passed)
+            .map(|r| format!("check {:?}: {}", r.name, r.message))
+            .collect();
         ctx.fail(
             Phase::Validating,
-            Failure::retryable(Reason::ValidationTimeout, format!("{message} after {}s", timeout.as_secs())),
+            Failure::retryable(
+                Reason::ValidationTimeout,
+                format!("{message} after {}s; {}", timeout.as_secs(), failing.join("; ")),
+            ),
         );
     } else {
         ctx.wait(POLL_CHECKS);

@@ -754,7 +754,11 @@ fn wrong_content_needs_a_human_and_not_ready_keeps_checking_until_the_timeout() 
     let d =
         run.step(Observed::Validating(Ok(vec![CheckResult::NotYet { message: "refused".into() }])), t(900));
     assert_eq!(d.status.phase, Phase::Retryable);
-    assert_eq!(d.status.errors.last().unwrap().reason, Reason::ValidationTimeout);
+    let error = d.status.errors.last().unwrap();
+    assert_eq!(error.reason, Reason::ValidationTimeout);
+    // The message names the failing check and what it saw last.
+    let check = &d.status.validation_results[0].name;
+    assert!(error.message.contains(&format!("check {check:?}: refused")), "{}", error.message);
 }
 
 #[test]

@@ -4,7 +4,7 @@
 
 pub mod sim;
 
-pub use vmmigrate_harness::{KubeEnv, esxi_emulator, fake_forge, git_http, kubevirt_sim, netns};
+pub use vmmigrate_harness::{KubeEnv, esxi_emulator, fake_forge, git_http, kubevirt_sim, netns, setup};
 
 /// A namespace unique to one test, created in the cluster.
 pub async fn test_namespace(client: &kube::Client, prefix: &str) -> String {

@@ -1,7 +1,7 @@
 # Shared by the test node's image scripts (sourced, not run): umoci only, no
 # registry and no container engine. The caller sets `dest` (output dir),
 # `arch` (dpkg architecture) and `epoch` (timestamps in the layers); an
-# image's user comes from IMAGE_USER when set.
+# image's user comes from IMAGE_USER and its PATH from IMAGE_PATH when set.
 
 # image NAME TAG FILL_FUNCTION ENTRYPOINT...: an image whose rootfs FILL_FUNCTION fills.
 image() {
@@ -19,7 +19,7 @@ image() {
   [ -n "${IMAGE_USER:-}" ] && cfg+=(--config.user "$IMAGE_USER")
   for arg in "$@"; do cfg+=(--config.entrypoint "$arg"); done
   umoci config --image "$tmp/layout:$tag" --os linux --architecture "$arch" "${cfg[@]}" \
-    --config.env PATH=/usr/local/bin:/usr/bin:/bin
+    --config.env "PATH=${IMAGE_PATH:-/usr/local/bin:/usr/bin:/bin}"
   umoci gc --layout "$tmp/layout"
   jq --arg n "$name:$tag" --arg t "$tag" \
     '.manifests |= map(.annotations += {"io.containerd.image.name": $n, "org.opencontainers.image.ref.name": $t})' \

@@ -74,11 +74,21 @@ pub struct EsxiOptions {
     /// An address sshd listens on besides 127.0.0.1, on the same port: the
     /// host end of the test node's veth, where pods reach the host.
     pub also_listen: Option<std::net::Ipv4Addr>,
+    /// The guest images of `tools/guest/build.sh` (`setup::guest_images`):
+    /// adds the VMs whose disks are real bootable guests, [`GUEST_VMS`].
+    pub guests: Option<PathBuf>,
 }
+
+/// The VMs [`EsxiOptions::guests`] adds, by vmid and name: `app-bios` (8,
+/// SeaBIOS, one disk: `bios.img`, one vmxnet3 NIC), `app-efi` (9, UEFI
+/// without secure boot, two disks: `efi.img` and `data.img`, two NICs) and
+/// `no-os` (10, SeaBIOS, one disk holding no OS: `nodisk.img`). Each is
+/// 1 vCPU and 256 MiB, powered on, Tools running.
+pub const GUEST_VMS: [(&str, &str); 3] = [("8", "app-bios"), ("9", "app-efi"), ("10", "no-os")];
 
 impl Default for EsxiOptions {
     fn default() -> Self {
-        EsxiOptions { big_disk_mib: None, with_sha256sum: true, also_listen: None }
+        EsxiOptions { big_disk_mib: None, with_sha256sum: true, also_listen: None, guests: None }
     }
 }
 
@@ -773,6 +783,8 @@ struct DiskSpec {
     thin: bool,
     /// Write an absolute `/vmfs/volumes/datastore1/...` path into the .vmx.
     absolute: bool,
+    /// The flat file's bytes come from this image (its size, not `size_mib`).
+    image: Option<PathBuf>,
 }
 
 struct NicSpec {
@@ -784,7 +796,7 @@ struct NicSpec {
 }
 
 fn disk(node: &'static str, file: &str, size_mib: u64, adapter: &'static str) -> DiskSpec {
-    DiskSpec { node, file: file.to_owned(), size_mib, adapter, thin: false, absolute: false }
+    DiskSpec { node, file: file.to_owned(), size_mib, adapter, thin: false, absolute: false, image: None }
 }
 
 fn vm_specs(opts: &EsxiOptions) -> Vec<VmSpec> {
@@ -981,6 +993,9 @@ fn vm_specs(opts: &EsxiOptions) -> Vec<VmSpec> {
             question: None,
         },
     ];
+    if let Some(images) = &opts.guests {
+        vms.extend(guest_vms(images));
+    }
     if let Some(mib) = opts.big_disk_mib {
         vms.push(VmSpec {
             id: "7",
@@ -1013,6 +1028,62 @@ fn vm_specs(opts: &EsxiOptions) -> Vec<VmSpec> {
         });
     }
     vms
+}
+
+/// The VMs of [`GUEST_VMS`], on the images in `images`.
+fn guest_vms(images: &Path) -> Vec<VmSpec> {
+    let image = |node, file: &str, name: &str| DiskSpec {
+        thin: true,
+        image: Some(images.join(name)),
+        ..disk(node, file, 0, "lsilogic")
+    };
+    let nic = |network, mac| NicSpec { device: "vmxnet3", network, address_type: "generated", mac, ips: &[] };
+    let guest = |id, name: &'static str, efi, disks, nics| VmSpec {
+        id,
+        name: name.into(),
+        dir: name.into(),
+        guest_os: "debian12-64",
+        guest_id: "debian12_64Guest",
+        guest_full: "Debian GNU/Linux 12 (64-bit)",
+        hw_version: 21,
+        memory_mb: 256,
+        cpus: Some(1),
+        efi,
+        power_on: true,
+        tools: "running",
+        hostname: name,
+        ip: None,
+        annotation: "",
+        controllers: vec![("scsi0", "pvscsi")],
+        disks,
+        cdrom: None,
+        nics,
+        snapshot: false,
+        question: None,
+    };
+    vec![
+        guest(
+            "8",
+            "app-bios",
+            false,
+            vec![image("scsi0:0", "app-bios.vmdk", "bios.img")],
+            vec![nic("VM Network", "00:0c:29:aa:bb:08")],
+        ),
+        guest(
+            "9",
+            "app-efi",
+            true,
+            vec![image("scsi0:0", "app-efi.vmdk", "efi.img"), image("scsi0:1", "app-efi_1.vmdk", "data.img")],
+            vec![nic("VM Network", "00:0c:29:aa:bb:09"), nic("DMZ", "00:0c:29:aa:bc:09")],
+        ),
+        guest(
+            "10",
+            "no-os",
+            false,
+            vec![image("scsi0:0", "no-os.vmdk", "nodisk.img")],
+            vec![nic("VM Network", "00:0c:29:aa:bb:10")],
+        ),
+    ]
 }
 
 fn stem(file: &str) -> &str {
@@ -1126,7 +1197,10 @@ fn build_datastore(root: &Path, vms: &[VmSpec]) -> anyhow::Result<BTreeMap<Strin
         }
         for (i, d) in vm.disks.iter().enumerate() {
             let file_stem = stem(&d.file);
-            let size = d.size_mib * MIB;
+            let size = match &d.image {
+                Some(image) => fs::metadata(image).with_context(|| image.display().to_string())?.len(),
+                None => d.size_mib * MIB,
+            };
             let cid = 0x3c5a_0000 | (vm.id.parse::<u32>()? << 8) | i as u32;
             write_mode(
                 &vm_dir.join(&d.file),
@@ -1134,7 +1208,10 @@ fn build_datastore(root: &Path, vms: &[VmSpec]) -> anyhow::Result<BTreeMap<Strin
                 0o644,
             )?;
             let flat = vm_dir.join(format!("{file_stem}-flat.vmdk"));
-            let digest = write_flat(&flat, size, &format!("{}/{file_stem}", vm.dir))?;
+            let digest = match &d.image {
+                Some(image) => copy_flat(image, &flat)?,
+                None => write_flat(&flat, size, &format!("{}/{file_stem}", vm.dir))?,
+            };
             let esxi_path = format!("/vmfs/volumes/datastore1/{}/{file_stem}-flat.vmdk", vm.dir);
             disks.get_mut(vm.id).expect("vm").push((esxi_path, flat, digest, size));
             if vm.snapshot {
@@ -1200,6 +1277,18 @@ fn disk_block(label: &str, i: u64, buf: &mut [u8]) -> bool {
     let n = header.len().min(buf.len());
     buf[..n].copy_from_slice(&header.as_bytes()[..n]);
     true
+}
+
+/// Copies a guest image into place as a flat disk (holes stay holes) and
+/// returns its sha256.
+fn copy_flat(image: &Path, path: &Path) -> anyhow::Result<String> {
+    let status = Command::new("cp").arg("--sparse=always").arg(image).arg(path).status()?;
+    ensure!(status.success(), "cp {} {} failed", image.display(), path.display());
+    set_mode(path, 0o644)?;
+    let out = Command::new("sha256sum").arg(path).output()?;
+    ensure!(out.status.success(), "sha256sum {} failed", path.display());
+    let text = String::from_utf8(out.stdout)?;
+    Ok(text.split_whitespace().next().unwrap_or_default().to_owned())
 }
 
 /// Creates a raw disk with `qemu-img create -f raw`, fills it block by block

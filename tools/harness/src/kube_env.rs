@@ -47,6 +47,8 @@ pub struct KubeEnv {
     imported: std::sync::Mutex<Option<String>>,
     /// Whether real CDI was installed (`cdi()`), or why it could not be.
     cdi: std::sync::Mutex<Option<Result<(), String>>>,
+    /// Whether real KubeVirt was installed (`kubevirt()`), or why it could not be.
+    kubevirt: std::sync::Mutex<Option<Result<(), String>>>,
     // Dropped in this order: processes (janitor), then the node's network,
     // cgroups and mounts (its guard).
     _janitor: Option<Janitor>,
@@ -54,6 +56,7 @@ pub struct KubeEnv {
 }
 
 static SHARED: OnceLock<KubeEnv> = OnceLock::new();
+static SHARED_KUBEVIRT: OnceLock<KubeEnv> = OnceLock::new();
 
 impl KubeEnv {
     /// The one-node cluster of this test binary with real CDI (`cdi()`),
@@ -61,7 +64,7 @@ impl KubeEnv {
     /// itself (it refuses to start beside definitions somebody else applied).
     pub fn shared() -> &'static KubeEnv {
         SHARED.get_or_init(|| {
-            let env = start_blocking(true);
+            let env = start_blocking(Shape::Node);
             // A borrowed cluster (`VMMIGRATE_TEST_KUBECONFIG`) brings its own.
             if env.node.is_some() {
                 env.cdi().unwrap_or_else(|e| panic!("cannot install CDI: {e:#}"));
@@ -70,9 +73,36 @@ impl KubeEnv {
         })
     }
 
+    /// The second one-node cluster of this test binary, with real CDI and
+    /// real KubeVirt (`kubevirt()`), started on first use: where migrated
+    /// guests boot. It is a cluster of its own because the KubeVirt
+    /// simulator of the controller-level tests on [`KubeEnv::shared`] and
+    /// real KubeVirt cannot both own VirtualMachines.
+    pub fn shared_kubevirt() -> &'static KubeEnv {
+        SHARED_KUBEVIRT.get_or_init(|| {
+            let env = start_blocking(Shape::KubeVirt);
+            if env.node.is_some() {
+                env.cdi().unwrap_or_else(|e| panic!("cannot install CDI: {e:#}"));
+                env.kubevirt().unwrap_or_else(|e| panic!("cannot install KubeVirt: {e:#}"));
+            }
+            env
+        })
+    }
+
     /// A cluster of its own, stopped when dropped (for tests of the harness).
+    /// KubeVirt's definitions are applied for its simulator
+    /// (`kubevirt_sim`); [`KubeEnv::start_owned_for_kubevirt`] leaves them to
+    /// real KubeVirt's operator.
     pub fn start_owned(with_node: bool) -> anyhow::Result<KubeEnv> {
-        std::thread::spawn(move || KubeEnv::start(with_node))
+        std::thread::spawn(move || KubeEnv::start(with_node, false))
+            .join()
+            .map_err(|_| anyhow::anyhow!("the Kubernetes test environment panicked while starting"))?
+    }
+
+    /// A one-node cluster of its own for real KubeVirt (`kubevirt()`):
+    /// KubeVirt's definitions are its operator's to install.
+    pub fn start_owned_for_kubevirt() -> anyhow::Result<KubeEnv> {
+        std::thread::spawn(move || KubeEnv::start(true, true))
             .join()
             .map_err(|_| anyhow::anyhow!("the Kubernetes test environment panicked while starting"))?
     }
@@ -121,6 +151,15 @@ impl KubeEnv {
         state.clone().unwrap_or(Ok(())).map_err(anyhow::Error::msg)
     }
 
+    /// Real KubeVirt on this cluster's node, installed on first use (`crate::kubevirt`).
+    pub fn kubevirt(&self) -> anyhow::Result<()> {
+        let mut state = self.kubevirt.lock().unwrap_or_else(|e| e.into_inner());
+        if state.is_none() {
+            *state = Some(crate::kubevirt::install(self).map_err(|e| format!("{e:#}")));
+        }
+        state.clone().unwrap_or(Ok(())).map_err(anyhow::Error::msg)
+    }
+
     /// `kubectl ARGS…` against this cluster.
     pub fn kubectl(&self, args: &[&str]) -> anyhow::Result<String> {
         let bin = match &self.bin {
@@ -144,11 +183,11 @@ impl KubeEnv {
     }
 
     /// Starts the cluster; CDI comes later, by its operator (`cdi()`).
-    fn start(with_node: bool) -> anyhow::Result<KubeEnv> {
+    fn start(with_node: bool, real_kubevirt: bool) -> anyhow::Result<KubeEnv> {
         let started = std::time::Instant::now();
         if let Some(path) = std::env::var_os("VMMIGRATE_TEST_KUBECONFIG") {
             let kubeconfig = PathBuf::from(path);
-            let version = runtime().block_on(prepare_cluster(&kubeconfig))?;
+            let version = runtime().block_on(prepare_cluster(&kubeconfig, false))?;
             return Ok(KubeEnv {
                 kubeconfig,
                 version,
@@ -157,6 +196,7 @@ impl KubeEnv {
                 startup: started.elapsed(),
                 imported: Default::default(),
                 cdi: Default::default(),
+                kubevirt: Default::default(),
                 _janitor: None,
                 _net: None,
             });
@@ -299,7 +339,7 @@ impl KubeEnv {
 
         let version = runtime().block_on(async {
             wait_ready(&kubeconfig, &janitor).await?;
-            prepare_cluster(&kubeconfig).await
+            prepare_cluster(&kubeconfig, !real_kubevirt).await
         })?;
         let node = match &net {
             Some(net) => {
@@ -339,26 +379,44 @@ impl KubeEnv {
             startup: started.elapsed(),
             imported: Default::default(),
             cdi: Default::default(),
+            kubevirt: Default::default(),
             _janitor: Some(janitor),
             _net: net,
         })
     }
 }
 
-fn start_blocking(with_node: bool) -> KubeEnv {
+/// What [`start_blocking`] starts.
+#[derive(Clone, Copy)]
+enum Shape {
+    /// One node, KubeVirt's definitions for its simulator.
+    Node,
+    /// One node for real KubeVirt.
+    KubeVirt,
+}
+
+fn start_blocking(shape: Shape) -> KubeEnv {
     // Started on a plain thread: callers are usually inside a tokio runtime,
     // and start-up blocks on its own small runtime.
     let mut attempt = 1;
     loop {
-        match KubeEnv::start_owned(with_node) {
+        let started = match shape {
+            Shape::Node => KubeEnv::start_owned(true),
+            Shape::KubeVirt => KubeEnv::start_owned_for_kubevirt(),
+        };
+        match started {
             Ok(env) => {
-                let shape = if with_node { "one-node cluster" } else { "control plane" };
-                eprintln!("vmmigrate-harness: {shape} started in {:.1}s", env.startup.as_secs_f64());
+                let name = match shape {
+                    Shape::Node => "one-node cluster",
+                    Shape::KubeVirt => "one-node cluster for KubeVirt",
+                };
+                eprintln!("vmmigrate-harness: {name} started in {:.1}s", env.startup.as_secs_f64());
                 return env;
             }
             Err(err) if attempt < START_ATTEMPTS && is_upstream_start_race(&format!("{err:#}")) => {
                 eprintln!(
-                    "vmmigrate-harness: a component died of a Go runtime race while starting                      (attempt {attempt} of {START_ATTEMPTS}); starting the cluster again: {err:#}"
+                    "vmmigrate-harness: a component died of a Go runtime race while starting \
+                     (attempt {attempt} of {START_ATTEMPTS}); starting the cluster again: {err:#}"
                 );
                 attempt += 1;
             }
@@ -444,10 +502,12 @@ async fn wait_ready(kubeconfig: &Path, janitor: &Janitor) -> anyhow::Result<()> 
     }
 }
 
-/// Installs our CRD and KubeVirt's own (generated from its Go module,
-/// `setup::upstream`), waits until they are established, and returns the
-/// server version. CDI's are its operator's to install.
-async fn prepare_cluster(kubeconfig: &Path) -> anyhow::Result<String> {
+/// Installs our CRD and, for a cluster without a node (which runs no
+/// KubeVirt), KubeVirt's own (generated from its Go module,
+/// `setup::upstream`); waits until they are established, and returns the
+/// server version. On a node, KubeVirt's and CDI's definitions are their
+/// operators' to install (both refuse definitions somebody else applied).
+async fn prepare_cluster(kubeconfig: &Path, kubevirt_crds: bool) -> anyhow::Result<String> {
     use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
     use kube::api::{Patch, PatchParams};
     use serde::Deserialize;
@@ -463,8 +523,10 @@ async fn prepare_cluster(kubeconfig: &Path) -> anyhow::Result<String> {
         }
     }
     files.sort();
-    let upstream = tokio::task::spawn_blocking(crate::setup::upstream).await??.join("crds");
-    files.push(upstream.join("kubevirt.yaml"));
+    if kubevirt_crds {
+        let upstream = tokio::task::spawn_blocking(crate::setup::upstream).await??.join("crds");
+        files.push(upstream.join("kubevirt.yaml"));
+    }
     let mut names = Vec::new();
     for path in files {
         let text = std::fs::read_to_string(&path)?;

@@ -16,13 +16,13 @@ pub mod fake_forge;
 pub mod git_daemon;
 pub mod git_http;
 pub mod kube_env;
+pub mod kubevirt;
 pub mod kubevirt_sim;
 pub mod netns;
 pub mod node;
 pub mod process;
 pub mod setup;
 pub mod tls;
-pub mod virt_api;
 
 pub use kube_env::KubeEnv;
 

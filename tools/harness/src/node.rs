@@ -13,9 +13,9 @@
 //!   it and go with it. The host gets one route, the pod network
 //!   10.244.K.0/24 via the node, on the veth, so it goes with the veth.
 //! - **Mounts**: containerd, the kubelet and kube-proxy run in a private
-//!   mount namespace (a holder `unshare --mount --propagation slave`) with a
-//!   tmpfs on `/run`, so overlay, volume and netns mounts never reach the
-//!   host and vanish when the last process in it exits.
+//!   mount and PID namespace (a holder `unshare --mount --propagation slave
+//!   --pid`) with a tmpfs on `/run`, so overlay, volume and netns mounts
+//!   never reach the host and vanish when the last process in it exits.
 //! - **cgroups**: pods live under `/vmmnode-<pid>-<n>` in every cgroup v1
 //!   hierarchy (the kubelet's `cgroupRoot`), removed depth-first at the end.
 //!
@@ -39,6 +39,13 @@ use std::time::{Duration, Instant};
 /// Images the node holds, imported from `tools/testenv/images.sh`.
 pub const PAUSE_IMAGE: &str = "registry.test.local/pause:3.10";
 pub const BUSYBOX_IMAGE: &str = "registry.test.local/busybox:1.36";
+/// Where Debian's containernetworking-plugins are.
+const DEBIAN_CNI_PLUGINS: &str = "/usr/lib/cni";
+/// The node's pod network, in its CNI configuration directory.
+pub const POD_NETWORK_CONFLIST: &str = "10-vmmnode.conflist";
+/// The kubelet's root inside the node's mount namespace (a bind mount of
+/// the node's own `kubelet` directory).
+const KUBELET_ROOT: &str = "/var/lib/kubelet";
 
 const GUARD_SCRIPT: &str = r#"
 ns=$1; veth=$2; cg=$3; log=$4
@@ -219,22 +226,56 @@ pub fn start(
 ) -> anyhow::Result<Node> {
     let started = Instant::now();
     let dir = janitor.dir().join("node");
-    for sub in ["containerd/root", "containerd/state", "cni/net.d", "cni/ipam", "kubelet", "pod-logs", "pv"] {
+    for sub in [
+        "containerd/root",
+        "containerd/state",
+        "cni/net.d",
+        "cni/bin",
+        "cni/ipam",
+        "kubelet",
+        "pod-logs",
+        "pv",
+    ] {
         std::fs::create_dir_all(dir.join(sub))?;
     }
+    // The node's CNI plugins: Debian's, linked into a directory of the
+    // node's own, where others (Multus, for KubeVirt) can be added.
+    for entry in std::fs::read_dir(DEBIAN_CNI_PLUGINS)? {
+        let entry = entry?;
+        std::os::unix::fs::symlink(entry.path(), dir.join("cni/bin").join(entry.file_name()))?;
+    }
 
-    // The mount namespace holder; daemons join it with nsenter.
+    // The holder of the node's mount and PID namespaces; daemons join both
+    // with nsenter. KubeVirt's virt-handler takes PID 1's mount namespace
+    // (`/proc/1/ns/mnt`, `/proc/1/root`) for the node's: in a PID namespace
+    // of the node's own, PID 1 is this holder's `sleep`, which lives in the
+    // node's mount namespace. When it ends, the kernel ends everything else
+    // in the namespace too.
     let holder = janitor.spawn(
         "mount-holder",
-        Command::new("unshare").args(["--mount", "--propagation", "slave", "sleep", "infinity"]),
+        Command::new("unshare").args([
+            "--mount",
+            "--propagation",
+            "slave",
+            "--pid",
+            "--fork",
+            "--kill-child",
+            "--mount-proc",
+            "sleep",
+            "infinity",
+        ]),
     )?;
     net.record_holder(holder)?;
     let mnt = format!("/proc/{holder}/ns/mnt");
-    // unshare has made the namespace once its mount namespace differs from ours.
-    wait_until(Duration::from_secs(10), "the node's mount namespace", || {
+    // unshare has made the namespaces once its child (PID 1 inside) runs sleep.
+    wait_until(Duration::from_secs(10), "the node's mount and PID namespaces", || {
         janitor.check_alive()?;
-        Ok(std::fs::read_link(&mnt).ok() != std::fs::read_link("/proc/self/ns/mnt").ok()
-            && std::fs::read_link(format!("/proc/{holder}/exe")).is_ok_and(|exe| exe.ends_with("sleep")))
+        let children =
+            std::fs::read_to_string(format!("/proc/{holder}/task/{holder}/children")).unwrap_or_default();
+        let sleeping = children.split_whitespace().any(|child| {
+            std::fs::read_link(format!("/proc/{child}/exe")).is_ok_and(|exe| exe.ends_with("sleep"))
+        });
+        Ok(sleeping && std::fs::read_link(&mnt).ok() != std::fs::read_link("/proc/self/ns/mnt").ok())
     })?;
     let node = Node {
         name: NODE_NAME.to_owned(),
@@ -248,6 +289,20 @@ pub fn start(
         startup: Duration::ZERO,
     };
     node.run(&["mount", "-t", "tmpfs", "-o", "mode=0755", "tmpfs", "/run"])?;
+    // KubeVirt's virt-handler mounts /var/run/kubevirt and the kubelet's
+    // root with Bidirectional propagation (the launcher's disks and
+    // sockets), which containerd allows only from shared mounts (it looks
+    // the path up without following /var/run -> /run, so "/" too); and its
+    // DaemonSet names the kubelet's root by its usual path. So, inside the
+    // node's mount namespace, every mount is made shared as well as a slave
+    // of the host's (what is mounted inside still never reaches the host),
+    // and the node's kubelet directory is bind-mounted on /var/lib/kubelet
+    // (the host keeps at most that empty directory).
+    node.run(&["mount", "--make-rshared", "/"])?;
+    std::fs::create_dir_all(KUBELET_ROOT)?;
+    let kubelet_dir = node.dir.join("kubelet").to_string_lossy().into_owned();
+    node.run(&["mount", "--bind", &kubelet_dir, KUBELET_ROOT])?;
+    node.run(&["mount", "--make-rshared", KUBELET_ROOT])?;
     create_cgroup_root(&net.cgroup_root)?;
     // kube-proxy's service rules see bridged pod-to-pod traffic only with this.
     let _ = Command::new("modprobe").arg("br_netfilter").stderr(Stdio::null()).status();
@@ -286,7 +341,7 @@ pub fn start(
             { "type": "portmap", "capabilities": { "portMappings": true } },
         ],
     });
-    std::fs::write(node.dir.join("cni/net.d/10-vmmnode.conflist"), serde_json::to_vec_pretty(&conflist)?)?;
+    std::fs::write(node.cni_conf_dir().join(POD_NETWORK_CONFLIST), serde_json::to_vec_pretty(&conflist)?)?;
 
     // kubelet
     let node_kubeconfig = node.dir.join("kubelet.kubeconfig");
@@ -298,7 +353,7 @@ pub fn start(
         node.command(cp.bin.join("kubelet"))
             .arg(format!("--config={}", kubelet_config.display()))
             .arg(format!("--kubeconfig={}", node_kubeconfig.display()))
-            .arg(format!("--root-dir={}", node.dir.join("kubelet").display()))
+            .arg(format!("--root-dir={KUBELET_ROOT}"))
             .arg(format!("--hostname-override={}", node.name))
             .arg(format!("--node-ip={}", node.ip))
             .arg("--v=1"),
@@ -335,9 +390,27 @@ pub fn start(
 
 impl Node {
     /// A command run inside the node's network and mount namespaces.
+    /// The CNI configuration directory containerd reads.
+    pub fn cni_conf_dir(&self) -> PathBuf {
+        self.dir.join("cni/net.d")
+    }
+
+    /// The CNI plugin directory containerd runs plugins from.
+    pub fn cni_bin_dir(&self) -> PathBuf {
+        self.dir.join("cni/bin")
+    }
+
+    /// A directory of the node's own for a component's state.
+    pub fn state_dir(&self, name: &str) -> anyhow::Result<PathBuf> {
+        let dir = self.dir.join(name);
+        std::fs::create_dir_all(&dir)?;
+        Ok(dir)
+    }
+
     pub fn command(&self, program: impl AsRef<std::ffi::OsStr>) -> Command {
         let mut cmd = Command::new("nsenter");
         cmd.arg(format!("--mount=/proc/{}/ns/mnt", self.holder))
+            .arg(format!("--pid=/proc/{}/ns/pid_for_children", self.holder))
             .arg(format!("--net=/run/netns/{}", self.netns))
             .arg("--")
             .arg(program);
@@ -530,7 +603,7 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
       [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
         SystemdCgroup = false
   [plugins."io.containerd.grpc.v1.cri".cni]
-    bin_dir = "/usr/lib/cni"
+    bin_dir = "{cni_bin}"
     conf_dir = "{cni}"
 "#,
         root = dir.join("containerd/root").display(),
@@ -539,6 +612,7 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
         opt = dir.join("containerd/opt").display(),
         pause = PAUSE_IMAGE,
         cni = dir.join("cni/net.d").display(),
+        cni_bin = dir.join("cni/bin").display(),
     )
 }
 

@@ -36,6 +36,26 @@ pub const PACKAGES: &[&str] = &[
     "umoci",
     "jq",
     "mmdebstrap",
+    // KubeVirt's images (tools/testenv/kubevirt*.sh): its one patch, and the
+    // launcher monitor's file capability.
+    "patch",
+    "libcap2-bin",
+    // The guests (tools/guest/build.sh): boot loaders, FAT and ext4 written
+    // without mounts, the initramfs, and qemu-ga's libraries.
+    "syslinux",
+    "syslinux-common",
+    "mtools",
+    "systemd-boot-efi",
+    "fdisk",
+    "cpio",
+    "zstd",
+    "kmod",
+    "e2fsprogs",
+    "libglib2.0-0",
+    "libnuma1",
+    "liburing2",
+    "libudev1",
+    "libpcre2-8-0",
 ];
 
 /// Where the harness caches what it builds (`~/.cache/vmmigrate`).
@@ -140,6 +160,32 @@ pub fn upstream() -> anyhow::Result<PathBuf> {
             let script = crate::repo_root().join("tools/testenv/upstream.sh");
             let out =
                 Command::new("bash").arg(&script).env("PATH", go_path()).stderr(Stdio::inherit()).output()?;
+            anyhow::ensure!(out.status.success(), "{} failed", script.display());
+            let dir = String::from_utf8(out.stdout)?.lines().last().unwrap_or_default().trim().to_owned();
+            anyhow::ensure!(!dir.is_empty(), "{} printed no directory", script.display());
+            Ok(PathBuf::from(dir))
+        };
+        build().map_err(|e| format!("{e:#}"))
+    })
+    .clone()
+    .map_err(anyhow::Error::msg)
+}
+
+/// The directory of the guest disk images (`bios.img`, `efi.img`,
+/// `secureboot.img`, `data.img`, `nodisk.img`), built by
+/// `tools/guest/build.sh` on first use, under a lock.
+pub fn guest_images() -> anyhow::Result<PathBuf> {
+    static DIR: OnceLock<Result<PathBuf, String>> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let build = || -> anyhow::Result<PathBuf> {
+            packages()?;
+            let _lock = lock("guest")?;
+            let script = crate::repo_root().join("tools/guest/build.sh");
+            let out = Command::new("bash")
+                .arg(&script)
+                .arg(cache_root().join("guest"))
+                .stderr(Stdio::inherit())
+                .output()?;
             anyhow::ensure!(out.status.success(), "{} failed", script.display());
             let dir = String::from_utf8(out.stdout)?.lines().last().unwrap_or_default().trim().to_owned();
             anyhow::ensure!(!dir.is_empty(), "{} printed no directory", script.display());
@@ -272,7 +318,7 @@ fn target_dir() -> anyhow::Result<PathBuf> {
 
 /// `PATH` with Go's usual install directories, where a fresh machine has it
 /// but a plain shell does not.
-fn go_path() -> String {
+pub(crate) fn go_path() -> String {
     let path = std::env::var("PATH").unwrap_or_default();
     let mut dirs: Vec<String> = path.split(':').filter(|d| !d.is_empty()).map(str::to_owned).collect();
     for extra in ["/usr/local/go/bin", "/usr/lib/go/bin"] {
