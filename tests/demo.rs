@@ -119,15 +119,18 @@ fn demo_completes_the_migration_reports_it_on_the_status_branch_and_leaves_no_pr
 }
 
 #[test]
-fn demo_with_cluster_runs_vmmigrate_as_pods_installed_from_deploy_and_leaves_no_node_behind() {
+fn demo_with_cluster_runs_vmmigrate_as_pods_boots_a_real_guest_on_kubevirt_and_leaves_no_node_behind() {
     let before: Vec<String> = node_namespaces();
     let (stdout, _work, work_dir) = run_demo(&["--cluster"]);
     assert!(stdout.contains("installed with kubectl apply -k"), "{stdout}");
     assert!(stdout.contains("git daemon: git://"), "{stdout}");
+    // The guest booted on real KubeVirt from the copied disk and served its page.
+    assert!(stdout.contains("console     vmmigrate-guest: booted firmware bios"), "{stdout}");
+    assert!(stdout.contains("page        vmmigrate-guest app-bios"), "{stdout}");
     assert_nothing_left(
         &stdout,
         &work_dir,
-        &["etcd", "kube-apiserver", "kube-scheduler", "kubelet", "containerd", "kube-proxy", "sshd", "httpd"],
+        &["etcd", "kube-apiserver", "kube-scheduler", "kubelet", "containerd", "kube-proxy", "sshd"],
     );
     // The node's namespace goes once the demo's process has exited (its guard).
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);

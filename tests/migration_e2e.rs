@@ -555,11 +555,11 @@ async fn guest_web_service(client: &Client, ns: &str, vm: &str) {
 /// mapped to: a bridge of its own on the node with host-local addresses,
 /// attached by the node's real Multus (`vmmigrate_harness::kubevirt`).
 async fn dmz_network(m: &Migration) {
-    let ar = kube::core::ApiResource::from_gvk(&kube::core::GroupVersionKind::gvk(
-        "k8s.cni.cncf.io",
-        "v1",
-        "NetworkAttachmentDefinition",
-    ));
+    // Its CRD's plural has dashes.
+    let ar = kube::core::ApiResource::from_gvk_with_plural(
+        &kube::core::GroupVersionKind::gvk("k8s.cni.cncf.io", "v1", "NetworkAttachmentDefinition"),
+        "network-attachment-definitions",
+    );
     let config = json!({
         "cniVersion": "0.3.1", "name": "dmz", "type": "bridge", "bridge": "dmz0",
         "ipam": {"type": "host-local", "subnet": "172.16.5.0/24", "dataDir": m.work.path().join("dmz-ipam")},

@@ -48,6 +48,22 @@ pub(crate) async fn prepare(
     .await
 }
 
+/// Service `name` port 80 → port 80 of the real guest `vm`'s virt-launcher
+/// pod (KubeVirt labels it `kubevirt.io/domain: <vm>`); the endpoints
+/// controller points it at the pod once the pod is ready.
+pub(crate) async fn guest_service(client: &Client, ns: &str, name: &str, vm: &str) -> anyhow::Result<()> {
+    apply(
+        Api::<Service>::namespaced(client.clone(), ns),
+        name,
+        json!({
+            "apiVersion": "v1", "kind": "Service", "metadata": {"name": name, "namespace": ns},
+            "spec": {"selector": {"kubevirt.io/domain": vm},
+                     "ports": [{"name": "http", "port": 80, "targetPort": 80}]},
+        }),
+    )
+    .await
+}
+
 /// Service `name` port 80 → `address:port`. The EndpointSlice is written
 /// here, standing in for the endpoint controller that would point it at the
 /// virt-launcher pod of the migrated VM.

@@ -42,12 +42,43 @@ use tokio::sync::watch;
 
 /// Where the demo's migration, Secret and Service live.
 const NAMESPACE: &str = "demo";
-/// The VM migrated: two disks, EFI, two NICs (VM Network and DMZ).
-const VM: &str = "db-02";
-const VMID: &str = "2";
 const SECRET: &str = "esxi-demo";
-const PR_BRANCH: &str = "migrate-db-02";
 const STATUS_BRANCH: &str = "migration-status";
+
+/// The VM the demo migrates.
+#[derive(Clone, Copy)]
+struct Subject {
+    vm: &'static str,
+    vmid: &'static str,
+    /// What the ESXi line says of it.
+    describe: &'static str,
+    /// A real guest that boots on real KubeVirt (`--cluster`), or db-02,
+    /// whose VMI the KubeVirt simulator reports running.
+    real_guest: bool,
+}
+
+/// The plain demo's VM: two disks, EFI, two NICs (VM Network and DMZ).
+const DB_02: Subject = Subject {
+    vm: "db-02",
+    vmid: "2",
+    describe: "2 disks, EFI, NICs on VM Network and DMZ",
+    real_guest: false,
+};
+
+/// `--cluster`'s VM: a real Linux guest (`tools/guest/build.sh`) on one
+/// disk, SeaBIOS, one NIC; it boots on real KubeVirt and serves its own page.
+const APP_BIOS: Subject = Subject {
+    vm: "app-bios",
+    vmid: "8",
+    describe: "a real Linux guest: SeaBIOS, 1 disk, NIC on VM Network",
+    real_guest: true,
+};
+
+impl Subject {
+    fn pr_branch(&self) -> String {
+        format!("migrate-{}", self.vm)
+    }
+}
 /// The page the "guest" serves, and the port it listens on.
 const PAGE: &str = "<html><body><h1>db-02 status page</h1><p>migrated from ESXi</p></body></html>\n";
 const GUEST_HTTP_PORT: u16 = 8080;
@@ -64,34 +95,37 @@ struct LocalParts {
     kube: &'static KubeEnv,
     esxi: EsxiEmulator,
     guest_web: GuestWeb,
+    subject: Subject,
 }
 
-/// The guest's web server: in a network namespace, or, with `--cluster`, in
-/// the node's (pods cannot reach a test namespace; they reach the node).
+/// What answers the application check: busybox httpd in a network
+/// namespace standing in for db-02's application, or, with `--cluster`, the
+/// real guest's own web server once it has booted.
 enum GuestWeb {
     Netns(Netns),
-    Node { ip: std::net::Ipv4Addr, janitor: support::process::Janitor },
+    Guest,
 }
 
 impl GuestWeb {
-    fn ip(&self) -> std::net::Ipv4Addr {
+    fn dir(&self) -> Option<&Path> {
         match self {
-            GuestWeb::Netns(n) => n.ip,
-            GuestWeb::Node { ip, .. } => *ip,
-        }
-    }
-
-    fn dir(&self) -> &Path {
-        match self {
-            GuestWeb::Netns(n) => n.dir(),
-            GuestWeb::Node { janitor, .. } => janitor.dir(),
+            GuestWeb::Netns(n) => Some(n.dir()),
+            GuestWeb::Guest => None,
         }
     }
 
     fn describe(&self) -> String {
         match self {
-            GuestWeb::Netns(n) => format!("in network namespace {}", n.name()),
-            GuestWeb::Node { .. } => "in the node's network namespace".to_owned(),
+            GuestWeb::Netns(n) => {
+                format!(
+                    "guest's web server http://{}:{GUEST_HTTP_PORT}/ in network namespace {}",
+                    n.ip,
+                    n.name()
+                )
+            }
+            GuestWeb::Guest => {
+                "the guest's own web server (port 80), once it boots, through Service web".to_owned()
+            }
         }
     }
 }
@@ -117,7 +151,7 @@ fn demo(opts: DemoOptions) -> anyhow::Result<()> {
 
     screen.line("");
     screen.line("stopping…");
-    let LocalParts { kube, esxi, guest_web } = parts;
+    let LocalParts { kube, esxi, guest_web, .. } = parts;
     drop(guest_web);
     drop(esxi);
     let kube_pids = read_pids(&kube_dir(kube));
@@ -214,12 +248,27 @@ fn intro(screen: &mut Screen, cluster: bool) {
         "             download each disk from vmmigrate's staging server over HTTPS and check its sha256",
         "  real       ESXi 8 host: OpenSSH sshd with ESXi's algorithms, BusyBox shell, vim-cmd, VMDKs on a datastore",
         "  real       Git: a bare remote pushed to with the git CLI; vmmigrate's gitops loop writes status back",
-        "  real       the application check: HTTP through a Service and EndpointSlice to busybox httpd in a",
-        "             network namespace (with --cluster: the node's), standing in for the guest's web server",
-        "  simulated  KubeVirt (no guest runs under this machine's KVM): the KubeVirt simulator reports the",
-        "             VirtualMachineInstance running. Nothing boots.",
-        "",
     ] {
+        screen.line(line);
+    }
+    let guest: &[&str] = if cluster {
+        &[
+            "  real       KubeVirt v1.8.0 (operator, virt-api, virt-controller, virt-handler, virt-launcher with",
+            "             libvirt and QEMU; built from its Go module) boots the copied disk in software emulation:",
+            "             a real Linux guest that takes its address by DHCP, runs qemu-guest-agent and serves a page",
+            "  real       the application check: HTTP through a Service to the guest's own web server",
+            "",
+        ]
+    } else {
+        &[
+            "  real       the application check: HTTP through a Service and EndpointSlice to busybox httpd in a",
+            "             network namespace, standing in for the guest's web server",
+            "  simulated  KubeVirt: the KubeVirt simulator reports the VirtualMachineInstance running; db-02's",
+            "             disks hold no OS and nothing boots (`--cluster` boots a real guest on real KubeVirt)",
+            "",
+        ]
+    };
+    for line in guest {
         screen.line(line);
     }
 }
@@ -254,23 +303,30 @@ fn start_local_parts(cluster: bool) -> anyhow::Result<LocalParts> {
     let guest_web = web
         .map_err(|_| anyhow::anyhow!("the network namespace panicked"))?
         .context("starting the guest's web server")?;
-    Ok(LocalParts { kube, esxi, guest_web: GuestWeb::Netns(guest_web) })
+    Ok(LocalParts { kube, esxi, guest_web: GuestWeb::Netns(guest_web), subject: DB_02 })
 }
 
-/// `--cluster`: the one-node cluster first (the ESXi host listens on the
-/// address pods reach, which the node's start chooses), and the release
-/// image imported into it.
+/// `--cluster`: the one-node cluster with real KubeVirt first (the ESXi
+/// host listens on the address pods reach, which the node's start chooses),
+/// the guest images, and the release image imported into the node.
 fn start_cluster_parts() -> anyhow::Result<LocalParts> {
-    let kube = std::thread::spawn(KubeEnv::shared)
+    let guests = std::thread::spawn(support::setup::guest_images);
+    let kube = std::thread::spawn(KubeEnv::shared_kubevirt)
         .join()
-        .map_err(|_| anyhow::anyhow!("the one-node cluster did not start (see above)"))?;
+        .map_err(|_| anyhow::anyhow!("the one-node cluster with KubeVirt did not start (see above)"))?;
     let node = kube.node.as_ref().context("the cluster has no node")?;
-    let esxi = EsxiEmulator::start(EsxiOptions { also_listen: Some(node.host_ip), ..Default::default() })
-        .context("starting the ESXi emulator")?;
-    let janitor = support::process::Janitor::new("vmmigrate-demo-guest")?;
-    node.serve_http(&janitor, GUEST_HTTP_PORT, &[("index.html", PAGE)]).context("the guest's web server")?;
+    let guests = guests
+        .join()
+        .map_err(|_| anyhow::anyhow!("building the guest images panicked"))?
+        .context("building the guest images (tools/guest/build.sh)")?;
+    let esxi = EsxiEmulator::start(EsxiOptions {
+        also_listen: Some(node.host_ip),
+        guests: Some(guests),
+        ..Default::default()
+    })
+    .context("starting the ESXi emulator")?;
     kube.controller_image().context("building and importing the release image")?;
-    Ok(LocalParts { kube, esxi, guest_web: GuestWeb::Node { ip: node.ip, janitor } })
+    Ok(LocalParts { kube, esxi, guest_web: GuestWeb::Guest, subject: APP_BIOS })
 }
 
 fn kube_dir(kube: &KubeEnv) -> PathBuf {
@@ -279,11 +335,11 @@ fn kube_dir(kube: &KubeEnv) -> PathBuf {
 
 /// Every process the parts started, by name, from their janitors' `pids` files.
 fn started_processes(parts: &LocalParts) -> Vec<(String, u32)> {
-    let dirs = [
+    let mut dirs = vec![
         kube_dir(parts.kube),
         parts.esxi.rsa_key_path().parent().map(Path::to_path_buf).unwrap_or_default(),
-        parts.guest_web.dir().to_path_buf(),
     ];
+    dirs.extend(parts.guest_web.dir().map(Path::to_path_buf));
     dirs.iter().flat_map(|d| read_pids(d)).map(|pid| (process_name(pid), pid)).collect()
 }
 
@@ -293,10 +349,19 @@ fn read_pids(dir: &Path) -> Vec<u32> {
 }
 
 /// `etcd`, `sshd`, `httpd` (for `busybox httpd`): the executable's name
-/// (sshd rewrites its command line, and `comm` is cut at 15 characters).
+/// (sshd rewrites its command line, and `comm` is cut at 15 characters);
+/// for `nsenter` (which forks to start containerd in the node's PID
+/// namespace), its child's.
 fn process_name(pid: u32) -> String {
     let exe = std::fs::read_link(format!("/proc/{pid}/exe")).unwrap_or_default();
     let name = exe.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "?".into());
+    if name == "nsenter" {
+        let children =
+            std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children")).unwrap_or_default();
+        if let Some(child) = children.split_whitespace().next().and_then(|c| c.parse().ok()) {
+            return process_name(child);
+        }
+    }
     if name != "busybox" {
         return name;
     }
@@ -356,11 +421,7 @@ async fn stopped(mut stop: watch::Receiver<bool>) {
 /// vmmigrate's side, plus the simulators: in this process, or installed.
 enum Services {
     InProcess(InProcess),
-    Cluster {
-        _sims: support::kubevirt_sim::Simulators,
-        _daemon: support::git_daemon::GitDaemon,
-        metrics_url: Option<String>,
-    },
+    Cluster { _daemon: support::git_daemon::GitDaemon, metrics_url: Option<String> },
 }
 
 impl Services {
@@ -514,15 +575,15 @@ async fn start_services(
 async fn start_cluster_services(
     screen: &mut Screen,
     kube: &'static KubeEnv,
-    client: &Client,
     remote: &GitRemote,
     work: &Path,
-    guest_ip: std::net::Ipv4Addr,
 ) -> anyhow::Result<Services> {
     let node = kube.node.as_ref().context("the cluster has no node")?;
-    let sims = support::kubevirt_sim::start(client.clone(), NAMESPACE);
-    *sims.control.kubevirt.vmi_ip.lock().unwrap_or_else(|p| p.into_inner()) = guest_ip.to_string();
-    screen.line("✓ KubeVirt simulator; real CDI v1.65.0 imports into local-path volumes on the node");
+    screen.line(&format!(
+        "✓ KubeVirt {} (software emulation) and CDI {} on the node, each deployed by its operator",
+        support::kubevirt::VERSION,
+        support::cdi::VERSION
+    ));
 
     let served = remote.bare().parent().context("the remote's directory")?.to_path_buf();
     let daemon = support::git_daemon::GitDaemon::start(node.host_ip, &served)?;
@@ -569,7 +630,7 @@ async fn start_cluster_services(
         .next()
         .and_then(|p| p.split_once('='))
         .map(|(_, ip)| format!("http://{ip}:{METRICS_PORT}/metrics"));
-    Ok(Services::Cluster { _sims: sims, _daemon: daemon, metrics_url })
+    Ok(Services::Cluster { _daemon: daemon, metrics_url })
 }
 
 async fn walkthrough(
@@ -591,22 +652,30 @@ async fn walkthrough(
     ));
     let esxi = &parts.esxi;
     screen.line(&format!(
-        "✓ ESXi host {}:{}, host key {}, VM {VM} (vmid {VMID}): 2 disks, EFI, NICs on VM Network and DMZ",
+        "✓ ESXi host {}:{}, host key {}, VM {} (vmid {}): {}",
         source_host(parts),
         esxi.port,
-        esxi.host_key_fingerprint()
+        esxi.host_key_fingerprint(),
+        parts.subject.vm,
+        parts.subject.vmid,
+        parts.subject.describe,
     ));
-    screen.line(&format!(
-        "✓ guest's web server http://{}:{GUEST_HTTP_PORT}/ {}",
-        parts.guest_web.ip(),
-        parts.guest_web.describe()
-    ));
+    screen.line(&format!("✓ {}", parts.guest_web.describe()));
     let names: Vec<String> = pids.iter().map(|(name, pid)| format!("{name}={pid}")).collect();
     screen.line(&format!("processes started: {}", names.join(" ")));
 
     cluster::prepare(&client, NAMESPACE, SECRET, &esxi.username, &esxi.password).await?;
-    cluster::web_service(&client, NAMESPACE, "db-web", parts.guest_web.ip(), GUEST_HTTP_PORT).await?;
-    screen.line(&format!("✓ namespace {NAMESPACE}: Secret {SECRET} (the ESXi login), Service db-web"));
+    let service = match &parts.guest_web {
+        GuestWeb::Netns(netns) => {
+            cluster::web_service(&client, NAMESPACE, "db-web", netns.ip, GUEST_HTTP_PORT).await?;
+            "db-web"
+        }
+        GuestWeb::Guest => {
+            cluster::guest_service(&client, NAMESPACE, "web", parts.subject.vm).await?;
+            "web"
+        }
+    };
+    screen.line(&format!("✓ namespace {NAMESPACE}: Secret {SECRET} (the ESXi login), Service {service}"));
 
     let examples = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples-repo");
     let remote = tokio::task::block_in_place(|| GitRemote::create(work, &examples))?;
@@ -615,22 +684,26 @@ async fn walkthrough(
         remote.bare().display()
     ));
 
-    let services = if opts.cluster {
-        start_cluster_services(screen, parts.kube, &client, &remote, work, parts.guest_web.ip()).await?
-    } else {
-        let node = parts.kube.node.as_ref().context("the cluster has no node")?;
-        start_services(screen, &client, &remote, work, parts.guest_web.ip(), node.host_ip).await?
+    let services = match &parts.guest_web {
+        GuestWeb::Guest => start_cluster_services(screen, parts.kube, &remote, work).await?,
+        GuestWeb::Netns(netns) => {
+            let node = parts.kube.node.as_ref().context("the cluster has no node")?;
+            start_services(screen, &client, &remote, work, netns.ip, node.host_ip).await?
+        }
     };
     let metrics_url = services.metrics_url();
     let host = source_host(parts);
     let result = tokio::select! {
-        r = pull_request_to_completed(screen, &client, &remote, &host, esxi, deadline) => r,
+        r = pull_request_to_completed(screen, &client, &remote, &host, esxi, parts.subject, deadline) => r,
         _ = stopped(stop.clone()) => Err(anyhow::anyhow!("interrupted")),
     };
     if let Ok(vmm) = &result {
-        summary(screen, vmm, esxi);
+        summary(screen, vmm, esxi, parts.subject);
+        if parts.subject.real_guest {
+            show_guest(screen, &client, parts.subject).await;
+        }
     }
-    look_around(screen, &remote, &kubeconfig, work, metrics_url.as_deref());
+    look_around(screen, &remote, &kubeconfig, work, metrics_url.as_deref(), parts.subject);
     if opts.keep && !*stop.borrow() {
         screen.line("");
         screen.line("Everything keeps running (--keep). Press Ctrl-C to stop it.");
@@ -640,17 +713,34 @@ async fn walkthrough(
     result.map(|_| ())
 }
 
-/// The ESXi host's address as the controller reaches it.
+/// The ESXi host's address as the controller reaches it (with `--cluster`
+/// the controller runs in pods, which reach the host end of the node's veth).
 fn source_host(parts: &LocalParts) -> String {
     match &parts.guest_web {
-        GuestWeb::Node { .. } => parts.kube.node.as_ref().map(|n| n.host_ip.to_string()).unwrap_or_default(),
+        GuestWeb::Guest => parts.kube.node.as_ref().map(|n| n.host_ip.to_string()).unwrap_or_default(),
         GuestWeb::Netns(_) => "127.0.0.1".to_owned(),
     }
 }
 
 /// The manifest the engineer writes, pinned to the emulated host's key.
-fn manifest(host: &str, esxi: &EsxiEmulator) -> String {
-    manifest_text(host, esxi.port, &esxi.host_key_fingerprint())
+fn manifest(host: &str, esxi: &EsxiEmulator, subject: Subject) -> String {
+    let text = manifest_text(host, esxi.port, &esxi.host_key_fingerprint());
+    if subject.real_guest { guest_manifest_text(&text, subject.vm) } else { text }
+}
+
+/// db-02's manifest made the real guest's: its name, its one network, and
+/// the page it serves itself (naming itself with the hostname KubeVirt's
+/// DHCP gives it).
+fn guest_manifest_text(db_02: &str, vm: &str) -> String {
+    db_02
+        .replace(
+            "# Migrate db-02 (two disks, EFI, two NICs)",
+            &format!("# Migrate {vm} (a real Linux guest)"),
+        )
+        .replace("name: db-02", &format!("name: {vm}"))
+        .replace("    - source: DMZ\n      type: Multus\n      networkName: dmz\n", "")
+        .replace("service: db-web", "service: web")
+        .replace("bodyContains: db-02 status page", &format!("bodyContains: vmmigrate-guest {vm}"))
 }
 
 fn manifest_text(host: &str, port: u16, host_key: &str) -> String {
@@ -659,7 +749,7 @@ fn manifest_text(host: &str, port: u16, host_key: &str) -> String {
 apiVersion: migration.platform.example/v1alpha1
 kind: VirtualMachineMigration
 metadata:
-  name: {VM}
+  name: db-02
   namespace: {NAMESPACE}
 spec:
   source:
@@ -670,7 +760,7 @@ spec:
     credentialsSecretRef:
       name: {SECRET}
     vm:
-      name: {VM}
+      name: db-02
   destination:
     namespace: {NAMESPACE}
     storageClassName: local-path
@@ -721,16 +811,19 @@ async fn pull_request_to_completed(
     remote: &GitRemote,
     host: &str,
     esxi: &EsxiEmulator,
+    subject: Subject,
     deadline: Instant,
 ) -> anyhow::Result<VirtualMachineMigration> {
-    let path = format!("migrations/{VM}.yaml");
-    let text = manifest(host, esxi);
-    section(screen, &format!("1. Pull request: branch {PR_BRANCH} adds {path}"));
+    let vm = subject.vm;
+    let branch = subject.pr_branch();
+    let path = format!("migrations/{vm}.yaml");
+    let text = manifest(host, esxi, subject);
+    section(screen, &format!("1. Pull request: branch {branch} adds {path}"));
     let head = tokio::task::block_in_place(|| {
-        remote.push_branch(PR_BRANCH, &[(&path, &text)], "Migrate db-02 to KubeVirt")
+        remote.push_branch(&branch, &[(&path, &text)], &format!("Migrate {vm} to KubeVirt"))
     })?;
     quoted(screen, &text);
-    screen.line(&format!("   pushed {PR_BRANCH} at {}", &head[..head.len().min(7)]));
+    screen.line(&format!("   pushed {branch} at {}", &head[..head.len().min(7)]));
 
     section(screen, "2. The plan vmmigrate posts on the pull request (`vmmigrate plan` on the branch)");
     let (plan, ok) = crate::gitops::local::plan_local(
@@ -742,7 +835,7 @@ async fn pull_request_to_completed(
     quoted(screen, plan.lines().filter(|l| !l.starts_with("<!--")).collect::<Vec<_>>().join("\n").trim());
     ensure!(ok, "the plan fails (see above)");
 
-    let merge = tokio::task::block_in_place(|| remote.merge(PR_BRANCH))?;
+    let merge = tokio::task::block_in_place(|| remote.merge(&branch))?;
     let merged_at = Instant::now();
     section(
         screen,
@@ -752,11 +845,11 @@ async fn pull_request_to_completed(
         ),
     );
 
-    section(screen, &format!("4. The migration {NAMESPACE}/{VM}, live"));
-    let vmm = follow(screen, client, merged_at, deadline).await?;
+    section(screen, &format!("4. The migration {NAMESPACE}/{vm}, live"));
+    let vmm = follow(screen, client, vm, merged_at, deadline).await?;
 
     section(screen, "5. The outcome, written back to Git");
-    let file = format!("{STATUS_BRANCH}:{NAMESPACE}/{VM}.yaml");
+    let file = format!("{STATUS_BRANCH}:{NAMESPACE}/{vm}.yaml");
     loop {
         let shown = tokio::task::block_in_place(|| remote.show(&file));
         if let Some(yaml) = shown
@@ -764,13 +857,13 @@ async fn pull_request_to_completed(
         {
             let commit = tokio::task::block_in_place(|| remote.short(STATUS_BRANCH)).unwrap_or_default();
             screen.line(&format!(
-                "{}  branch {STATUS_BRANCH} at {commit}: {NAMESPACE}/{VM}.yaml says phase: Completed",
+                "{}  branch {STATUS_BRANCH} at {commit}: {NAMESPACE}/{vm}.yaml says phase: Completed",
                 screen::elapsed(merged_at.elapsed())
             ));
             return Ok(vmm);
         }
         if Instant::now() >= deadline {
-            bail!("timed out: the status branch does not show {NAMESPACE}/{VM} Completed");
+            bail!("timed out: the status branch does not show {NAMESPACE}/{vm} Completed");
         }
         tokio::time::sleep(POLL).await;
     }
@@ -787,6 +880,7 @@ fn status_file_phase(yaml: &str) -> Option<String> {
 async fn follow(
     screen: &mut Screen,
     client: &Client,
+    vm: &str,
     merged_at: Instant,
     deadline: Instant,
 ) -> anyhow::Result<VirtualMachineMigration> {
@@ -798,7 +892,7 @@ async fn follow(
     let mut errors_seen: HashSet<String> = HashSet::new();
     loop {
         let at = screen::elapsed(merged_at.elapsed());
-        let vmm = match api.get_opt(VM).await {
+        let vmm = match api.get_opt(vm).await {
             Ok(v) => v,
             Err(e) => {
                 tracing::warn!(error = %e, "reading the migration");
@@ -890,18 +984,19 @@ fn new_transitions(history: &[PhaseTransition], last: Option<&PhaseTransition>) 
 }
 
 /// What the migration proved, from its status and the emulated host.
-fn summary(screen: &mut Screen, vmm: &VirtualMachineMigration, esxi: &EsxiEmulator) {
+fn summary(screen: &mut Screen, vmm: &VirtualMachineMigration, esxi: &EsxiEmulator, subject: Subject) {
+    let (vm, vmid) = (subject.vm, subject.vmid);
     let status = vmm.status.clone().unwrap_or_default();
-    section(screen, &format!("Result: {NAMESPACE}/{VM} {}", status.phase));
+    section(screen, &format!("Result: {NAMESPACE}/{vm} {}", status.phase));
     screen.line(&format!(
-        "   source      {VM} on the ESXi host: power {}, powered off {} by vmmigrate; its disks were only read",
-        esxi.vm_power(VMID),
-        match esxi.power_off_transitions(VMID) {
+        "   source      {vm} on the ESXi host: power {}, powered off {} by vmmigrate; its disks were only read",
+        esxi.vm_power(vmid),
+        match esxi.power_off_transitions(vmid) {
             1 => "once".to_owned(),
             n => format!("{n} times"),
         }
     ));
-    let on_datastore = esxi.disk_files(VMID);
+    let on_datastore = esxi.disk_files(vmid);
     for d in &status.disks {
         let sha = d.source_sha256.clone().unwrap_or_default();
         let same = on_datastore.get(d.index as usize).is_some_and(|f| f.2 == sha);
@@ -915,10 +1010,12 @@ fn summary(screen: &mut Screen, vmm: &VirtualMachineMigration, esxi: &EsxiEmulat
         ));
     }
     if let Some(vm) = &status.destination_vm {
-        screen.line(&format!(
-            "   VM          VirtualMachine {}/{} (a real object; running it is simulated)",
-            vm.namespace, vm.name
-        ));
+        let running = if subject.real_guest {
+            "running on real KubeVirt, booted from the copied bytes"
+        } else {
+            "a real object; running it is simulated"
+        };
+        screen.line(&format!("   VM          VirtualMachine {}/{} ({running})", vm.namespace, vm.name));
     }
     let checks: Vec<String> = status
         .validation_results
@@ -928,13 +1025,68 @@ fn summary(screen: &mut Screen, vmm: &VirtualMachineMigration, esxi: &EsxiEmulat
     screen.line(&format!("   checks      {}", checks.join("  ")));
 }
 
+/// The real guest after Completed: the lines its serial console printed
+/// (KubeVirt's `guest-console-log` container) and the page it serves (GET /
+/// at the address its VMI reports, the one the check reached).
+async fn show_guest(screen: &mut Screen, client: &Client, subject: Subject) {
+    section(screen, &format!("The guest {} on KubeVirt", subject.vm));
+    let (console, page) = guest_console_and_page(client, subject.vm).await;
+    let booted: Vec<&str> = console.lines().filter(|l| l.starts_with("vmmigrate-guest: ")).take(3).collect();
+    if booted.is_empty() {
+        screen.line("   console     (no line from the guest yet)");
+    }
+    for line in booted {
+        screen.line(&format!("   console     {line}"));
+    }
+    for line in page.lines().filter(|l| !l.trim().is_empty() && !l.starts_with('<')).take(4) {
+        screen.line(&format!("   page        {line}"));
+    }
+}
+
+async fn guest_console_and_page(client: &Client, vm: &str) -> (String, String) {
+    use k8s_openapi::api::core::v1::Pod;
+    let pods: Api<Pod> = Api::namespaced(client.clone(), NAMESPACE);
+    let launcher = pods
+        .list(&kube::api::ListParams::default().labels(&format!("kubevirt.io/domain={vm}")))
+        .await
+        .ok()
+        .and_then(|l| l.items.into_iter().next());
+    let console = match launcher {
+        Some(pod) => {
+            let params =
+                kube::api::LogParams { container: Some("guest-console-log".into()), ..Default::default() };
+            pods.logs(&pod.name_any(), &params).await.unwrap_or_default()
+        }
+        None => String::new(),
+    };
+    let vmis: Api<kube::api::DynamicObject> = Api::namespaced_with(
+        client.clone(),
+        NAMESPACE,
+        &crate::destination::cluster::virtual_machine_instance_resource(),
+    );
+    let ip = match vmis.get(vm).await {
+        Ok(vmi) => vmi.data["status"]["interfaces"][0]["ipAddress"].as_str().unwrap_or_default().to_owned(),
+        Err(_) => String::new(),
+    };
+    let page = match reqwest::Client::builder().no_proxy().timeout(Duration::from_secs(10)).build() {
+        Ok(http) if !ip.is_empty() => match http.get(format!("http://{ip}/")).send().await {
+            Ok(answer) => answer.text().await.unwrap_or_default(),
+            Err(e) => format!("GET http://{ip}/: {e}"),
+        },
+        _ => String::new(),
+    };
+    (console, page)
+}
+
 fn look_around(
     screen: &mut Screen,
     remote: &GitRemote,
     kubeconfig: &Path,
     work: &Path,
     metrics: Option<&str>,
+    subject: Subject,
 ) {
+    let vm = subject.vm;
     let bare = remote.bare().display();
     let exe = std::env::current_exe().map(|p| p.display().to_string()).unwrap_or_else(|_| "vmmigrate".into());
     section(screen, "Look around");
@@ -942,7 +1094,7 @@ fn look_around(
         format!("   Git remote  {bare}"),
         format!("     git --git-dir {bare} log --oneline {STATUS_BRANCH}"),
         format!("     git --git-dir {bare} show {STATUS_BRANCH}:STATUS.md"),
-        format!("     git --git-dir {bare} show {STATUS_BRANCH}:{NAMESPACE}/{VM}.yaml"),
+        format!("     git --git-dir {bare} show {STATUS_BRANCH}:{NAMESPACE}/{vm}.yaml"),
         "   Cluster     while the demo runs (--keep keeps it running after the migration):".to_owned(),
         format!("     KUBECONFIG={} {exe} status", kubeconfig.display()),
         format!("     KUBECONFIG={} kubectl get vmm -A      (if kubectl is installed)", kubeconfig.display()),
@@ -1011,7 +1163,7 @@ mod tests {
     fn the_demo_manifest_renders_without_errors() {
         use crate::gitops::render::{RenderOptions, render};
         let files = vec![crate::gitops::RepoFile {
-            path: format!("migrations/{VM}.yaml"),
+            path: format!("migrations/{}.yaml", DB_02.vm),
             bytes: manifest_text("127.0.0.1", 2222, &format!("SHA256:{}", "A".repeat(43))).into_bytes(),
         }];
         let provenance = crate::gitops::Provenance { repo_url: "demo".into(), commit: "c".into() };

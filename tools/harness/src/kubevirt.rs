@@ -53,6 +53,7 @@ spec:
 
 /// KubeVirt's commands and manifest templates (`tools/testenv/kubevirt.sh`).
 pub fn build() -> anyhow::Result<PathBuf> {
+    crate::setup::packages()?;
     let _lock = crate::setup::lock("testenv-kubevirt")?;
     let script = crate::repo_root().join("tools/testenv/kubevirt.sh");
     let out = Command::new("bash")
@@ -110,6 +111,8 @@ fn operator_manifest(built: &std::path::Path) -> anyhow::Result<String> {
 fn multus(env: &KubeEnv, built: &std::path::Path) -> anyhow::Result<()> {
     let node = env.node.as_ref().ok_or_else(|| anyhow::anyhow!("this cluster has no node"))?;
     env.kubectl(&["apply", "-f", &built.join("share/networks-crd.yaml").to_string_lossy()])?;
+    let pod_network: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(node.cni_conf_dir().join(crate::node::POD_NETWORK_CONFLIST))?)?;
     let plugin = node.cni_bin_dir().join("multus");
     std::fs::copy(built.join("bin/multus"), &plugin)?;
     let config = serde_json::json!({
@@ -120,7 +123,10 @@ fn multus(env: &KubeEnv, built: &std::path::Path) -> anyhow::Result<()> {
         "binDir": node.cni_bin_dir(),
         "cniDir": node.state_dir("multus")?,
         "confDir": node.cni_conf_dir(),
-        "clusterNetwork": node.cni_conf_dir().join(crate::node::POD_NETWORK_CONFLIST),
+        // The pod network inline: given as a file, Multus v4.2.3 caches a
+        // copy without the plugins' own fields for the pod's deletion, and
+        // the bridge plugin then refuses it ("no IP ranges specified").
+        "delegates": [pod_network],
     });
     // Written beside, then renamed: containerd takes the first file by name.
     let part = node.cni_conf_dir().join(".00-multus.conf.part");

@@ -14,8 +14,9 @@
 //!   10.244.K.0/24 via the node, on the veth, so it goes with the veth.
 //! - **Mounts**: containerd, the kubelet and kube-proxy run in a private
 //!   mount and PID namespace (a holder `unshare --mount --propagation slave
-//!   --pid`) with a tmpfs on `/run`, so overlay, volume and netns mounts
-//!   never reach the host and vanish when the last process in it exits.
+//!   --pid --mount-proc`) with a tmpfs on `/run`, so overlay, volume and
+//!   netns mounts never reach the host and vanish when the last process in
+//!   it exits, and every process of the node ends with the holder.
 //! - **cgroups**: pods live under `/vmmnode-<pid>-<n>` in every cgroup v1
 //!   hierarchy (the kubelet's `cgroupRoot`), removed depth-first at the end.
 //!
@@ -245,12 +246,16 @@ pub fn start(
         std::os::unix::fs::symlink(entry.path(), dir.join("cni/bin").join(entry.file_name()))?;
     }
 
-    // The holder of the node's mount and PID namespaces; daemons join both
-    // with nsenter. KubeVirt's virt-handler takes PID 1's mount namespace
-    // (`/proc/1/ns/mnt`, `/proc/1/root`) for the node's: in a PID namespace
-    // of the node's own, PID 1 is this holder's `sleep`, which lives in the
-    // node's mount namespace. When it ends, the kernel ends everything else
-    // in the namespace too.
+    // The holder of the node's mount and PID namespaces (with a /proc of
+    // that PID namespace); daemons join both with nsenter. KubeVirt's
+    // virt-handler (a hostPID pod) takes PID 1's mount namespace
+    // (`/proc/1/ns/mnt`, `/proc/1/root`) for the node's: in the node's PID
+    // namespace, PID 1 is this holder's `sleep`, which lives in the node's
+    // mount namespace. When it ends, the kernel ends every process in the
+    // namespace too. nsenter forks to enter a PID namespace (a Go program
+    // cannot start threads in one it did not enter), so the janitor's pids
+    // of the node's daemons are nsenter's, each living as long as its
+    // daemon.
     let holder = janitor.spawn(
         "mount-holder",
         Command::new("unshare").args([
