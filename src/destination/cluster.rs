@@ -534,9 +534,10 @@ impl Cluster for KubeCluster {
                 });
                 match (phase.as_str(), unschedulable) {
                     ("Running", _) => VmiState::Running,
-                    ("Failed", _) => {
-                        VmiState::Failed(Failure::retryable(Reason::VMIFailed, format!("VMI {name} failed")))
-                    }
+                    ("Failed", _) => VmiState::Failed(Failure::retryable(
+                        Reason::VMIFailed,
+                        format!("VMI {name} failed{}", vmi_failure_detail(&status)),
+                    )),
                     (_, Some(c)) => {
                         let message = c["message"].as_str().unwrap_or_default().to_owned();
                         if message.contains("devices.kubevirt.io/kvm") {
@@ -682,9 +683,50 @@ fn vmi_addresses(status: &Value) -> Vec<std::net::IpAddr> {
     addresses
 }
 
+/// What a failed VMI says about why: the messages of its conditions (virt-
+/// handler's `Synchronized`, the pod's scheduling or readiness), as
+/// `: Type Reason: message; …`, at most 500 characters; empty when it says
+/// nothing.
+fn vmi_failure_detail(status: &Value) -> String {
+    let conditions = status.get("conditions").and_then(Value::as_array).cloned().unwrap_or_default();
+    let said: Vec<String> = conditions
+        .iter()
+        .filter_map(|c| {
+            let message = c["message"].as_str().filter(|m| !m.is_empty())?;
+            let kind = c["type"].as_str().unwrap_or("?");
+            let reason = c["reason"].as_str().unwrap_or_default();
+            Some(format!("{kind} {reason}: {message}").replace("  ", " "))
+        })
+        .collect();
+    if said.is_empty() {
+        return String::new();
+    }
+    let mut detail = format!(": {}", said.join("; "));
+    if detail.len() > 500 {
+        let cut = (0..=500).rev().find(|i| detail.is_char_boundary(*i)).unwrap_or(0);
+        detail.truncate(cut);
+        detail.push('…');
+    }
+    detail
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_failed_vmi_is_reported_with_what_its_conditions_say() {
+        let status = json!({ "phase": "Failed", "conditions": [
+            { "type": "Ready", "status": "False", "reason": "PodTerminating", "message": "" },
+            { "type": "Synchronized", "status": "False", "reason": "Synchronizing with the Domain failed.",
+              "message": "virError(Code=1): internal error: process exited while connecting to monitor" }]});
+        let detail = vmi_failure_detail(&status);
+        assert!(detail.starts_with(": Synchronized Synchronizing"), "{detail}");
+        assert!(detail.contains("process exited while connecting to monitor"), "{detail}");
+        assert_eq!(vmi_failure_detail(&json!({ "phase": "Failed" })), "");
+        let long = json!({ "conditions": [{ "type": "X", "message": "é".repeat(400) }] });
+        assert!(vmi_failure_detail(&long).chars().count() <= 502);
+    }
 
     #[test]
     fn the_ip_check_passes_only_on_an_address_the_guest_agent_reports() {

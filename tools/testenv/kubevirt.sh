@@ -13,13 +13,6 @@
 #   bin/manifest-templator resource-generator    KubeVirt's own tools that
 #                                                write its operator's install
 #                                                manifests with given images
-#   bin/multus                                   Multus v4.2.3's thin CNI
-#                                                plugin, for KubeVirt's
-#                                                secondary networks
-#   share/networks-crd.yaml                      the NetworkAttachmentDefinition
-#                                                CRD (network-attachment-
-#                                                definition-client v1.3.0,
-#                                                the version KubeVirt uses)
 # Later runs find them and print the directory at once.
 #
 # Same way as upstream.sh: the module's own go.mod/go.sum (GOWORK=off) in a
@@ -39,11 +32,11 @@ cache_root=${VMMIGRATE_TESTENV_CACHE:-$HOME/.cache/vmmigrate/testenv}
 key=$( (cat "$here/kubevirt.sh"; find "$here/upstream/libnbd" "$here/kubevirt" -type f | sort | xargs cat) | sha256sum | cut -c1-12)
 out="$cache_root/kubevirt-$version-$key"
 pure=(virt-operator virt-api virt-controller virt-launcher-monitor virt-freezer virt-probe virt-tail virt-chroot)
-all=("${pure[@]}" virt-handler virt-launcher container-disk node-labeller.sh manifest-templator resource-generator multus)
+all=("${pure[@]}" virt-handler virt-launcher container-disk node-labeller.sh manifest-templator resource-generator)
 
 complete=1
 for cmd in "${all[@]}"; do [ -x "$out/bin/$cmd" ] || complete=0; done
-[ -s "$out/share/qemu.conf" ] && [ -d "$out/share/manifests" ] && [ -s "$out/share/networks-crd.yaml" ] || complete=0
+[ -s "$out/share/qemu.conf" ] && [ -d "$out/share/manifests" ] || complete=0
 if [ "$complete" = 1 ]; then
   echo "$out"
   exit 0
@@ -102,12 +95,5 @@ mkdir -p "$out/share"
 cp "$kv/cmd/virt-launcher/qemu.conf" "$kv/cmd/virt-launcher/virtqemud.conf" "$kv/cmd/virt-launcher/nsswitch.conf" "$out/share/"
 cp -r "$kv/manifests" "$out/share/manifests"
 chmod -R u+w "$out/share"
-# Multus, from its own module.
-multus="$tmp/multus"
-module gopkg.in/k8snetworkplumbingwg/multus-cni.v4 v4.2.3 "$multus"
-(cd "$multus" && CGO_ENABLED=0 go build -trimpath -ldflags "-s -w" -o "$out/bin/multus.part" ./cmd/multus)
-mv "$out/bin/multus.part" "$out/bin/multus"
-nad=$(go mod download -json github.com/k8snetworkplumbingwg/network-attachment-definition-client@v1.3.0 | sed -n 's/^\t"Dir": "\(.*\)",$/\1/p')
-install -m 0644 "$nad/artifacts/networks-crd.yaml" "$out/share/networks-crd.yaml"
 echo "kubevirt: built in $(( $(date +%s) - start )) s" >&2
 echo "$out"

@@ -81,7 +81,7 @@ pub struct EsxiOptions {
 
 /// The VMs [`EsxiOptions::guests`] adds, by vmid and name: `app-bios` (8,
 /// SeaBIOS, one disk: `bios.img`, one vmxnet3 NIC), `app-efi` (9, UEFI
-/// without secure boot, two disks: `efi.img` and `data.img`, two NICs) and
+/// without secure boot, two disks: `efi.img` and `data.img`, one NIC) and
 /// `no-os` (10, SeaBIOS, one disk holding no OS: `nodisk.img`). Each is
 /// 1 vCPU and 256 MiB, powered on, Tools running.
 pub const GUEST_VMS: [(&str, &str); 3] = [("8", "app-bios"), ("9", "app-efi"), ("10", "no-os")];
@@ -1074,7 +1074,7 @@ fn guest_vms(images: &Path) -> Vec<VmSpec> {
             "app-efi",
             true,
             vec![image("scsi0:0", "app-efi.vmdk", "efi.img"), image("scsi0:1", "app-efi_1.vmdk", "data.img")],
-            vec![nic("VM Network", "00:0c:29:aa:bb:09"), nic("DMZ", "00:0c:29:aa:bc:09")],
+            vec![nic("VM Network", "00:0c:29:aa:bb:09")],
         ),
         guest(
             "10",

@@ -20,12 +20,12 @@
 //! - one patch to virt-handler, `tools/testenv/kubevirt/*.patch`: software
 //!   emulation without /dev/kvm in the launcher's pod.
 //!
-//! KubeVirt's secondary networks (`multus` in a VM's networks) need Multus:
-//! its thin CNI plugin (v4.2.3, from its Go module) becomes the node's first
-//! CNI configuration, delegating the pod network to the node's bridge and a
-//! pod's extra networks to their NetworkAttachmentDefinitions (its real
-//! CRD). It reads pods and those definitions with the cluster's admin
-//! credential (a test cluster; a real install gives it its own).
+//! No secondary networks: KubeVirt's bridge binding (what a `multus`
+//! network of a VM gets) creates a dummy link in the launcher's pod, and
+//! this machine's kernel is built without dummy links (CONFIG_DUMMY unset,
+//! no modules). Multus v4.2.3 itself ran here (its thin plugin from its Go
+//! module, the NetworkAttachmentDefinition CRD): virt-handler then failed
+//! the VM with "LinkAdd: operation not supported".
 
 use crate::KubeEnv;
 use std::path::PathBuf;
@@ -107,34 +107,6 @@ fn operator_manifest(built: &std::path::Path) -> anyhow::Result<String> {
     Ok(text.replacen("\n  replicas: 2\n", "\n  replicas: 1\n", 1))
 }
 
-/// Multus as the node's CNI configuration, and its definitions' CRD.
-fn multus(env: &KubeEnv, built: &std::path::Path) -> anyhow::Result<()> {
-    let node = env.node.as_ref().ok_or_else(|| anyhow::anyhow!("this cluster has no node"))?;
-    env.kubectl(&["apply", "-f", &built.join("share/networks-crd.yaml").to_string_lossy()])?;
-    let pod_network: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(node.cni_conf_dir().join(crate::node::POD_NETWORK_CONFLIST))?)?;
-    let plugin = node.cni_bin_dir().join("multus");
-    std::fs::copy(built.join("bin/multus"), &plugin)?;
-    let config = serde_json::json!({
-        "cniVersion": "0.3.1",
-        "name": "multus-cni-network",
-        "type": "multus",
-        "kubeconfig": env.kubeconfig_path(),
-        "binDir": node.cni_bin_dir(),
-        "cniDir": node.state_dir("multus")?,
-        "confDir": node.cni_conf_dir(),
-        // The pod network inline: given as a file, Multus v4.2.3 caches a
-        // copy without the plugins' own fields for the pod's deletion, and
-        // the bridge plugin then refuses it ("no IP ranges specified").
-        "delegates": [pod_network],
-    });
-    // Written beside, then renamed: containerd takes the first file by name.
-    let part = node.cni_conf_dir().join(".00-multus.conf.part");
-    std::fs::write(&part, serde_json::to_vec_pretty(&config)?)?;
-    std::fs::rename(&part, node.cni_conf_dir().join("00-multus.conf"))?;
-    Ok(())
-}
-
 /// Builds (once, cached), imports and deploys KubeVirt; returns when the
 /// operator reports KubeVirt `Deployed`.
 pub fn install(env: &KubeEnv) -> anyhow::Result<()> {
@@ -147,7 +119,6 @@ pub fn install(env: &KubeEnv) -> anyhow::Result<()> {
             env.import_image(&path)?;
         }
     }
-    multus(env, &built)?;
     // virt-operator runs on control-plane nodes only; the one node is.
     env.kubectl(&["label", "node", "--all", "--overwrite", "node-role.kubernetes.io/control-plane="])?;
     let dir = tempfile::tempdir()?;

@@ -240,7 +240,7 @@ pub fn start(
         std::fs::create_dir_all(dir.join(sub))?;
     }
     // The node's CNI plugins: Debian's, linked into a directory of the
-    // node's own, where others (Multus, for KubeVirt) can be added.
+    // node's own, where others can be added.
     for entry in std::fs::read_dir(DEBIAN_CNI_PLUGINS)? {
         let entry = entry?;
         std::os::unix::fs::symlink(entry.path(), dir.join("cni/bin").join(entry.file_name()))?;
@@ -403,13 +403,6 @@ impl Node {
     /// The CNI plugin directory containerd runs plugins from.
     pub fn cni_bin_dir(&self) -> PathBuf {
         self.dir.join("cni/bin")
-    }
-
-    /// A directory of the node's own for a component's state.
-    pub fn state_dir(&self, name: &str) -> anyhow::Result<PathBuf> {
-        let dir = self.dir.join(name);
-        std::fs::create_dir_all(&dir)?;
-        Ok(dir)
     }
 
     pub fn command(&self, program: impl AsRef<std::ffi::OsStr>) -> Command {
