@@ -73,7 +73,11 @@ fn run_demo(args: &[&str]) -> (String, tempfile::TempDir, PathBuf) {
     let shown = Command::new("git")
         .arg("--git-dir")
         .arg(&remote)
-        .args(["show", "migration-status:demo/db-02.yaml"])
+        // The plain demo migrates db-02; `--cluster` the real guest app-bios.
+        .arg(format!(
+            "migration-status:demo/{}.yaml",
+            if args.contains(&"--cluster") { "app-bios" } else { "db-02" }
+        ))
         .output()
         .expect("git show");
     assert!(shown.status.success(), "{}", String::from_utf8_lossy(&shown.stderr));

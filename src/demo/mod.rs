@@ -139,7 +139,11 @@ fn demo(opts: DemoOptions) -> anyhow::Result<()> {
     intro(&mut screen, opts.cluster);
     build_control_plane(&mut screen)?;
 
-    screen.line("starting the API server, the ESXi host and the guest's web server…");
+    screen.line(if opts.cluster {
+        "starting the cluster with CDI and KubeVirt, and the ESXi host…"
+    } else {
+        "starting the API server, the ESXi host and the guest's web server…"
+    });
     let parts = start_local_parts(opts.cluster)?;
     // From here: building the control plane or the release image does not count.
     let deadline = Instant::now() + Duration::from_secs(opts.timeout_seconds);
@@ -846,7 +850,7 @@ async fn pull_request_to_completed(
     );
 
     section(screen, &format!("4. The migration {NAMESPACE}/{vm}, live"));
-    let vmm = follow(screen, client, vm, merged_at, deadline).await?;
+    let vmm = follow(screen, client, subject, merged_at, deadline).await?;
 
     section(screen, "5. The outcome, written back to Git");
     let file = format!("{STATUS_BRANCH}:{NAMESPACE}/{vm}.yaml");
@@ -880,7 +884,7 @@ fn status_file_phase(yaml: &str) -> Option<String> {
 async fn follow(
     screen: &mut Screen,
     client: &Client,
-    vm: &str,
+    subject: Subject,
     merged_at: Instant,
     deadline: Instant,
 ) -> anyhow::Result<VirtualMachineMigration> {
@@ -892,6 +896,7 @@ async fn follow(
     let mut errors_seen: HashSet<String> = HashSet::new();
     loop {
         let at = screen::elapsed(merged_at.elapsed());
+        let (vm, real_guest) = (subject.vm, subject.real_guest);
         let vmm = match api.get_opt(vm).await {
             Ok(v) => v,
             Err(e) => {
@@ -938,7 +943,11 @@ async fn follow(
                 }
                 bars.clear();
                 current = t.phase;
-                screen.line(&format!("{at}  {:<27}{}", t.phase.to_string(), screen::caption(t.phase)));
+                screen.line(&format!(
+                    "{at}  {:<27}{}",
+                    t.phase.to_string(),
+                    screen::caption(t.phase, real_guest)
+                ));
                 last_transition = Some(t);
             }
             for e in &status.errors {

@@ -136,9 +136,16 @@ pub(crate) fn has_disk_progress(phase: Phase) -> bool {
     matches!(phase, Phase::Preparing | Phase::Converting | Phase::Importing)
 }
 
-/// What a phase is doing, for someone seeing vmmigrate for the first time.
-pub(crate) fn caption(phase: Phase) -> &'static str {
+/// What a phase is doing, for someone seeing vmmigrate for the first time;
+/// `real_guest` when a real guest boots on real KubeVirt (`--cluster`).
+pub(crate) fn caption(phase: Phase, real_guest: bool) -> &'static str {
     match phase {
+        Phase::Starting if real_guest => {
+            "real KubeVirt starts the VM: a virt-launcher pod, QEMU boots the guest"
+        }
+        Phase::Validating if real_guest => {
+            "checking the guest: its page through Service web, its guest agent, its IP address"
+        }
         Phase::Pending => "accepted; the controller adds its finalizer",
         Phase::Discovering => "reading the VM over SSH: vim-cmd, the .vmx, the VMDK descriptors",
         Phase::Validated => "pre-flight checks passed (disks, firmware, networks, storage class)",
@@ -193,7 +200,7 @@ mod tests {
     #[test]
     fn every_phase_has_a_caption() {
         for phase in Phase::ALL {
-            assert!(!caption(phase).is_empty(), "{phase}");
+            assert!(!caption(phase, false).is_empty() && !caption(phase, true).is_empty(), "{phase}");
         }
     }
 }
