@@ -74,6 +74,7 @@ fn run_demo(args: &[&str]) -> (String, tempfile::TempDir, PathBuf) {
         .arg("--git-dir")
         .arg(&remote)
         // The plain demo migrates db-02; `--cluster` the real guest app-bios.
+        .arg("show")
         .arg(format!(
             "migration-status:demo/{}.yaml",
             if args.contains(&"--cluster") { "app-bios" } else { "db-02" }

@@ -997,6 +997,28 @@ async fn a_bios_guest_boots_from_the_copied_bytes_on_real_kubevirt_and_its_own_p
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_secure_boot_guest_boots_on_real_kubevirt_with_secure_boot_and_smm_through_its_signed_shim() {
+    let m = Migration::guest("e2e-secure", "app-secure").await;
+    m.create(|_| {}).await;
+    let vmm = m.wait_completed().await;
+    let status = vmm.status.clone().unwrap();
+    let inventory = status.source_inventory.clone().unwrap();
+    assert!(inventory.firmware == vmmigrate::api::Firmware::Efi && inventory.secure_boot, "{inventory:?}");
+    let vms = m.list(&virtual_machine_resource()).await;
+    let domain = &vms[0].data["spec"]["template"]["spec"]["domain"];
+    assert_eq!(domain["firmware"]["bootloader"]["efi"]["secureBoot"], true);
+    assert_eq!(domain["features"]["smm"]["enabled"], true, "secure boot needs SMM");
+    assert!(status.validation_results.iter().all(|r| r.passed), "{:#?}", status.validation_results);
+    // OVMF with Microsoft's keys verified Debian's shim, GRUB and kernel:
+    // the kernel says secure boot is on, and so does the guest.
+    let guest = m.guest_facts().await;
+    assert!(guest.console.contains("vmmigrate-guest: booted firmware efi"), "console:\n{}", guest.console);
+    assert!(guest.console.contains("vmmigrate-guest: secureboot on"), "console:\n{}", guest.console);
+    assert!(guest.page.contains("secureboot: on"), "{}", guest.page);
+    m.assert_source_off_and_untouched();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_disk_without_an_os_runs_but_fails_its_checks_retries_and_waits_for_a_person_never_completed() {
     let m = Migration::guest("e2e-no-os", "no-os").await;
     m.create(|body| {

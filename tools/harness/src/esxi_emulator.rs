@@ -81,10 +81,13 @@ pub struct EsxiOptions {
 
 /// The VMs [`EsxiOptions::guests`] adds, by vmid and name: `app-bios` (8,
 /// SeaBIOS, one disk: `bios.img`, one vmxnet3 NIC), `app-efi` (9, UEFI
-/// without secure boot, two disks: `efi.img` and `data.img`, one NIC) and
-/// `no-os` (10, SeaBIOS, one disk holding no OS: `nodisk.img`). Each is
-/// 1 vCPU and 256 MiB, powered on, Tools running.
-pub const GUEST_VMS: [(&str, &str); 3] = [("8", "app-bios"), ("9", "app-efi"), ("10", "no-os")];
+/// without secure boot, two disks: `efi.img` and `data.img`, one NIC),
+/// `no-os` (10, SeaBIOS, one disk holding no OS: `nodisk.img`) and
+/// `app-secure` (11, UEFI with secure boot, 512 MiB: `secureboot.img`,
+/// Debian's signed shim, GRUB and kernel). Each is 1 vCPU and 256 MiB unless
+/// said, powered on, Tools running, one vmxnet3 NIC.
+pub const GUEST_VMS: [(&str, &str); 4] =
+    [("8", "app-bios"), ("9", "app-efi"), ("10", "no-os"), ("11", "app-secure")];
 
 impl Default for EsxiOptions {
     fn default() -> Self {
@@ -761,6 +764,8 @@ struct VmSpec {
     memory_mb: u32,
     cpus: Option<u32>,
     efi: bool,
+    /// `uefi.secureBoot.enabled` (with `efi`).
+    secure_boot: bool,
     power_on: bool,
     tools: &'static str,
     hostname: &'static str,
@@ -814,6 +819,7 @@ fn vm_specs(opts: &EsxiOptions) -> Vec<VmSpec> {
             memory_mb: 2048,
             cpus: Some(2),
             efi: false,
+            secure_boot: false,
             power_on: true,
             tools: "running",
             hostname: "web01",
@@ -843,6 +849,7 @@ fn vm_specs(opts: &EsxiOptions) -> Vec<VmSpec> {
             memory_mb: 4096,
             cpus: Some(4),
             efi: true,
+            secure_boot: false,
             power_on: true,
             tools: "running",
             hostname: "db-02.internal",
@@ -884,6 +891,7 @@ fn vm_specs(opts: &EsxiOptions) -> Vec<VmSpec> {
             memory_mb: 1024,
             cpus: Some(1),
             efi: false,
+            secure_boot: false,
             power_on: false,
             tools: "running",
             hostname: "snap-vm",
@@ -913,6 +921,7 @@ fn vm_specs(opts: &EsxiOptions) -> Vec<VmSpec> {
             memory_mb: 1024,
             cpus: None,
             efi: false,
+            secure_boot: false,
             power_on: true,
             tools: "notrunning",
             hostname: "question-vm",
@@ -945,6 +954,7 @@ fn vm_specs(opts: &EsxiOptions) -> Vec<VmSpec> {
             memory_mb: 512,
             cpus: Some(1),
             efi: false,
+            secure_boot: false,
             power_on: false,
             tools: "running",
             hostname: "hostile",
@@ -974,6 +984,7 @@ fn vm_specs(opts: &EsxiOptions) -> Vec<VmSpec> {
             memory_mb: 1024,
             cpus: Some(2),
             efi: false,
+            secure_boot: false,
             power_on: true,
             tools: "notinstalled",
             hostname: "no-tools",
@@ -1008,6 +1019,7 @@ fn vm_specs(opts: &EsxiOptions) -> Vec<VmSpec> {
             memory_mb: 2048,
             cpus: Some(2),
             efi: true,
+            secure_boot: false,
             power_on: false,
             tools: "running",
             hostname: "big",
@@ -1049,6 +1061,7 @@ fn guest_vms(images: &Path) -> Vec<VmSpec> {
         memory_mb: 256,
         cpus: Some(1),
         efi,
+        secure_boot: false,
         power_on: true,
         tools: "running",
         hostname: name,
@@ -1083,6 +1096,19 @@ fn guest_vms(images: &Path) -> Vec<VmSpec> {
             vec![image("scsi0:0", "no-os.vmdk", "nodisk.img")],
             vec![nic("VM Network", "00:0c:29:aa:bb:10")],
         ),
+        // Debian's signed shim and GRUB start the kernel under secure boot
+        // only with 512 MiB or more (tools/guest/build.sh).
+        VmSpec {
+            secure_boot: true,
+            memory_mb: 512,
+            ..guest(
+                "11",
+                "app-secure",
+                true,
+                vec![image("scsi0:0", "app-secure.vmdk", "secureboot.img")],
+                vec![nic("VM Network", "00:0c:29:aa:bb:11")],
+            )
+        },
     ]
 }
 
@@ -1106,6 +1132,9 @@ fn vmx_text(vm: &VmSpec) -> String {
     if vm.efi {
         lines.push(("firmware".into(), "efi".into()));
         lines.push(("nvram".into(), format!("{}.nvram", vm.dir)));
+        if vm.secure_boot {
+            lines.push(("uefi.secureBoot.enabled".into(), "TRUE".into()));
+        }
     }
     lines.push(("uuid.bios".into(), format!("42 1b 4b 87 e6 b7 d8 81-07 a0 c9 d2 21 cd 3c {n:02x}")));
     lines.push(("vc.uuid".into(), format!("52 7a 10 93 5e 44 c1 0f-9a 61 0b 3d 7e 22 a4 {n:02x}")));
