@@ -47,6 +47,13 @@ pub const POD_NETWORK_CONFLIST: &str = "10-vmmnode.conflist";
 /// The kubelet's root inside the node's mount namespace (a bind mount of
 /// the node's own `kubelet` directory).
 const KUBELET_ROOT: &str = "/var/lib/kubelet";
+/// Host paths the node's pods use that are the node's own: inside its mount
+/// namespace each is a bind mount of a directory of the node (the host
+/// keeps at most the empty directory). The kubelet's root, and where
+/// KubeVirt's node labeller (an init container of virt-handler, hostPath)
+/// writes what libvirt says of the node.
+const NODE_HOST_PATHS: [(&str, &str); 2] =
+    [("kubelet", KUBELET_ROOT), ("kubevirt-node-labeller", "/var/lib/kubevirt-node-labeller")];
 
 const GUARD_SCRIPT: &str = r#"
 ns=$1; veth=$2; cg=$3; log=$4
@@ -298,16 +305,19 @@ pub fn start(
     // root with Bidirectional propagation (the launcher's disks and
     // sockets), which containerd allows only from shared mounts (it looks
     // the path up without following /var/run -> /run, so "/" too); and its
-    // DaemonSet names the kubelet's root by its usual path. So, inside the
+    // DaemonSet names host paths by their usual names. So, inside the
     // node's mount namespace, every mount is made shared as well as a slave
     // of the host's (what is mounted inside still never reaches the host),
-    // and the node's kubelet directory is bind-mounted on /var/lib/kubelet
-    // (the host keeps at most that empty directory).
+    // and the node's own directories are bind-mounted on those paths
+    // (`NODE_HOST_PATHS`).
     node.run(&["mount", "--make-rshared", "/"])?;
-    std::fs::create_dir_all(KUBELET_ROOT)?;
-    let kubelet_dir = node.dir.join("kubelet").to_string_lossy().into_owned();
-    node.run(&["mount", "--bind", &kubelet_dir, KUBELET_ROOT])?;
-    node.run(&["mount", "--make-rshared", KUBELET_ROOT])?;
+    for (own, path) in NODE_HOST_PATHS {
+        let own = node.dir.join(own);
+        std::fs::create_dir_all(&own)?;
+        std::fs::create_dir_all(path)?;
+        node.run(&["mount", "--bind", &own.to_string_lossy(), path])?;
+        node.run(&["mount", "--make-rshared", path])?;
+    }
     create_cgroup_root(&net.cgroup_root)?;
     // kube-proxy's service rules see bridged pod-to-pod traffic only with this.
     let _ = Command::new("modprobe").arg("br_netfilter").stderr(Stdio::null()).status();
