@@ -548,6 +548,18 @@ async fn guest_web_service(client: &Client, ns: &str, vm: &str) {
     Api::<Service>::namespaced(client.clone(), ns).create(&PostParams::default(), &service).await.unwrap();
 }
 
+/// The manifest's three checks (`Migration::create`), each passed.
+fn assert_the_three_checks_passed(status: &vmmigrate::api::VirtualMachineMigrationStatus) {
+    let results: Vec<(String, bool)> =
+        status.validation_results.iter().map(|r| (r.name.clone(), r.passed)).collect();
+    assert_eq!(
+        results,
+        vec![("status-page".into(), true), ("agent".into(), true), ("address".into(), true)],
+        "{:#?}",
+        status.validation_results
+    );
+}
+
 /// Records the uid of every object of `api` ever created (a watch sees each
 /// one, however short-lived).
 fn watch_uids<K>(
@@ -655,14 +667,7 @@ async fn two_disk_efi_vm_with_two_nics_migrates_to_completed_with_checksums_end_
     assert_eq!(vms[0].labels()["migration.platform.example/migration-uid"], uid);
 
     // Every check ran against the real thing and passed.
-    let results: Vec<(String, bool)> =
-        status.validation_results.iter().map(|r| (r.name.clone(), r.passed)).collect();
-    assert_eq!(
-        results,
-        vec![("status-page".into(), true), ("agent".into(), true), ("address".into(), true)],
-        "{:#?}",
-        status.validation_results
-    );
+    assert_the_three_checks_passed(&status);
     let dvs = m.list(&data_volume_resource()).await;
     assert_eq!(dvs.len(), 2);
     // Real CDI v1.65 checked each download against the copy's sha256.
@@ -734,14 +739,7 @@ async fn an_efi_guest_with_two_disks_boots_on_real_kubevirt_from_the_copied_byte
     assert_eq!(domain["machine"]["type"], "q35", "virt-api's defaults are there");
 
     // Every check ran against the guest and passed.
-    let results: Vec<(String, bool)> =
-        status.validation_results.iter().map(|r| (r.name.clone(), r.passed)).collect();
-    assert_eq!(
-        results,
-        vec![("status-page".into(), true), ("agent".into(), true), ("address".into(), true)],
-        "{:#?}",
-        status.validation_results
-    );
+    assert_the_three_checks_passed(&status);
     // The guest booted from the imported bytes under UEFI (OVMF) and saw
     // both disks, the second with the data disk's file system.
     let guest = m.guest_facts().await;
@@ -975,14 +973,7 @@ async fn a_bios_guest_boots_from_the_copied_bytes_on_real_kubevirt_and_its_own_p
     let status = vmm.status.clone().unwrap();
     let source = m.source_sha256_at_start();
     assert_eq!(m.imported_sha256(1).await, source, "the bytes in the PVC are the source's");
-    let results: Vec<(String, bool)> =
-        status.validation_results.iter().map(|r| (r.name.clone(), r.passed)).collect();
-    assert_eq!(
-        results,
-        vec![("status-page".into(), true), ("agent".into(), true), ("address".into(), true)],
-        "{:#?}",
-        status.validation_results
-    );
+    assert_the_three_checks_passed(&status);
     let guest = m.guest_facts().await;
     assert!(guest.console.contains("vmmigrate-guest: booted firmware bios"), "console:\n{}", guest.console);
     assert!(

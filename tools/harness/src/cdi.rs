@@ -34,18 +34,11 @@ fn image(component: &str) -> String {
 pub fn install(env: &KubeEnv) -> anyhow::Result<()> {
     let started = Instant::now();
     let upstream = crate::setup::upstream()?;
-    let images = {
-        let _lock = crate::setup::lock("testenv-cdi-images")?;
-        let script = crate::repo_root().join("tools/testenv/cdi-images.sh");
-        let out = Command::new("bash")
-            .arg(&script)
-            .arg(&upstream)
-            .arg(crate::setup::cache_root().join("testenv-cdi-images"))
-            .stderr(Stdio::inherit())
-            .output()?;
-        anyhow::ensure!(out.status.success(), "{} failed", script.display());
-        std::path::PathBuf::from(String::from_utf8(out.stdout)?.lines().last().unwrap_or_default().trim())
-    };
+    let images = crate::setup::run_build_script(
+        "testenv-cdi-images",
+        "tools/testenv/cdi-images.sh",
+        &[&upstream, &crate::setup::cache_root().join("testenv-cdi-images")],
+    )?;
     for entry in std::fs::read_dir(&images)? {
         let path = entry?.path();
         if path.to_string_lossy().ends_with(".oci.tar") {

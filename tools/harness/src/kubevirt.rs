@@ -54,29 +54,16 @@ spec:
 /// KubeVirt's commands and manifest templates (`tools/testenv/kubevirt.sh`).
 pub fn build() -> anyhow::Result<PathBuf> {
     crate::setup::packages()?;
-    let _lock = crate::setup::lock("testenv-kubevirt")?;
-    let script = crate::repo_root().join("tools/testenv/kubevirt.sh");
-    let out = Command::new("bash")
-        .arg(&script)
-        .env("PATH", crate::setup::go_path())
-        .stderr(Stdio::inherit())
-        .output()?;
-    anyhow::ensure!(out.status.success(), "{} failed", script.display());
-    Ok(PathBuf::from(String::from_utf8(out.stdout)?.lines().last().unwrap_or_default().trim()))
+    crate::setup::run_build_script("testenv-kubevirt", "tools/testenv/kubevirt.sh", &[])
 }
 
 /// The image archives (`tools/testenv/kubevirt-images.sh`).
 pub fn images(built: &std::path::Path) -> anyhow::Result<PathBuf> {
-    let _lock = crate::setup::lock("testenv-kubevirt-images")?;
-    let script = crate::repo_root().join("tools/testenv/kubevirt-images.sh");
-    let out = Command::new("bash")
-        .arg(&script)
-        .arg(built)
-        .arg(crate::setup::cache_root().join("testenv-kubevirt-images"))
-        .stderr(Stdio::inherit())
-        .output()?;
-    anyhow::ensure!(out.status.success(), "{} failed", script.display());
-    Ok(PathBuf::from(String::from_utf8(out.stdout)?.lines().last().unwrap_or_default().trim()))
+    crate::setup::run_build_script(
+        "testenv-kubevirt-images",
+        "tools/testenv/kubevirt-images.sh",
+        &[built, &crate::setup::cache_root().join("testenv-kubevirt-images")],
+    )
 }
 
 /// The operator's install manifest, written by KubeVirt's templator.

@@ -40,10 +40,6 @@ use std::time::{Duration, Instant};
 /// Images the node holds, imported from `tools/testenv/images.sh`.
 pub const PAUSE_IMAGE: &str = "registry.test.local/pause:3.10";
 pub const BUSYBOX_IMAGE: &str = "registry.test.local/busybox:1.36";
-/// Where Debian's containernetworking-plugins are.
-const DEBIAN_CNI_PLUGINS: &str = "/usr/lib/cni";
-/// The node's pod network, in its CNI configuration directory.
-pub const POD_NETWORK_CONFLIST: &str = "10-vmmnode.conflist";
 /// The kubelet's root inside the node's mount namespace (a bind mount of
 /// the node's own `kubelet` directory).
 const KUBELET_ROOT: &str = "/var/lib/kubelet";
@@ -234,23 +230,8 @@ pub fn start(
 ) -> anyhow::Result<Node> {
     let started = Instant::now();
     let dir = janitor.dir().join("node");
-    for sub in [
-        "containerd/root",
-        "containerd/state",
-        "cni/net.d",
-        "cni/bin",
-        "cni/ipam",
-        "kubelet",
-        "pod-logs",
-        "pv",
-    ] {
+    for sub in ["containerd/root", "containerd/state", "cni/net.d", "cni/ipam", "kubelet", "pod-logs", "pv"] {
         std::fs::create_dir_all(dir.join(sub))?;
-    }
-    // The node's CNI plugins: Debian's, linked into a directory of the
-    // node's own, where others can be added.
-    for entry in std::fs::read_dir(DEBIAN_CNI_PLUGINS)? {
-        let entry = entry?;
-        std::os::unix::fs::symlink(entry.path(), dir.join("cni/bin").join(entry.file_name()))?;
     }
 
     // The holder of the node's mount and PID namespaces (with a /proc of
@@ -356,7 +337,7 @@ pub fn start(
             { "type": "portmap", "capabilities": { "portMappings": true } },
         ],
     });
-    std::fs::write(node.cni_conf_dir().join(POD_NETWORK_CONFLIST), serde_json::to_vec_pretty(&conflist)?)?;
+    std::fs::write(node.dir.join("cni/net.d/10-vmmnode.conflist"), serde_json::to_vec_pretty(&conflist)?)?;
 
     // kubelet
     let node_kubeconfig = node.dir.join("kubelet.kubeconfig");
@@ -405,16 +386,6 @@ pub fn start(
 
 impl Node {
     /// A command run inside the node's network and mount namespaces.
-    /// The CNI configuration directory containerd reads.
-    pub fn cni_conf_dir(&self) -> PathBuf {
-        self.dir.join("cni/net.d")
-    }
-
-    /// The CNI plugin directory containerd runs plugins from.
-    pub fn cni_bin_dir(&self) -> PathBuf {
-        self.dir.join("cni/bin")
-    }
-
     pub fn command(&self, program: impl AsRef<std::ffi::OsStr>) -> Command {
         let mut cmd = Command::new("nsenter");
         cmd.arg(format!("--mount=/proc/{}/ns/mnt", self.holder))
@@ -611,7 +582,7 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
       [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
         SystemdCgroup = false
   [plugins."io.containerd.grpc.v1.cri".cni]
-    bin_dir = "{cni_bin}"
+    bin_dir = "/usr/lib/cni"
     conf_dir = "{cni}"
 "#,
         root = dir.join("containerd/root").display(),
@@ -620,7 +591,6 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
         opt = dir.join("containerd/opt").display(),
         pause = PAUSE_IMAGE,
         cni = dir.join("cni/net.d").display(),
-        cni_bin = dir.join("cni/bin").display(),
     )
 }
 

@@ -149,23 +149,31 @@ fn build_control_plane() -> anyhow::Result<PathBuf> {
     Ok(PathBuf::from(dir))
 }
 
+/// Runs one of our build scripts (`bash SCRIPT ARGS…`, relative to the
+/// repository) under the lock `lock_name`, its progress on our stderr, with
+/// Go on the PATH; returns the directory it prints as its last line.
+pub(crate) fn run_build_script(lock_name: &str, script: &str, args: &[&Path]) -> anyhow::Result<PathBuf> {
+    let _lock = lock(lock_name)?;
+    let script = crate::repo_root().join(script);
+    let out = Command::new("bash")
+        .arg(&script)
+        .args(args)
+        .env("PATH", go_path())
+        .stderr(Stdio::inherit())
+        .output()?;
+    anyhow::ensure!(out.status.success(), "{} failed", script.display());
+    let dir = String::from_utf8(out.stdout)?.lines().last().unwrap_or_default().trim().to_owned();
+    anyhow::ensure!(!dir.is_empty(), "{} printed no directory", script.display());
+    Ok(PathBuf::from(dir))
+}
+
 /// What the tests take from KubeVirt v1.8.0 and CDI v1.65.0, built from
 /// their Go modules by `tools/testenv/upstream.sh` on first use, under a
 /// lock: `crds/kubevirt.yaml`, `crds/cdi.yaml` and CDI's commands in `bin/`.
 pub fn upstream() -> anyhow::Result<PathBuf> {
     static DIR: OnceLock<Result<PathBuf, String>> = OnceLock::new();
     DIR.get_or_init(|| {
-        let build = || -> anyhow::Result<PathBuf> {
-            let _lock = lock("testenv-upstream")?;
-            let script = crate::repo_root().join("tools/testenv/upstream.sh");
-            let out =
-                Command::new("bash").arg(&script).env("PATH", go_path()).stderr(Stdio::inherit()).output()?;
-            anyhow::ensure!(out.status.success(), "{} failed", script.display());
-            let dir = String::from_utf8(out.stdout)?.lines().last().unwrap_or_default().trim().to_owned();
-            anyhow::ensure!(!dir.is_empty(), "{} printed no directory", script.display());
-            Ok(PathBuf::from(dir))
-        };
-        build().map_err(|e| format!("{e:#}"))
+        run_build_script("testenv-upstream", "tools/testenv/upstream.sh", &[]).map_err(|e| format!("{e:#}"))
     })
     .clone()
     .map_err(anyhow::Error::msg)
@@ -179,17 +187,7 @@ pub fn guest_images() -> anyhow::Result<PathBuf> {
     DIR.get_or_init(|| {
         let build = || -> anyhow::Result<PathBuf> {
             packages()?;
-            let _lock = lock("guest")?;
-            let script = crate::repo_root().join("tools/guest/build.sh");
-            let out = Command::new("bash")
-                .arg(&script)
-                .arg(cache_root().join("guest"))
-                .stderr(Stdio::inherit())
-                .output()?;
-            anyhow::ensure!(out.status.success(), "{} failed", script.display());
-            let dir = String::from_utf8(out.stdout)?.lines().last().unwrap_or_default().trim().to_owned();
-            anyhow::ensure!(!dir.is_empty(), "{} printed no directory", script.display());
-            Ok(PathBuf::from(dir))
+            run_build_script("guest", "tools/guest/build.sh", &[&cache_root().join("guest")])
         };
         build().map_err(|e| format!("{e:#}"))
     })
