@@ -283,6 +283,7 @@ fn gitops(
                 destinations: c.destinations(),
                 interrupt: None,
                 metrics: metrics.clone(),
+                limits: c.limits(),
             };
             crate::controller::reconciler::run(client.clone(), adapters, config, std::future::pending())
                 .await;

@@ -194,6 +194,8 @@ fn run_schedule(seed: u64, rt: &tokio::runtime::Runtime, totals: &mut Totals) ->
             jitter: rng.unit(),
             retry_requested: vmm.annotations().get(RETRY_ANNOTATION).is_some_and(|v| v == "true"),
             destinations: &DestinationRules::default(),
+            cutover_approved: false,
+            fleet: Default::default(),
         };
         let step =
             rt.block_on(engine::step(&adapters, &vmm, input, |_: &Checkpoint| crash_rng.chance(crash_rate)));

@@ -208,6 +208,9 @@ impl Migration {
             },
             metrics_listen: "127.0.0.1:0".parse().unwrap(),
             destination_rules: Default::default(),
+            max_reads_per_host: 2,
+            host_reads: Vec::new(),
+            max_reads: None,
         };
         let metrics = Arc::new(Metrics::new());
         let staging = service::start_staging(&opts, &metrics).await.expect("staging server");

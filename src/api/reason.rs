@@ -59,6 +59,15 @@ reasons! {
     DestinationNamespaceNotFound,
     DestinationNamespaceNotAllowed,
     SourceVMClaimed,
+    InvalidCutoverWindow,
+    // Waiting before the cutover (status.waiting), in the order they are asked
+    WaitingForWave,
+    WaveHeld,
+    WaitingForWindow,
+    CutoverWindowClosed,
+    WaitingForApproval,
+    WaitingForHostSlot,
+    WaitingForClusterSlot,
     // The ESXi host over SSH
     SSHTimeout,
     SSHConnectFailed,

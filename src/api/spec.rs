@@ -18,6 +18,10 @@ pub(crate) const GROUP: &str = "migration.platform.example";
 pub(crate) const VERSION: &str = "v1alpha1";
 /// Annotation that moves a migration out of ManualInterventionRequired; removed when consumed.
 pub const RETRY_ANNOTATION: &str = "migration.platform.example/retry";
+/// Annotation (value `"true"`) that approves the cutover of a migration with
+/// `spec.cutover.mode: Approval`, for kubectl users; from Git the approval is
+/// `spec.cutover.approved: true`, merged as a second change.
+pub const APPROVE_CUTOVER_ANNOTATION: &str = "migration.platform.example/approve-cutover";
 
 /// A request to move one VM from a standalone ESXi host into KubeVirt.
 #[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
@@ -74,6 +78,85 @@ pub struct VirtualMachineMigrationSpec {
     /// What is removed when a migration ends or its resource is deleted.
     #[serde(default)]
     pub cleanup: CleanupSpec,
+    /// When the irreversible step (the source's power-off) may happen. Discovery and
+    /// validation always run at once; only what follows them waits.
+    #[serde(default, skip_serializing_if = "CutoverSpec::is_now")]
+    pub cutover: CutoverSpec,
+    /// The wave this migration belongs to: it goes past validation only once every
+    /// migration of an earlier wave of the same plan (in the same namespace) has Completed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub wave: Option<WaveSpec>,
+}
+
+/// When the source may be powered off.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("self.mode == 'Window' ? has(self.window) : !has(self.window)").message("cutover.window is required for mode Window and not allowed otherwise"))]
+pub struct CutoverSpec {
+    /// `Now` (as soon as validated), `Window` (only between `window.start` and `window.end`)
+    /// or `Approval` (only once approved: `approved: true` merged through Git, or the
+    /// `migration.platform.example/approve-cutover: "true"` annotation).
+    #[serde(default)]
+    pub mode: CutoverMode,
+    /// The maintenance window, for mode `Window`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub window: Option<CutoverWindow>,
+    /// The approval of mode `Approval`, given through Git as a second merged change.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub approved: bool,
+}
+
+impl CutoverSpec {
+    fn is_now(&self) -> bool {
+        *self == CutoverSpec::default()
+    }
+}
+
+/// How the cutover is released.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub enum CutoverMode {
+    #[default]
+    Now,
+    Window,
+    Approval,
+}
+
+/// A maintenance window: wall-clock start and end in a time zone. Nothing
+/// irreversible starts outside it; a copy started inside it runs to its end.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct CutoverWindow {
+    /// Local start, `YYYY-MM-DDTHH:MM` (seconds optional), in `timeZone`.
+    #[schemars(regex(pattern = r"^[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}(:[0-9]{2})?$"))]
+    pub start: String,
+    /// Local end, same form; after `start`.
+    #[schemars(regex(pattern = r"^[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}(:[0-9]{2})?$"))]
+    pub end: String,
+    /// IANA time zone of `start` and `end`, e.g. `Europe/Berlin`.
+    #[serde(default = "default_time_zone")]
+    #[schemars(length(min = 1, max = 64))]
+    pub time_zone: String,
+}
+
+fn default_time_zone() -> String {
+    "UTC".to_owned()
+}
+
+/// A migration's place in an ordered plan.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct WaveSpec {
+    /// The plan the waves belong to; plans are independent of each other.
+    #[serde(default = "default_plan")]
+    #[schemars(length(min = 1, max = 63), regex(pattern = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"))]
+    pub plan: String,
+    /// The wave number: lower waves go first.
+    #[schemars(range(min = 0, max = 10000))]
+    pub number: i32,
+}
+
+fn default_plan() -> String {
+    "default".to_owned()
 }
 
 /// The ESXi host (reached over SSH) and the VM on it.

@@ -61,6 +61,29 @@ pub struct VirtualMachineMigrationStatus {
     /// Result of each `spec.validation.checks` entry.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub validation_results: Vec<ValidationResult>,
+    /// Why a validated migration does not go on yet (its wave, its cutover window or
+    /// approval, a free read slot on its host); absent when it is not waiting.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub waiting: Option<Waiting>,
+}
+
+/// What a validated migration waits for before the cutover.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Waiting {
+    /// `WaitingForWave`, `WaveHeld`, `WaitingForWindow`, `CutoverWindowClosed`,
+    /// `WaitingForApproval`, `WaitingForHostSlot` or `WaitingForClusterSlot`.
+    pub reason: String,
+    /// For people: e.g. `3rd in line for esx-07 (2 of 2 reads in use)`.
+    pub message: String,
+    /// When it started waiting for this reason.
+    pub since: Time,
+    /// The time it waits for, when it is a time (the window's start).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub until: Option<Time>,
+    /// 1-based place in the queue of its host, while waiting for a read slot.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub position: Option<i32>,
 }
 
 /// A condition in the shape of Kubernetes `metav1.Condition`.
@@ -113,6 +136,10 @@ pub struct Timestamps {
     pub validation_started: Option<Time>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub completed: Option<Time>,
+    /// When the cutover of a migration with `spec.cutover.mode: Approval` was
+    /// first seen approved. Set once.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cutover_approved: Option<Time>,
     /// When the finishing work of a terminal phase (releasing or deleting the
     /// destination, removing staged data) was done. Set once.
     #[serde(default, skip_serializing_if = "Option::is_none")]

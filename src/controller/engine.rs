@@ -257,6 +257,10 @@ pub struct StepInput<'a> {
     pub retry_requested: bool,
     /// The administrator's destination allow rules, applied at Validated.
     pub destinations: &'a DestinationRules,
+    /// The cutover-approval annotation is present with value "true".
+    pub cutover_approved: bool,
+    /// What the rest of the fleet says (waves, read slots); asked at Validated.
+    pub fleet: machine::fleet::FleetGates,
 }
 
 /// One reconcile. `interrupt` is asked at every checkpoint and returns true to
@@ -271,7 +275,21 @@ pub async fn step(
     let status = vmm.status.clone().unwrap_or_default();
     let name = vmm.metadata.name.clone().unwrap_or_default();
     let generation = vmm.metadata.generation.unwrap_or(1);
-    let mut observed = observe(adapters, vmm).await;
+    let make_input = |observed: Observed| Input {
+        spec: &vmm.spec,
+        status: &status,
+        name: &name,
+        generation,
+        retry_requested: input.retry_requested,
+        cutover_approved: input.cutover_approved,
+        fleet: input.fleet.clone(),
+        observed,
+        now: input.now,
+        jitter: input.jitter,
+    };
+    // Held at a gate after validating: nothing to look at until it opens.
+    let held = status.phase == Phase::Validated && machine::held_at_gate(&make_input(Observed::Nothing));
+    let mut observed = if held { Observed::Nothing } else { observe(adapters, vmm).await };
     if let Observed::Preflight(Ok(facts)) = &mut observed {
         // The controller's own rule, whatever the adapter reported.
         facts.destination_refused =
@@ -280,16 +298,6 @@ pub async fn step(
     if interrupt(&Checkpoint::Observed) {
         return None;
     }
-    let make_input = |observed: Observed| Input {
-        spec: &vmm.spec,
-        status: &status,
-        name: &name,
-        generation,
-        retry_requested: input.retry_requested,
-        observed,
-        now: input.now,
-        jitter: input.jitter,
-    };
     let decision = machine::decide(make_input(observed));
     // Actions act on what this decision says (a DataVolume is rendered with
     // the verification it chose), though it is recorded only after them.

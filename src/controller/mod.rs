@@ -5,6 +5,7 @@
 //! - `service`: the real adapters assembled for `vmmigrate controller`
 
 pub mod engine;
+pub(crate) mod fleet;
 pub mod leader;
 pub mod reconciler;
 pub mod service;

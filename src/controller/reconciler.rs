@@ -8,9 +8,13 @@
 //! breaking the watch for every other migration.
 
 use super::engine::{self, StepInput};
+use super::fleet::Fleet;
 use crate::api::Reason;
 use crate::api::labels::{MIGRATION as LABEL_MIGRATION, MIGRATION_NAMESPACE as LABEL_MIGRATION_NAMESPACE};
-use crate::api::{Phase, RETRY_ANNOTATION, VirtualMachineMigration, VirtualMachineMigrationStatus};
+use crate::api::{
+    APPROVE_CUTOVER_ANNOTATION, Phase, RETRY_ANNOTATION, VirtualMachineMigration,
+    VirtualMachineMigrationStatus,
+};
 use crate::destination::cluster::{
     FIELD_MANAGER, data_volume_resource, virtual_machine_instance_resource, virtual_machine_resource,
 };
@@ -18,6 +22,7 @@ use crate::machine::tenancy::DestinationRules;
 use crate::machine::{self, Action as MachineAction, EventType, Failure};
 use crate::ports::Adapters;
 use futures::StreamExt;
+use futures::channel::mpsc::UnboundedReceiver;
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, DynamicObject, ListParams, Patch, PatchParams};
 use kube::core::ApiResource;
@@ -60,6 +65,8 @@ pub struct ControllerConfig {
     /// Where reconciles, migrations and readiness are recorded (the
     /// default: a registry of its own, which nobody serves).
     pub metrics: Arc<crate::metrics::Metrics>,
+    /// Concurrent disk reads per ESXi host and in the cluster.
+    pub limits: crate::machine::fleet::Limits,
 }
 
 impl std::fmt::Debug for ControllerConfig {
@@ -69,6 +76,7 @@ impl std::fmt::Debug for ControllerConfig {
             .field("max_requeue", &self.max_requeue)
             .field("instance", &self.instance)
             .field("destinations", &self.destinations)
+            .field("limits", &self.limits)
             .field("interrupt", &self.interrupt.is_some())
             .finish()
     }
@@ -110,12 +118,21 @@ pub(crate) struct Context {
     /// hasher keys, hashed with a counter (no PRNG crate needed for a spread).
     jitter_keys: std::hash::RandomState,
     jitter_draws: std::sync::atomic::AtomicU64,
+    /// Waves and read slots across every migration this controller sees.
+    fleet: Fleet,
 }
 
 impl Context {
-    pub(crate) fn new(client: Client, adapters: Adapters, config: ControllerConfig) -> Context {
+    /// The context and the stream of migrations the fleet wakes.
+    pub(crate) fn new(
+        client: Client,
+        adapters: Adapters,
+        config: ControllerConfig,
+    ) -> (Context, UnboundedReceiver<ObjectRef<DynamicObject>>) {
         let reporter = Reporter { controller: FIELD_MANAGER.into(), instance: Some(config.instance.clone()) };
-        Context {
+        let (fleet, woken) = Fleet::new(config.limits.clone(), migration_resource());
+        let ctx = Context {
+            fleet,
             recorder: Recorder::new(client.clone(), reporter),
             client,
             adapters,
@@ -123,7 +140,8 @@ impl Context {
             failures: Mutex::new(HashMap::new()),
             jitter_keys: std::hash::RandomState::new(),
             jitter_draws: std::sync::atomic::AtomicU64::new(0),
-        }
+        };
+        (ctx, woken)
     }
 
     /// Uniform in [0, 1).
@@ -166,7 +184,8 @@ pub async fn run(
         None => Api::all_with(client.clone(), &ar),
     };
     let managed = watcher::Config::default().labels("app.kubernetes.io/managed-by=vmmigrate");
-    let ctx = Arc::new(Context::new(client.clone(), adapters, config));
+    let (ctx, woken) = Context::new(client.clone(), adapters, config);
+    let ctx = Arc::new(ctx);
     // Ready once the migrations can be listed (API server reachable, CRD
     // installed, RBAC granted); not ready once this returns or is dropped.
     // Not `Store::wait_until_ready`: the store wakes only its latest waiter,
@@ -184,7 +203,8 @@ pub async fn run(
         metrics.set_ready("controller", true);
         std::future::pending::<()>().await
     };
-    let mut controller = Controller::new_with(migrations, watcher::Config::default(), ar);
+    let mut controller = Controller::new_with(migrations, watcher::Config::default(), ar).reconcile_on(woken);
+    ctx.fleet.attach(controller.store());
     for child in [data_volume_resource(), virtual_machine_resource(), virtual_machine_instance_resource()] {
         let api: Api<DynamicObject> = Api::all_with(client.clone(), &child);
         controller = controller.watches_with(api, child, managed.clone(), owner_of);
@@ -294,11 +314,18 @@ async fn apply(
     let phase = vmm.status.as_ref().map(|s| s.phase).unwrap_or_default();
     tracing::info!(phase = %phase, "reconciling");
     let retry_requested = vmm.annotations().get(RETRY_ANNOTATION).is_some_and(|v| v == "true");
+    let cutover_approved = vmm.annotations().get(APPROVE_CUTOVER_ANNOTATION).is_some_and(|v| v == "true");
+    let now = Timestamp::now();
+    let status = vmm.status.clone().unwrap_or_default();
+    let cutover_open =
+        matches!(machine::fleet::cutover_gate(&vmm.spec, &status, now, cutover_approved), Ok(None));
     let input = StepInput {
-        now: Timestamp::now(),
+        now,
         jitter: ctx.jitter(),
         retry_requested,
         destinations: &ctx.config.destinations,
+        cutover_approved,
+        fleet: ctx.fleet.gates(vmm, cutover_open),
     };
     let interrupt = ctx.config.interrupt.clone();
     let stop = |cp: &engine::Checkpoint| interrupt.as_ref().is_some_and(|f| f(phase, cp));
@@ -317,6 +344,9 @@ async fn apply(
     }
     publish(ctx, vmm, &step.decision.events).await;
     record(api, vmm, &step.decision.status, resource_version).await?;
+    if step.decision.status.phase != phase {
+        ctx.fleet.changed(vmm, &step.decision.status);
+    }
     let ns = vmm.namespace().unwrap_or_default();
     ctx.config.metrics.observe_migration(&ns, &vmm.name_any(), &step.decision.status);
     if let Some((action, failure)) = &step.failed {
@@ -364,6 +394,7 @@ async fn cleanup(vmm: &VirtualMachineMigration, ctx: &Context) -> Result<Action,
     }
     // The source VM is free for another migration once this one is gone.
     ctx.adapters.cluster.release_source(vmm).await.map_err(Error::Step)?;
+    ctx.fleet.removed(vmm);
     let kept = if actions.contains(&MachineAction::DeleteDestination) {
         "deleted the destination objects"
     } else {

@@ -57,6 +57,20 @@ pub struct ControllerOptions {
     /// Reporting instance for Events (the pod name).
     #[arg(long, env = "POD_NAME", default_value = "vmmigrate-controller")]
     pub instance: String,
+    /// Disks read at once from one ESXi host (its SSH bandwidth is shared:
+    /// more streams stretch every downtime). Migrations wait in a fair queue.
+    #[arg(long, env = "VMMIGRATE_MAX_READS_PER_HOST",
+          default_value_t = crate::machine::fleet::DEFAULT_READS_PER_HOST,
+          value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_reads_per_host: u32,
+    /// A host's own cap, as `HOST=N` (the host as `spec.source.host` names it);
+    /// repeat for more hosts, or separate with commas.
+    #[arg(long = "host-reads", env = "VMMIGRATE_HOST_READS", value_delimiter = ',',
+          value_parser = parse_host_reads)]
+    pub host_reads: Vec<(String, u32)>,
+    /// Disks read at once in the whole cluster (default: only the per-host caps).
+    #[arg(long, env = "VMMIGRATE_MAX_READS", value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_reads: Option<u32>,
     /// Address of the metrics server (`/metrics`, `/healthz`, `/readyz`).
     #[arg(long, env = "VMMIGRATE_METRICS_LISTEN", default_value = crate::metrics::DEFAULT_LISTEN)]
     pub metrics_listen: SocketAddr,
@@ -74,10 +88,29 @@ impl ControllerOptions {
         self
     }
 
+    /// The read caps as the queue applies them.
+    pub fn limits(&self) -> crate::machine::fleet::Limits {
+        crate::machine::fleet::Limits {
+            per_host: self.max_reads_per_host,
+            hosts: self.host_reads.iter().cloned().collect(),
+            cluster: self.max_reads,
+        }
+    }
+
     /// The rules as the controller applies them: the namespace it runs in is closed too.
     pub fn destinations(&self) -> DestinationRules {
         self.destination_rules.clone().with_system_namespace(&self.leader_election.lease_namespace)
     }
+}
+
+/// `HOST=N` of `--host-reads`.
+fn parse_host_reads(text: &str) -> Result<(String, u32), String> {
+    let (host, n) = text.split_once('=').ok_or_else(|| format!("{text:?}: expected HOST=N"))?;
+    let n: u32 = n.trim().parse().map_err(|_| format!("{text:?}: N must be a whole number"))?;
+    if host.trim().is_empty() || n == 0 {
+        return Err(format!("{text:?}: expected a host and N of at least 1"));
+    }
+    Ok((host.trim().to_owned(), n))
 }
 
 /// Leader election among replicas through a `coordination.k8s.io/v1` Lease.
@@ -202,6 +235,7 @@ pub(crate) async fn run(opts: ControllerOptions) -> anyhow::Result<()> {
         destinations: opts.destinations(),
         interrupt: None,
         metrics,
+        limits: opts.limits(),
     };
     let result = run_reconciler(client, adapters, config, &opts.leader_election).await;
     drop(staging);

@@ -88,10 +88,13 @@ pub(crate) fn summarize(status: &mut VirtualMachineMigrationStatus, generation: 
             set(status, condition::STALLED, false, "Retryable", "", generation, now);
         }
         active => {
-            let msg = format!("working on checkpoint {active}");
-            set(status, condition::READY, false, active.as_str(), msg.clone(), generation, now);
-            set(status, condition::RECONCILING, true, active.as_str(), msg, generation, now);
-            set(status, condition::STALLED, false, active.as_str(), "", generation, now);
+            let (reason, msg) = match &status.waiting {
+                Some(w) => (w.reason.clone(), format!("validated; waiting: {}", w.message)),
+                None => (active.as_str().to_owned(), format!("working on checkpoint {active}")),
+            };
+            set(status, condition::READY, false, &reason, msg.clone(), generation, now);
+            set(status, condition::RECONCILING, true, &reason, msg, generation, now);
+            set(status, condition::STALLED, false, &reason, "", generation, now);
         }
     }
     for c in &mut status.conditions {

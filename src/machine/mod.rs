@@ -13,6 +13,7 @@
 //! explains it for operators.
 
 pub mod conditions;
+pub mod fleet;
 mod importing;
 mod observe;
 pub(crate) mod preflight;
@@ -37,6 +38,9 @@ pub(crate) const POLL_IN_PROGRESS: Duration = Duration::from_secs(5);
 pub(crate) const POLL_SHUTDOWN: Duration = Duration::from_secs(3);
 /// How soon to re-run validation checks that are not passing yet.
 pub(crate) const POLL_CHECKS: Duration = Duration::from_secs(10);
+/// How soon a migration waiting before its cutover looks again by itself (the
+/// controller wakes it earlier when its wave or a slot opens).
+pub(crate) const POLL_WAITING: Duration = Duration::from_secs(60);
 
 /// Stable reasons of failures the machine itself decides.
 pub use crate::api::Reason;
@@ -52,6 +56,10 @@ pub(crate) struct Input<'a> {
     pub generation: i64,
     /// The retry annotation is present with value "true".
     pub retry_requested: bool,
+    /// The cutover-approval annotation is present with value "true".
+    pub cutover_approved: bool,
+    /// What the rest of the fleet says (waves, read slots); asked at Validated.
+    pub fleet: fleet::FleetGates,
     pub observed: Observed,
     pub now: Timestamp,
     /// Uniform in [0, 1): spreads retries of many migrations apart.
@@ -234,6 +242,9 @@ impl<'a> Ctx<'a> {
         }
         let from = self.status.phase;
         self.status.phase = phase;
+        if phase != Phase::Validated {
+            self.status.waiting = None;
+        }
         self.status.history.push(PhaseTransition { phase, time: self.now.clone() });
         let overflow = self.status.history.len().saturating_sub(MAX_HISTORY);
         self.status.history.drain(..overflow);
@@ -357,6 +368,8 @@ pub(crate) fn decide(input: Input<'_>) -> Decision {
     let mut ctx = Ctx::new(&input);
     let spec_changed = input.status.observed_generation.is_some_and(|g| g < input.generation);
     let phase = ctx.status.phase;
+    let gating =
+        Gating { now: input.now, cutover_approved: input.cutover_approved, fleet: input.fleet.clone() };
     match phase {
         Phase::Pending => {
             if ctx.status.timestamps.created.is_none() {
@@ -366,8 +379,8 @@ pub(crate) fn decide(input: Input<'_>) -> Decision {
             ctx.advance(Phase::Discovering);
         }
         Phase::Discovering => discovering(&mut ctx, input.observed),
-        Phase::Validated => validated(&mut ctx, input.observed),
-        Phase::Preparing => preparing(&mut ctx, input.observed),
+        Phase::Validated => validated(&mut ctx, input.observed, &gating),
+        Phase::Preparing => preparing(&mut ctx, input.observed, &gating),
         Phase::Converting => converting(&mut ctx, input.observed),
         Phase::Importing => importing::importing(&mut ctx, input.observed),
         Phase::CreatingVm => creating_vm(&mut ctx, input.observed),
@@ -401,6 +414,8 @@ pub(crate) fn decide(input: Input<'_>) -> Decision {
         Phase::ManualInterventionRequired => {
             if input.retry_requested || spec_changed {
                 let back = ctx.status.failed_phase.filter(|p| p.is_active()).unwrap_or(Phase::Discovering);
+                // Reading the disks again takes a read slot: through the queue.
+                let back = if back == Phase::Preparing { Phase::Validated } else { back };
                 let why = if input.retry_requested { "retry annotation" } else { "spec change" };
                 ctx.event(EventType::Normal, "RetryRequested", format!("{why}: resuming {back}"));
                 ctx.status.retry = None;
@@ -504,10 +519,18 @@ fn discovering(ctx: &mut Ctx<'_>, observed: Observed) {
     }
 }
 
-fn validated(ctx: &mut Ctx<'_>, observed: Observed) {
+fn validated(ctx: &mut Ctx<'_>, observed: Observed, input: &Gating) {
     let facts = match observed {
         Observed::Preflight(Ok(facts)) => facts,
         Observed::Preflight(Err(failure)) => return ctx.fail(Phase::Validated, failure),
+        // Validated before and still held at a gate: nothing was observed.
+        Observed::Nothing if conditions::is_true(&ctx.status, condition::VALIDATED) => {
+            return match gate(ctx, input) {
+                Ok(Some(wait)) => hold(ctx, wait),
+                Ok(None) => mismatch(ctx, Phase::Validated, "pre-flight"),
+                Err(failure) => ctx.fail(Phase::Validated, failure),
+            };
+        }
         _ => return mismatch(ctx, Phase::Validated, "pre-flight"),
     };
     let Some(inventory) = ctx.status.source_inventory.clone() else {
@@ -522,12 +545,20 @@ fn validated(ctx: &mut Ctx<'_>, observed: Observed) {
     if blockers.is_empty() {
         ctx.status.blockers.clear();
         ctx.condition(condition::VALIDATED, true, "ChecksPassed", "all pre-flight checks passed");
-        ctx.advance(Phase::Preparing);
+        match gate(ctx, input) {
+            Ok(Some(wait)) => hold(ctx, wait),
+            Ok(None) => {
+                ctx.status.waiting = None;
+                ctx.advance(Phase::Preparing);
+            }
+            Err(failure) => ctx.fail(Phase::Validated, failure),
+        }
     } else {
         let message =
             blockers.iter().map(|b| format!("{}: {}", b.reason, b.message)).collect::<Vec<_>>().join("; ");
         let first = blockers[0].reason.clone();
         ctx.status.blockers = blockers;
+        ctx.status.waiting = None;
         ctx.condition(condition::VALIDATED, false, &first, message.clone());
         // After a fix, the retry re-reads the source: resume at Discovering.
         ctx.fail(Phase::Validated, Failure::needs_human(Reason::ValidationBlocked, message));
@@ -535,7 +566,72 @@ fn validated(ctx: &mut Ctx<'_>, observed: Observed) {
     }
 }
 
-fn preparing(ctx: &mut Ctx<'_>, observed: Observed) {
+/// What the gates before the cutover are asked with.
+struct Gating {
+    now: Timestamp,
+    cutover_approved: bool,
+    fleet: fleet::FleetGates,
+}
+
+/// The first gate that holds the cutover, in order: wave, cutover, read slot.
+/// Records an approval the first time it is seen.
+fn gate(ctx: &mut Ctx<'_>, input: &Gating) -> Result<Option<fleet::Wait>, Failure> {
+    if let Some(wait) = &input.fleet.wave {
+        return Ok(Some(wait.clone()));
+    }
+    if let Some(wait) = fleet::cutover_gate(ctx.spec, &ctx.status, input.now, input.cutover_approved)? {
+        return Ok(Some(wait));
+    }
+    if ctx.spec.cutover.mode == crate::api::CutoverMode::Approval
+        && ctx.status.timestamps.cutover_approved.is_none()
+    {
+        ctx.status.timestamps.cutover_approved = Some(ctx.now.clone());
+        let by = if ctx.spec.cutover.approved { "spec.cutover.approved (Git)" } else { "annotation" };
+        ctx.event(EventType::Normal, "CutoverApproved", format!("cutover approved by {by}"));
+    }
+    Ok(input.fleet.slot.clone())
+}
+
+/// Whether a migration validated before is still held at a gate, so the
+/// controller need not observe the cluster for it again.
+pub(crate) fn held_at_gate(input: &Input<'_>) -> bool {
+    conditions::is_true(input.status, condition::VALIDATED)
+        && input.status.observed_generation == Some(input.generation)
+        && (input.fleet.wave.is_some()
+            || !matches!(
+                fleet::cutover_gate(input.spec, input.status, input.now, input.cutover_approved),
+                Ok(None)
+            )
+            || input.fleet.slot.is_some())
+}
+
+/// Stays where it is, saying what it waits for; `since` is kept while the reason is.
+fn hold(ctx: &mut Ctx<'_>, wait: fleet::Wait) {
+    let since = match &ctx.status.waiting {
+        Some(w) if w.reason == wait.reason => w.since.clone(),
+        _ => {
+            ctx.event(EventType::Normal, wait.reason.as_str(), wait.message.clone());
+            ctx.now.clone()
+        }
+    };
+    ctx.status.waiting = Some(crate::api::Waiting {
+        reason: wait.reason.to_string(),
+        message: wait.message,
+        since,
+        until: wait.until.map(api_time),
+        position: wait.position.map(|p| p as i32),
+    });
+    let after = match wait.until {
+        Some(until) => {
+            let d: SignedDuration = until.duration_since(ctx.now_ts);
+            Duration::from_millis(d.as_millis().clamp(1, POLL_WAITING.as_millis() as i128 * 60) as u64)
+        }
+        None => POLL_WAITING,
+    };
+    ctx.wait(after);
+}
+
+fn preparing(ctx: &mut Ctx<'_>, observed: Observed, input: &Gating) {
     let facts = match observed {
         Observed::Preparing(Ok(facts)) => facts,
         Observed::Preparing(Err(failure)) => return ctx.fail(Phase::Preparing, failure),
@@ -580,7 +676,19 @@ fn preparing(ctx: &mut Ctx<'_>, observed: Observed) {
                 ),
             );
         }
-        SourcePowerState::PoweredOn | SourcePowerState::Unknown => return power_down(ctx, &facts),
+        SourcePowerState::PoweredOn | SourcePowerState::Unknown => {
+            // Nothing irreversible outside the cutover window: a window that
+            // closed between admission and the first power action sends the
+            // migration back to wait (its read slot goes to the next in line).
+            match fleet::cutover_gate(ctx.spec, &ctx.status, input.now, input.cutover_approved) {
+                Ok(None) => return power_down(ctx, &facts),
+                Ok(Some(wait)) => {
+                    ctx.enter(Phase::Validated);
+                    return hold(ctx, wait);
+                }
+                Err(failure) => return ctx.fail(Phase::Preparing, failure),
+            }
+        }
     }
     // Observed off: copy every disk.
     let total = facts.copies.len();

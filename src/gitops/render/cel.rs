@@ -10,6 +10,7 @@ pub(super) const MIRRORED: &[&str] = &[
     "self.type == 'Pod' ? !has(self.networkName) : has(self.networkName)",
     "self.maxSeconds >= self.initialSeconds",
     "(has(self.http) ? 1 : 0) + (has(self.guestAgent) ? 1 : 0) + (has(self.ip) ? 1 : 0) == 1",
+    "self.mode == 'Window' ? has(self.window) : !has(self.window)",
 ];
 
 /// `Some(passes)` for a mirrored rule, `None` for an unknown one or when a
@@ -35,6 +36,10 @@ pub(super) fn evaluate(rule: &str, object: &Map<String, Value>, schema: &JSONSch
         }
         "(has(self.http) ? 1 : 0) + (has(self.guestAgent) ? 1 : 0) + (has(self.ip) ? 1 : 0) == 1" => {
             Some(["http", "guestAgent", "ip"].iter().filter(|f| has(f)).count() == 1)
+        }
+        "self.mode == 'Window' ? has(self.window) : !has(self.window)" => {
+            let window = get("mode")?.as_str()? == "Window";
+            Some(if window { has("window") } else { !has("window") })
         }
         _ => None,
     }

@@ -963,6 +963,17 @@ impl Renderer {
             });
         }
 
+        // A cutover window must name real instants; the schema only checks its shape.
+        if let Some(window) = merged.pointer("/spec/cutover/window")
+            && let Ok(window) = serde_json::from_value::<crate::api::CutoverWindow>(window.clone())
+            && let Err(problem) = crate::machine::fleet::window_bounds(&window)
+        {
+            // The problem starts with the field it is about.
+            let field =
+                ["timeZone", "start", "end"].into_iter().find(|f| problem.starts_with(f)).unwrap_or("end");
+            findings.push(finding(segs(&["spec", "cutover", "window", field]), problem));
+        }
+
         if let Some(destination) = merged.pointer("/spec/destination/namespace").and_then(Value::as_str)
             && let Some(refused) = opts.destinations.refusal(&namespace, destination)
         {
@@ -1113,6 +1124,31 @@ mod tests {
         assert_eq!(e.to_string(), "p: m");
         let e = RenderError { path: "p".into(), line: Some(3), field: Some("f".into()), message: "m".into() };
         assert_eq!(e.to_string(), "p:3: f: m");
+    }
+
+    #[test]
+    fn a_cutover_window_that_names_no_real_time_is_refused_at_its_line() {
+        let m = manifest("a", "a").replace(
+            "  destination:",
+            "  cutover:\n    mode: Window\n    window:\n      start: \"2026-12-12T22:00\"\n      end: \"2026-12-13T04:00\"\n      timeZone: Europe/Berlinn\n  destination:",
+        );
+        let errors = errors_of(&[file("migrations/a.yaml", &m)]);
+        assert_eq!(errors.len(), 1, "{errors:?}");
+        assert!(
+            errors[0].starts_with("migrations/a.yaml:18: spec.cutover.window.timeZone: timeZone \"Europe/Berlinn\" is not a known IANA time zone"),
+            "{errors:?}"
+        );
+        let missing =
+            manifest("a", "a").replace("  destination:", "  cutover:\n    mode: Window\n  destination:");
+        let errors = errors_of(&[file("migrations/a.yaml", &missing)]);
+        assert_eq!(errors.len(), 1, "{errors:?}");
+        assert!(errors[0].contains("cutover.window is required for mode Window"), "{errors:?}");
+        let good = m.replace("Europe/Berlinn", "Europe/Berlin");
+        let rendered = render_files(&[file("migrations/a.yaml", &good)]).unwrap();
+        assert_eq!(
+            rendered[0].object.pointer("/spec/cutover/window/timeZone"),
+            Some(&Value::from("Europe/Berlin"))
+        );
     }
 
     #[test]

@@ -1,0 +1,210 @@
+//! The fleet as the controller sees it: every migration in its watch cache,
+//! plus the read slots this process has just granted and not yet seen
+//! recorded. Answers `machine::fleet`'s questions for one migration (its wave,
+//! its read slot) and says whom to wake when a slot or a wave opens.
+//!
+//! Only the leader reconciles, so the grants live in memory: after a restart
+//! the holders are read back from the phases (Preparing, or Retryable on its
+//! way back to Preparing), and a grant not yet recorded is simply asked again.
+
+use crate::api::{Phase, Reason, VirtualMachineMigration, VirtualMachineMigrationStatus, condition};
+use crate::machine::fleet::{self as rules, FleetGates, Limits, Member};
+use futures::channel::mpsc::{UnboundedReceiver, UnboundedSender, unbounded};
+use jiff::Timestamp;
+use kube::ResourceExt;
+use kube::api::DynamicObject;
+use kube::core::ApiResource;
+use kube::runtime::reflector::{ObjectRef, Store};
+use serde_json::Value;
+use std::collections::HashMap;
+use std::sync::{Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+/// How long a granted slot counts before the grant shows in the status.
+const GRANT_TTL: Duration = Duration::from_secs(120);
+
+/// The fleet view of one controller process.
+pub(crate) struct Fleet {
+    limits: Limits,
+    resource: ApiResource,
+    store: OnceLock<Store<DynamicObject>>,
+    grants: Mutex<HashMap<(String, String), Instant>>,
+    wake: UnboundedSender<ObjectRef<DynamicObject>>,
+}
+
+impl Fleet {
+    /// The view and the stream of migrations to reconcile because a gate opened.
+    pub(crate) fn new(
+        limits: Limits,
+        resource: ApiResource,
+    ) -> (Fleet, UnboundedReceiver<ObjectRef<DynamicObject>>) {
+        let (wake, woken) = unbounded();
+        let fleet =
+            Fleet { limits, resource, store: OnceLock::new(), grants: Mutex::new(HashMap::new()), wake };
+        (fleet, woken)
+    }
+
+    /// The controller's watch cache, once the controller exists.
+    pub(crate) fn attach(&self, store: Store<DynamicObject>) {
+        let _ = self.store.set(store);
+    }
+
+    /// Every migration, with `fresh` (just read or just recorded) in place of its cached copy.
+    fn members(
+        &self,
+        fresh: Option<(&VirtualMachineMigration, &VirtualMachineMigrationStatus)>,
+    ) -> Vec<Member> {
+        let fresh_key = fresh.map(|(vmm, _)| (vmm.namespace().unwrap_or_default(), vmm.name_any()));
+        let mut members: Vec<Member> = self
+            .store
+            .get()
+            .map(|store| store.state())
+            .unwrap_or_default()
+            .iter()
+            .filter_map(|obj| member_of(obj))
+            .filter(|m| fresh_key.as_ref().is_none_or(|(ns, name)| (&m.namespace, &m.name) != (ns, name)))
+            .collect();
+        if let Some((vmm, status)) = fresh
+            && vmm.metadata.deletion_timestamp.is_none()
+        {
+            members.push(member_from(
+                vmm.namespace().unwrap_or_default(),
+                vmm.name_any(),
+                vmm.spec.source.host.clone(),
+                vmm.spec.wave.as_ref().map(|w| (w.plan.clone(), w.number)),
+                status,
+                status.source_inventory.as_ref().map_or(0, |i| i.disks.len()),
+            ));
+        }
+        let mut grants = self.grants.lock().unwrap_or_else(|e| e.into_inner());
+        grants.retain(|key, at| {
+            at.elapsed() < GRANT_TTL
+                && members
+                    .iter()
+                    .any(|m| (&m.namespace, &m.name) == (&key.0, &key.1) && m.phase == Phase::Validated)
+        });
+        for m in &mut members {
+            if grants.contains_key(&(m.namespace.clone(), m.name.clone())) {
+                m.holds_slot = true;
+            }
+        }
+        members
+    }
+
+    /// The fleet's gates for a migration at Validated. The read slot is asked
+    /// (and granted) only when nothing before it holds the cutover.
+    pub(crate) fn gates(&self, vmm: &VirtualMachineMigration, cutover_open: bool) -> FleetGates {
+        let status = vmm.status.clone().unwrap_or_default();
+        if status.phase != Phase::Validated {
+            return FleetGates::default();
+        }
+        let mut members = self.members(Some((vmm, &status)));
+        let me = members.len() - 1;
+        let wave = rules::wave_gate(&members, &members[me]);
+        if wave.is_some() || !cutover_open {
+            return FleetGates { wave, slot: None };
+        }
+        if members[me].holds_slot {
+            return FleetGates::default();
+        }
+        members[me].queued = true;
+        let queue = rules::queue(&members, &self.limits);
+        if queue.admitted.contains(&me) {
+            let key = (members[me].namespace.clone(), members[me].name.clone());
+            self.grants.lock().unwrap_or_else(|e| e.into_inner()).insert(key, Instant::now());
+            return FleetGates::default();
+        }
+        FleetGates { wave: None, slot: queue.waiting.get(&me).cloned() }
+    }
+
+    /// After `vmm` recorded `status`: wakes the waiters a freed slot or an
+    /// opened wave lets go on (the cache may not show the write yet).
+    pub(crate) fn changed(&self, vmm: &VirtualMachineMigration, status: &VirtualMachineMigrationStatus) {
+        let members = self.members(Some((vmm, status)));
+        self.wake_waiters(&members);
+    }
+
+    /// After `vmm` was deleted.
+    pub(crate) fn removed(&self, vmm: &VirtualMachineMigration) {
+        let (ns, name) = (vmm.namespace().unwrap_or_default(), vmm.name_any());
+        let members: Vec<Member> =
+            self.members(None).into_iter().filter(|m| (&m.namespace, &m.name) != (&ns, &name)).collect();
+        self.wake_waiters(&members);
+    }
+
+    fn wake_waiters(&self, members: &[Member]) {
+        let queue = rules::queue(members, &self.limits);
+        let mut woken: Vec<&Member> = queue.admitted.iter().map(|&i| &members[i]).collect();
+        // Waiting for a wave that is open now (or held for another reason).
+        for m in members.iter().filter(|m| m.phase == Phase::Validated && m.wave.is_some() && !m.queued) {
+            let open = rules::wave_gate(members, m).is_none();
+            if open {
+                woken.push(m);
+            }
+        }
+        for m in woken {
+            let reference = ObjectRef::new_with(&m.name, self.resource.clone()).within(&m.namespace);
+            let _ = self.wake.unbounded_send(reference);
+        }
+    }
+}
+
+/// The queue's view of a cached migration, read straight from its JSON.
+fn member_of(obj: &DynamicObject) -> Option<Member> {
+    if obj.metadata.deletion_timestamp.is_some() {
+        return None;
+    }
+    let spec = obj.data.get("spec")?;
+    let host = spec.pointer("/source/host")?.as_str()?.to_owned();
+    let wave = spec.get("wave").and_then(|w| {
+        let plan = w.get("plan").and_then(Value::as_str).unwrap_or("default").to_owned();
+        Some((plan, w.get("number")?.as_i64()? as i32))
+    });
+    let (status, disks) = match obj.data.get("status") {
+        Some(s) => (
+            serde_json::from_value(slim(s)).ok()?,
+            s.pointer("/sourceInventory/disks").and_then(Value::as_array).map_or(0, Vec::len),
+        ),
+        None => (VirtualMachineMigrationStatus::default(), 0),
+    };
+    Some(member_from(obj.namespace().unwrap_or_default(), obj.name_any(), host, wave, &status, disks))
+}
+
+/// The parts of a status the queue reads (the inventory can be large).
+fn slim(status: &Value) -> Value {
+    let mut out = serde_json::Map::new();
+    for key in ["phase", "retry", "conditions", "waiting"] {
+        if let Some(v) = status.get(key) {
+            out.insert(key.to_owned(), v.clone());
+        }
+    }
+    Value::Object(out)
+}
+
+fn member_from(
+    namespace: String,
+    name: String,
+    host: String,
+    wave: Option<(String, i32)>,
+    status: &VirtualMachineMigrationStatus,
+    disks: usize,
+) -> Member {
+    let validated = status.conditions.iter().find(|c| c.type_ == condition::VALIDATED);
+    let queued_since = validated.map(|c| c.last_transition_time.0).unwrap_or(Timestamp::MAX);
+    let slot_wait = status.waiting.as_ref().is_none_or(|w| {
+        w.reason == Reason::WaitingForHostSlot.as_str() || w.reason == Reason::WaitingForClusterSlot.as_str()
+    });
+    Member {
+        namespace,
+        name,
+        host,
+        wave,
+        phase: status.phase,
+        disks: (disks as u32).max(1),
+        holds_slot: rules::holds_slot_in(status),
+        queued: status.phase == Phase::Validated
+            && crate::machine::conditions::is_true(status, condition::VALIDATED)
+            && slot_wait,
+        queued_since,
+    }
+}
