@@ -15,6 +15,7 @@ mod demo;
 mod deploy_rbac;
 mod esxi_emulator;
 mod esxi_source;
+mod fleet;
 mod forge;
 mod gitops_e2e;
 mod gitops_render;

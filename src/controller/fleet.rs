@@ -29,6 +29,9 @@ pub(crate) struct Fleet {
     resource: ApiResource,
     store: OnceLock<Store<DynamicObject>>,
     grants: Mutex<HashMap<(String, String), Instant>>,
+    /// Held from reading the fleet to recording a grant: reconciles of
+    /// different migrations run at once, and two must not take one slot.
+    admitting: tokio::sync::Mutex<()>,
     wake: UnboundedSender<ObjectRef<DynamicObject>>,
 }
 
@@ -39,8 +42,14 @@ impl Fleet {
         resource: ApiResource,
     ) -> (Fleet, UnboundedReceiver<ObjectRef<DynamicObject>>) {
         let (wake, woken) = unbounded();
-        let fleet =
-            Fleet { limits, resource, store: OnceLock::new(), grants: Mutex::new(HashMap::new()), wake };
+        let fleet = Fleet {
+            limits,
+            resource,
+            store: OnceLock::new(),
+            grants: Mutex::new(HashMap::new()),
+            admitting: tokio::sync::Mutex::new(()),
+            wake,
+        };
         (fleet, woken)
     }
 
@@ -93,11 +102,12 @@ impl Fleet {
 
     /// The fleet's gates for a migration at Validated. The read slot is asked
     /// (and granted) only when nothing before it holds the cutover.
-    pub(crate) fn gates(&self, vmm: &VirtualMachineMigration, cutover_open: bool) -> FleetGates {
+    pub(crate) async fn gates(&self, vmm: &VirtualMachineMigration, cutover_open: bool) -> FleetGates {
         let status = vmm.status.clone().unwrap_or_default();
         if status.phase != Phase::Validated {
             return FleetGates::default();
         }
+        let _admitting = self.admitting.lock().await;
         let mut members = self.members(Some((vmm, &status)));
         let me = members.len() - 1;
         let wave = rules::wave_gate(&members, &members[me]);

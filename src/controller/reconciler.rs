@@ -325,7 +325,7 @@ async fn apply(
         retry_requested,
         destinations: &ctx.config.destinations,
         cutover_approved,
-        fleet: ctx.fleet.gates(vmm, cutover_open),
+        fleet: ctx.fleet.gates(vmm, cutover_open).await,
     };
     let interrupt = ctx.config.interrupt.clone();
     let stop = |cp: &engine::Checkpoint| interrupt.as_ref().is_some_and(|f| f(phase, cp));

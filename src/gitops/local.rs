@@ -39,6 +39,26 @@ pub(crate) async fn plan_local(
     Ok((plan_comment(&input), state == CommitState::Success))
 }
 
+/// How a rendered `spec.cutover` reads in the plan; `None` for `Now`.
+fn cutover_summary(cutover: &serde_json::Value) -> Option<String> {
+    match cutover.get("mode").and_then(|m| m.as_str()).unwrap_or("Now") {
+        "Window" => {
+            let w = cutover.get("window")?;
+            let field = |k: &str| w.get(k).and_then(|v| v.as_str()).unwrap_or_default().to_owned();
+            let zone = w.get("timeZone").and_then(|v| v.as_str()).unwrap_or("UTC");
+            Some(format!("in the window {} to {} {zone}; discovery and validation run at once", field("start"), field("end")))
+        }
+        "Approval" if cutover.get("approved").and_then(|a| a.as_bool()) == Some(true) => {
+            Some("on approval: approved in this change".to_owned())
+        }
+        "Approval" => Some(
+            "on approval: waits validated until a second merged change sets spec.cutover.approved: true (or the approve-cutover annotation)"
+                .to_owned(),
+        ),
+        _ => None,
+    }
+}
+
 /// One plan entry: the rendered spec next to the live one, both as the API
 /// server stores them (a server-side dry run adds the server's defaults, so
 /// only real changes show). Without a cluster the rendered spec is shown as
@@ -58,6 +78,11 @@ pub(crate) async fn plan_entry(
         rendered_yaml: serde_yaml::to_string(&r.object["spec"])?,
         live_yaml: None,
         discovery: None,
+        wave: r.object.pointer("/spec/wave").and_then(|w| {
+            let plan = w.get("plan").and_then(|p| p.as_str()).unwrap_or("default").to_owned();
+            Some((plan, w.get("number")?.as_i64()? as i32))
+        }),
+        cutover: r.object.pointer("/spec/cutover").and_then(cutover_summary),
     };
     let Some(client) = client else { return Ok(Ok(entry)) };
     let api: Api<VirtualMachineMigration> = Api::namespaced(client.clone(), &r.namespace);

@@ -44,6 +44,10 @@ pub struct PlanEntry {
     pub live_yaml: Option<String>,
     /// Read-only discovery: a summary (VM, power, disks, NICs), or why the source was not reachable.
     pub discovery: Option<Result<String, String>>,
+    /// `spec.wave` as `(plan, number)`.
+    pub wave: Option<(String, i32)>,
+    /// When the cutover may happen, unless `Now`: e.g. `window … Europe/Berlin`, `on approval`.
+    pub cutover: Option<String>,
 }
 
 /// Everything the plan of one pull request head shows.
@@ -184,6 +188,8 @@ fn render_plan(input: &PlanInput, detail: Detail) -> String {
         }
     }
 
+    out.push_str(&waves_section(&entries));
+
     if !unchanged.is_empty() {
         out.push_str(&format!(
             "<details><summary>{} unchanged</summary>\n\n",
@@ -252,12 +258,45 @@ fn entry_details(entry: &PlanEntry) -> String {
             out.push_str(&capped_block("yaml", &normalize(&entry.rendered_yaml)));
         }
     }
+    if let Some(cutover) = &entry.cutover {
+        out.push_str(&format!("\n**Cutover:** {}\n", text_value(cutover)));
+    }
     match &entry.discovery {
         Some(Ok(summary)) => out.push_str(&format!("\n**Source VM:** {}\n", text_value(summary))),
         Some(Err(why)) => out.push_str(&format!("\n**Source VM not reachable:** {}\n", text_value(why))),
         None => {}
     }
     out.push_str("\n</details>\n\n");
+    out
+}
+
+/// The order merging starts migrations in: per namespace and plan, each wave
+/// after every migration of the wave before it has Completed.
+fn waves_section(entries: &[&PlanEntry]) -> String {
+    use std::collections::BTreeMap;
+    let mut plans: BTreeMap<(&str, &str), BTreeMap<i32, Vec<&str>>> = BTreeMap::new();
+    for e in entries {
+        if let Some((plan, number)) = &e.wave {
+            plans.entry((&e.namespace, plan)).or_default().entry(*number).or_default().push(&e.name);
+        }
+    }
+    if plans.is_empty() {
+        return String::new();
+    }
+    let mut out = String::from(
+        "#### Waves\n\nEach wave starts once every migration of the wave before it has Completed; a failure holds the waves after it.\n\n",
+    );
+    for ((namespace, plan), waves) in plans {
+        out.push_str(&format!("- {} plan {}:\n", inline_code(namespace), inline_code(plan)));
+        for (number, mut names) in waves {
+            names.sort();
+            let shown: Vec<String> = names.iter().take(COMPACT_MAX_ENTRIES).map(|n| inline_code(n)).collect();
+            let more = names.len().saturating_sub(COMPACT_MAX_ENTRIES);
+            let more = if more > 0 { format!(" and {more} more") } else { String::new() };
+            out.push_str(&format!("  - wave {number}: {}{more}\n", shown.join(", ")));
+        }
+    }
+    out.push('\n');
     out
 }
 
@@ -496,7 +535,30 @@ mod tests {
             rendered_yaml: rendered.into(),
             live_yaml: live.map(str::to_owned),
             discovery: None,
+            wave: None,
+            cutover: None,
         }
+    }
+
+    #[test]
+    fn the_plan_shows_the_waves_in_order_and_each_cutover_that_waits() {
+        let mut input = input();
+        input.entries[0].wave = Some(("erp".into(), 2));
+        input.entries[1].wave = Some(("erp".into(), 1));
+        input.entries[2].wave = Some(("erp".into(), 1));
+        input.entries[1].cutover = Some("on approval: waits validated until a second merged change".into());
+        let comment = plan_comment(&input);
+        let waves = comment.find("#### Waves").expect("a waves section");
+        let section = &comment[waves..];
+        assert!(
+            section.contains("- `web` plan `erp`:\n  - wave 1: `web-02`, `web-03`\n  - wave 2: `web-01`\n"),
+            "{comment}"
+        );
+        assert!(
+            comment.contains("**Cutover:** `on approval: waits validated until a second merged change`"),
+            "{comment}"
+        );
+        assert!(!plan_comment(&super::tests::input()).contains("#### Waves"), "no waves, no section");
     }
 
     fn input() -> PlanInput {

@@ -560,7 +560,11 @@ impl Gitops {
                 if !matches!(status.phase, Phase::Completed | Phase::Failed) {
                     all_done = false;
                 }
-                rows.push((name.clone(), status.phase.to_string(), percent, last));
+                let phase = match &status.waiting {
+                    Some(w) => format!("{} · waiting: {}", status.phase, w.message),
+                    None => status.phase.to_string(),
+                };
+                rows.push((name.clone(), phase, percent, last));
             }
             forge.upsert_comment(number, PLAN_MARKER, &progress_comment(&plan, &rows)).await?;
             if all_done {

@@ -129,6 +129,11 @@ struct StatusFile<'a> {
     source_commit: Option<&'a str>,
     orphaned: bool,
     phase: Phase,
+    /// What a validated migration waits for before its cutover.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    waiting: Option<&'a crate::api::Waiting>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    wave: Option<&'a crate::api::WaveSpec>,
     #[serde(rename = "sourceVM")]
     source_vm: SourceVmView<'a>,
     #[serde(rename = "destinationVM", skip_serializing_if = "Option::is_none")]
@@ -240,6 +245,8 @@ fn status_yaml(row: &Row<'_>) -> String {
         source_commit: annotation(row.migration, ANNOTATION_COMMIT),
         orphaned: row.orphaned,
         phase: status.phase,
+        waiting: status.waiting.as_ref(),
+        wave: row.migration.spec.wave.as_ref(),
         source_vm: row.source_vm(),
         destination_vm: status.destination_vm.as_ref(),
         conditions: conditions
@@ -359,8 +366,15 @@ fn status_md(rows: &[Row<'_>], source_commit: &str) -> String {
         md.push_str("No migrations.\n");
         return md;
     }
-    md.push_str("| Migration | Phase | Progress | Source VM | Destination | Last error |\n");
-    md.push_str("|---|---|---|---|---|---|\n");
+    // Waves get a column once a migration has one.
+    let waves = rows.iter().any(|r| r.migration.spec.wave.is_some());
+    if waves {
+        md.push_str("| Migration | Wave | Phase | Progress | Source VM | Destination | Last error |\n");
+        md.push_str("|---|---|---|---|---|---|---|\n");
+    } else {
+        md.push_str("| Migration | Phase | Progress | Source VM | Destination | Last error |\n");
+        md.push_str("|---|---|---|---|---|---|\n");
+    }
     for row in rows {
         let mut migration = markdown_cell(&format!("{}/{}", row.namespace, row.name));
         if row.orphaned {
@@ -374,11 +388,20 @@ fn status_md(rows: &[Row<'_>], source_commit: &str) -> String {
         };
         let last_error =
             row.status.errors.last().map(|e| format!("{}: {}", e.reason, e.message)).unwrap_or_default();
+        if waves {
+            let wave = row.migration.spec.wave.as_ref().map(|w| format!("{} {}", w.plan, w.number));
+            migration.push_str(" | ");
+            migration.push_str(&markdown_cell(&wave.unwrap_or_default()));
+        }
+        let phase = match &row.status.waiting {
+            Some(w) => format!("{} · waiting: {}", row.status.phase, truncate(&w.message, LAST_ERROR_WIDTH)),
+            None => row.status.phase.to_string(),
+        };
         let _ = writeln!(
             md,
             "| {} | {} | {} | {} | {} | {} |",
             migration,
-            row.status.phase,
+            markdown_cell(&phase),
             progress_cell(&row.status),
             markdown_cell(&source_vm),
             markdown_cell(&row.destination()),
@@ -585,6 +608,34 @@ mod tests {
         assert!(md.contains("| apps/old-01 (orphaned) |"), "{md}");
         assert!(md.contains("| apps/old-02 (orphaned) |"), "{md}");
         assert!(md.contains("| apps/web-01 |"), "{md}");
+    }
+
+    #[test]
+    fn a_waiting_migration_shows_why_and_its_place_and_waves_get_a_column() {
+        let mut waiting = migration("apps", "app-07", Phase::Validated);
+        waiting.spec.wave = Some(crate::api::WaveSpec { plan: "erp".into(), number: 2 });
+        waiting.status.as_mut().unwrap().waiting = Some(crate::api::Waiting {
+            reason: "WaitingForHostSlot".into(),
+            message: "3rd in line for esx-07 (2 of 2 reads in use)".into(),
+            since: t("2025-03-01T10:01:00Z"),
+            until: None,
+            position: Some(3),
+        });
+        let plain = migration("apps", "web-01", Phase::Completed);
+        let files = status_files(&input(vec![waiting, plain]));
+        let md = &files[STATUS_MD];
+        assert!(md.contains("| Migration | Wave | Phase | Progress |"), "{md}");
+        assert!(
+            md.contains(
+                "| apps/app-07 | erp 2 | Validated · waiting\\: 3rd in line for esx-07 (2 of 2 reads in use) |"
+            ),
+            "{md}"
+        );
+        assert!(md.contains("| apps/web-01 |  | Completed |"), "{md}");
+        let file = &files["apps/app-07.yaml"];
+        assert!(file.contains("waiting:\n  reason: WaitingForHostSlot\n"), "{file}");
+        assert!(file.contains("position: 3"), "{file}");
+        assert!(file.contains("wave:\n  plan: erp\n  number: 2\n"), "{file}");
     }
 
     #[test]

@@ -2,6 +2,7 @@
 //! (control plane, ESXi emulator, simulators, fake forge), the in-memory
 //! simulation of every port (`sim`), and the manifests they start from.
 
+pub mod fleet_sim;
 pub mod sim;
 
 pub use vmmigrate_harness::{KubeEnv, esxi_emulator, fake_forge, git_http, kubevirt_sim, netns, setup};
