@@ -29,6 +29,9 @@ pub(crate) struct Fleet {
     resource: ApiResource,
     store: OnceLock<Store<DynamicObject>>,
     grants: Mutex<HashMap<(String, String), Instant>>,
+    /// The queue's view of each cached object, by uid and resourceVersion:
+    /// the fleet is looked at on every phase change, objects change less.
+    parsed: Mutex<HashMap<String, (String, Option<Member>)>>,
     /// Held from reading the fleet to recording a grant: reconciles of
     /// different migrations run at once, and two must not take one slot.
     admitting: tokio::sync::Mutex<()>,
@@ -47,6 +50,7 @@ impl Fleet {
             resource,
             store: OnceLock::new(),
             grants: Mutex::new(HashMap::new()),
+            parsed: Mutex::new(HashMap::new()),
             admitting: tokio::sync::Mutex::new(()),
             wake,
         };
@@ -64,15 +68,30 @@ impl Fleet {
         fresh: Option<(&VirtualMachineMigration, &VirtualMachineMigrationStatus)>,
     ) -> Vec<Member> {
         let fresh_key = fresh.map(|(vmm, _)| (vmm.namespace().unwrap_or_default(), vmm.name_any()));
-        let mut members: Vec<Member> = self
-            .store
-            .get()
-            .map(|store| store.state())
-            .unwrap_or_default()
-            .iter()
-            .filter_map(|obj| member_of(obj))
-            .filter(|m| fresh_key.as_ref().is_none_or(|(ns, name)| (&m.namespace, &m.name) != (ns, name)))
-            .collect();
+        let objects = self.store.get().map(|store| store.state()).unwrap_or_default();
+        let mut members: Vec<Member> = {
+            let mut parsed = self.parsed.lock().unwrap_or_else(|e| e.into_inner());
+            let mut seen = std::collections::HashSet::with_capacity(objects.len());
+            let members = objects
+                .iter()
+                .filter_map(|obj| {
+                    let uid = obj.metadata.uid.clone().unwrap_or_default();
+                    let version = obj.metadata.resource_version.clone().unwrap_or_default();
+                    seen.insert(uid.clone());
+                    match parsed.get(&uid) {
+                        Some((v, member)) if *v == version => member.clone(),
+                        _ => {
+                            let member = member_of(obj);
+                            parsed.insert(uid, (version, member.clone()));
+                            member
+                        }
+                    }
+                })
+                .filter(|m| fresh_key.as_ref().is_none_or(|(ns, name)| (&m.namespace, &m.name) != (ns, name)))
+                .collect();
+            parsed.retain(|uid, _| seen.contains(uid));
+            members
+        };
         if let Some((vmm, status)) = fresh
             && vmm.metadata.deletion_timestamp.is_none()
         {
@@ -110,7 +129,7 @@ impl Fleet {
         let _admitting = self.admitting.lock().await;
         let mut members = self.members(Some((vmm, &status)));
         let me = members.len() - 1;
-        let wave = rules::wave_gate(&members, &members[me]);
+        let wave = rules::WaveIndex::new(&members).gate(&members[me]);
         if wave.is_some() || !cutover_open {
             return FleetGates { wave, slot: None };
         }
@@ -145,10 +164,10 @@ impl Fleet {
     fn wake_waiters(&self, members: &[Member]) {
         let queue = rules::queue(members, &self.limits);
         let mut woken: Vec<&Member> = queue.admitted.iter().map(|&i| &members[i]).collect();
-        // Waiting for a wave that is open now (or held for another reason).
+        // Waiting for a wave that is open now.
+        let waves = rules::WaveIndex::new(members);
         for m in members.iter().filter(|m| m.phase == Phase::Validated && m.wave.is_some() && !m.queued) {
-            let open = rules::wave_gate(members, m).is_none();
-            if open {
+            if waves.gate(m).is_none() {
                 woken.push(m);
             }
         }

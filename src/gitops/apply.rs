@@ -170,7 +170,10 @@ pub async fn apply_commit(
     if !refusals.is_empty() {
         return Err(ApplyError::Refused(refusals));
     }
-    // 2. The real apply.
+    // 2. The real apply, earlier waves first: the controller orders a wave
+    // against the migrations that exist, so a later wave must not exist first.
+    planned
+        .sort_by_key(|(r, ..)| r.object.pointer("/spec/wave/number").and_then(Value::as_i64).unwrap_or(-1));
     let real = PatchParams::apply(FIELD_MANAGER).force();
     for (r, api, object, was_orphaned) in &planned {
         api.patch(&r.name, &real, &Patch::Apply(object)).await?;

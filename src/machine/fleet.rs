@@ -105,45 +105,71 @@ pub fn holds_slot_in(status: &VirtualMachineMigrationStatus) -> bool {
     }
 }
 
-/// The wave gate: every migration of an earlier wave of the same plan, in the
-/// same namespace, must have Completed.
-pub fn wave_gate(members: &[Member], me: &Member) -> Option<Wait> {
-    let (plan, number) = me.wave.as_ref()?;
-    let mut earlier: Vec<&Member> = members
-        .iter()
-        .filter(|m| m.namespace == me.namespace && m.phase != Phase::Completed)
-        .filter(|m| m.wave.as_ref().is_some_and(|(p, n)| p == plan && n < number))
-        .collect();
-    if earlier.is_empty() {
-        return None;
+/// One wave's migrations that are not Completed, and those of them that need a person.
+#[derive(Clone, Debug, Default)]
+struct WaveState {
+    open: Vec<String>,
+    held: Vec<String>,
+}
+
+/// `(namespace, plan)` → wave number → its state.
+type Plans = HashMap<(String, String), BTreeMap<i32, WaveState>>;
+
+/// The waves of every plan, indexed once per look at the fleet.
+#[derive(Clone, Debug, Default)]
+pub struct WaveIndex {
+    plans: Plans,
+}
+
+impl WaveIndex {
+    pub fn new(members: &[Member]) -> WaveIndex {
+        let mut plans = Plans::new();
+        for m in members.iter().filter(|m| m.phase != Phase::Completed) {
+            let Some((plan, number)) = &m.wave else { continue };
+            let wave =
+                plans.entry((m.namespace.clone(), plan.clone())).or_default().entry(*number).or_default();
+            wave.open.push(m.name.clone());
+            if matches!(m.phase, Phase::Failed | Phase::ManualInterventionRequired) {
+                wave.held.push(format!("{} ({})", m.name, m.phase));
+            }
+        }
+        WaveIndex { plans }
     }
-    earlier.sort_by(|a, b| {
-        (a.wave.as_ref().map(|w| w.1), &a.name).cmp(&(b.wave.as_ref().map(|w| w.1), &b.name))
-    });
-    let first = earlier[0].wave.as_ref().map(|w| w.1).unwrap_or_default();
-    let held: Vec<String> = earlier
-        .iter()
-        .filter(|m| matches!(m.phase, Phase::Failed | Phase::ManualInterventionRequired))
-        .map(|m| format!("{} ({})", m.name, m.phase))
-        .collect();
-    if !held.is_empty() {
-        return Some(Wait::new(
-            Reason::WaveHeld,
+
+    /// The wave gate: every migration of an earlier wave of the same plan, in
+    /// the same namespace, must have Completed.
+    pub fn gate(&self, me: &Member) -> Option<Wait> {
+        let (plan, number) = me.wave.as_ref()?;
+        let waves = self.plans.get(&(me.namespace.clone(), plan.clone()))?;
+        let earlier: Vec<(&i32, &WaveState)> = waves.range(..*number).collect();
+        let (first, _) = earlier.first()?;
+        let mut held: Vec<String> = earlier.iter().flat_map(|(_, w)| w.held.iter().cloned()).collect();
+        if !held.is_empty() {
+            held.sort();
+            return Some(Wait::new(
+                Reason::WaveHeld,
+                format!(
+                    "plan {plan:?} wave {number} is held: an earlier wave needs a person: {}; retry or fix it, or remove its manifest",
+                    list(&held)
+                ),
+            ));
+        }
+        let mut names: Vec<String> = earlier.iter().flat_map(|(_, w)| w.open.iter().cloned()).collect();
+        names.sort();
+        Some(Wait::new(
+            Reason::WaitingForWave,
             format!(
-                "plan {plan:?} wave {number} is held: an earlier wave needs a person: {}; retry or fix it, or remove its manifest",
-                list(&held)
+                "plan {plan:?} wave {number} waits for wave {first}: {} not Completed yet: {}",
+                names.len(),
+                list(&names)
             ),
-        ));
+        ))
     }
-    let names: Vec<String> = earlier.iter().map(|m| m.name.clone()).collect();
-    Some(Wait::new(
-        Reason::WaitingForWave,
-        format!(
-            "plan {plan:?} wave {number} waits for wave {first}: {} not Completed yet: {}",
-            earlier.len(),
-            list(&names)
-        ),
-    ))
+}
+
+/// The wave gate of one migration (indexes the fleet for one question).
+pub fn wave_gate(members: &[Member], me: &Member) -> Option<Wait> {
+    WaveIndex::new(members).gate(me)
 }
 
 fn list(names: &[String]) -> String {
