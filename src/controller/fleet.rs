@@ -22,6 +22,8 @@ use std::time::{Duration, Instant};
 
 /// How long a granted slot counts before the grant shows in the status.
 const GRANT_TTL: Duration = Duration::from_secs(120);
+/// How long a recorded status stands in for the cache's copy at most.
+const RECENT_TTL: Duration = Duration::from_secs(30);
 
 /// The fleet view of one controller process.
 pub(crate) struct Fleet {
@@ -29,6 +31,11 @@ pub(crate) struct Fleet {
     resource: ApiResource,
     store: OnceLock<Store<DynamicObject>>,
     grants: Mutex<HashMap<(String, String), Instant>>,
+    /// What this process last recorded for each migration, with the
+    /// resourceVersion the write produced, until the cache shows that
+    /// version: a waiter woken by a write must not be judged on the state
+    /// before it (the watch delivers a moment later).
+    recent: Mutex<HashMap<(String, String), (String, Instant, Member)>>,
     /// The queue's view of each cached object, by uid and resourceVersion:
     /// the fleet is looked at on every phase change, objects change less.
     parsed: Mutex<HashMap<String, (String, Option<Member>)>>,
@@ -51,6 +58,7 @@ impl Fleet {
             store: OnceLock::new(),
             grants: Mutex::new(HashMap::new()),
             parsed: Mutex::new(HashMap::new()),
+            recent: Mutex::new(HashMap::new()),
             admitting: tokio::sync::Mutex::new(()),
             wake,
         };
@@ -92,6 +100,29 @@ impl Fleet {
             parsed.retain(|uid, _| seen.contains(uid));
             members
         };
+        {
+            let mut recent = self.recent.lock().unwrap_or_else(|e| e.into_inner());
+            let versions: HashMap<(&str, &str), &str> = objects
+                .iter()
+                .map(|o| {
+                    let key = (
+                        o.metadata.namespace.as_deref().unwrap_or_default(),
+                        o.metadata.name.as_deref().unwrap_or_default(),
+                    );
+                    (key, o.metadata.resource_version.as_deref().unwrap_or_default())
+                })
+                .collect();
+            recent.retain(|(ns, name), (version, at, _)| {
+                at.elapsed() < RECENT_TTL
+                    && versions.get(&(ns.as_str(), name.as_str())).is_some_and(|v| v != version)
+            });
+            for m in &mut members {
+                if let Some((_, _, written)) = recent.get(&(m.namespace.clone(), m.name.clone())) {
+                    // The status as written; the spec (host, wave) as cached.
+                    *m = Member { host: m.host.clone(), wave: m.wave.clone(), ..written.clone() };
+                }
+            }
+        }
         if let Some((vmm, status)) = fresh
             && vmm.metadata.deletion_timestamp.is_none()
         {
@@ -146,8 +177,27 @@ impl Fleet {
         FleetGates { wave: None, slot: queue.waiting.get(&me).cloned() }
     }
 
-    /// After `vmm` recorded `status`: wakes the waiters a freed slot or an
-    /// opened wave lets go on (the cache may not show the write yet).
+    /// `vmm` recorded `status` as `version`: judged so until the cache shows it.
+    pub(crate) fn recorded(
+        &self,
+        vmm: &VirtualMachineMigration,
+        status: &VirtualMachineMigrationStatus,
+        version: String,
+    ) {
+        let member = member_from(
+            vmm.namespace().unwrap_or_default(),
+            vmm.name_any(),
+            vmm.spec.source.host.clone(),
+            vmm.spec.wave.as_ref().map(|w| (w.plan.clone(), w.number)),
+            status,
+            status.source_inventory.as_ref().map_or(0, |i| i.disks.len()),
+        );
+        let key = (member.namespace.clone(), member.name.clone());
+        self.recent.lock().unwrap_or_else(|e| e.into_inner()).insert(key, (version, Instant::now(), member));
+    }
+
+    /// After `vmm` recorded `status` in another phase: wakes the waiters a
+    /// freed slot or an opened wave lets go on.
     pub(crate) fn changed(&self, vmm: &VirtualMachineMigration, status: &VirtualMachineMigrationStatus) {
         let members = self.members(Some((vmm, status)));
         self.wake_waiters(&members);

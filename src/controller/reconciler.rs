@@ -343,7 +343,9 @@ async fn apply(
         resource_version = patched.resource_version();
     }
     publish(ctx, vmm, &step.decision.events).await;
-    record(api, vmm, &step.decision.status, resource_version).await?;
+    if let Some(version) = record(api, vmm, &step.decision.status, resource_version).await? {
+        ctx.fleet.recorded(vmm, &step.decision.status, version);
+    }
     if step.decision.status.phase != phase {
         ctx.fleet.changed(vmm, &step.decision.status);
     }
@@ -364,14 +366,15 @@ async fn apply(
 
 /// One status write per reconcile, skipped when nothing changed. The
 /// resourceVersion makes a write based on a stale read fail with 409.
+/// Returns the resourceVersion written, `None` when nothing was.
 async fn record(
     api: &Api<VirtualMachineMigration>,
     vmm: &VirtualMachineMigration,
     status: &VirtualMachineMigrationStatus,
     resource_version: Option<String>,
-) -> Result<(), Error> {
+) -> Result<Option<String>, Error> {
     if vmm.status.as_ref() == Some(status) {
-        return Ok(());
+        return Ok(None);
     }
     let patch = json!({
         "apiVersion": "migration.platform.example/v1alpha1",
@@ -381,7 +384,7 @@ async fn record(
     });
     api.patch_status(&vmm.name_any(), &PatchParams::apply(FIELD_MANAGER).force(), &Patch::Apply(&patch))
         .await
-        .map(|_| ())
+        .map(|written| written.resource_version())
         .map_err(|e| Error::Kube("writing status", e))
 }
 

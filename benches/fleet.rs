@@ -1,0 +1,263 @@
+//! Benchmark (not a test): a fleet migrated through Git. One merge of
+//! `VMS` manifests in `WAVES` waves, VMs spread over `HOSTS` ESXi hosts, at
+//! most `CAP` disk reads per host; the real gitops loop (render, apply,
+//! status branch on a real bare Git remote) and the real controller against
+//! a real kube-apiserver. The ESXi hosts, the copies and the destination are
+//! the in-memory fleet of `tests/support/fleet_sim.rs` (each disk copy takes
+//! `COPY_SECONDS`; imports and boots are instant), so what is measured is the
+//! orchestration: queueing, waves, API traffic, memory, Git commits.
+//!
+//!   cargo bench --bench fleet                    # 1000 VMs, 50 hosts, 10 waves, cap 2, 30 s copies
+//!   VMMIGRATE_BENCH_VMS=200 VMMIGRATE_BENCH_HOSTS=10 VMMIGRATE_BENCH_WAVES=2 \
+//!   VMMIGRATE_BENCH_COPY_SECONDS=10 cargo bench --bench fleet
+//!
+//! Reported against the ideal the caps set (every wave as many copy rounds
+//! as its busiest host needs, nothing else costing time): the total from
+//! the push to the last Completed, the longest wait of any migration for a
+//! read slot once its wave was open, the process's peak RSS and CPU time
+//! (controller, gitops loop and the in-memory fleet together: an upper
+//! bound of the controller's), API requests per migration as the API
+//! server counted them, and commits on the status branch per coalescing
+//! window. Needs root and the cluster's build (as `cargo test` does).
+
+// The tests use more of it than this benchmark does.
+#[allow(dead_code)]
+#[path = "../tests/support/fleet_sim.rs"]
+mod fleet_sim;
+
+use fleet_sim::FleetSim;
+use kube::api::{Api, ListParams, PostParams};
+use kube::{Client, ResourceExt};
+use std::collections::HashMap;
+use std::path::Path;
+use std::process::Command;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use vmmigrate::api::{Phase, VirtualMachineMigration};
+use vmmigrate::controller::reconciler::{self, ControllerConfig};
+use vmmigrate::gitops::service::{self, GitopsOptions};
+use vmmigrate::machine::fleet::Limits;
+use vmmigrate_harness::KubeEnv;
+
+fn env(name: &str, default: u64) -> u64 {
+    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+}
+
+fn git(dir: &Path, args: &[&str]) -> String {
+    let out = Command::new("git")
+        .arg("-C")
+        .arg(dir)
+        .args(["-c", "user.name=Platform Team", "-c", "user.email=platform@example.test"])
+        .args(["-c", "commit.gpgsign=false"])
+        .args(args)
+        .output()
+        .expect("git");
+    assert!(out.status.success(), "git {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8_lossy(&out.stdout).trim().to_owned()
+}
+
+fn manifest(ns: &str, name: &str, host: &str, wave: u64) -> String {
+    format!(
+        "apiVersion: migration.platform.example/v1alpha1\nkind: VirtualMachineMigration\nmetadata:\n  name: {name}\n  namespace: {ns}\nspec:\n  wave:\n    plan: fleet\n    number: {wave}\n  source:\n    host: {host}\n    hostKey: SHA256:uNiVztksCsDhcc0u9e8BujQXVUpKZIDTMczCvj3tD2s\n    credentialsSecretRef:\n      name: esxi\n    vm:\n      name: {name}\n  destination:\n    namespace: {ns}\n    storageClassName: local-path\n  networkMap:\n  - source: VM Network\n    type: Pod\n  validation:\n    checks:\n    - name: agent\n      guestAgent: {{}}\n"
+    )
+}
+
+/// `(sum of apiserver_request_total for VirtualMachineMigrations, for Events)`.
+async fn api_requests(client: &Client) -> (f64, f64) {
+    let text = client
+        .request_text(http::Request::get("/metrics").body(Vec::new()).unwrap())
+        .await
+        .expect("API server metrics");
+    let mut sums = (0.0, 0.0);
+    for line in text.lines().filter(|l| l.starts_with("apiserver_request_total{")) {
+        let value: f64 = line.rsplit(' ').next().and_then(|v| v.parse().ok()).unwrap_or(0.0);
+        if line.contains("resource=\"virtualmachinemigrations\"") {
+            sums.0 += value;
+        } else if line.contains("resource=\"events\"") {
+            sums.1 += value;
+        }
+    }
+    sums
+}
+
+/// `(VmHWM, VmRSS)` in MiB and CPU seconds of this process.
+fn process_usage() -> (f64, f64, f64) {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let kib = |key: &str| {
+        status
+            .lines()
+            .find(|l| l.starts_with(key))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
+    let fields: Vec<&str> =
+        stat.rsplit_once(')').map(|(_, rest)| rest.split_whitespace().collect()).unwrap_or_default();
+    let ticks = |i: usize| fields.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
+    // utime and stime are fields 14 and 15; `fields` starts at field 3.
+    (kib("VmHWM:") / 1024.0, kib("VmRSS:") / 1024.0, (ticks(11) + ticks(12)) / 100.0)
+}
+
+fn main() {
+    let vms = env("VMMIGRATE_BENCH_VMS", 1000);
+    let hosts = env("VMMIGRATE_BENCH_HOSTS", 50);
+    let waves = env("VMMIGRATE_BENCH_WAVES", 10).max(1);
+    let cap = env("VMMIGRATE_BENCH_CAP", 2) as u32;
+    let copy = Duration::from_secs(env("VMMIGRATE_BENCH_COPY_SECONDS", 30));
+    let window = env("VMMIGRATE_BENCH_STATUS_WINDOW", 10);
+    let cluster = KubeEnv::start_owned(false).expect("API server");
+    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    runtime.block_on(async move {
+        let client = cluster.client().await;
+        let ns = format!("fleet-bench-{}", std::process::id());
+        let namespace: k8s_openapi::api::core::v1::Namespace =
+            serde_json::from_value(serde_json::json!({"metadata": {"name": ns}})).unwrap();
+        Api::all(client.clone()).create(&PostParams::default(), &namespace).await.expect("namespace");
+
+        // The repository: one commit adding every manifest, pushed to main.
+        let dir = tempfile::tempdir().unwrap();
+        let bare = dir.path().join("remote.git");
+        let work = dir.path().join("work");
+        git(dir.path(), &["init", "-q", "--bare", "-b", "main", bare.to_str().unwrap()]);
+        git(dir.path(), &["init", "-q", "-b", "main", work.to_str().unwrap()]);
+        std::fs::write(work.join("README.md"), "# migrations\n").unwrap();
+        git(&work, &["add", "."]);
+        git(&work, &["commit", "-q", "-m", "start"]);
+        git(&work, &["remote", "add", "origin", bare.to_str().unwrap()]);
+        git(&work, &["push", "-q", "origin", "main"]);
+        let per_wave = vms.div_ceil(waves);
+        let mut busiest = vec![0u64; waves as usize];
+        let mut per_host_in_wave: HashMap<(u64, u64), u64> = HashMap::new();
+        for i in 0..vms {
+            let wave = i / per_wave + 1;
+            let host = i % hosts;
+            let name = format!("vm-{i:04}");
+            let path = work.join(format!("migrations/wave-{wave:02}/{name}.yaml"));
+            std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+            std::fs::write(path, manifest(&ns, &name, &format!("esx-{host:02}"), wave)).unwrap();
+            let n = per_host_in_wave.entry((wave, host)).or_default();
+            *n += 1;
+            busiest[(wave - 1) as usize] = busiest[(wave - 1) as usize].max(*n);
+        }
+        let rounds: u64 = busiest.iter().map(|&b| b.div_ceil(cap as u64)).sum();
+        let ideal = copy * rounds as u32;
+
+        let sim = FleetSim::new(copy, 1);
+        let config = ControllerConfig {
+            namespace: Some(ns.clone()),
+            instance: "fleet-bench".into(),
+            limits: Limits { per_host: cap, ..Limits::default() },
+            ..Default::default()
+        };
+        let controller = tokio::spawn(reconciler::run(client.clone(), sim.adapters(), config, std::future::pending()));
+        let cache = tempfile::tempdir().unwrap();
+        let opts = GitopsOptions {
+            repo: bare.to_string_lossy().into_owned(),
+            branch: "main".into(),
+            cache_dir: cache.path().to_path_buf(),
+            poll_seconds: 2,
+            no_apply: false,
+            manifest_namespace: ns.clone(),
+            status_branch: "migration-status".into(),
+            status_dir: None,
+            no_status: false,
+            status_window_seconds: window,
+            webhook_listen: None,
+            github_webhook_secret: None,
+            gitea_webhook_secret: None,
+            gitlab_webhook_token: None,
+            forge: None,
+            forge_api: None,
+            forge_repo: None,
+            forge_token: None,
+            forge_login: None,
+            ssh_key: None,
+            known_hosts: None,
+            git_token: None,
+            watch_path: None,
+            destinations: Default::default(),
+            limits: Default::default(),
+            max_fetch_bytes: 256 << 20,
+            fetch_timeout: 300,
+        };
+        let gitops = service::start(client.clone(), opts, Arc::default()).await.expect("gitops loop");
+        let requests_before = api_requests(&client).await;
+        let (_, _, cpu_before) = process_usage();
+
+        // The merge.
+        git(&work, &["add", "-A"]);
+        git(&work, &["commit", "-q", "-m", &format!("Migrate {vms} VMs in {waves} waves")]);
+        let pushed = Instant::now();
+        git(&work, &["push", "-q", "origin", "main"]);
+
+        let api: Api<VirtualMachineMigration> = Api::namespaced(client.clone(), &ns);
+        let mut own_lists = 0u64;
+        let mut peak_rss: f64 = 0.0;
+        let all = loop {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            let all = api.list(&ListParams::default()).await.expect("list").items;
+            own_lists += 1;
+            peak_rss = peak_rss.max(process_usage().1);
+            let done = all.iter().filter(|v| v.status.as_ref().is_some_and(|s| s.phase == Phase::Completed)).count();
+            if own_lists.is_multiple_of(15) {
+                eprintln!("{:>5.0} s: {done} of {vms} Completed", pushed.elapsed().as_secs_f64());
+            }
+            if all.len() as u64 == vms && done as u64 == vms {
+                break all;
+            }
+            assert!(pushed.elapsed() < ideal * 4 + Duration::from_secs(600), "the fleet did not finish");
+        };
+        let total = pushed.elapsed();
+        let (_, _, cpu_after) = process_usage();
+        let requests_after = api_requests(&client).await;
+        // Let the status branch catch up before counting its commits.
+        tokio::time::sleep(Duration::from_secs(window + 3)).await;
+        let status_commits: u64 = git(&bare, &["rev-list", "--count", "migration-status"]).parse().unwrap_or(0);
+        drop(gitops);
+        controller.abort();
+
+        // Slot waits: from when a migration could go (validated, its wave open) to its copy.
+        let entered = |v: &VirtualMachineMigration, p: Phase| {
+            v.status.as_ref().and_then(|s| s.history.iter().find(|t| t.phase == p)).map(|t| t.time.0.as_second())
+        };
+        let mut wave_done: HashMap<i32, i64> = HashMap::new();
+        for v in &all {
+            let w = v.spec.wave.as_ref().map(|w| w.number).unwrap_or(0);
+            let done = entered(v, Phase::Completed).unwrap_or(0);
+            let e = wave_done.entry(w).or_default();
+            *e = (*e).max(done);
+        }
+        let mut longest = (0i64, String::new());
+        for v in &all {
+            let w = v.spec.wave.as_ref().map(|w| w.number).unwrap_or(0);
+            let open = wave_done.get(&(w - 1)).copied().unwrap_or(0);
+            let ready = entered(v, Phase::Validated).unwrap_or(0).max(open);
+            let wait = entered(v, Phase::Preparing).unwrap_or(0) - ready;
+            if wait > longest.0 {
+                longest = (wait, v.name_any());
+            }
+        }
+        let (peak_reads, _) = sim.peak_reads();
+        assert!(sim.power_offs().values().all(|&n| n == 1), "every source powered off exactly once");
+        let max_host = peak_reads.values().copied().max().unwrap_or(0);
+        let (hwm, _, _) = process_usage();
+        let vmm_requests = requests_after.0 - requests_before.0 - own_lists as f64 - 1.0;
+        let event_requests = requests_after.1 - requests_before.1;
+        let windows = (total.as_secs_f64() / window as f64).ceil();
+
+        println!("\nfleet: {vms} VMs, {hosts} hosts, {waves} waves, cap {cap} reads per host, copy {} s", copy.as_secs());
+        println!("| measure | value |");
+        println!("|---|---|");
+        println!("| ideal set by the caps ({rounds} copy rounds) | {:.0} s |", ideal.as_secs_f64());
+        println!("| push to the last Completed | {:.1} s ({:.3}× the ideal) |", total.as_secs_f64(), total.as_secs_f64() / ideal.as_secs_f64());
+        println!("| longest wait for a read slot once its wave was open | {} s ({}) |", longest.0, longest.1);
+        println!("| most reads seen at once on one host | {max_host} (cap {cap}) |");
+        println!("| peak RSS, one process: controller + gitops loop + in-memory fleet | {hwm:.1} MiB (sampled RSS max {peak_rss:.1} MiB) |");
+        println!("| CPU time of that process during the run | {:.1} s ({:.0} % of one core) |", cpu_after - cpu_before, (cpu_after - cpu_before) / total.as_secs_f64() * 100.0);
+        println!("| API requests on VirtualMachineMigrations per migration | {:.1} |", vmm_requests / vms as f64);
+        println!("| API requests on Events per migration | {:.1} |", event_requests / vms as f64);
+        println!("| status-branch commits | {status_commits} in {windows:.0} windows of {window} s ({:.2} per window) |", status_commits as f64 / windows);
+        drop(cluster);
+    });
+}
