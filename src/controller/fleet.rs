@@ -25,6 +25,12 @@ const GRANT_TTL: Duration = Duration::from_secs(120);
 /// How long a recorded status stands in for the cache's copy at most.
 const RECENT_TTL: Duration = Duration::from_secs(30);
 
+/// `(namespace, name)`.
+type Key = (String, String);
+
+/// A status this process wrote: its resourceVersion, when, and how the queue reads it.
+type Recorded = (String, Instant, Member);
+
 /// The fleet view of one controller process.
 pub(crate) struct Fleet {
     limits: Limits,
@@ -35,7 +41,7 @@ pub(crate) struct Fleet {
     /// resourceVersion the write produced, until the cache shows that
     /// version: a waiter woken by a write must not be judged on the state
     /// before it (the watch delivers a moment later).
-    recent: Mutex<HashMap<(String, String), (String, Instant, Member)>>,
+    recent: Mutex<HashMap<Key, Recorded>>,
     /// The queue's view of each cached object, by uid and resourceVersion:
     /// the fleet is looked at on every phase change, objects change less.
     parsed: Mutex<HashMap<String, (String, Option<Member>)>>,
