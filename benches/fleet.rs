@@ -100,6 +100,12 @@ fn process_usage() -> (f64, f64, f64) {
 }
 
 fn main() {
+    if std::env::var_os("RUST_LOG").is_some() {
+        tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+            .with_writer(std::io::stderr)
+            .init();
+    }
     let vms = env("VMMIGRATE_BENCH_VMS", 1000);
     let hosts = env("VMMIGRATE_BENCH_HOSTS", 50);
     let waves = env("VMMIGRATE_BENCH_WAVES", 10).max(1);

@@ -386,3 +386,25 @@ async fn a_host_that_prints_without_end_is_cut_off_at_the_output_limit_with_a_cl
     let session = Session::connect(&target(&emu), &password(&emu)).await.expect("connect");
     assert_eq!(session.run(&fine).await.expect("1 MiB").stdout.len(), 1 << 20);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_disk_store_wakes_the_controller_when_a_copy_ends_and_then_reports_it_complete() {
+    use vmmigrate::machine::CopyState;
+    use vmmigrate::ports::DiskStore;
+    let emu = EsxiEmulator::start(EsxiOptions::default()).expect("emulator");
+    let (esxi, _store) = source(&emu, password(&emu));
+    let vmm = discovered(&esxi, &emu, "web 01").await;
+    let (tx, mut woken) = tokio::sync::mpsc::unbounded_channel::<(String, String)>();
+    esxi.notify_on_finish(Arc::new(move |ns: &str, name: &str| {
+        let _ = tx.send((ns.to_owned(), name.to_owned()));
+    }));
+    esxi.start_copy(&vmm, 0).await.expect("start copy");
+    let who =
+        tokio::time::timeout(Duration::from_secs(60), woken.recv()).await.expect("woken").expect("wake");
+    assert_eq!(who, ("ns".to_owned(), "m".to_owned()));
+    // Looked at right after the wake, not a poll later: the copy is done.
+    match esxi.copy_state(&vmm, 0).await {
+        CopyState::Complete { sha256, .. } => assert_eq!(sha256, emu.disk_files("1")[0].2),
+        other => panic!("expected Complete right after the wake, got {other:?}"),
+    }
+}

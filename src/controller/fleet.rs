@@ -71,6 +71,15 @@ impl Fleet {
         (fleet, woken)
     }
 
+    /// Wakes a migration by `(namespace, name)`: for adapters whose background work ended.
+    pub(crate) fn waker(&self) -> crate::ports::Wake {
+        let wake = self.wake.clone();
+        let resource = self.resource.clone();
+        std::sync::Arc::new(move |namespace: &str, name: &str| {
+            let _ = wake.unbounded_send(ObjectRef::new_with(name, resource.clone()).within(namespace));
+        })
+    }
+
     /// The controller's watch cache, once the controller exists.
     pub(crate) fn attach(&self, store: Store<DynamicObject>) {
         let _ = self.store.set(store);
@@ -175,6 +184,11 @@ impl Fleet {
         }
         members[me].queued = true;
         let queue = rules::queue(&members, &self.limits);
+        tracing::debug!(
+            admitted = queue.admitted.contains(&me),
+            waiting = ?queue.waiting.get(&me).map(|w| &w.message),
+            "asked for a read slot"
+        );
         if queue.admitted.contains(&me) {
             let key = (members[me].namespace.clone(), members[me].name.clone());
             self.grants.lock().unwrap_or_else(|e| e.into_inner()).insert(key, Instant::now());
@@ -222,12 +236,13 @@ impl Fleet {
         let mut woken: Vec<&Member> = queue.admitted.iter().map(|&i| &members[i]).collect();
         // Waiting for a wave that is open now.
         let waves = rules::WaveIndex::new(members);
-        for m in members.iter().filter(|m| m.phase == Phase::Validated && m.wave.is_some() && !m.queued) {
+        for m in members.iter().filter(|m| m.phase == Phase::Validated && m.waits_for_wave) {
             if waves.gate(m).is_none() {
                 woken.push(m);
             }
         }
         for m in woken {
+            tracing::debug!(migration = %format!("{}/{}", m.namespace, m.name), "woken: a read slot or its wave opened");
             let reference = ObjectRef::new_with(&m.name, self.resource.clone()).within(&m.namespace);
             let _ = self.wake.unbounded_send(reference);
         }
@@ -291,5 +306,8 @@ fn member_from(
             && crate::machine::conditions::is_true(status, condition::VALIDATED)
             && slot_wait,
         queued_since,
+        waits_for_wave: status.waiting.as_ref().is_some_and(|w| {
+            w.reason == Reason::WaitingForWave.as_str() || w.reason == Reason::WaveHeld.as_str()
+        }),
     }
 }

@@ -85,6 +85,8 @@ pub struct Member {
     pub queued: bool,
     /// Since when it is in line (when it was validated).
     pub queued_since: Timestamp,
+    /// Recorded as waiting for its wave (to be woken when the wave opens).
+    pub waits_for_wave: bool,
 }
 
 impl Member {

@@ -40,9 +40,16 @@ pub trait EsxiHost: Send + Sync {
     async fn power_off(&self, vmm: &VirtualMachineMigration) -> Result<(), Failure>;
 }
 
+/// Asks the controller to look at a migration (`namespace`, `name`) again now:
+/// work an adapter runs in the background has ended.
+pub type Wake = Arc<dyn Fn(&str, &str) + Send + Sync>;
+
 /// Local copies of the source disks (deterministic paths per migration and disk).
 #[async_trait]
 pub trait DiskStore: Send + Sync {
+    /// Whom to tell when a copy ends (done or failed), so the migration does
+    /// not wait for its next poll. Adapters without background work ignore it.
+    fn notify_on_finish(&self, _wake: Wake) {}
     /// The state of disk `disk`'s copy. A failure of a finished copy is
     /// reported once; afterwards the partial data shows as `Partial` or `Absent`.
     async fn copy_state(&self, vmm: &VirtualMachineMigration, disk: usize) -> CopyState;

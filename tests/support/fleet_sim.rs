@@ -53,6 +53,7 @@ pub struct FleetSim {
     copy_time: Duration,
     disks: usize,
     state: Mutex<State>,
+    wake: std::sync::OnceLock<vmmigrate::ports::Wake>,
 }
 
 fn key(vmm: &VirtualMachineMigration) -> String {
@@ -61,7 +62,12 @@ fn key(vmm: &VirtualMachineMigration) -> String {
 
 impl FleetSim {
     pub fn new(copy_time: Duration, disks: usize) -> Arc<FleetSim> {
-        Arc::new(FleetSim { copy_time, disks, state: Mutex::new(State::default()) })
+        Arc::new(FleetSim {
+            copy_time,
+            disks,
+            state: Mutex::new(State::default()),
+            wake: std::sync::OnceLock::new(),
+        })
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
@@ -191,6 +197,10 @@ impl EsxiHost for FleetSim {
 
 #[async_trait]
 impl DiskStore for FleetSim {
+    fn notify_on_finish(&self, wake: vmmigrate::ports::Wake) {
+        let _ = self.wake.set(wake);
+    }
+
     async fn copy_state(&self, vmm: &VirtualMachineMigration, disk: usize) -> CopyState {
         let state = self.lock();
         match state.vms.get(&key(vmm)).and_then(|vm| vm.copies.get(&disk)) {

@@ -18,6 +18,7 @@ fn member(ns: &str, name: &str, host: &str, since: i64) -> Member {
         holds_slot: false,
         queued: true,
         queued_since: at(since),
+        waits_for_wave: false,
     }
 }
 

@@ -30,6 +30,9 @@ pub enum CredentialSource {
 struct CopyTask {
     progress: Arc<AtomicU64>,
     total: u64,
+    /// Set when the copy has its result, just before the controller is
+    /// woken: the task may not have returned yet when it looks.
+    ended: Arc<std::sync::atomic::AtomicBool>,
     handle: tokio::task::JoinHandle<Result<CopyResult, CopyError>>,
 }
 
@@ -49,6 +52,8 @@ pub struct EsxiSource {
     store: StoreConfig,
     sessions: tokio::sync::Mutex<HashMap<String, Arc<Session>>>,
     copies: Mutex<HashMap<(String, usize), CopyTask>>,
+    /// Told when a copy ends.
+    wake: std::sync::OnceLock<crate::ports::Wake>,
 }
 
 impl Drop for EsxiSource {
@@ -119,6 +124,7 @@ impl EsxiSource {
             store,
             sessions: tokio::sync::Mutex::new(HashMap::new()),
             copies: Mutex::new(HashMap::new()),
+            wake: std::sync::OnceLock::new(),
         }
     }
 
@@ -421,6 +427,10 @@ impl EsxiHost for EsxiSource {
 
 #[async_trait]
 impl DiskStore for EsxiSource {
+    fn notify_on_finish(&self, wake: crate::ports::Wake) {
+        let _ = self.wake.set(wake);
+    }
+
     async fn copy_state(&self, vmm: &VirtualMachineMigration, disk: usize) -> CopyState {
         let key = Self::task_key(vmm, disk);
         let finished = {
@@ -429,7 +439,7 @@ impl DiskStore for EsxiSource {
                 Err(p) => p.into_inner(),
             };
             match copies.get(&key) {
-                Some(task) if !task.handle.is_finished() => {
+                Some(task) if !task.handle.is_finished() && !task.ended.load(Ordering::Acquire) => {
                     return CopyState::InProgress {
                         bytes_done: task.progress.load(Ordering::Relaxed) as i64,
                         bytes_total: task.total as i64,
@@ -489,15 +499,23 @@ impl DiskStore for EsxiSource {
         let progress = Arc::new(AtomicU64::new(0));
         let task_progress = progress.clone();
         let metrics = self.store.metrics.clone();
+        let wake = self.wake.get().cloned();
+        let (namespace, name) = (vmm.metadata.namespace.clone().unwrap_or_default(), vmm.name_any());
+        let ended = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let task_ended = ended.clone();
         let handle = tokio::spawn(async move {
             let result = copy::copy_disk(session, &plan, task_progress).await;
             // Counted when the run ends: `bytes_read` excludes what a resume skipped.
             if let Ok(done) = &result {
                 metrics.copied_bytes(done.bytes_read);
             }
+            task_ended.store(true, Ordering::Release);
+            if let Some(wake) = wake {
+                wake(&namespace, &name);
+            }
             result
         });
-        let task = CopyTask { progress, total: source.capacity_bytes.max(0) as u64, handle };
+        let task = CopyTask { progress, total: source.capacity_bytes.max(0) as u64, ended, handle };
         if let Ok(mut copies) = self.copies.lock() {
             copies.insert(key, task);
         }
