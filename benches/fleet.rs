@@ -14,9 +14,10 @@
 //! Reported against the ideal the caps set (every wave as many copy rounds
 //! as its busiest host needs, nothing else costing time): the total from
 //! the push to the last Completed, the longest wait of any migration for a
-//! read slot once its wave was open, the process's peak RSS and CPU time
-//! (controller, gitops loop and the in-memory fleet together: an upper
-//! bound of the controller's), API requests per migration as the API
+//! read slot once its wave was open, the peak RSS and CPU time of the
+//! controller's process (with the in-memory fleet: an upper bound of the
+//! controller's) and of the gitops loop (`vmmigrate gitops`, a
+//! process of its own as deployed), API requests per migration as the API
 //! server counted them, and commits on the status branch per coalescing
 //! window. Needs root and the cluster's build (as `cargo test` does).
 
@@ -31,11 +32,9 @@ use kube::{Client, ResourceExt};
 use std::collections::HashMap;
 use std::path::Path;
 use std::process::Command;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 use vmmigrate::api::{Phase, VirtualMachineMigration};
 use vmmigrate::controller::reconciler::{self, ControllerConfig};
-use vmmigrate::gitops::service::{self, GitopsOptions};
 use vmmigrate::machine::fleet::Limits;
 use vmmigrate_harness::KubeEnv;
 
@@ -156,38 +155,20 @@ fn main() {
             limits: Limits { per_host: cap, ..Limits::default() },
             ..Default::default()
         };
+        let metrics = config.metrics.clone();
         let controller = tokio::spawn(reconciler::run(client.clone(), sim.adapters(), config, std::future::pending()));
+        // The gitops loop as it is deployed: a process of its own (`vmmigrate gitops`).
         let cache = tempfile::tempdir().unwrap();
-        let opts = GitopsOptions {
-            repo: bare.to_string_lossy().into_owned(),
-            branch: "main".into(),
-            cache_dir: cache.path().to_path_buf(),
-            poll_seconds: 2,
-            no_apply: false,
-            manifest_namespace: ns.clone(),
-            status_branch: "migration-status".into(),
-            status_dir: None,
-            no_status: false,
-            status_window_seconds: window,
-            webhook_listen: None,
-            github_webhook_secret: None,
-            gitea_webhook_secret: None,
-            gitlab_webhook_token: None,
-            forge: None,
-            forge_api: None,
-            forge_repo: None,
-            forge_token: None,
-            forge_login: None,
-            ssh_key: None,
-            known_hosts: None,
-            git_token: None,
-            watch_path: None,
-            destinations: Default::default(),
-            limits: Default::default(),
-            max_fetch_bytes: 256 << 20,
-            fetch_timeout: 300,
-        };
-        let gitops = service::start(client.clone(), opts, Arc::default()).await.expect("gitops loop");
+        let mut gitops = Command::new(env!("CARGO_BIN_EXE_vmmigrate"))
+            .args(["gitops", "--repo", bare.to_str().unwrap(), "--branch", "main"])
+            .args(["--cache-dir", cache.path().to_str().unwrap(), "--poll-seconds", "2"])
+            .args(["--manifest-namespace", &ns, "--status-window-seconds", &window.to_string()])
+            .args(["--metrics-listen", "127.0.0.1:0"])
+            .env("KUBECONFIG", cluster.kubeconfig_path())
+            .env("RUST_LOG", "warn")
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .expect("vmmigrate gitops");
         let requests_before = api_requests(&client).await;
         let (_, _, cpu_before) = process_usage();
 
@@ -195,32 +176,47 @@ fn main() {
         git(&work, &["add", "-A"]);
         git(&work, &["commit", "-q", "-m", &format!("Migrate {vms} VMs in {waves} waves")]);
         let pushed = Instant::now();
+        let pushed_at = pushed;
         git(&work, &["push", "-q", "origin", "main"]);
 
-        let api: Api<VirtualMachineMigration> = Api::namespaced(client.clone(), &ns);
-        let mut own_lists = 0u64;
-        let mut peak_rss: f64 = 0.0;
-        let all = loop {
-            tokio::time::sleep(Duration::from_secs(1)).await;
-            let all = api.list(&ListParams::default()).await.expect("list").items;
-            own_lists += 1;
-            peak_rss = peak_rss.max(process_usage().1);
-            let done = all.iter().filter(|v| v.status.as_ref().is_some_and(|s| s.phase == Phase::Completed)).count();
-            if own_lists.is_multiple_of(15) {
+        // Progress from the controller's own metrics: watching costs the API server nothing more.
+        let mut looks = 0u64;
+        loop {
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            looks += 1;
+            let text = metrics.encode();
+            let done: f64 = text
+                .lines()
+                .find(|l| l.starts_with("vmmigrate_migrations{phase=\"Completed\"}"))
+                .and_then(|l| l.rsplit(' ').next())
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(0.0);
+            if looks.is_multiple_of(40) {
                 eprintln!("{:>5.0} s: {done} of {vms} Completed", pushed.elapsed().as_secs_f64());
             }
-            if all.len() as u64 == vms && done as u64 == vms {
-                break all;
+            if done as u64 == vms {
+                break;
             }
             assert!(pushed.elapsed() < ideal * 4 + Duration::from_secs(600), "the fleet did not finish");
-        };
+        }
         let total = pushed.elapsed();
-        let (_, _, cpu_after) = process_usage();
+        let (hwm, _, cpu_after) = process_usage();
+        let gitops_hwm = std::fs::read_to_string(format!("/proc/{}/status", gitops.id()))
+            .unwrap_or_default()
+            .lines()
+            .find(|l| l.starts_with("VmHWM:"))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse::<f64>().ok())
+            .unwrap_or(0.0)
+            / 1024.0;
         let requests_after = api_requests(&client).await;
+        let api: Api<VirtualMachineMigration> = Api::namespaced(client.clone(), &ns);
+        let all = api.list(&ListParams::default()).await.expect("list").items;
         // Let the status branch catch up before counting its commits.
         tokio::time::sleep(Duration::from_secs(window + 3)).await;
         let status_commits: u64 = git(&bare, &["rev-list", "--count", "migration-status"]).parse().unwrap_or(0);
-        drop(gitops);
+        let _ = gitops.kill();
+        let _ = gitops.wait();
         controller.abort();
 
         // Slot waits: from when a migration could go (validated, its wave open) to its copy.
@@ -244,11 +240,31 @@ fn main() {
                 longest = (wait, v.name_any());
             }
         }
+        // Where the time beyond the copies went.
+        let reads = sim.reads();
+        let first_read = reads.iter().map(|r| r.start).min().map(|t| t - pushed_at).unwrap_or_default();
+        let last_read_end = reads.iter().map(|r| r.end).max().map(|t| t - pushed_at).unwrap_or_default();
+        let mut handoffs = Vec::new();
+        let mut by_host: HashMap<&str, Vec<&fleet_sim::Read>> = HashMap::new();
+        for r in &reads {
+            by_host.entry(&r.host).or_default().push(r);
+        }
+        for list in by_host.values_mut() {
+            list.sort_by_key(|r| r.start);
+            // Each read's start after the earliest end of a read that was running before it.
+            for (i, r) in list.iter().enumerate().skip(cap as usize) {
+                let freed = list[..i].iter().map(|o| o.end).filter(|&e| e <= r.start).max();
+                if let Some(freed) = freed {
+                    handoffs.push((r.start - freed).as_secs_f64());
+                }
+            }
+        }
+        handoffs.sort_by(f64::total_cmp);
+        let median_handoff = handoffs.get(handoffs.len() / 2).copied().unwrap_or(0.0);
         let (peak_reads, _) = sim.peak_reads();
         assert!(sim.power_offs().values().all(|&n| n == 1), "every source powered off exactly once");
         let max_host = peak_reads.values().copied().max().unwrap_or(0);
-        let (hwm, _, _) = process_usage();
-        let vmm_requests = requests_after.0 - requests_before.0 - own_lists as f64 - 1.0;
+        let vmm_requests = requests_after.0 - requests_before.0;
         let event_requests = requests_after.1 - requests_before.1;
         let windows = (total.as_secs_f64() / window as f64).ceil();
 
@@ -257,9 +273,13 @@ fn main() {
         println!("|---|---|");
         println!("| ideal set by the caps ({rounds} copy rounds) | {:.0} s |", ideal.as_secs_f64());
         println!("| push to the last Completed | {:.1} s ({:.3}× the ideal) |", total.as_secs_f64(), total.as_secs_f64() / ideal.as_secs_f64());
+        println!("| push to the first read (fetch, render, apply, discovery, validation) | {:.1} s |", first_read.as_secs_f64());
+        println!("| a read slot freed to the next read on that host, median (within a wave and across waves) | {median_handoff:.1} s |");
+        println!("| the last read's end to the last Completed | {:.1} s |", (total.saturating_sub(last_read_end)).as_secs_f64());
         println!("| longest wait for a read slot once its wave was open | {} s ({}) |", longest.0, longest.1);
         println!("| most reads seen at once on one host | {max_host} (cap {cap}) |");
-        println!("| peak RSS, one process: controller + gitops loop + in-memory fleet | {hwm:.1} MiB (sampled RSS max {peak_rss:.1} MiB) |");
+        println!("| peak RSS of the controller's process (controller + the in-memory fleet) | {hwm:.1} MiB |");
+        println!("| peak RSS of the gitops loop (`vmmigrate gitops`, its own process) | {gitops_hwm:.1} MiB |");
         println!("| CPU time of that process during the run | {:.1} s ({:.0} % of one core) |", cpu_after - cpu_before, (cpu_after - cpu_before) / total.as_secs_f64() * 100.0);
         println!("| API requests on VirtualMachineMigrations per migration | {:.1} |", vmm_requests / vms as f64);
         println!("| API requests on Events per migration | {:.1} |", event_requests / vms as f64);

@@ -307,11 +307,36 @@ async fn publish(ctx: &Context, vmm: &VirtualMachineMigration, events: &[machine
     }
 }
 
+/// Most steps one reconcile takes in a row (see [`apply`]).
+const CHAINED_STEPS: usize = 8;
+
+/// Reconciles one migration. A step that asks to look again at once (it
+/// entered a phase) is followed in the same reconcile by the next, decided
+/// on the object its status write returned: the API server's answer is as
+/// fresh as a new read, and the migration does not wait for the queue.
 async fn apply(
     vmm: &VirtualMachineMigration,
     api: &Api<VirtualMachineMigration>,
     ctx: &Context,
 ) -> Result<Action, Error> {
+    let mut current = std::borrow::Cow::Borrowed(vmm);
+    for _ in 0..CHAINED_STEPS {
+        match apply_step(&current, api, ctx).await? {
+            (_, Some(written)) if written.metadata.deletion_timestamp.is_none() => {
+                current = std::borrow::Cow::Owned(written);
+            }
+            (action, _) => return Ok(action),
+        }
+    }
+    Ok(Action::requeue(Duration::from_millis(100)))
+}
+
+/// One step; with the written object when the next step should follow at once.
+async fn apply_step(
+    vmm: &VirtualMachineMigration,
+    api: &Api<VirtualMachineMigration>,
+    ctx: &Context,
+) -> Result<(Action, Option<VirtualMachineMigration>), Error> {
     let phase = vmm.status.as_ref().map(|s| s.phase).unwrap_or_default();
     tracing::info!(phase = %phase, "reconciling");
     let retry_requested = vmm.annotations().get(RETRY_ANNOTATION).is_some_and(|v| v == "true");
@@ -332,7 +357,7 @@ async fn apply(
     let stop = |cp: &engine::Checkpoint| interrupt.as_ref().is_some_and(|f| f(phase, cp));
     let Some(step) = engine::step(&ctx.adapters, vmm, input, stop).await else {
         tracing::warn!(phase = %phase, "reconcile interrupted before recording");
-        return Ok(Action::await_change());
+        return Ok((Action::await_change(), None));
     };
     let mut resource_version = vmm.resource_version();
     if step.performed.contains(&MachineAction::RemoveRetryAnnotation) {
@@ -344,8 +369,9 @@ async fn apply(
         resource_version = patched.resource_version();
     }
     publish(ctx, vmm, &step.decision.events).await;
-    if let Some(version) = record(api, vmm, &step.decision.status, resource_version).await? {
-        ctx.fleet.recorded(vmm, &step.decision.status, version);
+    let written = record(api, vmm, &step.decision.status, resource_version).await?;
+    if let Some(written) = &written {
+        ctx.fleet.recorded(vmm, &step.decision.status, written.resource_version().unwrap_or_default());
     }
     if step.decision.status.phase != phase {
         ctx.fleet.changed(vmm, &step.decision.status);
@@ -359,21 +385,23 @@ async fn apply(
             return Err(Error::Step(failure.clone()));
         }
     }
-    Ok(match step.decision.requeue {
+    let next = written.filter(|_| step.failed.is_none() && step.decision.requeue == Some(Duration::ZERO));
+    let action = match step.decision.requeue {
         Some(d) => Action::requeue(ctx.cap(d.max(Duration::from_millis(100)))),
         None => Action::await_change(),
-    })
+    };
+    Ok((action, next))
 }
 
 /// One status write per reconcile, skipped when nothing changed. The
 /// resourceVersion makes a write based on a stale read fail with 409.
-/// Returns the resourceVersion written, `None` when nothing was.
+/// Returns the object as written, `None` when nothing was.
 async fn record(
     api: &Api<VirtualMachineMigration>,
     vmm: &VirtualMachineMigration,
     status: &VirtualMachineMigrationStatus,
     resource_version: Option<String>,
-) -> Result<Option<String>, Error> {
+) -> Result<Option<VirtualMachineMigration>, Error> {
     if vmm.status.as_ref() == Some(status) {
         return Ok(None);
     }
@@ -385,7 +413,7 @@ async fn record(
     });
     api.patch_status(&vmm.name_any(), &PatchParams::apply(FIELD_MANAGER).force(), &Patch::Apply(&patch))
         .await
-        .map(|written| written.resource_version())
+        .map(Some)
         .map_err(|e| Error::Kube("writing status", e))
 }
 

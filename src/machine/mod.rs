@@ -36,6 +36,12 @@ use std::time::Duration;
 pub(crate) const POLL_IN_PROGRESS: Duration = Duration::from_secs(5);
 /// How soon to look again while waiting for a guest to shut down.
 pub(crate) const POLL_SHUTDOWN: Duration = Duration::from_secs(3);
+/// How soon to look again right after asking for a power-off, and for the
+/// first seconds of a shutdown: a hard power-off is done when `power.off`
+/// returns, and a slot on the host waits for the copy behind it.
+pub(crate) const POLL_POWER_ACTION: Duration = Duration::from_secs(1);
+/// How long after a shutdown request `POLL_POWER_ACTION` applies.
+const SHUTDOWN_FIRST_SECONDS: Duration = Duration::from_secs(5);
 /// How soon to re-run validation checks that are not passing yet.
 pub(crate) const POLL_CHECKS: Duration = Duration::from_secs(10);
 /// How soon a migration waiting before its cutover looks again by itself (the
@@ -790,7 +796,7 @@ fn power_down(ctx: &mut Ctx<'_>, facts: &PreparingFacts) {
         PowerOffPolicy::Force => {
             ctx.actions.push(Action::PowerOffHard);
             ctx.condition(condition::SOURCE_POWERED_OFF, false, "PowerOffRequested", "hard power-off requested");
-            ctx.wait(POLL_SHUTDOWN);
+            ctx.wait(POLL_POWER_ACTION);
         }
         PowerOffPolicy::GracefulOnly | PowerOffPolicy::GracefulThenForce => {
             let may_force = policy == PowerOffPolicy::GracefulThenForce;
@@ -803,7 +809,7 @@ fn power_down(ctx: &mut Ctx<'_>, facts: &PreparingFacts) {
                         "PowerOffRequested",
                         "VMware Tools is not running; hard power-off requested",
                     );
-                    ctx.wait(POLL_SHUTDOWN);
+                    ctx.wait(POLL_POWER_ACTION);
                 } else {
                     ctx.fail(
                         Phase::Preparing,
@@ -822,7 +828,7 @@ fn power_down(ctx: &mut Ctx<'_>, facts: &PreparingFacts) {
                     "ShutdownRequested",
                     "graceful guest shutdown requested",
                 );
-                ctx.wait(POLL_SHUTDOWN);
+                ctx.wait(POLL_POWER_ACTION);
             } else if timed_out && may_force {
                 ctx.actions.push(Action::PowerOffHard);
                 ctx.condition(
@@ -831,7 +837,7 @@ fn power_down(ctx: &mut Ctx<'_>, facts: &PreparingFacts) {
                     "PowerOffRequested",
                     "the guest did not shut down in time; hard power-off requested",
                 );
-                ctx.wait(POLL_SHUTDOWN);
+                ctx.wait(POLL_POWER_ACTION);
             } else if timed_out {
                 ctx.fail(
                     Phase::Preparing,
@@ -847,7 +853,8 @@ fn power_down(ctx: &mut Ctx<'_>, facts: &PreparingFacts) {
                 ctx.status.timestamps.shutdown_requested = None;
             } else {
                 ctx.condition(condition::SOURCE_POWERED_OFF, false, "ShuttingDown", "waiting for the guest to shut down");
-                ctx.wait(POLL_SHUTDOWN);
+                let early = elapsed_since(&requested, ctx.now_ts).is_some_and(|e| e < SHUTDOWN_FIRST_SECONDS);
+                ctx.wait(if early { POLL_POWER_ACTION } else { POLL_SHUTDOWN });
             }
         }
     }
