@@ -4,7 +4,10 @@
 //! cutover) run the real controller against the real API server with many
 //! migrations and nothing else in the way. Each disk copy takes a set time;
 //! every copy's interval is recorded, so a test proves the caps from what
-//! actually overlapped rather than from what the controller believed.
+//! actually overlapped rather than from what the controller believed. Where
+//! the real controller would hear from its watches (a DataVolume, VM or VMI
+//! it created changed) or from the disk store (a copy ended), the fleet
+//! wakes the migration the same way.
 
 use async_trait::async_trait;
 use kube::ResourceExt;
@@ -113,6 +116,14 @@ impl FleetSim {
             staging: self.clone(),
             cluster: self.clone(),
             prober: self.clone(),
+        }
+    }
+
+    /// What the controller's watch on DataVolumes, VirtualMachines and VMIs
+    /// does when the real objects change: the migration is looked at again.
+    fn changed(&self, vmm: &VirtualMachineMigration) {
+        if let Some(wake) = self.wake.get() {
+            wake(&vmm.namespace().unwrap_or_default(), &vmm.name_any());
         }
     }
 
@@ -304,10 +315,11 @@ impl Cluster for FleetSim {
     }
     async fn create_data_volume(
         &self,
-        _vmm: &VirtualMachineMigration,
+        vmm: &VirtualMachineMigration,
         _disk: usize,
         _access: &ImportAccess,
     ) -> Result<(), Failure> {
+        self.changed(vmm);
         Ok(())
     }
     async fn delete_data_volume(&self, _vmm: &VirtualMachineMigration, _disk: usize) -> Result<(), Failure> {
@@ -322,6 +334,7 @@ impl Cluster for FleetSim {
     }
     async fn create_vm(&self, vmm: &VirtualMachineMigration) -> Result<(), Failure> {
         self.lock().vms.entry(key(vmm)).or_default().vm_created = true;
+        self.changed(vmm);
         Ok(())
     }
     async fn update_vm(&self, _vmm: &VirtualMachineMigration) -> Result<(), Failure> {
@@ -330,7 +343,8 @@ impl Cluster for FleetSim {
     async fn starting(&self, _vmm: &VirtualMachineMigration) -> Result<StartingFacts, Failure> {
         Ok(StartingFacts { run_strategy_set: true, vmi: VmiState::Running })
     }
-    async fn set_run_strategy(&self, _vmm: &VirtualMachineMigration) -> Result<(), Failure> {
+    async fn set_run_strategy(&self, vmm: &VirtualMachineMigration) -> Result<(), Failure> {
+        self.changed(vmm);
         Ok(())
     }
     async fn delete_destination(&self, _vmm: &VirtualMachineMigration) -> Result<(), Failure> {
