@@ -159,7 +159,9 @@ fn main() {
         let controller = tokio::spawn(reconciler::run(client.clone(), sim.adapters(), config, std::future::pending()));
         // The gitops loop as it is deployed: a process of its own (`vmmigrate gitops`).
         let cache = tempfile::tempdir().unwrap();
-        let mut gitops = Command::new(env!("CARGO_BIN_EXE_vmmigrate"))
+        // `setpriv --pdeathsig`: it ends with this process, however that ends.
+        let mut gitops = Command::new("setpriv")
+            .args(["--pdeathsig", "KILL", "--", env!("CARGO_BIN_EXE_vmmigrate")])
             .args(["gitops", "--repo", bare.to_str().unwrap(), "--branch", "main"])
             .args(["--cache-dir", cache.path().to_str().unwrap(), "--poll-seconds", "2"])
             .args(["--manifest-namespace", &ns, "--status-window-seconds", &window.to_string()])

@@ -22,14 +22,12 @@ use std::time::{Duration, Instant};
 
 /// How long a granted slot counts before the grant shows in the status.
 const GRANT_TTL: Duration = Duration::from_secs(120);
-/// How long a recorded status stands in for the cache's copy at most.
-const RECENT_TTL: Duration = Duration::from_secs(30);
 
 /// `(namespace, name)`.
 type Key = (String, String);
 
-/// A status this process wrote: its resourceVersion, when, and how the queue reads it.
-type Recorded = (String, Instant, Member);
+/// A status this process wrote: its resourceVersion and how the queue reads it.
+type Recorded = (String, Member);
 
 /// The fleet view of one controller process.
 pub(crate) struct Fleet {
@@ -132,7 +130,7 @@ impl Fleet {
                     && versions.get(&(ns.as_str(), name.as_str())).is_some_and(|v| v != version)
             });
             for m in &mut members {
-                if let Some((_, _, written)) = recent.get(&(m.namespace.clone(), m.name.clone())) {
+                if let Some((_, written)) = recent.get(&(m.namespace.clone(), m.name.clone())) {
                     // The status as written; the spec (host, wave) as cached.
                     *m = Member { host: m.host.clone(), wave: m.wave.clone(), ..written.clone() };
                 }
@@ -213,7 +211,7 @@ impl Fleet {
             status.source_inventory.as_ref().map_or(0, |i| i.disks.len()),
         );
         let key = (member.namespace.clone(), member.name.clone());
-        self.recent.lock().unwrap_or_else(|e| e.into_inner()).insert(key, (version, Instant::now(), member));
+        self.recent.lock().unwrap_or_else(|e| e.into_inner()).insert(key, (version, member));
     }
 
     /// After `vmm` recorded `status` in another phase: wakes the waiters a
