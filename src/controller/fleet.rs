@@ -125,9 +125,13 @@ impl Fleet {
                     (key, o.metadata.resource_version.as_deref().unwrap_or_default())
                 })
                 .collect();
-            recent.retain(|(ns, name), (version, at, _)| {
-                at.elapsed() < RECENT_TTL
-                    && versions.get(&(ns.as_str(), name.as_str())).is_some_and(|v| v != version)
+            // Kept until the cache shows that very version (or the object is
+            // gone): only this process writes status, so what it wrote last is
+            // the newest status even when the cache falls behind for long (a
+            // watch re-established late must not make a long copy's slot look
+            // free).
+            recent.retain(|(ns, name), (version, _)| {
+                versions.get(&(ns.as_str(), name.as_str())).is_some_and(|v| v != version)
             });
             for m in &mut members {
                 if let Some((_, written)) = recent.get(&(m.namespace.clone(), m.name.clone())) {
