@@ -208,6 +208,16 @@ pub async fn run(
     ctx.fleet.attach(controller.store());
     for child in [data_volume_resource(), virtual_machine_resource(), virtual_machine_instance_resource()] {
         let api: Api<DynamicObject> = Api::all_with(client.clone(), &child);
+        // A kind the cluster does not serve (CDI or KubeVirt not installed)
+        // is not watched: its watch would fail forever, and kube-runtime
+        // backs off every trigger of the controller with it. The migrations
+        // that need it say so themselves (CDIMissing, preflight).
+        if let Err(kube::Error::Api(status)) = api.list_metadata(&ListParams::default().limit(1)).await
+            && status.code == 404
+        {
+            tracing::warn!(kind = %child.kind, group = %child.group, "not served by this cluster; not watched");
+            continue;
+        }
         controller = controller.watches_with(api, child, managed.clone(), owner_of);
     }
     let run = controller.graceful_shutdown_on(shutdown).run(reconcile, error_policy, ctx).for_each(

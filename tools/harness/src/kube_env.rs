@@ -187,7 +187,7 @@ impl KubeEnv {
         let started = std::time::Instant::now();
         if let Some(path) = std::env::var_os("VMMIGRATE_TEST_KUBECONFIG") {
             let kubeconfig = PathBuf::from(path);
-            let version = runtime().block_on(prepare_cluster(&kubeconfig, false))?;
+            let version = runtime().block_on(prepare_cluster(&kubeconfig, false, false))?;
             return Ok(KubeEnv {
                 kubeconfig,
                 version,
@@ -339,7 +339,7 @@ impl KubeEnv {
 
         let version = runtime().block_on(async {
             wait_ready(&kubeconfig, &janitor).await?;
-            prepare_cluster(&kubeconfig, !real_kubevirt).await
+            prepare_cluster(&kubeconfig, !real_kubevirt, !with_node).await
         })?;
         let node = match &net {
             Some(net) => {
@@ -506,8 +506,10 @@ async fn wait_ready(kubeconfig: &Path, janitor: &Janitor) -> anyhow::Result<()> 
 /// KubeVirt), KubeVirt's own (generated from its Go module,
 /// `setup::upstream`); waits until they are established, and returns the
 /// server version. On a node, KubeVirt's and CDI's definitions are their
-/// operators' to install (both refuse definitions somebody else applied).
-async fn prepare_cluster(kubeconfig: &Path, kubevirt_crds: bool) -> anyhow::Result<String> {
+/// operators' to install (both refuse definitions somebody else applied);
+/// a cluster without a node runs no CDI either and gets CDI's (`cdi_crds`),
+/// so that a controller watching DataVolumes there finds the kind.
+async fn prepare_cluster(kubeconfig: &Path, kubevirt_crds: bool, cdi_crds: bool) -> anyhow::Result<String> {
     use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
     use kube::api::{Patch, PatchParams};
     use serde::Deserialize;
@@ -523,9 +525,14 @@ async fn prepare_cluster(kubeconfig: &Path, kubevirt_crds: bool) -> anyhow::Resu
         }
     }
     files.sort();
-    if kubevirt_crds {
+    if kubevirt_crds || cdi_crds {
         let upstream = tokio::task::spawn_blocking(crate::setup::upstream).await??.join("crds");
-        files.push(upstream.join("kubevirt.yaml"));
+        if kubevirt_crds {
+            files.push(upstream.join("kubevirt.yaml"));
+        }
+        if cdi_crds {
+            files.push(upstream.join("cdi.yaml"));
+        }
     }
     let mut names = Vec::new();
     for path in files {
