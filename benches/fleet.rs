@@ -61,17 +61,27 @@ fn manifest(ns: &str, name: &str, host: &str, wave: u64) -> String {
     )
 }
 
-/// `(sum of apiserver_request_total for VirtualMachineMigrations, for Events)`.
-async fn api_requests(client: &Client) -> (f64, f64) {
+/// `(sum of apiserver_request_total for VirtualMachineMigrations, for Events,
+/// VirtualMachineMigrations by verb and subresource)`.
+async fn api_requests(client: &Client) -> (f64, f64, std::collections::BTreeMap<String, f64>) {
     let text = client
         .request_text(http::Request::get("/metrics").body(Vec::new()).unwrap())
         .await
         .expect("API server metrics");
-    let mut sums = (0.0, 0.0);
+    let mut sums = (0.0, 0.0, std::collections::BTreeMap::new());
+    let label = |line: &str, key: &str| {
+        line.split(&format!("{key}=\""))
+            .nth(1)
+            .and_then(|rest| rest.split('"').next())
+            .unwrap_or("")
+            .to_owned()
+    };
     for line in text.lines().filter(|l| l.starts_with("apiserver_request_total{")) {
         let value: f64 = line.rsplit(' ').next().and_then(|v| v.parse().ok()).unwrap_or(0.0);
         if line.contains("resource=\"virtualmachinemigrations\"") {
             sums.0 += value;
+            let key = format!("{} {}", label(line, "verb"), label(line, "subresource"));
+            *sums.2.entry(key.trim().to_owned()).or_insert(0.0) += value;
         } else if line.contains("resource=\"events\"") {
             sums.1 += value;
         }
@@ -270,6 +280,13 @@ fn main() {
         let max_host = peak_reads.values().copied().max().unwrap_or(0);
         let vmm_requests = requests_after.0 - requests_before.0;
         let event_requests = requests_after.1 - requests_before.1;
+        let by_verb: Vec<String> = requests_after
+            .2
+            .iter()
+            .map(|(k, v)| (k, v - requests_before.2.get(k).copied().unwrap_or(0.0)))
+            .filter(|(_, v)| *v > 0.0)
+            .map(|(k, v)| format!("{k} {:.1}", v / vms as f64))
+            .collect();
         let windows = (counted_over.as_secs_f64() / window as f64).ceil();
 
         println!("\nfleet: {vms} VMs, {hosts} hosts, {waves} waves, cap {cap} reads per host, copy {} s", copy.as_secs());
@@ -286,6 +303,7 @@ fn main() {
         println!("| peak RSS of the gitops loop (`vmmigrate gitops`, its own process) | {gitops_hwm:.1} MiB |");
         println!("| CPU time of that process during the run | {:.1} s ({:.0} % of one core) |", cpu_after - cpu_before, (cpu_after - cpu_before) / total.as_secs_f64() * 100.0);
         println!("| API requests on VirtualMachineMigrations per migration | {:.1} |", vmm_requests / vms as f64);
+        println!("| the same by verb and subresource | {} |", by_verb.join(", "));
         println!("| API requests on Events per migration | {:.1} |", event_requests / vms as f64);
         println!(
             "| status-branch commits, from the push to one window after the end | {status_commits} in {windows:.0} windows of {window} s ({:.2} per window) |",

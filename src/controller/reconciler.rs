@@ -30,7 +30,7 @@ use kube::runtime::controller::{Action, Controller};
 use kube::runtime::events::{Event, EventType as KubeEventType, Recorder, Reporter};
 use kube::runtime::finalizer::{Error as FinalizerError, Event as FinalizerEvent, finalizer};
 use kube::runtime::reflector::ObjectRef;
-use kube::runtime::watcher;
+use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Client, Resource, ResourceExt};
 use serde_json::json;
 use std::collections::HashMap;
@@ -204,7 +204,16 @@ pub async fn run(
         metrics.set_ready("controller", true);
         std::future::pending::<()>().await
     };
-    let mut controller = Controller::new_with(migrations, watcher::Config::default(), ar).reconcile_on(woken);
+    // The cache the controller and the fleet read: without managedFields,
+    // which grow with every status write and are never read here (a
+    // reconcile decides on a fresh read).
+    let writer = kube::runtime::reflector::store::Writer::new(ar.clone());
+    let reader = writer.as_reader();
+    let watch = watcher::watcher(migrations, watcher::Config::default()).default_backoff().modify(|obj| {
+        obj.managed_fields_mut().clear();
+    });
+    let stream = kube::runtime::reflector::reflector(writer, watch).applied_objects();
+    let mut controller = Controller::for_stream_with(stream, reader, ar).reconcile_on(woken);
     ctx.fleet.attach(controller.store());
     for child in [data_volume_resource(), virtual_machine_resource(), virtual_machine_instance_resource()] {
         let api: Api<DynamicObject> = Api::all_with(client.clone(), &child);
