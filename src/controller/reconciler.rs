@@ -212,7 +212,14 @@ pub async fn run(
     let watch = watcher::watcher(migrations, watcher::Config::default()).default_backoff().modify(|obj| {
         obj.managed_fields_mut().clear();
     });
-    let stream = kube::runtime::reflector::reflector(writer, watch).applied_objects();
+    // The controller's own status writes do not trigger it again (each
+    // would, and a copy's progress would loop as fast as writes go): what a
+    // reconcile asks for comes from its requeue, the fleet's wakes and the
+    // watched DataVolumes, VMs and VMIs. Spec, annotations (retry,
+    // approval), labels, finalizers and deletion still trigger.
+    let stream = kube::runtime::reflector::reflector(writer, watch)
+        .applied_objects()
+        .predicate_filter(trigger_fingerprint, Default::default());
     let mut controller = Controller::for_stream_with(stream, reader, ar).reconcile_on(woken);
     ctx.fleet.attach(controller.store());
     for child in [data_volume_resource(), virtual_machine_resource(), virtual_machine_instance_resource()] {
@@ -241,6 +248,18 @@ pub async fn run(
         () = run => {}
         () = ready => {}
     }
+}
+
+/// What of a migration, when it changes, asks for a reconcile: everything but
+/// its status (which only the controller writes).
+fn trigger_fingerprint(obj: &DynamicObject) -> Option<u64> {
+    use std::hash::{Hash, Hasher};
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    let meta = &obj.metadata;
+    (meta.generation, meta.deletion_timestamp.is_some(), &meta.finalizers, &meta.annotations, &meta.labels)
+        .hash(&mut hasher);
+    obj.data.get("spec").map(|spec| spec.to_string()).hash(&mut hasher);
+    Some(hasher.finish())
 }
 
 /// The typed migration, or why this object cannot be read.
