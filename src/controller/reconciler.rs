@@ -411,8 +411,13 @@ async fn apply_step(
     if let Some(written) = &written {
         ctx.fleet.recorded(vmm, &step.decision.status, written.resource_version().unwrap_or_default());
     }
-    if step.decision.status.phase != phase {
-        ctx.fleet.changed(vmm, &step.decision.status);
+    // Only a freed read slot or a wave that may have opened wakes anyone.
+    let new = &step.decision.status;
+    let freed = machine::fleet::holds_slot_in(&status) && !machine::fleet::holds_slot_in(new);
+    let ended = new.phase != phase
+        && matches!(new.phase, Phase::Completed | Phase::Failed | Phase::ManualInterventionRequired);
+    if freed || ended {
+        ctx.fleet.changed(vmm, new);
     }
     let ns = vmm.namespace().unwrap_or_default();
     ctx.config.metrics.observe_migration(&ns, &vmm.name_any(), &step.decision.status);
