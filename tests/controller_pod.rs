@@ -317,7 +317,21 @@ spec:
         assert!(Instant::now() < deadline, "no other replica took over and resumed the copy");
         tokio::time::sleep(Duration::from_millis(50)).await;
     };
-    let pod = pods.get(&second).await.unwrap();
+    // The kubelet may not have reported the new leader's container yet.
+    let pod = loop {
+        let pod = pods.get(&second).await.unwrap();
+        let reported = pod
+            .status
+            .as_ref()
+            .and_then(|s| s.container_statuses.as_ref())
+            .and_then(|c| c.first())
+            .is_some_and(|c| c.container_id.is_some());
+        if reported {
+            break pod;
+        }
+        assert!(Instant::now() < deadline, "the kubelet never reported {second}'s container");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
     kill_container_process(env, &pod);
     emu.set_read_delay(None);
 
