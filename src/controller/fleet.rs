@@ -143,14 +143,7 @@ impl Fleet {
         if let Some((vmm, status)) = fresh
             && vmm.metadata.deletion_timestamp.is_none()
         {
-            members.push(member_from(
-                vmm.namespace().unwrap_or_default(),
-                vmm.name_any(),
-                vmm.spec.source.host.clone(),
-                vmm.spec.wave.as_ref().map(|w| (w.plan.clone(), w.number)),
-                status,
-                status.source_inventory.as_ref().map_or(0, |i| i.disks.len()),
-            ));
+            members.push(typed_member(vmm, status));
         }
         let mut grants = self.grants.lock().unwrap_or_else(|e| e.into_inner());
         grants.retain(|key, at| {
@@ -206,14 +199,7 @@ impl Fleet {
         status: &VirtualMachineMigrationStatus,
         version: String,
     ) {
-        let member = member_from(
-            vmm.namespace().unwrap_or_default(),
-            vmm.name_any(),
-            vmm.spec.source.host.clone(),
-            vmm.spec.wave.as_ref().map(|w| (w.plan.clone(), w.number)),
-            status,
-            status.source_inventory.as_ref().map_or(0, |i| i.disks.len()),
-        );
+        let member = typed_member(vmm, status);
         let key = (member.namespace.clone(), member.name.clone());
         self.recent.lock().unwrap_or_else(|e| e.into_inner()).insert(key, (version, member));
     }
@@ -281,6 +267,18 @@ fn slim(status: &Value) -> Value {
         }
     }
     Value::Object(out)
+}
+
+/// The queue's view of a migration read or written by this process, with `status`.
+fn typed_member(vmm: &VirtualMachineMigration, status: &VirtualMachineMigrationStatus) -> Member {
+    member_from(
+        vmm.namespace().unwrap_or_default(),
+        vmm.name_any(),
+        vmm.spec.source.host.clone(),
+        vmm.spec.wave.as_ref().map(|w| (w.plan.clone(), w.number)),
+        status,
+        status.source_inventory.as_ref().map_or(0, |i| i.disks.len()),
+    )
 }
 
 fn member_from(

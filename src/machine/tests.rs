@@ -109,8 +109,8 @@ impl Run {
         self.decide_full(observed, now, false)
     }
 
-    fn decide_full(&self, observed: Observed, now: Timestamp, retry_requested: bool) -> Decision {
-        decide(Input {
+    fn input(&self, observed: Observed, now: Timestamp, retry_requested: bool) -> Input<'_> {
+        Input {
             spec: &self.spec,
             status: &self.status,
             name: NAME,
@@ -121,7 +121,11 @@ impl Run {
             observed,
             now,
             jitter: 0.5,
-        })
+        }
+    }
+
+    fn decide_full(&self, observed: Observed, now: Timestamp, retry_requested: bool) -> Decision {
+        decide(self.input(observed, now, retry_requested))
     }
 
     fn step(&mut self, observed: Observed, now: Timestamp) -> Decision {
@@ -261,18 +265,7 @@ fn a_validated_migration_held_by_its_wave_or_a_read_slot_stays_validated_says_wh
         assert_eq!(d.requeue, Some(POLL_WAITING));
         assert!(d.events.iter().any(|e| e.reason == reason));
         // Held again later: nothing observed, `since` kept, no new event.
-        let input_held = held_at_gate(&Input {
-            spec: &run.spec,
-            status: &run.status,
-            name: NAME,
-            generation: 1,
-            retry_requested: false,
-            cutover_approved: false,
-            fleet: run.fleet.clone(),
-            observed: Observed::Nothing,
-            now: t(30),
-            jitter: 0.0,
-        });
+        let input_held = held_at_gate(&run.input(Observed::Nothing, t(30), false));
         assert!(input_held, "{reason}: the controller skips the pre-flight reads");
         let again = run.step(Observed::Nothing, t(30));
         assert_eq!(again.status.waiting.unwrap().since, waiting.since);
