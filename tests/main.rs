@@ -19,6 +19,7 @@ mod fleet;
 mod forge;
 mod gitops_e2e;
 mod gitops_render;
+mod harness_janitor;
 mod http_check;
 mod leader_election;
 mod logs;

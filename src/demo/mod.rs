@@ -348,8 +348,7 @@ fn started_processes(parts: &LocalParts) -> Vec<(String, u32)> {
 }
 
 fn read_pids(dir: &Path) -> Vec<u32> {
-    let text = std::fs::read_to_string(dir.join("pids")).unwrap_or_default();
-    text.split_whitespace().filter_map(|p| p.parse().ok()).collect()
+    vmmigrate_harness::process::recorded_pids(dir)
 }
 
 /// `etcd`, `sshd`, `httpd` (for `busybox httpd`): the executable's name

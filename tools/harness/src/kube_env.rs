@@ -113,8 +113,7 @@ impl KubeEnv {
     pub fn memory_bytes(&self) -> u64 {
         let mut pids = std::collections::BTreeSet::new();
         if let Some(janitor) = &self._janitor {
-            let recorded = std::fs::read_to_string(janitor.dir().join("pids")).unwrap_or_default();
-            pids.extend(recorded.lines().filter_map(|l| l.trim().parse::<u32>().ok()));
+            pids.extend(crate::process::recorded_pids(janitor.dir()));
         }
         if let Some(node) = &self.node {
             pids.extend(node.processes());

@@ -316,7 +316,11 @@ pub fn start(
     for entry in std::fs::read_dir(&images)? {
         let path = entry?.path();
         if path.to_string_lossy().ends_with(".oci.tar") {
-            node.import_image(&path)?;
+            // A failed import says why containerd went away, if it did.
+            node.import_image(&path).map_err(|e| match janitor.check_alive() {
+                Err(dead) => e.context(format!("{dead:#}")),
+                Ok(()) => e,
+            })?;
         }
     }
 

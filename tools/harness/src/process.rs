@@ -21,19 +21,22 @@ pub struct Janitor {
     children: Mutex<Vec<(String, Child)>>,
 }
 
-const JANITOR_SCRIPT: &str = r#"
+/// The janitor's shell: `sh -c JANITOR_SCRIPT janitor <dir> <keep>`; it
+/// starts its work when its stdin closes.
+pub const JANITOR_SCRIPT: &str = r#"
 dir=$1; keep=$2
 cat >/dev/null
-pids=$(cat "$dir/pids" 2>/dev/null)
-for p in $pids; do kill -TERM "$p" 2>/dev/null; done
+stime() { s=$(cat "/proc/$1/stat" 2>/dev/null) || return 0; s=${s##*) }; set -- $s; [ "$1" = Z ] || echo "${20}"; }
+ours() { while read -r p t; do [ -n "$t" ] && [ "$(stime "$p")" = "$t" ] && echo "$p"; done <"$dir/pids"; }
+pids=$(ours 2>/dev/null)
+[ -n "$pids" ] && kill -TERM $pids 2>/dev/null
 i=0
 while [ $i -lt 50 ]; do
-  alive=0
-  for p in $pids; do kill -0 "$p" 2>/dev/null && alive=1; done
-  [ $alive = 0 ] && break
+  pids=$(ours 2>/dev/null)
+  [ -z "$pids" ] && break
   sleep 0.1; i=$((i+1))
 done
-for p in $pids; do kill -KILL "$p" 2>/dev/null; done
+[ -n "$pids" ] && kill -KILL $pids 2>/dev/null
 [ "$keep" = 1 ] || rm -rf "$dir"
 "#;
 
@@ -73,8 +76,12 @@ impl Janitor {
             .spawn()
             .map_err(|e| anyhow::anyhow!("cannot start {name} ({:?}): {e}", cmd.get_program()))?;
         let pid = child.id();
+        // With the start time beside it: pids are reused (pid_max is 32,768
+        // here), and a janitor that outlives its test process must not stop
+        // another test's process that got a recorded pid.
+        let started = start_time(pid).unwrap_or_default();
         let mut pids = std::fs::OpenOptions::new().create(true).append(true).open(self.dir.join("pids"))?;
-        writeln!(pids, "{pid}")?;
+        writeln!(pids, "{pid} {started}")?;
         self.children.lock().expect("children lock").push((name.to_owned(), child));
         Ok(pid)
     }
@@ -120,8 +127,11 @@ impl Drop for Janitor {
         // linger as zombies that `kill -0` still finds, and the janitor would
         // wait its full five seconds for them.
         if let Ok(mut children) = self.children.lock() {
-            for (_, child) in children.iter() {
-                let _ = Command::new("kill").arg("-TERM").arg(child.id().to_string()).status();
+            for (_, child) in children.iter_mut() {
+                // One already reaped (by `check_alive`) may have its pid reused.
+                if matches!(child.try_wait(), Ok(None)) {
+                    let _ = Command::new("kill").arg("-TERM").arg(child.id().to_string()).status();
+                }
             }
             let deadline = Instant::now() + Duration::from_secs(5);
             for (_, child) in children.iter_mut() {
@@ -177,6 +187,30 @@ pub fn http_get_plain(port: u16, path: &str) -> std::io::Result<String> {
 }
 
 /// A process's resident set size (0 when it is gone).
+/// The processes a janitor started in `dir` that still run (their recorded
+/// start time matches: a pid reused by another process is not ours).
+pub fn recorded_pids(dir: &Path) -> Vec<u32> {
+    let recorded = std::fs::read_to_string(dir.join("pids")).unwrap_or_default();
+    recorded
+        .lines()
+        .filter_map(|line| {
+            let (pid, started) = line.split_once(' ')?;
+            let pid = pid.parse::<u32>().ok()?;
+            (start_time(pid)?.to_string() == started).then_some(pid)
+        })
+        .collect()
+}
+
+/// A process's start time in clock ticks since boot (field 22 of
+/// `/proc/<pid>/stat`), which with the pid names one process for good.
+pub fn start_time(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name (field 2) may hold spaces and parentheses: the fields
+    // after the last ')' are the state (3) onwards.
+    let rest = &stat[stat.rfind(')')? + 1..];
+    rest.split_whitespace().nth(19)?.parse().ok()
+}
+
 pub fn rss_bytes(pid: u32) -> u64 {
     status_kib(pid, "VmRSS") * 1024
 }
