@@ -151,6 +151,13 @@ pub enum Command {
         #[arg(long)]
         virt_v2v: bool,
     },
+    /// One migration's data plane (what its worker Job runs with
+    /// `--data-plane pods`): copies, conversions and staging on the
+    /// migration's work volume, answering the controller's calls.
+    Worker {
+        #[command(flatten)]
+        worker: crate::worker::process::WorkerOptions,
+    },
     /// Verify an imported volume against the copy's sha256 (what the verify
     /// Job runs where CDI cannot check a checksum itself).
     ///
@@ -202,6 +209,7 @@ pub fn run(cli: Cli) -> ExitCode {
         // `main` runs the demo when it is built in.
         Command::Demo(_) => Err(NotBuiltIn("demo").into()),
         Command::Status { repo, branch, all, watch } => status(repo, &branch, all, watch),
+        Command::Worker { worker } => run_worker(worker),
         Command::VerifyVolume { path, size, sha256 } => return verify_volume(&path, size, &sha256),
         Command::Convert { input, input_sha256, input_marker, expected_size, output, format, virt_v2v } => {
             format.parse().map_err(anyhow::Error::from).and_then(|format| {
@@ -229,6 +237,13 @@ pub fn exit_code(result: anyhow::Result<()>) -> ExitCode {
             if err.is::<NotBuiltIn>() { ExitCode::from(2) } else { ExitCode::FAILURE }
         }
     }
+}
+
+/// Runs one migration's worker until SIGTERM.
+fn run_worker(opts: crate::worker::process::WorkerOptions) -> anyhow::Result<()> {
+    init_logging();
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    runtime.block_on(crate::worker::process::run(opts))
 }
 
 /// Runs the controller with the real adapters until Ctrl-C or SIGTERM.
@@ -275,7 +290,7 @@ fn gitops(
                 return std::future::pending().await;
             };
             let staging = ctl::start_staging(&c, &metrics).await?;
-            let adapters = ctl::adapters(client.clone(), &c, &staging, &metrics);
+            let adapters = ctl::adapters(client.clone(), &c, &staging, &metrics)?;
             let config = crate::controller::reconciler::ControllerConfig {
                 namespace: c.namespace.clone(),
                 max_requeue: None,
@@ -365,7 +380,7 @@ fn status(repo: Option<String>, branch: &str, all: bool, watch: bool) -> anyhow:
             std::io::stdout().flush()?;
             tokio::select! {
                 _ = tokio::time::sleep(std::time::Duration::from_secs(2)) => {}
-                _ = crate::controller::service::shutdown_signal() => return Ok(()),
+                _ = crate::server::shutdown_signal() => return Ok(()),
             }
         }
     })

@@ -14,6 +14,7 @@ pub mod metrics;
 pub mod ports;
 mod server;
 pub mod source;
+pub mod worker;
 
 /// Entry points for the fuzz targets in `tools/fuzz/` (not an API).
 #[doc(hidden)]

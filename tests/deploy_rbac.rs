@@ -82,6 +82,13 @@ const CALLS: &[Call] = &[
     // Why a conversion Job failed: its pod's termination message.
     ("get", "", "pods", "", SYSTEM),
     ("list", "", "pods", "", SYSTEM),
+    // --data-plane pods: a worker's Service and work claim beside its Job.
+    ("get", "", "services", "", SYSTEM),
+    ("create", "", "services", "", SYSTEM),
+    ("delete", "", "services", "", SYSTEM),
+    ("get", "", "persistentvolumeclaims", "", SYSTEM),
+    ("create", "", "persistentvolumeclaims", "", SYSTEM),
+    ("delete", "", "persistentvolumeclaims", "", SYSTEM),
     // The leader's label on its own pod (the webhook Service follows it).
     ("patch", "", "pods", "", SYSTEM),
     // HTTP checks.
@@ -142,6 +149,10 @@ const FORBIDDEN: &[Call] = &[
     // Jobs (pods that could mount any Secret of their namespace) only in vmmigrate-system.
     ("create", "batch", "jobs", "", ANY),
     ("create", "", "pods", "", SYSTEM),
+    // Worker Services and claims only where Jobs may run.
+    ("create", "", "services", "", ANY),
+    ("create", "", "persistentvolumeclaims", "", ANY),
+    ("delete", "", "persistentvolumeclaims", "", ANY),
     ("create", "coordination.k8s.io", "leases", "", ANY),
     ("patch", "", "pods", "", ANY),
 ];
@@ -651,6 +662,12 @@ async fn example_tenant_overlay_lets_it_get_secrets_and_create_import_access_in_
         // importer's last words.
         ("create", "batch", "jobs", "", TENANT),
         ("get", "", "pods", "", TENANT),
+        // A migration's worker pod, its Service and work claim.
+        ("list", "", "pods", "", TENANT),
+        ("create", "", "services", "", TENANT),
+        ("delete", "", "services", "", TENANT),
+        ("create", "", "persistentvolumeclaims", "", TENANT),
+        ("delete", "", "persistentvolumeclaims", "", TENANT),
     ] {
         assert!(may(&client, call).await, "the ServiceAccount may not {}", show(call));
     }

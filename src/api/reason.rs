@@ -7,7 +7,7 @@
 macro_rules! reasons {
     ($($name:ident,)*) => {
         /// A stable, CamelCase failure reason.
-        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
         pub enum Reason {
             $($name,)*
         }
@@ -108,6 +108,10 @@ reasons! {
     JobRunnerNotConfigured,
     ArtifactMissing,
     WorkDirError,
+    // Worker pods (data plane `pods`)
+    WorkerFailed,
+    WorkerCannotStart,
+    WorkerProtocolError,
     // The Kubernetes API and the destination
     Conflict,
     Forbidden,

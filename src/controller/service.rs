@@ -13,8 +13,9 @@ use crate::destination::cluster::{KubeCluster, KubeProber};
 use crate::destination::verify::VerifySettings;
 use crate::machine::tenancy::DestinationRules;
 use crate::metrics::Metrics;
-use crate::ports::Adapters;
+use crate::ports::{Adapters, Converter, DiskStore, Staging};
 use crate::source::esxi::adapter::{CredentialSource, EsxiSource, StoreConfig};
+use crate::worker::plane::{WorkerPlane, WorkerSettings};
 use anyhow::Context as _;
 use kube::Client;
 use std::net::SocketAddr;
@@ -54,6 +55,23 @@ pub struct ControllerOptions {
     /// PersistentVolumeClaim holding the work directory, mounted by conversion Jobs.
     #[arg(long, env = "VMMIGRATE_WORK_CLAIM")]
     pub work_claim: Option<String>,
+    /// Where copies, conversions and staging run: `process` (this process,
+    /// on `--work-dir`) or `pods` (one worker Job per migration, on a claim
+    /// of its own, from `--job-image`).
+    #[arg(long, env = "VMMIGRATE_DATA_PLANE", value_enum, default_value_t = DataPlane::Process)]
+    pub data_plane: DataPlane,
+    /// CPU a worker pod requests.
+    #[arg(long, env = "VMMIGRATE_WORKER_CPU", default_value = "500m")]
+    pub worker_cpu: String,
+    /// Memory a worker pod requests.
+    #[arg(long, env = "VMMIGRATE_WORKER_MEMORY", default_value = "256Mi")]
+    pub worker_memory: String,
+    /// Memory limit of a worker pod.
+    #[arg(long, env = "VMMIGRATE_WORKER_MEMORY_LIMIT", default_value = "1Gi")]
+    pub worker_memory_limit: String,
+    /// Storage class of the worker pods' work claims (default: the cluster's).
+    #[arg(long, env = "VMMIGRATE_WORKER_STORAGE_CLASS")]
+    pub worker_storage_class: Option<String>,
     /// Reporting instance for Events (the pod name).
     #[arg(long, env = "POD_NAME", default_value = "vmmigrate-controller")]
     pub instance: String,
@@ -101,6 +119,15 @@ impl ControllerOptions {
     pub fn destinations(&self) -> DestinationRules {
         self.destination_rules.clone().with_system_namespace(&self.leader_election.lease_namespace)
     }
+}
+
+/// Where the data plane runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum DataPlane {
+    /// In the controller process, on its work directory.
+    Process,
+    /// In one worker pod per migration (`vmmigrate worker`).
+    Pods,
 }
 
 /// `HOST=N` of `--host-reads`.
@@ -167,13 +194,14 @@ pub async fn start_staging(opts: &ControllerOptions, metrics: &Metrics) -> anyho
 }
 
 /// The real adapters, recording into `metrics`, handing CDI the URL and
-/// credentials of `staging`.
+/// credentials of `staging`; with `--data-plane pods`, copies, conversions
+/// and staging go to worker pods (which needs `--job-image`).
 pub fn adapters(
     client: Client,
     opts: &ControllerOptions,
     staging: &StagingServer,
     metrics: &Arc<Metrics>,
-) -> Adapters {
+) -> anyhow::Result<Adapters> {
     let jobs = opts.job_image.clone().map(|image| JobSettings {
         namespace: opts.job_namespace.clone(),
         image,
@@ -202,18 +230,38 @@ pub fn adapters(
             metrics: metrics.clone(),
         },
     ));
-    Adapters {
-        esxi: source.clone(),
-        disks: source,
-        converter: store.clone(),
-        staging: store,
+    let (disks, converter, staging): (Arc<dyn DiskStore>, Arc<dyn Converter>, Arc<dyn Staging>) = match opts
+        .data_plane
+    {
+        DataPlane::Process => (source.clone(), store.clone(), store),
+        DataPlane::Pods => {
+            let image =
+                opts.job_image.clone().context("--data-plane pods needs --job-image (the worker's image)")?;
+            let settings = WorkerSettings {
+                image,
+                run_as: own_ids(),
+                cpu: opts.worker_cpu.clone(),
+                memory: opts.worker_memory.clone(),
+                memory_limit: opts.worker_memory_limit.clone(),
+                storage_class: opts.worker_storage_class.clone(),
+                copy_streams: opts.copy_streams.max(1),
+            };
+            let plane = Arc::new(WorkerPlane::new(client.clone(), settings, staging.access())?);
+            (plane.clone(), plane.clone(), plane)
+        }
+    };
+    Ok(Adapters {
+        esxi: source,
+        disks,
+        converter,
+        staging,
         cluster: Arc::new(match &opts.job_image {
             Some(image) => KubeCluster::new(client.clone(), &opts.leader_election.lease_namespace)
                 .with_volume_checks(VerifySettings { image: image.clone(), run_as: own_ids() }),
             None => KubeCluster::new(client.clone(), &opts.leader_election.lease_namespace),
         }),
         prober: Arc::new(KubeProber::new(client)),
-    }
+    })
 }
 
 /// Runs the controller until Ctrl-C or SIGTERM.
@@ -222,7 +270,7 @@ pub(crate) async fn run(opts: ControllerOptions) -> anyhow::Result<()> {
     let _server = crate::metrics::serve_configured(Some(opts.metrics_listen), metrics.clone()).await?;
     let client = Client::try_default().await.context("connecting to the Kubernetes API")?;
     let staging = start_staging(&opts, &metrics).await?;
-    let adapters = adapters(client.clone(), &opts, &staging, &metrics);
+    let adapters = adapters(client.clone(), &opts, &staging, &metrics)?;
     tracing::info!(
         staging = %staging.local_addr(),
         work_dir = %opts.work_dir.display(),
@@ -252,7 +300,7 @@ pub(crate) async fn run_reconciler(
     election: &LeaderElectionOptions,
 ) -> anyhow::Result<()> {
     if !election.leader_elect {
-        reconciler::run(client, adapters, config, shutdown_signal()).await;
+        reconciler::run(client, adapters, config, crate::server::shutdown_signal()).await;
         return Ok(());
     }
     let lease =
@@ -261,7 +309,7 @@ pub(crate) async fn run_reconciler(
     let elector = LeaderElector::new(client.clone(), lease).with_metrics(config.metrics.clone());
     // The elector cancels the reconciler on shutdown and on a lost Lease.
     let work = reconciler::run(client, adapters, config, std::future::pending());
-    elector.run(work, shutdown_signal()).await.context("leader election")
+    elector.run(work, crate::server::shutdown_signal()).await.context("leader election")
 }
 
 /// The label the leader puts on its own pod, so that a Service can send
@@ -302,7 +350,7 @@ pub(crate) async fn run_elected(
     if !election.leader_elect {
         return tokio::select! {
             result = work => result,
-            () = shutdown_signal() => Ok(()),
+            () = crate::server::shutdown_signal() => Ok(()),
         };
     }
     // A restarted container keeps its pod, and the label of its last life.
@@ -318,29 +366,10 @@ pub(crate) async fn run_elected(
             *failed.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
         }
     };
-    elector.run(work, shutdown_signal()).await.context("leader election")?;
+    elector.run(work, crate::server::shutdown_signal()).await.context("leader election")?;
     match failed.into_inner().unwrap_or_else(|p| p.into_inner()) {
         Some(e) => Err(e),
         None => Ok(()),
-    }
-}
-
-/// Resolves on Ctrl-C or SIGTERM.
-pub(crate) async fn shutdown_signal() {
-    let ctrl_c = async {
-        let _ = tokio::signal::ctrl_c().await;
-    };
-    #[cfg(unix)]
-    let term = async {
-        if let Ok(mut s) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            s.recv().await;
-        }
-    };
-    #[cfg(not(unix))]
-    let term = std::future::pending::<()>();
-    tokio::select! {
-        _ = ctrl_c => {}
-        _ = term => {}
     }
 }
 

@@ -55,8 +55,34 @@ pub(crate) const REALM: &str = "vmmigrate-staging";
 pub struct StagingAccess {
     key: [u8; 32],
     ca_pem: String,
+    /// The CA's key, PEM: held by the controller (it signs its workers'
+    /// certificates), never by a worker.
+    ca_key_pem: Option<String>,
     tls: Arc<rustls::ServerConfig>,
 }
+
+/// What one migration's worker pod holds (its Secret): the key its
+/// artifacts' credentials and its control token derive from, and a server
+/// certificate for the names it is reached by, signed by the staging CA.
+/// Nothing in it opens another migration's artifacts.
+#[derive(Clone)]
+pub struct WorkerIdentity {
+    pub key_hex: String,
+    pub cert_pem: String,
+    pub key_pem: String,
+    pub ca_pem: String,
+}
+
+impl std::fmt::Debug for WorkerIdentity {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WorkerIdentity").finish_non_exhaustive()
+    }
+}
+
+/// Bound into the key of one migration's worker.
+const WORKER_CONTEXT: &[u8] = b"vmmigrate worker key v1\0";
+/// Bound into the token the controller presents to a worker.
+const CONTROL_CONTEXT: &[u8] = b"vmmigrate worker control v1\0";
 
 impl std::fmt::Debug for StagingAccess {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -78,9 +104,89 @@ impl StagingAccess {
         fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
         let key = load_or_create_key(&dir.join("hmac.key"))?;
         let (ca_key, ca_pem) = load_or_create_ca(dir)?;
-        let tls = server_config(&host, &ca_key)
+        let tls = server_config(std::slice::from_ref(&host), &ca_key)
             .with_context(|| format!("making the staging server's certificate for {host}"))?;
-        Ok(StagingAccess { key, ca_pem, tls: Arc::new(tls) })
+        Ok(StagingAccess { key, ca_pem, ca_key_pem: Some(ca_key.serialize_pem()), tls: Arc::new(tls) })
+    }
+
+    /// The access of migration `uid`'s worker: a key of its own (an HMAC of
+    /// the uid under this key), so what the worker holds opens its own
+    /// artifacts and nothing else. The controller computes the same to hand
+    /// CDI the credentials and to reach the worker.
+    pub fn for_migration(&self, uid: &str) -> StagingAccess {
+        let mut mac = HmacSha256::new_from_slice(&self.key).expect("HMAC takes any key length");
+        mac.update(WORKER_CONTEXT);
+        mac.update(uid.as_bytes());
+        let key: [u8; 32] = mac.finalize().into_bytes().into();
+        StagingAccess { key, ca_pem: self.ca_pem.clone(), ca_key_pem: None, tls: self.tls.clone() }
+    }
+
+    /// Migration `uid`'s worker identity, with a certificate for `names`
+    /// (DNS names or IP addresses). Only the controller's access can sign.
+    pub fn worker_identity(&self, uid: &str, names: &[String]) -> anyhow::Result<WorkerIdentity> {
+        let ca_key = KeyPair::from_pem(self.ca_key_pem.as_deref().context("this access holds no CA key")?)?;
+        let key = KeyPair::generate()?;
+        let cert = server_params(names)?.signed_by(&key, &Issuer::new(ca_params(), &ca_key))?;
+        Ok(WorkerIdentity {
+            key_hex: crate::convert::artifact::hex(&self.for_migration(uid).key),
+            cert_pem: cert.pem(),
+            key_pem: key.serialize_pem(),
+            ca_pem: self.ca_pem.clone(),
+        })
+    }
+
+    /// A worker's access from what its Secret holds.
+    pub fn from_worker(identity: &WorkerIdentity) -> anyhow::Result<StagingAccess> {
+        use rustls::pki_types::pem::PemObject as _;
+        let key = unhex(identity.key_hex.trim())
+            .filter(|b| b.len() == 32)
+            .context("the key is not 64 hex digits")?;
+        let chain = CertificateDer::pem_slice_iter(identity.cert_pem.as_bytes())
+            .collect::<Result<Vec<_>, _>>()
+            .context("parsing the worker certificate")?;
+        let key_der =
+            PrivateKeyDer::from_pem_slice(identity.key_pem.as_bytes()).context("parsing the worker key")?;
+        Ok(StagingAccess {
+            key: key.try_into().expect("length checked"),
+            ca_pem: identity.ca_pem.clone(),
+            ca_key_pem: None,
+            tls: Arc::new(tls_config(chain, key_der)?),
+        })
+    }
+
+    /// The bearer token that opens this worker's control API.
+    pub fn control_token(&self) -> String {
+        let mut mac = HmacSha256::new_from_slice(&self.key).expect("HMAC takes any key length");
+        mac.update(CONTROL_CONTEXT);
+        crate::convert::artifact::hex(&mac.finalize().into_bytes())
+    }
+
+    /// Whether an `Authorization` header carries this worker's control token
+    /// (compared in constant time).
+    pub fn allows_control(&self, authorization: Option<&[u8]>) -> bool {
+        let Some(value) = authorization.and_then(|v| std::str::from_utf8(v).ok()) else { return false };
+        let Some(token) = value.trim().strip_prefix("Bearer ").and_then(|t| unhex(t.trim())) else {
+            return false;
+        };
+        let mut mac = HmacSha256::new_from_slice(&self.key).expect("HMAC takes any key length");
+        mac.update(CONTROL_CONTEXT);
+        mac.verify_slice(&token).is_ok()
+    }
+
+    /// A TLS client configuration that trusts the staging CA and nothing else.
+    pub fn client_tls(&self) -> anyhow::Result<rustls::ClientConfig> {
+        use rustls::pki_types::pem::PemObject as _;
+        let mut roots = rustls::RootCertStore::empty();
+        for cert in CertificateDer::pem_slice_iter(self.ca_pem.as_bytes()) {
+            roots.add(cert.context("parsing the staging CA")?)?;
+        }
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let mut config = rustls::ClientConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()?
+            .with_root_certificates(roots)
+            .with_no_client_auth();
+        config.alpn_protocols = vec![b"http/1.1".to_vec()];
+        Ok(config)
     }
 
     /// The credentials of artifact `file` (`disk-<n>.<ext>`) of migration `uid`.
@@ -217,21 +323,34 @@ fn load_or_create_ca(dir: &Path) -> anyhow::Result<(KeyPair, String)> {
     Ok((key, cert.pem()))
 }
 
-fn server_config(host: &str, ca_key: &KeyPair) -> anyhow::Result<rustls::ServerConfig> {
-    let mut params = CertificateParams::new(vec![host.to_owned()])?;
-    params.distinguished_name.push(DnType::CommonName, host);
+/// A server certificate's parameters for `names` (DNS names or IP addresses).
+fn server_params(names: &[String]) -> anyhow::Result<CertificateParams> {
+    let mut params = CertificateParams::new(names.to_vec())?;
+    params
+        .distinguished_name
+        .push(DnType::CommonName, names.first().map(String::as_str).unwrap_or("vmmigrate"));
     params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
     params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
+    Ok(params)
+}
+
+fn server_config(names: &[String], ca_key: &KeyPair) -> anyhow::Result<rustls::ServerConfig> {
     let key = KeyPair::generate()?;
     let issuer = Issuer::new(ca_params(), ca_key);
-    let cert = params.signed_by(&key, &issuer)?;
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let cert = server_params(names)?.signed_by(&key, &issuer)?;
     let key_der = PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key.serialize_der()));
-    let chain = vec![CertificateDer::from(cert.der().to_vec())];
+    tls_config(vec![CertificateDer::from(cert.der().to_vec())], key_der)
+}
+
+fn tls_config(
+    chain: Vec<CertificateDer<'static>>,
+    key: PrivateKeyDer<'static>,
+) -> anyhow::Result<rustls::ServerConfig> {
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
     let mut config = rustls::ServerConfig::builder_with_provider(provider)
         .with_safe_default_protocol_versions()?
         .with_no_client_auth()
-        .with_single_cert(chain, key_der)?;
+        .with_single_cert(chain, key)?;
     config.alpn_protocols = vec![b"http/1.1".to_vec()];
     Ok(config)
 }
@@ -303,5 +422,90 @@ pub(crate) mod tests {
         let access = StagingAccess::load_or_create(dir.path(), "https://s").unwrap();
         let credential = access.credential("u", "disk-0.raw");
         assert!(!format!("{credential:?}").contains(&credential.secret_key));
+    }
+
+    #[test]
+    fn a_workers_identity_opens_its_own_migrations_artifacts_and_no_other() {
+        let dir = tempfile::tempdir().unwrap();
+        let controller = StagingAccess::load_or_create(dir.path(), "https://s").unwrap();
+        let names = ["w.apps.svc".to_owned(), "10.96.0.7".to_owned()];
+        let identity = controller.worker_identity("uid-a", &names).unwrap();
+        let worker = StagingAccess::from_worker(&identity).unwrap();
+        // What the controller hands CDI for migration a, the worker accepts.
+        let own = controller.for_migration("uid-a").credential("uid-a", "disk-0.raw");
+        assert!(worker.allows(
+            Some(basic(&own.access_key_id, &own.secret_key).as_bytes()),
+            "uid-a",
+            "disk-0.raw"
+        ));
+        // Another migration's credentials, even signed by the controller's
+        // key for that migration, open nothing here; the worker's key is not
+        // the controller's.
+        let other = controller.for_migration("uid-b").credential("uid-b", "disk-0.raw");
+        assert!(!worker.allows(
+            Some(basic(&other.access_key_id, &other.secret_key).as_bytes()),
+            "uid-b",
+            "disk-0.raw"
+        ));
+        let global = controller.credential("uid-a", "disk-0.raw");
+        assert!(!worker.allows(
+            Some(basic(&global.access_key_id, &global.secret_key).as_bytes()),
+            "uid-a",
+            "disk-0.raw"
+        ));
+        assert_ne!(
+            identity.key_hex,
+            crate::convert::artifact::hex(&controller.key),
+            "not the controller's key"
+        );
+        // The worker cannot sign: it holds no CA key.
+        assert!(worker.worker_identity("uid-b", &names).is_err());
+        assert!(!format!("{identity:?}").contains(&identity.key_hex));
+    }
+
+    #[test]
+    fn a_workers_control_api_opens_only_to_its_own_token() {
+        let dir = tempfile::tempdir().unwrap();
+        let controller = StagingAccess::load_or_create(dir.path(), "https://s").unwrap();
+        let worker =
+            StagingAccess::from_worker(&controller.worker_identity("uid-a", &["w".into()]).unwrap()).unwrap();
+        let bearer = |token: &str| format!("Bearer {token}");
+        let own = controller.for_migration("uid-a").control_token();
+        assert!(worker.allows_control(Some(bearer(&own).as_bytes())));
+        let other = controller.for_migration("uid-b").control_token();
+        assert!(!worker.allows_control(Some(bearer(&other).as_bytes())));
+        assert!(!worker.allows_control(Some(bearer(&controller.control_token()).as_bytes())));
+        assert!(!worker.allows_control(Some(format!("Basic {own}").as_bytes())));
+        assert!(!worker.allows_control(Some(b"Bearer not-hex")));
+        assert!(!worker.allows_control(None));
+    }
+
+    #[test]
+    fn a_workers_certificate_is_trusted_by_the_controllers_client_for_the_names_it_was_made_for() {
+        let dir = tempfile::tempdir().unwrap();
+        let controller = StagingAccess::load_or_create(dir.path(), "https://s").unwrap();
+        let identity =
+            controller.worker_identity("uid-a", &["w.apps.svc".into(), "10.96.0.7".into()]).unwrap();
+        use rustls::pki_types::pem::PemObject as _;
+        let cert = CertificateDer::from_pem_slice(identity.cert_pem.as_bytes()).unwrap();
+        let roots = {
+            let mut roots = rustls::RootCertStore::empty();
+            roots.add(CertificateDer::from_pem_slice(controller.ca_pem().as_bytes()).unwrap()).unwrap();
+            Arc::new(roots)
+        };
+        let verifier = rustls::client::WebPkiServerVerifier::builder_with_provider(
+            roots,
+            Arc::new(rustls::crypto::ring::default_provider()),
+        )
+        .build()
+        .unwrap();
+        use rustls::client::danger::ServerCertVerifier as _;
+        let now = rustls::pki_types::UnixTime::now();
+        let name = |n: &str| rustls::pki_types::ServerName::try_from(n.to_owned()).unwrap();
+        for ok in ["w.apps.svc", "10.96.0.7"] {
+            assert!(verifier.verify_server_cert(&cert, &[], &name(ok), &[], now).is_ok(), "{ok}");
+        }
+        assert!(verifier.verify_server_cert(&cert, &[], &name("other.apps.svc"), &[], now).is_err());
+        assert!(controller.client_tls().is_ok());
     }
 }

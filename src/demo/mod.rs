@@ -405,7 +405,7 @@ fn stop_signal(runtime: &tokio::runtime::Runtime) -> watch::Receiver<bool> {
     let tx = Arc::new(tx);
     let on_signal = tx.clone();
     runtime.spawn(async move {
-        ctl::shutdown_signal().await;
+        crate::server::shutdown_signal().await;
         let _ = on_signal.send(true);
     });
     std::thread::spawn(move || {
@@ -535,7 +535,7 @@ async fn start_services(
     screen.line("✓ vmmigrate gitops loop: polls main every 2 s, writes status to branch migration-status");
 
     let staging = ctl::start_staging(&controller, &registry).await?;
-    let adapters = ctl::adapters(client.clone(), &controller, &staging, &registry);
+    let adapters = ctl::adapters(client.clone(), &controller, &staging, &registry)?;
     let config = ControllerConfig {
         namespace: controller.namespace.clone(),
         // The machine polls running work every 5 s; every second makes the bars move.

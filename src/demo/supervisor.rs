@@ -42,7 +42,7 @@ pub(crate) fn run_child_in_own_process_group() -> anyhow::Result<()> {
                     }
                     return anyhow::Ok(status.code().unwrap_or(1));
                 }
-                _ = crate::controller::service::shutdown_signal() => {
+                _ = crate::server::shutdown_signal() => {
                     signals += 1;
                     // A third signal means "now": the janitors still clean up after a KILL.
                     let signal = if signals >= 3 { "-KILL" } else { "-TERM" };

@@ -4,7 +4,7 @@
 use crate::api::{Reason, SourceInventory, SourcePowerState};
 
 /// How a failure should be handled. Every adapter error carries one.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum FailureClass {
     /// May succeed on retry: Retryable, then back to the same phase, within the budget.
     Retryable,
@@ -16,7 +16,7 @@ pub enum FailureClass {
 
 /// A classified failure with a stable CamelCase reason (condition reason,
 /// Event reason and metric label) and a human message.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Failure {
     pub class: FailureClass,
     pub reason: Reason,
@@ -104,7 +104,7 @@ pub(crate) struct PreparingFacts {
 }
 
 /// The local copy of one source disk.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum CopyState {
     /// Nothing copied yet.
     Absent,
@@ -119,7 +119,7 @@ pub enum CopyState {
 }
 
 /// The converted, staged artifact of one disk.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum ArtifactState {
     Absent,
     InProgress {

@@ -64,6 +64,38 @@ emu_throttle() {
     return 0
 }
 
+# The slow-link knob: /var/lib/esxi-emu/read_rate holds bytes per second;
+# every disk read is then served in pieces of 1 MiB with a pause after
+# each, so that a copy is still running when a test kills its reader.
+emu_rate() {
+    local rate=
+    read -r rate 2>/dev/null <"$EMU_ST/read_rate"
+    case $rate in
+        '' | *[!0-9]* | 0) return 1 ;;
+    esac
+    echo "$rate"
+}
+
+# emu_serve_slowly TOOL PATH OFFSET LENGTH EXPECTED RATE: serves the read
+# at RATE and records it.
+emu_serve_slowly() {
+    local tool=$1 path=$2 off=$3 len=$4 expect=$5 rate=$6 at end n piece=1048576 pause
+    at=$off
+    end=$((off + expect))
+    pause=$($bb awk -v p="$piece" -v r="$rate" 'BEGIN { printf "%.3f", p / r }')
+    while [ "$at" -lt "$end" ]; do
+        n=$piece
+        [ $((end - at)) -lt "$n" ] && n=$((end - at))
+        if ! $bb dd if="$path" bs=65536 skip="$at" count="$n" iflag=skip_bytes,count_bytes 2>/dev/null; then
+            emu_record "$tool" "$path" "$off" "$len" $((at - off)) error
+            return 1
+        fi
+        at=$((at + n))
+        $bb sleep "$pause"
+    done
+    emu_record "$tool" "$path" "$off" "$len" "$expect" ok
+}
+
 emu_record() {
     printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "$4" "$5" "$6" >>"$EMU_LOG/reads.log"
 }
@@ -115,8 +147,12 @@ emu_take_cut() {
 # Runs `busybox dd DD-ARGS...` to stdout and records the read.
 emu_serve() {
     emu_throttle
-    local tool=$1 path=$2 off=$3 len=$4 expect=$5 mode=$6 cut err rc full line
+    local tool=$1 path=$2 off=$3 len=$4 expect=$5 mode=$6 cut err rc full line rate
     shift 6
+    if rate=$(emu_rate); then
+        emu_serve_slowly "$tool" "$path" "$off" "$len" "$expect" "$rate"
+        return
+    fi
     if cut=$(emu_take_cut "$expect"); then
         $bb dd "$@" 2>/dev/null | $bb head -c "$cut"
         emu_record "$tool" "$path" "$off" "$len" "$cut" cut

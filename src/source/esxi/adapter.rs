@@ -25,6 +25,9 @@ use std::time::Duration;
 pub enum CredentialSource {
     Kubernetes(Client),
     Fixed(Credentials),
+    /// The Secret mounted as files (a worker pod): read at every session,
+    /// so a rotated Secret is used once the kubelet has updated the files.
+    Directory(PathBuf),
 }
 
 struct CopyTask {
@@ -131,6 +134,10 @@ impl EsxiSource {
     async fn credentials(&self, vmm: &VirtualMachineMigration) -> Result<Credentials, Failure> {
         let client = match &self.credentials {
             CredentialSource::Fixed(c) => return Ok(c.clone()),
+            CredentialSource::Directory(dir) => {
+                let read = |k: &str| std::fs::read_to_string(dir.join(k)).ok();
+                return credentials_from(read, &format!("the credentials mounted at {}", dir.display()));
+            }
             CredentialSource::Kubernetes(client) => client.clone(),
         };
         let name = &vmm.spec.source.credentials_secret_ref.name;
@@ -149,21 +156,11 @@ impl EsxiSource {
                 )
             })?;
         let data = secret.data.unwrap_or_default();
-        let field = |k: &str| data.get(k).map(|v| String::from_utf8_lossy(&v.0).into_owned());
-        let username = field("username").unwrap_or_else(|| "root".into());
-        let secret = match (field("password"), field("privateKey").or_else(|| field("ssh-privatekey"))) {
-            (_, Some(key)) => Secret::PrivateKey(key),
-            (Some(password), None) => Secret::Password(password),
-            (None, None) => {
-                return Err(Failure::needs_human(
-                    Reason::CredentialsSecretInvalid,
-                    format!("Secret {ns}/{name} has neither `password` nor `privateKey`"),
-                ));
-            }
-        };
-        Ok(Credentials { username, secret })
+        credentials_from(
+            |k| data.get(k).map(|v| String::from_utf8_lossy(&v.0).into_owned()),
+            &format!("Secret {ns}/{name}"),
+        )
     }
-
     /// A live session to the migration's host, reused across calls only by
     /// migrations that would open the very same one: same host, port and pinned
     /// key, same credentials (the Secret's namespace, name and version, and a
@@ -281,6 +278,24 @@ impl EsxiSource {
     fn task_key(vmm: &VirtualMachineMigration, disk: usize) -> (String, usize) {
         (vmm.metadata.uid.clone().unwrap_or_default(), disk)
     }
+}
+
+/// Credentials from a Secret's keys: `username` (default `root`), and
+/// `privateKey` (or `ssh-privatekey`) or `password`; `what` names the Secret
+/// in the error.
+fn credentials_from(field: impl Fn(&str) -> Option<String>, what: &str) -> Result<Credentials, Failure> {
+    let username = field("username").map(|u| u.trim().to_owned()).unwrap_or_else(|| "root".into());
+    let secret = match (field("password"), field("privateKey").or_else(|| field("ssh-privatekey"))) {
+        (_, Some(key)) => Secret::PrivateKey(key),
+        (Some(password), None) => Secret::Password(password),
+        (None, None) => {
+            return Err(Failure::needs_human(
+                Reason::CredentialsSecretInvalid,
+                format!("{what} has neither `password` nor `privateKey`"),
+            ));
+        }
+    };
+    Ok(Credentials { username, secret })
 }
 
 fn join(dir: &str, file: &str) -> String {

@@ -376,6 +376,18 @@ impl EsxiEmulator {
         }
     }
 
+    /// Serves every disk read at about `bytes_per_second`, in pieces of
+    /// 1 MiB (`None`: full speed), so a copy is still running when a test
+    /// kills its reader.
+    pub fn set_read_rate(&self, bytes_per_second: Option<u64>) {
+        match bytes_per_second {
+            Some(rate) => self.put_state("read_rate", &rate.max(1).to_string()),
+            None => {
+                let _ = fs::remove_file(self.state_dir().join("read_rate"));
+            }
+        }
+    }
+
     pub fn set_tools_running(&self, vmid: &str, running: bool) {
         self.vm_dir(vmid);
         self.put_state(&format!("vms/{vmid}/tools"), if running { "running" } else { "notrunning" });

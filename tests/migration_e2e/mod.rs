@@ -34,13 +34,15 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 use vmmigrate::api::{Phase, VirtualMachineMigration};
 use vmmigrate::controller::reconciler::{self, ControllerConfig};
-use vmmigrate::controller::service::{self, ControllerOptions};
+use vmmigrate::controller::service::{self, ControllerOptions, DataPlane};
 use vmmigrate::convert::artifact::sha256_file;
 use vmmigrate::convert::staging::StagingServer;
 use vmmigrate::destination::cluster::{
     data_volume_resource, virtual_machine_instance_resource, virtual_machine_resource,
 };
 use vmmigrate::metrics::Metrics;
+
+mod worker_pods;
 
 /// What a step may take on a loaded two-core machine running the whole suite.
 const WAIT: Duration = Duration::from_secs(300);
@@ -73,6 +75,9 @@ struct Migration {
     /// What importer pods reach instead of the staging server, when the test
     /// asked for one.
     front: Option<UnavailableFront>,
+    /// Where the migration reaches the ESXi host: loopback, or the host end
+    /// of the node's veth when worker pods copy.
+    source_host: String,
 }
 
 /// What a real guest showed ([`Migration::guest_facts`]).
@@ -116,7 +121,12 @@ impl Migration {
     }
 
     async fn with_front(prefix: &str, cdi: Cdi, front: bool) -> Migration {
-        Migration::start(prefix, cdi, front, Kubevirt::Simulated, ("db-02", "2")).await
+        Migration::start(prefix, cdi, front, Kubevirt::Simulated, ("db-02", "2"), DataPlane::Process).await
+    }
+
+    /// db-02 with its data plane in worker pods (`--data-plane pods`).
+    async fn with_worker_pods(prefix: &str) -> Migration {
+        Migration::start(prefix, Cdi::Real, false, Kubevirt::Simulated, ("db-02", "2"), DataPlane::Pods).await
     }
 
     /// The real guest `vm` of the emulator's `GUEST_VMS`, on real KubeVirt.
@@ -126,7 +136,7 @@ impl Migration {
             .find(|(_, name)| *name == vm)
             .copied()
             .unwrap_or_else(|| panic!("{vm} is not a guest VM of the emulator"));
-        Migration::start(prefix, Cdi::Real, false, Kubevirt::Real, (vm, vmid)).await
+        Migration::start(prefix, Cdi::Real, false, Kubevirt::Real, (vm, vmid), DataPlane::Process).await
     }
 
     /// With `front`, importer pods reach the staging server through an
@@ -137,6 +147,7 @@ impl Migration {
         front: bool,
         kubevirt: Kubevirt,
         (vm, vmid): (&'static str, &'static str),
+        data_plane: DataPlane,
     ) -> Migration {
         let env = match kubevirt {
             Kubevirt::Simulated => tokio::task::block_in_place(KubeEnv::shared),
@@ -158,7 +169,11 @@ impl Migration {
             Kubevirt::Simulated => None,
             Kubevirt::Real => Some(tokio::task::block_in_place(setup::guest_images).expect("guest images")),
         };
-        let emu = EsxiEmulator::start(EsxiOptions { guests, ..Default::default() }).expect("ESXi emulator");
+        // Worker pods reach the host where pods reach the host: the node's veth.
+        let also_listen = (data_plane == DataPlane::Pods).then_some(node_ip);
+        let emu = EsxiEmulator::start(EsxiOptions { guests, also_listen, ..Default::default() })
+            .expect("ESXi emulator");
+        let source_host = also_listen.map_or_else(|| "127.0.0.1".to_owned(), |ip| ip.to_string());
         let secret: Secret = serde_json::from_value(json!({
             "apiVersion": "v1", "kind": "Secret", "metadata": {"name": "esxi"},
             "stringData": {"username": emu.username, "password": emu.password},
@@ -211,6 +226,11 @@ impl Migration {
             max_reads_per_host: 2,
             host_reads: Vec::new(),
             max_reads: None,
+            data_plane,
+            worker_cpu: "100m".into(),
+            worker_memory: "64Mi".into(),
+            worker_memory_limit: "512Mi".into(),
+            worker_storage_class: Some("local-path".into()),
         };
         let metrics = Arc::new(Metrics::new());
         let staging = service::start_staging(&opts, &metrics).await.expect("staging server");
@@ -242,6 +262,7 @@ impl Migration {
             metrics,
             controller: None,
             front,
+            source_host,
         };
         m.start_controller();
         m
@@ -251,7 +272,8 @@ impl Migration {
     /// the reconciler. The staging server stands for the Service in front of
     /// the controller pods and outlives them.
     fn start_controller(&mut self) {
-        let adapters = service::adapters(self.client.clone(), &self.opts, &self.staging, &self.metrics);
+        let adapters =
+            service::adapters(self.client.clone(), &self.opts, &self.staging, &self.metrics).unwrap();
         let config = ControllerConfig {
             namespace: Some(self.ns.clone()),
             max_requeue: Some(Duration::from_millis(250)),
@@ -299,7 +321,7 @@ impl Migration {
             "metadata": {"name": self.vm, "namespace": self.ns},
             "spec": {
                 "source": {
-                    "host": "127.0.0.1",
+                    "host": self.source_host,
                     "port": self.emu.port,
                     "hostKey": self.emu.host_key_fingerprint(),
                     "credentialsSecretRef": {"name": "esxi"},
