@@ -30,3 +30,4 @@ mod node;
 mod simulators;
 mod status_branch;
 mod tenancy;
+mod worker_api;
