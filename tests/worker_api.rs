@@ -29,7 +29,8 @@ fn migration(uid: &str) -> vmmigrate::api::VirtualMachineMigration {
 #[tokio::test]
 async fn the_worker_answers_only_its_controllers_token_for_its_own_migration_and_bounds_requests() {
     let dir = tempfile::tempdir().unwrap();
-    let controller = StagingAccess::load_or_create(&dir.path().join("ca"), "https://staging.example").unwrap();
+    let controller =
+        StagingAccess::load_or_create(&dir.path().join("ca"), "https://staging.example").unwrap();
     let identity = controller.worker_identity("uid-a", &[HOST.to_owned()]).unwrap();
     let (identity_dir, credentials_dir) = (dir.path().join("identity"), dir.path().join("source"));
     std::fs::create_dir_all(&identity_dir).unwrap();
@@ -82,7 +83,11 @@ async fn the_worker_answers_only_its_controllers_token_for_its_own_migration_and
     let other = controller.for_migration("uid-b").control_token();
     assert_eq!(post(Some(other), body("uid-a")).await.unwrap().status(), 401, "another worker's token");
     assert_eq!(post(Some(controller.control_token()), body("uid-a")).await.unwrap().status(), 401);
-    assert_eq!(post(Some(own_token.clone()), body("uid-b")).await.unwrap().status(), 403, "another migration");
+    assert_eq!(
+        post(Some(own_token.clone()), body("uid-b")).await.unwrap().status(),
+        403,
+        "another migration"
+    );
     assert_eq!(post(Some(own_token.clone()), b"{not json".to_vec()).await.unwrap().status(), 400);
     let huge = vec![b' '; MAX_REQUEST_BYTES + 1];
     assert_eq!(post(Some(own_token.clone()), huge).await.unwrap().status(), 413, "bounded");
@@ -94,7 +99,8 @@ async fn the_worker_answers_only_its_controllers_token_for_its_own_migration_and
 
     // A client trusting another staging CA does not reach it (nor would the
     // controller reach an impostor): TLS with this controller's CA only.
-    let other_ca = StagingAccess::load_or_create(&dir.path().join("other-ca"), "https://staging.example").unwrap();
+    let other_ca =
+        StagingAccess::load_or_create(&dir.path().join("other-ca"), "https://staging.example").unwrap();
     let stranger = reqwest::Client::builder()
         .use_preconfigured_tls(other_ca.client_tls().unwrap())
         .resolve(HOST, worker.control_addr())
