@@ -74,6 +74,10 @@ pub struct EsxiOptions {
     /// An address sshd listens on besides 127.0.0.1, on the same port: the
     /// host end of the test node's veth, where pods reach the host.
     pub also_listen: Option<std::net::Ipv4Addr>,
+    /// `(n, mib)`: adds `n` plain VMs `vm-001`… (vmids from 101), each
+    /// powered on with Tools running, one disk of `mib` MiB and one vmxnet3
+    /// NIC on "VM Network": a host of a fleet.
+    pub fleet: Option<(usize, u64)>,
     /// The guest images of `tools/guest/build.sh` (`setup::guest_images`):
     /// adds the VMs whose disks are real bootable guests, [`GUEST_VMS`].
     pub guests: Option<PathBuf>,
@@ -91,7 +95,7 @@ pub const GUEST_VMS: [(&str, &str); 4] =
 
 impl Default for EsxiOptions {
     fn default() -> Self {
-        EsxiOptions { big_disk_mib: None, with_sha256sum: true, also_listen: None, guests: None }
+        EsxiOptions { big_disk_mib: None, with_sha256sum: true, also_listen: None, fleet: None, guests: None }
     }
 }
 
@@ -1019,6 +1023,9 @@ fn vm_specs(opts: &EsxiOptions) -> Vec<VmSpec> {
     if let Some(images) = &opts.guests {
         vms.extend(guest_vms(images));
     }
+    if let Some((n, mib)) = opts.fleet {
+        vms.extend((1..=n).map(|i| fleet_vm(i, mib)));
+    }
     if let Some(mib) = opts.big_disk_mib {
         vms.push(VmSpec {
             id: "7",
@@ -1052,6 +1059,43 @@ fn vm_specs(opts: &EsxiOptions) -> Vec<VmSpec> {
         });
     }
     vms
+}
+
+/// VM `vm-<i>` of [`EsxiOptions::fleet`]. Its strings live as long as the
+/// process (a few bytes per VM of a test's fleet).
+fn fleet_vm(i: usize, mib: u64) -> VmSpec {
+    let leak = |s: String| -> &'static str { Box::leak(s.into_boxed_str()) };
+    let name = format!("vm-{i:03}");
+    VmSpec {
+        id: leak(format!("{}", 100 + i)),
+        name: name.clone(),
+        dir: name.clone(),
+        guest_os: "debian12-64",
+        guest_id: "debian12_64Guest",
+        guest_full: "Debian GNU/Linux 12 (64-bit)",
+        hw_version: 21,
+        memory_mb: 512,
+        cpus: Some(1),
+        efi: false,
+        secure_boot: false,
+        power_on: true,
+        tools: "running",
+        hostname: leak(name.clone()),
+        ip: None,
+        annotation: "",
+        controllers: vec![("scsi0", "pvscsi")],
+        disks: vec![disk("scsi0:0", &format!("{name}.vmdk"), mib, "lsilogic")],
+        cdrom: None,
+        nics: vec![NicSpec {
+            device: "vmxnet3",
+            network: "VM Network",
+            address_type: "generated",
+            mac: leak(format!("00:0c:29:f1:{:02x}:{:02x}", i / 256, i % 256)),
+            ips: &[],
+        }],
+        snapshot: false,
+        question: None,
+    }
 }
 
 /// The VMs of [`GUEST_VMS`], on the images in `images`.
