@@ -338,6 +338,32 @@ fn provider_fields_fill_the_source_and_a_migration_cannot_override_them() {
 }
 
 #[test]
+fn a_providers_read_cap_flows_into_its_migrations_and_a_migration_may_lower_its_own() {
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path(), "providers/esxi01.yaml", &format!("{PROVIDER}  maxConcurrentReads: 1\n"));
+    write(dir.path(), "migrations/a.yaml", &provider_manifest("a", "esxi01"));
+    let own = provider_manifest("b", "esxi01")
+        .replace("    provider: esxi01\n", "    provider: esxi01\n    maxConcurrentReads: 1\n");
+    write(dir.path(), "migrations/b.yaml", &own);
+    let rendered = render_dir(dir.path()).unwrap();
+    assert_eq!(one(&rendered, "a")["spec"]["source"]["maxConcurrentReads"], 1, "from the provider");
+    assert_eq!(one(&rendered, "b")["spec"]["source"]["maxConcurrentReads"], 1);
+    let typed: vmmigrate::api::VirtualMachineMigration =
+        serde_json::from_value(one(&rendered, "a").clone()).unwrap();
+    assert_eq!(typed.spec.source.max_concurrent_reads, Some(1));
+
+    // Out of range, in the provider: reported at its line.
+    write(dir.path(), "providers/esxi01.yaml", &format!("{PROVIDER}  maxConcurrentReads: 0\n"));
+    let errors = errors_of(dir.path());
+    assert!(
+        errors
+            .iter()
+            .any(|e| e.starts_with("providers/esxi01.yaml:") && e.contains("spec.maxConcurrentReads")),
+        "{errors:?}"
+    );
+}
+
+#[test]
 fn an_unknown_provider_is_an_error_naming_the_known_ones() {
     let dir = tempfile::tempdir().unwrap();
     write(dir.path(), "providers/esxi01.yaml", PROVIDER);

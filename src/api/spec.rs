@@ -178,6 +178,13 @@ pub struct SourceSpec {
     pub credentials_secret_ref: SecretReference,
     /// The source VM, by name or by vmid.
     pub vm: SourceVm,
+    /// At most this many disks read at once from this host, counting this
+    /// migration's own reads (usually set once in a provider, for its host).
+    /// It can only lower the controller's cap for the host
+    /// (`--max-reads-per-host`, `--host-reads`), never raise it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 64))]
+    pub max_concurrent_reads: Option<i32>,
 }
 
 fn default_ssh_port() -> i32 {

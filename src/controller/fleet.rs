@@ -255,7 +255,11 @@ fn member_of(obj: &DynamicObject) -> Option<Member> {
         ),
         None => (VirtualMachineMigrationStatus::default(), 0),
     };
-    Some(member_from(obj.namespace().unwrap_or_default(), obj.name_any(), host, wave, &status, disks))
+    let own_cap = spec.pointer("/source/maxConcurrentReads").and_then(Value::as_u64).map(|n| n as u32);
+    let mut member =
+        member_from(obj.namespace().unwrap_or_default(), obj.name_any(), host, wave, &status, disks);
+    member.own_cap = own_cap;
+    Some(member)
 }
 
 /// The parts of a status the queue reads (the inventory can be large).
@@ -271,14 +275,16 @@ fn slim(status: &Value) -> Value {
 
 /// The queue's view of a migration read or written by this process, with `status`.
 fn typed_member(vmm: &VirtualMachineMigration, status: &VirtualMachineMigrationStatus) -> Member {
-    member_from(
+    let mut member = member_from(
         vmm.namespace().unwrap_or_default(),
         vmm.name_any(),
         vmm.spec.source.host.clone(),
         vmm.spec.wave.as_ref().map(|w| (w.plan.clone(), w.number)),
         status,
         status.source_inventory.as_ref().map_or(0, |i| i.disks.len()),
-    )
+    );
+    member.own_cap = vmm.spec.source.max_concurrent_reads.map(|n| n.max(1) as u32);
+    member
 }
 
 fn member_from(
@@ -309,5 +315,6 @@ fn member_from(
         waits_for_wave: status.waiting.as_ref().is_some_and(|w| {
             w.reason == Reason::WaitingForWave.as_str() || w.reason == Reason::WaveHeld.as_str()
         }),
+        own_cap: None,
     }
 }

@@ -87,11 +87,21 @@ pub struct Member {
     pub queued_since: Timestamp,
     /// Recorded as waiting for its wave (to be woken when the wave opens).
     pub waits_for_wave: bool,
+    /// `spec.source.maxConcurrentReads` (its provider's): it is admitted
+    /// only while its host has room under this cap too.
+    pub own_cap: Option<u32>,
 }
 
 impl Member {
     pub fn key(&self) -> (&str, &str) {
         (&self.namespace, &self.name)
+    }
+
+    /// The reads this migration may see on its host: the host's cap, lowered
+    /// by its own `maxConcurrentReads`.
+    fn cap(&self, limits: &Limits) -> u32 {
+        let host = limits.host(&self.host);
+        self.own_cap.map_or(host, |own| own.clamp(1, host))
     }
 }
 
@@ -287,7 +297,7 @@ pub fn queue(members: &[Member], limits: &Limits) -> Queue {
     let mut ns_used: HashMap<&str, u32> = HashMap::new();
     let mut cluster_used = 0u32;
     for m in members.iter().filter(|m| m.holds_slot) {
-        let weight = m.disks.max(1).min(limits.host(&m.host));
+        let weight = m.disks.max(1).min(m.cap(limits));
         *host_used.entry(&m.host).or_default() += weight;
         *ns_used.entry(&m.namespace).or_default() += 1;
         cluster_used += weight;
@@ -305,7 +315,7 @@ pub fn queue(members: &[Member], limits: &Limits) -> Queue {
     let mut cluster_line = 0u32;
     for i in line {
         let m = &members[i];
-        let cap = limits.host(&m.host);
+        let cap = m.cap(limits);
         let weight = m.disks.max(1).min(cap);
         let used = host_used.get(m.host.as_str()).copied().unwrap_or(0);
         let host_room = used + weight <= cap;

@@ -769,7 +769,7 @@ impl Renderer {
             self.errors.extend(findings.iter().map(|f| doc.error(&f.path, f.message.clone())));
             if let (Some(name), Value::Object(mut spec)) = (name, spec) {
                 // Only the connection fields flow into migrations (others are errors above).
-                spec.retain(|k, _| PROVIDER_FIELDS.contains(&k.as_str()));
+                spec.retain(|k, _| provider_may_set(k));
                 by_name.entry(name.to_owned()).or_default().push(i);
                 specs.insert(i, spec);
             }

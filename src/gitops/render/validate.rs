@@ -65,8 +65,17 @@ pub(super) fn spec_schema() -> &'static JSONSchemaProps {
     })
 }
 
-/// Fields a provider may set: the connection half of `spec.source`.
+/// Fields a provider may set: the connection half of `spec.source`. A
+/// migration naming the provider may not set them itself.
 pub(super) const PROVIDER_FIELDS: &[&str] = &["credentialsSecretRef", "host", "hostKey", "port"];
+/// Settings of a provider's host that flow into its migrations as defaults:
+/// a migration may still set its own (a cap can only lower the host's).
+pub(super) const PROVIDER_SETTINGS: &[&str] = &["maxConcurrentReads"];
+
+/// Whether a provider's `spec` may hold `field`.
+pub(super) fn provider_may_set(field: &str) -> bool {
+    PROVIDER_FIELDS.contains(&field) || PROVIDER_SETTINGS.contains(&field)
+}
 
 /// Schema of a provider's `spec`: `spec.source` without `vm`, same rules.
 pub(super) fn provider_schema() -> &'static JSONSchemaProps {
@@ -75,7 +84,7 @@ pub(super) fn provider_schema() -> &'static JSONSchemaProps {
         let mut source =
             spec_schema().properties.as_ref().and_then(|p| p.get("source")).cloned().unwrap_or_default();
         if let Some(props) = source.properties.as_mut() {
-            props.retain(|k, _| PROVIDER_FIELDS.contains(&k.as_str()));
+            props.retain(|k, _| provider_may_set(k));
         }
         if let Some(required) = source.required.as_mut() {
             required.retain(|k| PROVIDER_FIELDS.contains(&k.as_str()));

@@ -19,6 +19,7 @@ fn member(ns: &str, name: &str, host: &str, since: i64) -> Member {
         queued: true,
         queued_since: at(since),
         waits_for_wave: false,
+        own_cap: None,
     }
 }
 
@@ -287,4 +288,39 @@ fn approval_mode_waits_until_git_or_the_annotation_approves_and_a_started_cutove
 fn ordinals_read_as_english() {
     let shown: Vec<String> = [1, 2, 3, 4, 11, 12, 13, 21, 22, 101, 111].iter().map(|&n| ordinal(n)).collect();
     assert_eq!(shown, ["1st", "2nd", "3rd", "4th", "11th", "12th", "13th", "21st", "22nd", "101st", "111th"]);
+}
+
+#[test]
+fn a_providers_cap_lowers_its_hosts_cap_for_its_migrations_and_never_raises_it() {
+    // Host cap 3; the provider's migrations say 1: one of theirs at a time,
+    // while a migration without the field still gets the host's room.
+    let limits = limits(3, None);
+    let mut a = member("apps", "a", "esx-07", 0);
+    a.own_cap = Some(1);
+    let mut b = member("apps", "b", "esx-07", 1);
+    b.own_cap = Some(1);
+    let c = member("apps", "c", "esx-07", 2);
+    let q = queue(&[a.clone(), b.clone(), c.clone()], &limits);
+    assert_eq!(q.admitted, vec![0], "b waits behind a's one read; c waits its turn behind b");
+    let wait = &q.waiting[&1];
+    assert_eq!(wait.reason, Reason::WaitingForHostSlot);
+    assert!(wait.message.contains("1 of 1 reads"), "{}", wait.message);
+    // a reading: c (no cap of its own) fits beside it under the host's 3.
+    a.holds_slot = true;
+    a.queued = false;
+    let q = queue(&[a.clone(), c.clone()], &limits);
+    assert_eq!(q.admitted, vec![1]);
+    // A cap above the host's changes nothing: the administrator's is the ceiling.
+    let mut big = member("apps", "big", "esx-08", 0);
+    big.own_cap = Some(10);
+    big.disks = 5;
+    let q = queue(&[big], &limits);
+    assert_eq!(q.admitted, vec![0]);
+    let mut reading = member("apps", "r", "esx-08", 0);
+    reading.own_cap = Some(10);
+    reading.disks = 5;
+    reading.holds_slot = true;
+    reading.queued = false;
+    let q = queue(&[reading, member("apps", "n", "esx-08", 1)], &limits);
+    assert!(q.admitted.is_empty(), "a reader of 5 disks holds the host's 3 reads, not 5 or 10");
 }
