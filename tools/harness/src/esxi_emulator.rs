@@ -793,6 +793,26 @@ struct VmSpec {
     nics: Vec<NicSpec>,
     snapshot: bool,
     question: Option<&'static str>,
+    /// The BIOS UUID's last three bytes, when the vmid's byte is not enough
+    /// (a fleet VM: unique across emulators, as on real hosts).
+    uuid_tail: Option<[u8; 3]>,
+}
+
+impl VmSpec {
+    /// `uuid.bios` as the .vmx writes it, and as vim-cmd prints it.
+    fn uuids(&self) -> (String, String) {
+        let n: u32 = self.id.parse().expect("numeric vmid");
+        match self.uuid_tail {
+            Some([a, b, c]) => (
+                format!("42 1b 4b 87 e6 b7 d8 81-07 a0 c9 d2 21 {a:02x} {b:02x} {c:02x}"),
+                format!("421b4b87-e6b7-d881-07a0-c9d221{a:02x}{b:02x}{c:02x}"),
+            ),
+            None => (
+                format!("42 1b 4b 87 e6 b7 d8 81-07 a0 c9 d2 21 cd 3c {n:02x}"),
+                format!("421b4b87-e6b7-d881-07a0-c9d221cd3c{n:02x}"),
+            ),
+        }
+    }
 }
 
 struct DiskSpec {
@@ -853,6 +873,7 @@ fn vm_specs(opts: &EsxiOptions) -> Vec<VmSpec> {
             }],
             snapshot: false,
             question: None,
+            uuid_tail: None,
         },
         VmSpec {
             id: "2",
@@ -895,6 +916,7 @@ fn vm_specs(opts: &EsxiOptions) -> Vec<VmSpec> {
             ],
             snapshot: false,
             question: None,
+            uuid_tail: None,
         },
         VmSpec {
             id: "3",
@@ -925,6 +947,7 @@ fn vm_specs(opts: &EsxiOptions) -> Vec<VmSpec> {
             }],
             snapshot: true,
             question: None,
+            uuid_tail: None,
         },
         VmSpec {
             id: "4",
@@ -958,6 +981,7 @@ fn vm_specs(opts: &EsxiOptions) -> Vec<VmSpec> {
                 "Virtual machine message 12: msg.uuid.altered:This virtual machine may have been moved or copied.\n\
                  0. Cancel (Cancel) 1. I _moved it (I _moved it) 2. I _copied it (I _copied it) [default]",
             ),
+            uuid_tail: None,
         },
         VmSpec {
             id: "5",
@@ -988,6 +1012,7 @@ fn vm_specs(opts: &EsxiOptions) -> Vec<VmSpec> {
             }],
             snapshot: false,
             question: None,
+            uuid_tail: None,
         },
         VmSpec {
             id: "6",
@@ -1018,13 +1043,17 @@ fn vm_specs(opts: &EsxiOptions) -> Vec<VmSpec> {
             }],
             snapshot: false,
             question: None,
+            uuid_tail: None,
         },
     ];
     if let Some(images) = &opts.guests {
         vms.extend(guest_vms(images));
     }
     if let Some((n, mib)) = opts.fleet {
-        vms.extend((1..=n).map(|i| fleet_vm(i, mib)));
+        // Each emulator's fleet has BIOS UUIDs of its own.
+        static HOSTS: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
+        let host = HOSTS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        vms.extend((1..=n).map(|i| fleet_vm(host, i, mib)));
     }
     if let Some(mib) = opts.big_disk_mib {
         vms.push(VmSpec {
@@ -1056,6 +1085,7 @@ fn vm_specs(opts: &EsxiOptions) -> Vec<VmSpec> {
             }],
             snapshot: false,
             question: None,
+            uuid_tail: None,
         });
     }
     vms
@@ -1063,7 +1093,7 @@ fn vm_specs(opts: &EsxiOptions) -> Vec<VmSpec> {
 
 /// VM `vm-<i>` of [`EsxiOptions::fleet`]. Its strings live as long as the
 /// process (a few bytes per VM of a test's fleet).
-fn fleet_vm(i: usize, mib: u64) -> VmSpec {
+fn fleet_vm(host: u8, i: usize, mib: u64) -> VmSpec {
     let leak = |s: String| -> &'static str { Box::leak(s.into_boxed_str()) };
     let name = format!("vm-{i:03}");
     VmSpec {
@@ -1095,6 +1125,7 @@ fn fleet_vm(i: usize, mib: u64) -> VmSpec {
         }],
         snapshot: false,
         question: None,
+        uuid_tail: Some([host, (i >> 8) as u8, i as u8]),
     }
 }
 
@@ -1129,6 +1160,7 @@ fn guest_vms(images: &Path) -> Vec<VmSpec> {
         nics,
         snapshot: false,
         question: None,
+        uuid_tail: None,
     };
     vec![
         guest(
@@ -1192,7 +1224,7 @@ fn vmx_text(vm: &VmSpec) -> String {
             lines.push(("uefi.secureBoot.enabled".into(), "TRUE".into()));
         }
     }
-    lines.push(("uuid.bios".into(), format!("42 1b 4b 87 e6 b7 d8 81-07 a0 c9 d2 21 cd 3c {n:02x}")));
+    lines.push(("uuid.bios".into(), vm.uuids().0));
     lines.push(("vc.uuid".into(), format!("52 7a 10 93 5e 44 c1 0f-9a 61 0b 3d 7e 22 a4 {n:02x}")));
     if !vm.annotation.is_empty() {
         lines.push(("annotation".into(), vm.annotation.replace('\n', "|0A")));
@@ -1466,7 +1498,7 @@ fn write_state(
         f("annotation", vm.annotation)?;
         f("memory_mb", &vm.memory_mb.to_string())?;
         f("cpus", &vm.cpus.unwrap_or(1).to_string())?;
-        f("uuid", &format!("421b4b87-e6b7-d881-07a0-c9d221cd3c{n:02x}"))?;
+        f("uuid", &vm.uuids().1)?;
         f("instance_uuid", &format!("527a1093-5e44-c10f-9a61-0b3d7e22a4{n:02x}"))?;
         f("hostname", vm.hostname)?;
         f("ip", vm.ip.unwrap_or(""))?;
