@@ -179,11 +179,10 @@ impl WorkerPlane {
     async fn ensure(&self, vmm: &VirtualMachineMigration) -> Result<(), Failure> {
         let name = worker_name(vmm);
         let services: Api<Service> = self.api(vmm);
-        let service =
-            match services.get_opt(&name).await.map_err(|e| classify("reading the worker Service", e))? {
-                Some(service) => service,
-                None => self.create(&services, service(vmm), "worker Service").await?,
-            };
+        let service = match self.ours(vmm, &services, &name, "worker Service").await? {
+            Some(service) => service,
+            None => self.create(&services, service(vmm), "worker Service").await?,
+        };
         let cluster_ip = service.spec.as_ref().and_then(|s| s.cluster_ip.clone()).unwrap_or_default();
         if cluster_ip.is_empty() || cluster_ip == "None" {
             return Err(Failure::retryable(
@@ -192,38 +191,52 @@ impl WorkerPlane {
             ));
         }
         let secrets: Api<Secret> = self.api(vmm);
-        if secrets.get_opt(&name).await.map_err(|e| classify("reading the worker Secret", e))?.is_none() {
+        if self.ours(vmm, &secrets, &name, "worker Secret").await?.is_none() {
             let secret = self.identity_secret(vmm, &cluster_ip)?;
             self.create(&secrets, secret, "worker Secret").await?;
         }
         let claims: Api<PersistentVolumeClaim> = self.api(vmm);
-        if claims
-            .get_opt(&claim_name(vmm))
-            .await
-            .map_err(|e| classify("reading the work claim", e))?
-            .is_none()
-        {
+        if self.ours(vmm, &claims, &claim_name(vmm), "work claim").await?.is_none() {
             self.create(&claims, claim(&self.settings, vmm), "work claim").await?;
         }
         let jobs: Api<Job> = self.api(vmm);
-        match jobs.get_opt(&name).await.map_err(|e| classify("reading the worker Job", e))? {
+        match self.ours(vmm, &jobs, &name, "worker Job").await? {
             None => {
                 self.create(&jobs, job(&self.settings, vmm, &cluster_ip), "worker Job").await?;
             }
             Some(job) if job_failed(&job).is_some() && job.metadata.deletion_timestamp.is_none() => {
-                let dp = DeleteParams {
-                    propagation_policy: Some(PropagationPolicy::Background),
-                    ..Default::default()
-                };
-                match jobs.delete(&name, &dp).await {
-                    Ok(_) => {}
-                    Err(e) if is_not_found(&e) => {}
-                    Err(e) => return Err(classify("deleting the failed worker Job", e)),
-                }
+                delete_owned(&jobs, &job, "failed worker Job").await?;
             }
             Some(_) => {}
         }
         Ok(())
+    }
+
+    /// The object named `name`, when there is one and it is this
+    /// migration's. One of that name that is not (a user's own claim, say)
+    /// is never used, changed or deleted: the migration waits for a person.
+    async fn ours<K>(
+        &self,
+        vmm: &VirtualMachineMigration,
+        api: &Api<K>,
+        name: &str,
+        what: &str,
+    ) -> Result<Option<K>, Failure>
+    where
+        K: kube::Resource + Clone + DeserializeOwned + std::fmt::Debug,
+    {
+        match api.get_opt(name).await.map_err(|e| classify(&format!("reading the {what}"), e))? {
+            None => Ok(None),
+            Some(object) if owned_by(object.meta(), &uid_of(vmm)) => Ok(Some(object)),
+            Some(_) => Err(Failure::needs_human(
+                Reason::WorkerCannotStart,
+                format!(
+                    "{what} {}/{name} exists and is not this migration's (no owner reference to it); \
+                     rename or remove it",
+                    vmm.namespace().unwrap_or_default()
+                ),
+            )),
+        }
     }
 
     fn identity_secret(&self, vmm: &VirtualMachineMigration, cluster_ip: &str) -> Result<Value, Failure> {
@@ -249,10 +262,10 @@ impl WorkerPlane {
     /// Whether the worker exists, runs, answers.
     async fn presence(&self, vmm: &VirtualMachineMigration) -> Result<Presence, Failure> {
         let jobs: Api<Job> = self.api(vmm);
-        let Some(job) =
-            jobs.get_opt(&worker_name(vmm)).await.map_err(|e| classify("reading the worker Job", e))?
-        else {
-            return Ok(Presence::Absent);
+        let job = match self.ours(vmm, &jobs, &worker_name(vmm), "worker Job").await {
+            Ok(Some(job)) => job,
+            Ok(None) => return Ok(Presence::Absent),
+            Err(failure) => return Ok(Presence::Failed(failure)),
         };
         if let Some(failure) = job_failed(&job) {
             return Ok(Presence::Failed(failure));
@@ -262,12 +275,15 @@ impl WorkerPlane {
             .list(&ListParams::default().labels(&Self::selector(vmm)))
             .await
             .map_err(|e| classify("listing the worker pods", e))?;
-        let mut ready: Vec<&Pod> = list.items.iter().filter(|p| pod_ready(p)).collect();
+        // Only the Job's own pods: a pod that merely wears the labels is not the worker.
+        let job_uid = job.metadata.uid.clone().unwrap_or_default();
+        let own: Vec<&Pod> = list.items.iter().filter(|p| owned_by(&p.metadata, &job_uid)).collect();
+        let mut ready: Vec<&Pod> = own.iter().copied().filter(|p| pod_ready(p)).collect();
         ready.sort_by_key(|p| p.metadata.creation_timestamp.clone());
         if let Some(ip) = ready.last().and_then(|p| p.status.as_ref()?.pod_ip.clone()) {
             return Ok(Presence::Ready(ip));
         }
-        if let Some(failure) = list.items.iter().find_map(cannot_start) {
+        if let Some(failure) = own.iter().copied().find_map(cannot_start) {
             return Ok(Presence::Failed(failure));
         }
         Ok(Presence::Waiting)
@@ -374,23 +390,54 @@ impl WorkerPlane {
         CopyState::InProgress { bytes_done, bytes_total }
     }
 
-    /// Deletes the worker's objects, its claim included. "Not found" is success.
+    /// Deletes the worker's objects, its claim included, and only those
+    /// this migration owns. "Not found" is success.
     async fn teardown(&self, vmm: &VirtualMachineMigration) -> Result<(), Failure> {
-        let dp =
-            DeleteParams { propagation_policy: Some(PropagationPolicy::Background), ..Default::default() };
-        let name = worker_name(vmm);
-        let gone = |r: Result<(), kube::Error>, what: &str| match r {
-            Ok(()) => Ok(()),
-            Err(e) if is_not_found(&e) => Ok(()),
-            Err(e) => Err(classify(&format!("deleting the worker {what}"), e)),
-        };
-        gone(self.api::<Job>(vmm).delete(&name, &dp).await.map(drop), "Job")?;
-        gone(self.api::<Service>(vmm).delete(&name, &dp).await.map(drop), "Service")?;
-        gone(self.api::<Secret>(vmm).delete(&name, &dp).await.map(drop), "Secret")?;
-        gone(self.api::<PersistentVolumeClaim>(vmm).delete(&claim_name(vmm), &dp).await.map(drop), "claim")?;
-        let uid = uid_of(vmm);
+        let (name, uid) = (worker_name(vmm), uid_of(vmm));
+        teardown_one(&self.api::<Job>(vmm), &name, &uid, "worker Job").await?;
+        teardown_one(&self.api::<Service>(vmm), &name, &uid, "worker Service").await?;
+        teardown_one(&self.api::<Secret>(vmm), &name, &uid, "worker Secret").await?;
+        teardown_one(&self.api::<PersistentVolumeClaim>(vmm), &claim_name(vmm), &uid, "work claim").await?;
         self.known.lock().unwrap_or_else(|p| p.into_inner()).retain(|(u, _), _| *u != uid);
         Ok(())
+    }
+}
+
+/// Whether an object carries an owner reference to the migration `uid`.
+fn owned_by(meta: &kube::api::ObjectMeta, uid: &str) -> bool {
+    !uid.is_empty() && meta.owner_references.iter().flatten().any(|o| o.uid == uid)
+}
+
+/// Deletes `object` (by its uid: never another of the same name made since).
+async fn delete_owned<K>(api: &Api<K>, object: &K, what: &str) -> Result<(), Failure>
+where
+    K: kube::Resource + Clone + DeserializeOwned + std::fmt::Debug,
+{
+    let dp = DeleteParams {
+        propagation_policy: Some(PropagationPolicy::Background),
+        preconditions: Some(kube::api::Preconditions {
+            uid: object.meta().uid.clone(),
+            resource_version: None,
+        }),
+        ..Default::default()
+    };
+    match api.delete(&object.name_any(), &dp).await {
+        Ok(_) => Ok(()),
+        Err(e) if is_not_found(&e) => Ok(()),
+        // Gone and made again under the same name meanwhile: not this one.
+        Err(kube::Error::Api(s)) if s.code == 409 => Ok(()),
+        Err(e) => Err(classify(&format!("deleting the {what}"), e)),
+    }
+}
+
+/// Deletes `name` if it is the migration `uid`'s; leaves anyone else's.
+async fn teardown_one<K>(api: &Api<K>, name: &str, uid: &str, what: &str) -> Result<(), Failure>
+where
+    K: kube::Resource + Clone + DeserializeOwned + std::fmt::Debug,
+{
+    match api.get_opt(name).await.map_err(|e| classify(&format!("reading the {what}"), e))? {
+        Some(object) if owned_by(object.meta(), uid) => delete_owned(api, &object, what).await,
+        _ => Ok(()),
     }
 }
 
@@ -800,5 +847,20 @@ mod tests {
         }))
         .unwrap();
         assert!(cannot_start(&scheduling).is_none(), "waiting for room is not a failure");
+    }
+
+    #[test]
+    fn only_an_owner_reference_to_the_migrations_uid_makes_an_object_ours() {
+        let meta = |owners: Value| -> kube::api::ObjectMeta {
+            serde_json::from_value(json!({ "name": "web-vmm-work", "ownerReferences": owners })).unwrap()
+        };
+        let owner = |uid: &str| {
+            json!([{ "apiVersion": "migration.platform.example/v1alpha1", "kind": "VirtualMachineMigration",
+                     "name": "web", "uid": uid }])
+        };
+        assert!(owned_by(&meta(owner("u-1")), "u-1"));
+        assert!(!owned_by(&meta(owner("u-2")), "u-1"), "another migration's");
+        assert!(!owned_by(&meta(json!([])), "u-1"), "a user's own");
+        assert!(!owned_by(&meta(owner("")), ""), "no uid matches nothing");
     }
 }

@@ -184,3 +184,37 @@ async fn a_worker_pod_killed_mid_copy_resumes_in_a_new_pod_from_its_recorded_chu
     }
     m.assert_source_off_and_untouched();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_claim_of_the_workers_name_that_is_not_the_migrations_is_never_used_or_deleted() {
+    let m = Migration::with_worker_pods("e2e-worker-foreign").await;
+    // A user's own claim under the name the worker's would have.
+    let claims: Api<PersistentVolumeClaim> = Api::namespaced(m.client.clone(), &m.ns);
+    let theirs: PersistentVolumeClaim = serde_json::from_value(json!({
+        "metadata": { "name": format!("{VM}-vmm-work") },
+        "spec": { "accessModes": ["ReadWriteOnce"], "storageClassName": "local-path",
+                  "resources": { "requests": { "storage": "1Mi" } } },
+    }))
+    .unwrap();
+    let theirs = claims.create(&PostParams::default(), &theirs).await.unwrap();
+    m.create(|_| {}).await;
+
+    let vmm = m.wait_until_stopped(|v| phase_of(v) == Phase::ManualInterventionRequired).await;
+    let errors = vmm.status.clone().unwrap().errors;
+    let last = errors.last().expect("the reason is recorded");
+    assert_eq!(last.reason, "WorkerCannotStart", "{errors:?}");
+    assert!(last.message.contains("is not this migration's"), "{}", last.message);
+    let jobs = Api::<Job>::namespaced(m.client.clone(), &m.ns).list(&ListParams::default()).await.unwrap();
+    assert!(jobs.items.is_empty(), "no worker ran on someone else's claim");
+
+    // Deleting the migration cleans up what is its own and leaves the claim.
+    m.api.delete(VM, &Default::default()).await.unwrap();
+    let deadline = Instant::now() + WAIT;
+    while m.api.get_opt(VM).await.unwrap().is_some() {
+        assert!(Instant::now() < deadline, "the migration's finalizer never finished");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let still = claims.get(&format!("{VM}-vmm-work")).await.unwrap();
+    assert_eq!(still.uid(), theirs.uid(), "the user's claim is untouched");
+    assert!(still.metadata.deletion_timestamp.is_none());
+}
