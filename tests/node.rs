@@ -134,12 +134,15 @@ async fn pods_reach_the_api_server_and_other_pods_through_services() {
     // /dev/tcp from the release image: Debian's busybox-static resolves
     // even an address through glibc's NSS, which a static binary cannot load.
     let image = tokio::task::block_in_place(|| env.controller_image()).expect("release image");
+    // Each attempt within 3 s: until kube-proxy has written the Service's
+    // rules, a SYN to its ClusterIP goes nowhere and a bare connect would
+    // wait for the kernel's two minutes.
     let script = format!(
         "for i in $(seq 1 50); do \
-           out=$( (exec 3<>/dev/tcp/{cluster_ip}/80 && printf 'GET / HTTP/1.0\\r\\n\\r\\n' >&3 && cat <&3) 2>&1 ) \
+           out=$(timeout 3 bash -c 'exec 3<>/dev/tcp/{cluster_ip}/80 && printf \"GET / HTTP/1.0\\r\\n\\r\\n\" >&3 && cat <&3' 2>&1) \
              && [ -n \"$out\" ] && {{ echo \"$out\"; break; }}; \
            echo \"attempt $i: $out\"; sleep 0.2; done; \
-         (exec 4<>/dev/tcp/{api_ip}/443) && echo api-reachable"
+         timeout 10 bash -c 'exec 4<>/dev/tcp/{api_ip}/443' && echo api-reachable"
     );
     let mut client_job = job("client", &script, None);
     let container = &mut client_job.spec.as_mut().unwrap().template.spec.as_mut().unwrap().containers[0];
