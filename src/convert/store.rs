@@ -82,7 +82,8 @@ impl ArtifactStore {
         work_dir.join("staging")
     }
 
-    fn file_name(vmm: &VirtualMachineMigration, disk: usize) -> String {
+    /// `disk-<n>.<raw|qcow2>`: an artifact's file, and the name its credentials open.
+    pub(crate) fn file_name(vmm: &VirtualMachineMigration, disk: usize) -> String {
         format!("disk-{disk}.{}", vmm.spec.conversion.format.extension())
     }
 
@@ -406,8 +407,7 @@ impl Staging for ArtifactStore {
         vmm: &VirtualMachineMigration,
         disk: usize,
     ) -> Result<ImportAccess, Failure> {
-        let file = format!("disk-{disk}.{}", vmm.spec.conversion.format.extension());
-        Ok(self.settings.access.credential(&uid_of(vmm), &file))
+        Ok(self.settings.access.credential(&uid_of(vmm), &Self::file_name(vmm, disk)))
     }
 
     async fn remove_all(&self, vmm: &VirtualMachineMigration) -> Result<(), Failure> {

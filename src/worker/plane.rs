@@ -699,7 +699,7 @@ impl Staging for WorkerPlane {
         disk: usize,
     ) -> Result<ImportAccess, Failure> {
         let uid = uid_of(vmm);
-        let file = format!("disk-{disk}.{}", vmm.spec.conversion.format.extension());
+        let file = crate::convert::store::ArtifactStore::file_name(vmm, disk);
         Ok(self.access.for_migration(&uid).credential(&uid, &file))
     }
 
