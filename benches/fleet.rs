@@ -18,8 +18,14 @@
 //! controller's process (with the in-memory fleet: an upper bound of the
 //! controller's) and of the gitops loop (`vmmigrate gitops`, a
 //! process of its own as deployed), API requests per migration as the API
-//! server counted them, and commits on the status branch per coalescing
-//! window. Needs root and the cluster's build (as `cargo test` does).
+//! server counted them, the CPU time of the other processes (API server,
+//! etcd, the gitops loop), the size of a migration object, and commits on the
+//! status branch per coalescing window. Needs root and the cluster's build
+//! (as `cargo test` does).
+//!
+//! `VMMIGRATE_BENCH_PPROF=<file>` saves the API server's CPU profile over the
+//! first hand-off between waves (`go tool pprof -top <file>`);
+//! `VMMIGRATE_BENCH_DUMP=1` prints one Completed migration.
 
 // The tests use more of it than this benchmark does.
 #[allow(dead_code)]
@@ -108,6 +114,38 @@ fn process_usage() -> (f64, f64, f64) {
     (kib("VmHWM:") / 1024.0, kib("VmRSS:") / 1024.0, (ticks(11) + ticks(12)) / 100.0)
 }
 
+/// CPU seconds (utime + stime) of every living descendant of this process, by command name.
+fn descendants_cpu() -> std::collections::BTreeMap<String, f64> {
+    let mut procs: Vec<(u32, u32, String, f64)> = Vec::new();
+    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else { continue };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { continue };
+        let Some((head, rest)) = stat.rsplit_once(')') else { continue };
+        let comm = head.split_once('(').map(|(_, c)| c.to_owned()).unwrap_or_default();
+        let fields: Vec<&str> = rest.split_whitespace().collect();
+        let num = |i: usize| fields.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
+        // ppid is field 4, utime and stime 14 and 15; `fields` starts at field 3.
+        procs.push((pid, num(1) as u32, comm, (num(11) + num(12)) / 100.0));
+    }
+    let mut ours = std::collections::HashSet::from([std::process::id()]);
+    let mut grew = true;
+    while grew {
+        grew = false;
+        for (pid, ppid, _, _) in &procs {
+            if ours.contains(ppid) && ours.insert(*pid) {
+                grew = true;
+            }
+        }
+    }
+    let mut by_name = std::collections::BTreeMap::new();
+    for (pid, _, comm, cpu) in procs {
+        if pid != std::process::id() && ours.contains(&pid) {
+            *by_name.entry(comm).or_insert(0.0) += cpu;
+        }
+    }
+    by_name
+}
+
 fn main() {
     if std::env::var_os("RUST_LOG").is_some() {
         tracing_subscriber::fmt()
@@ -183,6 +221,7 @@ fn main() {
             .expect("vmmigrate gitops");
         let requests_before = api_requests(&client).await;
         let (_, _, cpu_before) = process_usage();
+        let others_before = descendants_cpu();
 
         // The merge.
         git(&work, &["add", "-A"]);
@@ -190,6 +229,24 @@ fn main() {
         let pushed = Instant::now();
         let pushed_at = pushed;
         git(&work, &["push", "-q", "origin", "main"]);
+        // VMMIGRATE_BENCH_PPROF=<file>: the API server's CPU profile over the first hand-off between waves.
+        if let Ok(out) = std::env::var("VMMIGRATE_BENCH_PPROF") {
+            let client = client.clone();
+            tokio::spawn(async move {
+                tokio::time::sleep(copy.saturating_sub(Duration::from_secs(2))).await;
+                let request = http::Request::get("/debug/pprof/profile?seconds=12").body(Vec::new()).unwrap();
+                match client.request_stream(request).await {
+                    Ok(body) => {
+                        use futures::AsyncReadExt;
+                        let mut bytes = Vec::new();
+                        let mut body = body;
+                        let _ = body.read_to_end(&mut bytes).await;
+                        let _ = std::fs::write(&out, bytes);
+                    }
+                    Err(e) => eprintln!("profile: {e}"),
+                }
+            });
+        }
 
         // Progress from the controller's own metrics: watching costs the API server nothing more.
         let mut looks = 0u64;
@@ -213,6 +270,7 @@ fn main() {
         }
         let total = pushed.elapsed();
         let (hwm, _, cpu_after) = process_usage();
+        let others_after = descendants_cpu();
         let gitops_hwm = std::fs::read_to_string(format!("/proc/{}/status", gitops.id()))
             .unwrap_or_default()
             .lines()
@@ -224,6 +282,12 @@ fn main() {
         let requests_after = api_requests(&client).await;
         let api: Api<VirtualMachineMigration> = Api::namespaced(client.clone(), &ns);
         let all = api.list(&ListParams::default()).await.expect("list").items;
+        let object_bytes = all.iter().map(|v| serde_json::to_vec(v).map_or(0, |b| b.len())).sum::<usize>() / all.len().max(1);
+        let status_bytes = all.iter().map(|v| serde_json::to_vec(&v.status).map_or(0, |b| b.len())).sum::<usize>() / all.len().max(1);
+        if std::env::var_os("VMMIGRATE_BENCH_DUMP").is_some() {
+            eprintln!("{}", serde_json::to_string_pretty(&all[0]).unwrap());
+        }
+        let managed_bytes = all.iter().map(|v| serde_json::to_vec(&v.metadata.managed_fields).map_or(0, |b| b.len())).sum::<usize>() / all.len().max(1);
         // Let the status branch catch up before counting its commits.
         tokio::time::sleep(Duration::from_secs(window + 3)).await;
         let status_commits: u64 = git(&bare, &["rev-list", "--count", "migration-status"]).parse().unwrap_or(0);
@@ -302,8 +366,16 @@ fn main() {
         println!("| peak RSS of the controller's process (controller + the in-memory fleet) | {hwm:.1} MiB |");
         println!("| peak RSS of the gitops loop (`vmmigrate gitops`, its own process) | {gitops_hwm:.1} MiB |");
         println!("| CPU time of that process during the run | {:.1} s ({:.0} % of one core) |", cpu_after - cpu_before, (cpu_after - cpu_before) / total.as_secs_f64() * 100.0);
+        let others: Vec<String> = others_after
+            .iter()
+            .map(|(name, cpu)| (name, cpu - others_before.get(name).copied().unwrap_or(0.0)))
+            .filter(|(_, cpu)| *cpu >= 0.5)
+            .map(|(name, cpu)| format!("{name} {cpu:.1} s"))
+            .collect();
+        println!("| CPU time of the other processes (API server, etcd, gitops loop) | {} |", others.join(", "));
         println!("| API requests on VirtualMachineMigrations per migration | {:.1} |", vmm_requests / vms as f64);
         println!("| the same by verb and subresource | {} |", by_verb.join(", "));
+        println!("| a Completed migration as JSON, mean | {object_bytes} bytes ({status_bytes} of status, {managed_bytes} of managedFields) |");
         println!("| API requests on Events per migration | {:.1} |", event_requests / vms as f64);
         println!(
             "| status-branch commits, from the push to one window after the end | {status_commits} in {windows:.0} windows of {window} s ({:.2} per window) |",

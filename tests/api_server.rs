@@ -1,5 +1,5 @@
 //! The VirtualMachineMigration CRD against a real kube-apiserver: the schema is
-//! structural and enforced, status goes through server-side apply on /status,
+//! structural and enforced, status goes through server-side apply and merge patches on /status,
 //! optimistic concurrency holds, and owner references cascade.
 
 use crate::support::{KubeEnv, test_namespace};
@@ -173,6 +173,36 @@ async fn update_with_a_stale_resource_version_is_a_conflict() {
     assert_eq!(resp.code, 409, "{resp:?}");
     assert_eq!(resp.reason, "Conflict");
     assert_eq!(api.get("web-01").await.unwrap().spec.strategy.retry_limit, 7);
+}
+
+/// The controller writes status as a merge patch of what changed, carrying the
+/// resourceVersion it read: a patch computed from a stale read is refused,
+/// and a member set to null is removed.
+#[tokio::test]
+async fn a_status_merge_patch_from_a_stale_read_is_a_conflict_and_null_removes_a_member() {
+    let (client, ns, api) = setup("merge").await;
+    let created = create_raw(&client, &ns, minimal_manifest("web-01")).await.unwrap();
+    let params = PatchParams { field_manager: Some(FIELD_MANAGER.into()), ..PatchParams::default() };
+    let first = json!({
+        "metadata": {"resourceVersion": created.resource_version()},
+        "status": {"phase": "Validated", "waiting": {"reason": "WaitingForWave", "message": "m", "since": "2026-11-29T10:00:00Z"}}
+    });
+    let written = api.patch_status("web-01", &params, &Patch::Merge(&first)).await.expect("first status");
+    assert!(written.status.as_ref().unwrap().waiting.is_some());
+    // Computed from `created` again: its resourceVersion is gone.
+    let stale = json!({"metadata": {"resourceVersion": created.resource_version()}, "status": {"phase": "Preparing"}});
+    let resp =
+        api_error(api.patch_status("web-01", &params, &Patch::Merge(&stale)).await.expect_err("stale"));
+    assert_eq!(resp.code, 409, "{resp:?}");
+    assert_eq!(api.get("web-01").await.unwrap().status.unwrap().phase, Phase::Validated);
+    let next = json!({
+        "metadata": {"resourceVersion": written.resource_version()},
+        "status": {"phase": "Preparing", "waiting": null}
+    });
+    let after = api.patch_status("web-01", &params, &Patch::Merge(&next)).await.expect("fresh status");
+    let status = after.status.unwrap();
+    assert_eq!(status.phase, Phase::Preparing);
+    assert!(status.waiting.is_none(), "null removes the member");
 }
 
 #[tokio::test]

@@ -1,7 +1,7 @@
 //! The kube-runtime glue: watch VirtualMachineMigrations (and the
 //! DataVolumes, VirtualMachines and VMIs they created), run one
-//! `engine::step` per reconcile, record the status with server-side apply on
-//! `/status`, publish Events, back off per object.
+//! `engine::step` per reconcile, record what changed of the status as a merge
+//! patch on `/status`, publish Events, back off per object.
 //!
 //! Migrations are watched untyped and converted per reconcile, so one object
 //! that does not deserialize is reported on itself and skipped instead of
@@ -436,8 +436,11 @@ async fn apply_step(
     Ok((action, next))
 }
 
-/// One status write per reconcile, skipped when nothing changed. The
-/// resourceVersion makes a write based on a stale read fail with 409.
+/// One status write per reconcile, skipped when nothing changed: a JSON merge
+/// patch of what changed since the status that was read (a removed field is
+/// `null`), so the API server decodes and merges the changes, not the whole
+/// status again. The resourceVersion makes a write based on a stale read
+/// fail with 409, so the patch always applies to the status it was computed from.
 /// Returns the object as written, `None` when nothing was.
 async fn record(
     api: &Api<VirtualMachineMigration>,
@@ -448,16 +451,60 @@ async fn record(
     if vmm.status.as_ref() == Some(status) {
         return Ok(None);
     }
+    let to_json =
+        |s: &VirtualMachineMigrationStatus| serde_json::to_value(s).unwrap_or(serde_json::Value::Null);
+    let before = vmm.status.as_ref().map(to_json).unwrap_or(serde_json::Value::Null);
     let patch = json!({
-        "apiVersion": "migration.platform.example/v1alpha1",
-        "kind": "VirtualMachineMigration",
-        "metadata": { "name": vmm.name_any(), "namespace": vmm.namespace(), "resourceVersion": resource_version },
-        "status": status,
+        "metadata": { "resourceVersion": resource_version },
+        "status": merge_patch(&before, &to_json(status)),
     });
-    api.patch_status(&vmm.name_any(), &PatchParams::apply(FIELD_MANAGER).force(), &Patch::Apply(&patch))
+    let params = PatchParams { field_manager: Some(FIELD_MANAGER.into()), ..PatchParams::default() };
+    api.patch_status(&vmm.name_any(), &params, &Patch::Merge(&patch))
         .await
         .map(Some)
         .map_err(|e| Error::Kube("writing status", e))
+}
+
+/// The RFC 7386 merge patch that turns `before` into `after`: changed members
+/// of objects recursively, `null` for a removed member, anything else whole.
+fn merge_patch(before: &serde_json::Value, after: &serde_json::Value) -> serde_json::Value {
+    use serde_json::Value;
+    match (before, after) {
+        (Value::Object(old), Value::Object(new)) => {
+            let mut patch = serde_json::Map::new();
+            for (key, value) in new {
+                match old.get(key) {
+                    Some(previous) if previous == value => {}
+                    Some(previous) if !value.is_null() => {
+                        patch.insert(key.clone(), merge_patch(previous, value));
+                    }
+                    // A null in `after` is an absent member; absent already needs nothing.
+                    None if value.is_null() => {}
+                    _ => {
+                        patch.insert(key.clone(), strip_nulls(value));
+                    }
+                }
+            }
+            for key in old.keys().filter(|k| !new.contains_key(*k)) {
+                patch.insert(key.clone(), Value::Null);
+            }
+            Value::Object(patch)
+        }
+        _ => strip_nulls(after),
+    }
+}
+
+/// A value set whole by a merge patch: its nulls would delete, not set, so
+/// members that are null are left out (an absent member reads the same).
+fn strip_nulls(value: &serde_json::Value) -> serde_json::Value {
+    use serde_json::Value;
+    match value {
+        Value::Object(map) => Value::Object(
+            map.iter().filter(|(_, v)| !v.is_null()).map(|(k, v)| (k.clone(), strip_nulls(v))).collect(),
+        ),
+        Value::Array(items) => Value::Array(items.iter().map(strip_nulls).collect()),
+        other => other.clone(),
+    }
 }
 
 async fn cleanup(vmm: &VirtualMachineMigration, ctx: &Context) -> Result<Action, Error> {
@@ -525,6 +572,57 @@ mod tests {
         assert_eq!(error_backoff(3, 1.0), Duration::from_secs(8));
         assert_eq!(error_backoff(3, 0.0), Duration::from_secs(4));
         assert_eq!(error_backoff(30, 1.0), MAX_ERROR_BACKOFF);
+    }
+
+    /// RFC 7386's apply, as the API server does it.
+    fn apply_merge_patch(target: &mut serde_json::Value, patch: &serde_json::Value) {
+        match patch {
+            serde_json::Value::Object(members) => {
+                if !target.is_object() {
+                    *target = json!({});
+                }
+                let map = target.as_object_mut().unwrap();
+                for (k, v) in members {
+                    if v.is_null() {
+                        map.remove(k);
+                    } else {
+                        apply_merge_patch(map.entry(k.clone()).or_insert(serde_json::Value::Null), v);
+                    }
+                }
+            }
+            other => *target = other.clone(),
+        }
+    }
+
+    #[test]
+    fn a_status_merge_patch_carries_only_changes_and_turns_the_old_status_into_the_new() {
+        let before = json!({
+            "phase": "Importing",
+            "waiting": {"reason": "WaitingForHostSlot", "message": "2nd for esx-01"},
+            "history": [{"phase": "Pending"}, {"phase": "Importing"}],
+            "copy": {"disks": [{"bytes": 1, "sha256": null}], "total": 10},
+            "same": {"deep": {"x": 1}},
+        });
+        let after = json!({
+            "phase": "CreatingVM",
+            "waiting": null,
+            "history": [{"phase": "Pending"}, {"phase": "Importing"}, {"phase": "CreatingVM", "note": null}],
+            "copy": {"disks": [{"bytes": 10, "sha256": "ab"}], "total": 10},
+            "same": {"deep": {"x": 1}},
+            "new": {"a": null, "b": 2},
+        });
+        let patch = merge_patch(&before, &after);
+        assert_eq!(patch["waiting"], serde_json::Value::Null, "a removed member is deleted");
+        assert!(patch.get("same").is_none(), "an unchanged member is not sent: {patch}");
+        assert!(patch["copy"].get("total").is_none(), "only what changed inside an object: {patch}");
+        assert_eq!(patch["new"], json!({"b": 2}), "a null inside a new member is left out");
+        let mut applied = before.clone();
+        apply_merge_patch(&mut applied, &patch);
+        assert_eq!(applied, strip_nulls(&after));
+        // From no status at all: the whole status without its nulls.
+        let mut from_nothing = serde_json::Value::Null;
+        apply_merge_patch(&mut from_nothing, &merge_patch(&serde_json::Value::Null, &after));
+        assert_eq!(from_nothing, strip_nulls(&after));
     }
 
     #[test]

@@ -117,10 +117,9 @@ pub fn holds_slot_in(status: &VirtualMachineMigrationStatus) -> bool {
     }
 }
 
-/// One wave's migrations that are not Completed, and those of them that need a person.
+/// A wave with migrations that are not Completed: those of them that need a person.
 #[derive(Clone, Debug, Default)]
 struct WaveState {
-    open: Vec<String>,
     held: Vec<String>,
 }
 
@@ -140,7 +139,6 @@ impl WaveIndex {
             let Some((plan, number)) = &m.wave else { continue };
             let wave =
                 plans.entry((m.namespace.clone(), plan.clone())).or_default().entry(*number).or_default();
-            wave.open.push(m.name.clone());
             if matches!(m.phase, Phase::Failed | Phase::ManualInterventionRequired) {
                 wave.held.push(format!("{} ({})", m.name, m.phase));
             }
@@ -166,15 +164,12 @@ impl WaveIndex {
                 ),
             ));
         }
-        let mut names: Vec<String> = earlier.iter().flat_map(|(_, w)| w.open.iter().cloned()).collect();
-        names.sort();
+        // Names the earliest open wave only: the message stays the same while
+        // that wave drains, so a waiting migration's status is not rewritten
+        // at every completion in it (STATUS.md shows each one's phase).
         Some(Wait::new(
             Reason::WaitingForWave,
-            format!(
-                "plan {plan:?} wave {number} waits for wave {first}: {} not Completed yet: {}",
-                names.len(),
-                list(&names)
-            ),
+            format!("plan {plan:?} wave {number} waits for every migration of wave {first} to complete"),
         ))
     }
 }

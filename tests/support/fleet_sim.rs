@@ -242,6 +242,15 @@ impl DiskStore for FleetSim {
             end: now + self.copy_time,
         };
         state.reads.push(read);
+        // The disk store wakes the migration when a copy ends; so does the fleet.
+        if let Some(wake) = self.wake.get().cloned() {
+            let (namespace, name, copy_time) =
+                (vmm.namespace().unwrap_or_default(), vmm.name_any(), self.copy_time);
+            tokio::spawn(async move {
+                tokio::time::sleep(copy_time).await;
+                wake(&namespace, &name);
+            });
+        }
         Ok(())
     }
 
