@@ -420,3 +420,95 @@ fn parallel_vim_cmd_calls_are_serialised_and_all_logged() {
     assert_eq!(emu.power_off_transitions("1"), 1);
     assert_eq!(emu.vm_power("1"), "off");
 }
+
+/// sha256 (hex) of the disk `qemu-img` reads through `descriptor` (its whole chain), as raw.
+fn chain_sha256(descriptor: &std::path::Path) -> String {
+    let out = tempfile::NamedTempFile::new().unwrap();
+    let status = Command::new("qemu-img")
+        .args(["convert", "-f", "vmdk", "-O", "raw"])
+        .arg(descriptor)
+        .arg(out.path())
+        .status()
+        .expect("qemu-img");
+    assert!(status.success(), "qemu-img convert {}", descriptor.display());
+    file_sha256(out.path())
+}
+
+fn file_sha256(path: &std::path::Path) -> String {
+    use sha2::Digest;
+    let mut hasher = sha2::Sha256::new();
+    let mut file = std::fs::File::open(path).unwrap();
+    std::io::copy(&mut file, &mut hasher).unwrap();
+    hasher.finalize().iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn wait_for_guest_blocks(emu: &EsxiEmulator, at_least: u64) {
+    vmmigrate_harness::process::wait_until(std::time::Duration::from_secs(30), "guest writes", || {
+        Ok(emu.guest_blocks_written() >= at_least)
+    })
+    .unwrap();
+}
+
+/// A snapshot freezes the base while the running guest writes to the delta,
+/// in the format each VMFS version writes; the real `qemu-img` reads the
+/// chain; removing the snapshot consolidates the delta into the base with
+/// exactly the bytes `qemu-img` read.
+#[test]
+fn a_snapshot_freezes_the_base_qemu_img_reads_the_delta_chain_and_removal_consolidates_it() {
+    use crate::support::esxi_snapshots::GuestWrites;
+    use crate::support::vmdk_delta::DeltaFormat;
+    for (format, suffix) in [(DeltaFormat::SeSparse, "-sesparse.vmdk"), (DeltaFormat::VmfsSparse, "-delta.vmdk")] {
+        let emu = own(EsxiOptions { pair_disk_mib: Some((8, 4)), snapshot_format: format, ..Default::default() });
+        let writer = emu.start_guest_writes("12", GuestWrites { blocks_per_second: 2000, seed: 7 });
+        wait_for_guest_blocks(&emu, 50);
+        let created = run(&emu, "vim-cmd vmsvc/snapshot.create 12 vmmigrate-pair 'warm copy' 0 1");
+        assert_eq!(created, "Create Snapshot:\n", "{format:?}");
+        let bases: Vec<String> = emu.disk_files("12").iter().map(|d| file_sha256(&d.1)).collect();
+        let at_snapshot = emu.guest_blocks_written();
+        wait_for_guest_blocks(&emu, at_snapshot + 200);
+        // The base extents are frozen while the guest goes on writing.
+        let after: Vec<String> = emu.disk_files("12").iter().map(|d| file_sha256(&d.1)).collect();
+        assert_eq!(after, bases, "{format:?}: the base changed under a snapshot");
+        let vmx = run(&emu, "cat /vmfs/volumes/datastore1/pair/pair.vmx");
+        assert!(vmx.contains("scsi0:0.fileName = \"pair-000001.vmdk\""), "{vmx}");
+        assert!(vmx.contains("scsi0:1.fileName = \"pair_1-000001.vmdk\""), "{vmx}");
+        let descriptor = run(&emu, "cat /vmfs/volumes/datastore1/pair/pair-000001.vmdk");
+        assert!(descriptor.contains(&format!("\"pair-000001{suffix}\"")), "{descriptor}");
+        assert!(descriptor.contains("parentFileNameHint=\"pair.vmdk\""), "{descriptor}");
+        let listed = run(&emu, "vim-cmd vmsvc/snapshot.get 12");
+        assert!(listed.contains("--Snapshot Name        : vmmigrate-pair"), "{listed}");
+        assert!(listed.contains("--Snapshot State       : powered on"), "{listed}");
+        let id = listed
+            .lines()
+            .find_map(|l| l.strip_prefix("--Snapshot Id        : "))
+            .expect("snapshot id")
+            .trim()
+            .to_owned();
+
+        // The guest stops with the VM: what it wrote is now fixed.
+        emu.set_power("12", false);
+        drop(writer);
+        let tops = emu.disk_tops("12");
+        let through_qemu: Vec<String> = tops.iter().map(|t| chain_sha256(t)).collect();
+        assert_ne!(through_qemu, bases, "{format:?}: the delta holds the guest's writes");
+        let deltas = emu.delta_files("12");
+        assert!(deltas.iter().all(|d| d.len() == 1 && d[0].to_string_lossy().ends_with(suffix)), "{deltas:?}");
+
+        let removed = run(&emu, &format!("vim-cmd vmsvc/snapshot.remove 12 {id}"));
+        assert_eq!(removed, "Remove Snapshot:\n");
+        let consolidated: Vec<String> = emu.disk_files("12").iter().map(|d| file_sha256(&d.1)).collect();
+        assert_eq!(consolidated, through_qemu, "{format:?}: consolidation wrote what qemu-img read");
+        assert_eq!(run(&emu, "vim-cmd vmsvc/snapshot.get 12"), "Get Snapshot:\n");
+        let vmx = run(&emu, "cat /vmfs/volumes/datastore1/pair/pair.vmx");
+        assert!(vmx.contains("scsi0:0.fileName = \"pair.vmdk\""), "{vmx}");
+        assert!(deltas.iter().flatten().all(|d| !d.exists()), "the deltas are gone");
+    }
+}
+
+#[test]
+fn snapshot_remove_of_an_unknown_snapshot_is_a_fault() {
+    let emu = own(EsxiOptions { pair_disk_mib: Some((1, 1)), ..Default::default() });
+    let out = ssh(&emu, "vim-cmd vmsvc/snapshot.remove 12 42");
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stdout).contains("snapshot 42 does not exist"), "{out:?}");
+}

@@ -5,7 +5,9 @@
 pub mod fleet_sim;
 pub mod sim;
 
-pub use vmmigrate_harness::{KubeEnv, esxi_emulator, fake_forge, git_http, kubevirt_sim, netns, setup};
+pub use vmmigrate_harness::{
+    KubeEnv, esxi_emulator, esxi_snapshots, fake_forge, git_http, kubevirt_sim, netns, setup, vmdk_delta,
+};
 
 /// A namespace unique to one test, created in the cluster.
 pub async fn test_namespace(client: &kube::Client, prefix: &str) -> String {

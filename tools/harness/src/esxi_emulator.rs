@@ -69,6 +69,12 @@ const APPLETS: &[&str] = &[
 pub struct EsxiOptions {
     /// Adds VM 7 `big` with one disk of this size.
     pub big_disk_mib: Option<u64>,
+    /// The delta format of snapshots taken on this host: seSparse (VMFS6,
+    /// the default of ESXi 8) or vmfsSparse (VMFS5).
+    pub snapshot_format: crate::vmdk_delta::DeltaFormat,
+    /// Adds VM 12 `pair`, powered on with Tools running, with two thick
+    /// disks of these sizes (scsi0:0 and scsi0:1).
+    pub pair_disk_mib: Option<(u64, u64)>,
     /// Whether the shell has `sha256sum`.
     pub with_sha256sum: bool,
     /// An address sshd listens on besides 127.0.0.1, on the same port: the
@@ -95,7 +101,15 @@ pub const GUEST_VMS: [(&str, &str); 4] =
 
 impl Default for EsxiOptions {
     fn default() -> Self {
-        EsxiOptions { big_disk_mib: None, with_sha256sum: true, also_listen: None, fleet: None, guests: None }
+        EsxiOptions {
+            big_disk_mib: None,
+            snapshot_format: crate::vmdk_delta::DeltaFormat::SeSparse,
+            pair_disk_mib: None,
+            with_sha256sum: true,
+            also_listen: None,
+            fleet: None,
+            guests: None,
+        }
     }
 }
 
@@ -138,6 +152,22 @@ pub struct EsxiEmulator {
     uid: u32,
     gid: u32,
     also_listen: Option<std::net::Ipv4Addr>,
+    snapshots: std::sync::Arc<crate::esxi_snapshots::Engine>,
+}
+
+/// A running guest's writer ([`EsxiEmulator::start_guest_writes`]); dropping it stops the writes.
+pub struct GuestWriter {
+    running: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Drop for GuestWriter {
+    fn drop(&mut self) {
+        self.running.store(false, std::sync::atomic::Ordering::Relaxed);
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
 }
 
 struct SshdState {
@@ -175,6 +205,29 @@ impl EsxiEmulator {
         build_chroot(&root, uid, gid, &opts)?;
         let disks = build_datastore(&root, &vms)?;
         write_state(&root, uid, gid, &vms, &disks)?;
+        let store = root.join("vmfs/volumes").join(DATASTORE_UUID);
+        let engine_vms = vms
+            .iter()
+            .filter(|vm| !vm.snapshot)
+            .map(|vm| {
+                let n: u32 = vm.id.parse().expect("numeric vmid");
+                let files = &disks[vm.id];
+                let list = vm
+                    .disks
+                    .iter()
+                    .enumerate()
+                    .map(|(i, d)| {
+                        let cid = 0x3c5a_0000 | (n << 8) | i as u32;
+                        (d.node.to_owned(), d.file.clone(), files[i].1.clone(), files[i].3 / 512, cid)
+                    })
+                    .collect();
+                let vm_state =
+                    crate::esxi_snapshots::Vm::new(store.join(&vm.dir), format!("{}.vmx", vm.dir), list);
+                (vm.id.to_owned(), vm_state)
+            })
+            .collect();
+        let snapshots =
+            crate::esxi_snapshots::Engine::start(root.join("var/lib/esxi-emu"), opts.snapshot_format, engine_vms);
 
         let mut emulator = EsxiEmulator {
             port: 0,
@@ -197,6 +250,7 @@ impl EsxiEmulator {
             uid,
             gid,
             also_listen: opts.also_listen,
+            snapshots,
         };
         // A free port can be taken by someone else before sshd binds it: retry.
         let mut last_err = None;
@@ -392,6 +446,31 @@ impl EsxiEmulator {
         }
     }
 
+    /// Starts a guest on `vmid` that writes to its disks while the VM is
+    /// powered on (into the top of each disk's chain: the delta once a
+    /// snapshot exists). Stops when the returned writer is dropped.
+    pub fn start_guest_writes(&self, vmid: &str, writes: crate::esxi_snapshots::GuestWrites) -> GuestWriter {
+        let running = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
+        let thread = self.snapshots.start_guest(vmid, writes, running.clone());
+        GuestWriter { running, thread: Some(thread) }
+    }
+
+    /// Blocks written by guest writers so far, all VMs.
+    pub fn guest_blocks_written(&self) -> u64 {
+        self.snapshots.guest_blocks.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// The top descriptor of each disk of `vmid` (host paths): `qemu-img`
+    /// opens it as the VM's disk as it is now (its whole snapshot chain).
+    pub fn disk_tops(&self, vmid: &str) -> Vec<PathBuf> {
+        self.snapshots.tops(vmid)
+    }
+
+    /// The delta extents of each disk of `vmid` (host paths), lowest first.
+    pub fn delta_files(&self, vmid: &str) -> Vec<Vec<PathBuf>> {
+        self.snapshots.delta_files(vmid)
+    }
+
     pub fn set_tools_running(&self, vmid: &str, running: bool) {
         self.vm_dir(vmid);
         self.put_state(&format!("vms/{vmid}/tools"), if running { "running" } else { "notrunning" });
@@ -493,6 +572,7 @@ impl EsxiEmulator {
 
 impl Drop for EsxiEmulator {
     fn drop(&mut self) {
+        self.snapshots.stop();
         // Stop and reap sshd here: the janitor would otherwise see the
         // unreaped (zombie) process as alive and wait five seconds for it.
         let name = std::mem::take(&mut self.sshd.get_mut().unwrap_or_else(|p| p.into_inner()).name);
@@ -1054,6 +1134,17 @@ fn vm_specs(opts: &EsxiOptions) -> Vec<VmSpec> {
         static HOSTS: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
         let host = HOSTS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         vms.extend((1..=n).map(|i| fleet_vm(host, i, mib)));
+    }
+    if let Some((first, second)) = opts.pair_disk_mib {
+        let mut pair = fleet_vm(0, 0, first);
+        pair.id = "12";
+        pair.name = "pair".into();
+        pair.dir = "pair".into();
+        pair.hostname = "pair";
+        pair.uuid_tail = None;
+        pair.disks = vec![disk("scsi0:0", "pair.vmdk", first, "lsilogic"), disk("scsi0:1", "pair_1.vmdk", second, "lsilogic")];
+        pair.nics[0].mac = "00:0c:29:aa:bb:0c";
+        vms.push(pair);
     }
     if let Some(mib) = opts.big_disk_mib {
         vms.push(VmSpec {

@@ -12,6 +12,7 @@
 pub mod cdi;
 pub mod deploy;
 pub mod esxi_emulator;
+pub mod esxi_snapshots;
 pub mod fake_forge;
 pub mod git_daemon;
 pub mod git_http;
@@ -23,6 +24,7 @@ pub mod node;
 pub mod process;
 pub mod setup;
 pub mod tls;
+pub mod vmdk_delta;
 
 pub use kube_env::KubeEnv;
 
