@@ -152,8 +152,9 @@ fn main() {
     let repeat: usize =
         std::env::var("VMMIGRATE_BENCH_REPEAT").ok().and_then(|v| v.parse().ok()).unwrap_or(3).max(1);
     let cluster = KubeEnv::shared();
-    let emu = EsxiEmulator::start(EsxiOptions { pair_disk_mib: Some((sizes[0], sizes[1])), ..Default::default() })
-        .expect("ESXi emulator");
+    let emu =
+        EsxiEmulator::start(EsxiOptions { pair_disk_mib: Some((sizes[0], sizes[1])), ..Default::default() })
+            .expect("ESXi emulator");
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
     let mut rows = Vec::new();
     runtime.block_on(async {
@@ -167,7 +168,9 @@ fn main() {
     });
     let mib = sizes[0] + sizes[1];
     println!("\ncold data path: VM `pair`, two disks of {} + {} MiB ({mib} MiB)", sizes[0], sizes[1]);
-    println!("| run | Preparing → Importing | of it: Preparing (copies) | Converting (artifacts, staging) | bare `ssh cat` of both | ratio |");
+    println!(
+        "| run | Preparing → Importing | of it: Preparing (copies) | Converting (artifacts, staging) | bare `ssh cat` of both | ratio |"
+    );
     println!("|---|---:|---:|---:|---:|---:|");
     for (run, path, copy, convert, cat) in &rows {
         println!("| {run} | {path:.2} s | {copy:.2} s | {convert:.2} s | {cat:.2} s | {:.2}× |", path / cat);

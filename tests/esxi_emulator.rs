@@ -457,8 +457,11 @@ fn wait_for_guest_blocks(emu: &EsxiEmulator, at_least: u64) {
 fn a_snapshot_freezes_the_base_qemu_img_reads_the_delta_chain_and_removal_consolidates_it() {
     use crate::support::esxi_snapshots::GuestWrites;
     use crate::support::vmdk_delta::DeltaFormat;
-    for (format, suffix) in [(DeltaFormat::SeSparse, "-sesparse.vmdk"), (DeltaFormat::VmfsSparse, "-delta.vmdk")] {
-        let emu = own(EsxiOptions { pair_disk_mib: Some((8, 4)), snapshot_format: format, ..Default::default() });
+    for (format, suffix) in
+        [(DeltaFormat::SeSparse, "-sesparse.vmdk"), (DeltaFormat::VmfsSparse, "-delta.vmdk")]
+    {
+        let emu =
+            own(EsxiOptions { pair_disk_mib: Some((8, 4)), snapshot_format: format, ..Default::default() });
         let writer = emu.start_guest_writes("12", GuestWrites { blocks_per_second: 2000, seed: 7 });
         wait_for_guest_blocks(&emu, 50);
         let created = run(&emu, "vim-cmd vmsvc/snapshot.create 12 vmmigrate-pair 'warm copy' 0 1");
@@ -492,7 +495,10 @@ fn a_snapshot_freezes_the_base_qemu_img_reads_the_delta_chain_and_removal_consol
         let through_qemu: Vec<String> = tops.iter().map(|t| chain_sha256(t)).collect();
         assert_ne!(through_qemu, bases, "{format:?}: the delta holds the guest's writes");
         let deltas = emu.delta_files("12");
-        assert!(deltas.iter().all(|d| d.len() == 1 && d[0].to_string_lossy().ends_with(suffix)), "{deltas:?}");
+        assert!(
+            deltas.iter().all(|d| d.len() == 1 && d[0].to_string_lossy().ends_with(suffix)),
+            "{deltas:?}"
+        );
 
         let removed = run(&emu, &format!("vim-cmd vmsvc/snapshot.remove 12 {id}"));
         assert_eq!(removed, "Remove Snapshot:\n");

@@ -226,8 +226,11 @@ impl EsxiEmulator {
                 (vm.id.to_owned(), vm_state)
             })
             .collect();
-        let snapshots =
-            crate::esxi_snapshots::Engine::start(root.join("var/lib/esxi-emu"), opts.snapshot_format, engine_vms);
+        let snapshots = crate::esxi_snapshots::Engine::start(
+            root.join("var/lib/esxi-emu"),
+            opts.snapshot_format,
+            engine_vms,
+        );
 
         let mut emulator = EsxiEmulator {
             port: 0,
@@ -1142,7 +1145,10 @@ fn vm_specs(opts: &EsxiOptions) -> Vec<VmSpec> {
         pair.dir = "pair".into();
         pair.hostname = "pair";
         pair.uuid_tail = None;
-        pair.disks = vec![disk("scsi0:0", "pair.vmdk", first, "lsilogic"), disk("scsi0:1", "pair_1.vmdk", second, "lsilogic")];
+        pair.disks = vec![
+            disk("scsi0:0", "pair.vmdk", first, "lsilogic"),
+            disk("scsi0:1", "pair_1.vmdk", second, "lsilogic"),
+        ];
         pair.nics[0].mac = "00:0c:29:aa:bb:0c";
         vms.push(pair);
     }

@@ -174,10 +174,18 @@ impl Engine {
     }
 
     fn tools_running(&self, vmid: &str) -> bool {
-        fs::read_to_string(self.state.join("vms").join(vmid).join("tools")).is_ok_and(|p| p.trim() == "running")
+        fs::read_to_string(self.state.join("vms").join(vmid).join("tools"))
+            .is_ok_and(|p| p.trim() == "running")
     }
 
-    fn create(&self, vmid: &str, name: &str, description: &str, memory: bool, quiesce: bool) -> anyhow::Result<()> {
+    fn create(
+        &self,
+        vmid: &str,
+        name: &str,
+        description: &str,
+        memory: bool,
+        quiesce: bool,
+    ) -> anyhow::Result<()> {
         let powered_on = self.power_on(vmid);
         if quiesce && powered_on && !self.tools_running(vmid) {
             bail!("Cannot quiesce: VMware Tools is not running in this virtual machine");
@@ -194,7 +202,8 @@ impl Engine {
             let cid = 0x5e00_0000 | (id << 8) | d as u32;
             let data = vm.dir.join(format!("{stem}{}", self.format.suffix()));
             let delta = Delta::create(&data, self.format, disk.sectors)?;
-            let text = vmdk_delta::descriptor(self.format, &stem, &parent.descriptor, disk.sectors, cid, parent.cid);
+            let text =
+                vmdk_delta::descriptor(self.format, &stem, &parent.descriptor, disk.sectors, cid, parent.cid);
             fs::write(vm.dir.join(format!("{stem}.vmdk")), text)?;
             disk.chain.push(Level { descriptor: format!("{stem}.vmdk"), cid, delta: Some(delta) });
         }
@@ -288,7 +297,8 @@ impl Engine {
         let mut tree = String::new();
         for (depth, s) in vm.snapshots.iter().enumerate() {
             let dashes = "--".repeat(depth + 1);
-            let label = if depth == 0 { "|-ROOT".to_owned() } else { format!("{}|-CHILD", "--".repeat(depth)) };
+            let label =
+                if depth == 0 { "|-ROOT".to_owned() } else { format!("{}|-CHILD", "--".repeat(depth)) };
             tree.push_str(&format!(
                 "{label}\n{dashes}Snapshot Name        : {}\n{dashes}Snapshot Id        : {}\n\
                  {dashes}Snapshot Desciption  : {}\n{dashes}Snapshot Created On  : {}\n\
@@ -308,7 +318,10 @@ impl Engine {
         }
         let mut vmsd = String::from(".encoding = \"UTF-8\"\n");
         if let Some(last) = vm.snapshots.last() {
-            vmsd.push_str(&format!("snapshot.lastUID = \"{}\"\nsnapshot.current = \"{}\"\n", last.id, last.id));
+            vmsd.push_str(&format!(
+                "snapshot.lastUID = \"{}\"\nsnapshot.current = \"{}\"\n",
+                last.id, last.id
+            ));
         }
         for (i, s) in vm.snapshots.iter().enumerate() {
             vmsd.push_str(&format!(
@@ -372,7 +385,9 @@ impl Engine {
                 if engine.power_on(&vmid) {
                     let sizes: Vec<u64> = {
                         let vms = engine.vms.lock().unwrap_or_else(|e| e.into_inner());
-                        vms.get(&vmid).map(|vm| vm.disks.iter().map(|d| d.sectors * 512).collect()).unwrap_or_default()
+                        vms.get(&vmid)
+                            .map(|vm| vm.disks.iter().map(|d| d.sectors * 512).collect())
+                            .unwrap_or_default()
                     };
                     if sizes.is_empty() {
                         break;
@@ -405,7 +420,9 @@ impl Engine {
     pub(crate) fn tops(&self, vmid: &str) -> Vec<PathBuf> {
         let vms = self.vms.lock().unwrap_or_else(|e| e.into_inner());
         vms.get(vmid)
-            .map(|vm| vm.disks.iter().map(|d| vm.dir.join(&d.chain.last().expect("a base").descriptor)).collect())
+            .map(|vm| {
+                vm.disks.iter().map(|d| vm.dir.join(&d.chain.last().expect("a base").descriptor)).collect()
+            })
             .unwrap_or_default()
     }
 

@@ -74,7 +74,14 @@ impl DeltaFormat {
 
 /// The descriptor of a delta on top of `parent` (the parent's descriptor
 /// file name, relative to the VM directory) whose CID is `parent_cid`.
-pub fn descriptor(format: DeltaFormat, stem: &str, parent: &str, sectors: u64, cid: u32, parent_cid: u32) -> String {
+pub fn descriptor(
+    format: DeltaFormat,
+    stem: &str,
+    parent: &str,
+    sectors: u64,
+    cid: u32,
+    parent_cid: u32,
+) -> String {
     format!(
         "# Disk DescriptorFile\nversion=1\nencoding=\"UTF-8\"\nCID={cid:08x}\nparentCID={parent_cid:08x}\n\
          createType=\"{}\"\nparentFileNameHint=\"{parent}\"\n\n# Extent description\nRW {sectors} {} \"{stem}{}\"\n\n\
@@ -199,7 +206,11 @@ impl Delta {
 
     /// Opens a delta this module wrote.
     pub fn open(path: &Path, format: DeltaFormat) -> anyhow::Result<Delta> {
-        let file = OpenOptions::new().read(true).write(true).open(path).with_context(|| path.display().to_string())?;
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(path)
+            .with_context(|| path.display().to_string())?;
         let mut header = [0u8; SECTOR as usize];
         file.read_exact_at(&mut header, 0)?;
         let u32_at = |i: usize| u32::from_le_bytes(header[i..i + 4].try_into().unwrap()) as u64;
@@ -216,7 +227,14 @@ impl Delta {
             }
             DeltaFormat::SeSparse => {
                 ensure!(u64_at(0) == SE_CONST_MAGIC, "{} is not a seSparse extent", path.display());
-                Delta { file, format, capacity_sectors: u64_at(16), tables: u64_at(144), grains: u64_at(192), allocated: 0 }
+                Delta {
+                    file,
+                    format,
+                    capacity_sectors: u64_at(16),
+                    tables: u64_at(144),
+                    grains: u64_at(192),
+                    allocated: 0,
+                }
             }
         };
         delta.allocated = delta.mapped().len() as u64;
@@ -267,7 +285,10 @@ impl Delta {
     /// (`offset` and the length are multiples of the grain size).
     pub fn write(&mut self, offset: u64, data: &[u8]) -> anyhow::Result<()> {
         let grain = self.format.grain_bytes();
-        ensure!(offset % grain == 0 && data.len() as u64 % grain == 0, "writes are whole grains");
+        ensure!(
+            offset.is_multiple_of(grain) && (data.len() as u64).is_multiple_of(grain),
+            "writes are whole grains"
+        );
         ensure!(offset + data.len() as u64 <= self.capacity_bytes(), "write past the end of the disk");
         for (i, chunk) in data.chunks(grain as usize).enumerate() {
             let index = offset / grain + i as u64;
@@ -308,7 +329,9 @@ impl Delta {
     /// Reads the grain at byte `disk_at` of the disk (written here) into `buf` (one grain).
     pub fn read_disk(&self, disk_at: u64, buf: &mut [u8]) -> anyhow::Result<()> {
         let grain = self.format.grain_bytes();
-        let at = self.lookup(disk_at / grain)?.with_context(|| format!("grain at {disk_at} is not in this delta"))?;
+        let at = self
+            .lookup(disk_at / grain)?
+            .with_context(|| format!("grain at {disk_at} is not in this delta"))?;
         self.file.read_exact_at(buf, at)?;
         Ok(())
     }
@@ -323,7 +346,8 @@ impl Delta {
         }
         (0..grains)
             .filter_map(|index| {
-                let e = &table[(index * self.entry_bytes()) as usize..((index + 1) * self.entry_bytes()) as usize];
+                let e = &table
+                    [(index * self.entry_bytes()) as usize..((index + 1) * self.entry_bytes()) as usize];
                 let at = match self.format {
                     DeltaFormat::VmfsSparse => {
                         let sector = u32::from_le_bytes(e.try_into().unwrap()) as u64;
