@@ -7,7 +7,8 @@
 //! state confirmed, both disks copied over SSH with sha256 and checked
 //! against the host's `sha256sum`, the raw artifacts made and staged) is
 //! put beside one bare `ssh host cat` of the same two extents to
-//! `/dev/null`.
+//! `/dev/null`. Each copy must still be verified by the host's own sha256
+//! (`openssl dgst` on the emulated host, as on ESXi), or the run fails.
 //!
 //!   cargo bench --bench cold_path                 # 640 + 384 MiB, 3 runs
 //!   VMMIGRATE_BENCH_MIB=96,32 VMMIGRATE_BENCH_REPEAT=1 cargo bench --bench cold_path
@@ -129,7 +130,15 @@ async fn migrate(client: &kube::Client, emu: &EsxiEmulator, run: usize) -> (f64,
             Phase::Converting => {
                 converting.get_or_insert(at);
             }
-            Phase::Importing => break at,
+            Phase::Importing => {
+                // The end-to-end checksum held: the host hashed each disk itself.
+                assert!(
+                    status.disks.iter().all(|d| d.source_verified_remotely == Some(true)),
+                    "every copy verified by the host's own sha256: {:?}",
+                    status.disks
+                );
+                break at;
+            }
             Phase::Failed | Phase::ManualInterventionRequired | Phase::Retryable => {
                 panic!("the migration stopped in {}: {:#?}", status.phase, status.conditions)
             }

@@ -198,9 +198,18 @@ fn shell_is_busybox_ash_without_bash_tr_python_or_md5sum() {
 }
 
 #[test]
-fn sha256sum_is_absent_when_disabled() {
-    let emu = own(EsxiOptions { with_sha256sum: false, ..Default::default() });
+fn sha256sum_and_openssl_are_absent_when_disabled() {
+    let emu = own(EsxiOptions { with_sha256sum: false, with_openssl: false, ..Default::default() });
     assert_eq!(run(&emu, "command -v sha256sum || echo none"), "none\n");
+    assert_eq!(run(&emu, "command -v openssl || echo none"), "none\n");
+}
+
+#[test]
+fn openssl_hashes_a_disk_as_announced() {
+    let emu = shared();
+    let (path, _, sha, _) = emu.disk_files("1").remove(0);
+    let out = run(emu, &format!("openssl dgst -sha256 -r {}", sq(&path)));
+    assert_eq!(out.split_whitespace().next(), Some(sha.as_str()), "{out}");
 }
 
 #[test]

@@ -132,6 +132,7 @@ impl Context {
         let reporter = Reporter { controller: FIELD_MANAGER.into(), instance: Some(config.instance.clone()) };
         let (fleet, woken) = Fleet::new(config.limits.clone(), migration_resource());
         adapters.disks.notify_on_finish(fleet.waker());
+        adapters.converter.notify_on_finish(fleet.waker());
         let ctx = Context {
             fleet,
             recorder: Recorder::new(client.clone(), reporter),

@@ -51,6 +51,9 @@ pub(crate) struct StoreSettings {
 struct LocalTask {
     progress: Arc<AtomicU64>,
     total: u64,
+    /// Set when the work is done, before the migration is woken (the
+    /// handle may not read finished yet when the woken reconcile looks).
+    ended: Arc<std::sync::atomic::AtomicBool>,
     handle: tokio::task::JoinHandle<Result<artifact::Marker, produce::ConvertError>>,
 }
 
@@ -60,6 +63,8 @@ pub(crate) struct ArtifactStore {
     client: Option<Client>,
     permits: Arc<Semaphore>,
     tasks: Mutex<HashMap<(String, usize), LocalTask>>,
+    /// Told when a local conversion ends.
+    wake: std::sync::OnceLock<crate::ports::Wake>,
 }
 
 fn uid_of(vmm: &VirtualMachineMigration) -> String {
@@ -74,7 +79,13 @@ impl ArtifactStore {
     /// `client` is needed for the `job` runner only.
     pub(crate) fn new(settings: StoreSettings, client: Option<Client>) -> ArtifactStore {
         let permits = Arc::new(Semaphore::new(settings.local_concurrency.max(1)));
-        ArtifactStore { settings, client, permits, tasks: Mutex::new(HashMap::new()) }
+        ArtifactStore {
+            settings,
+            client,
+            permits,
+            tasks: Mutex::new(HashMap::new()),
+            wake: std::sync::OnceLock::new(),
+        }
     }
 
     /// `<work>/staging`: the root the staging server serves.
@@ -257,12 +268,16 @@ impl Drop for ArtifactStore {
 
 #[async_trait]
 impl Converter for ArtifactStore {
+    fn notify_on_finish(&self, wake: crate::ports::Wake) {
+        let _ = self.wake.set(wake);
+    }
+
     async fn artifact_state(&self, vmm: &VirtualMachineMigration, disk: usize) -> ArtifactState {
         let key = (uid_of(vmm), disk);
         let finished = {
             let mut tasks = self.lock_tasks();
             match tasks.get(&key) {
-                Some(task) if !task.handle.is_finished() => {
+                Some(task) if !task.handle.is_finished() && !task.ended.load(Ordering::Acquire) => {
                     return ArtifactState::InProgress {
                         bytes_done: task.progress.load(Ordering::Relaxed).min(task.total) as i64,
                         bytes_total: task.total as i64,
@@ -325,15 +340,28 @@ impl Converter for ArtifactStore {
         let task_progress = progress.clone();
         let total = request.expected_virtual_size;
         let metrics = self.settings.metrics.clone();
+        let wake = self.wake.get().cloned();
+        let (namespace, name) = (
+            vmm.metadata.namespace.clone().unwrap_or_default(),
+            vmm.metadata.name.clone().unwrap_or_default(),
+        );
+        let ended = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let task_ended = ended.clone();
         let handle = tokio::spawn(async move {
-            let _permit = permits.acquire_owned().await;
+            let permit = permits.acquire_owned().await;
             let result = produce::produce(&request, &task_progress).await;
             if let Ok(marker) = &result {
                 metrics.converted_bytes(marker.size);
             }
+            drop(permit);
+            task_ended.store(true, Ordering::Release);
+            // The migration looks again now (its conversion ended), not at its next poll.
+            if let Some(wake) = wake {
+                wake(&namespace, &name);
+            }
             result
         });
-        tasks.insert(key, LocalTask { progress, total, handle });
+        tasks.insert(key, LocalTask { progress, total, ended, handle });
         Ok(())
     }
 

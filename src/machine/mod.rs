@@ -830,11 +830,17 @@ fn converting(ctx: &mut Ctx<'_>, observed: Observed) {
         ctx.condition(condition::DISK_CONVERTED, true, "Staged", "every artifact is valid and staged");
         ctx.advance(Phase::Importing);
     } else {
-        if !progress.disks.is_empty() {
+        let converting = !progress.disks.is_empty();
+        if converting {
             set_progress(ctx, progress);
         }
         ctx.condition(condition::DISK_CONVERTED, false, "Converting", "converting and staging artifacts");
-        ctx.wait(POLL_IN_PROGRESS);
+        // Publishing is done when the action returns: look again at once.
+        // A conversion wakes the migration when it ends; the poll is the fallback.
+        let staging_only = !converting
+            && !ctx.actions.is_empty()
+            && ctx.actions.iter().all(|a| matches!(a, Action::StageArtifact { .. }));
+        ctx.wait(if staging_only { Duration::ZERO } else { POLL_IN_PROGRESS });
     }
 }
 

@@ -64,6 +64,9 @@ pub trait DiskStore: Send + Sync {
 /// Turns an acquired disk into the artifact CDI imports.
 #[async_trait]
 pub trait Converter: Send + Sync {
+    /// Whom to tell when a conversion this process runs ends, as for
+    /// [`DiskStore::notify_on_finish`].
+    fn notify_on_finish(&self, _wake: Wake) {}
     /// The artifact of disk `disk` (`staged_url` is left to `Staging`).
     async fn artifact_state(&self, vmm: &VirtualMachineMigration, disk: usize) -> ArtifactState;
     async fn start_conversion(&self, vmm: &VirtualMachineMigration, disk: usize) -> Result<(), Failure>;

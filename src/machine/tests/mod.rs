@@ -494,10 +494,11 @@ fn converting_starts_resumes_cleans_and_stages_per_disk() {
         conv(ArtifactState::Invalid { reason: "truncated".into() }).actions,
         vec![Action::DiscardArtifact { disk: 0 }, Action::StartConversion { disk: 0 }]
     );
-    assert_eq!(
-        conv(ArtifactState::Complete { sha256: "ab".repeat(32), staged_url: None }).actions,
-        vec![Action::StageArtifact { disk: 0 }]
-    );
+    let staging = conv(ArtifactState::Complete { sha256: "ab".repeat(32), staged_url: None });
+    assert_eq!(staging.actions, vec![Action::StageArtifact { disk: 0 }]);
+    assert_eq!(staging.requeue, Some(Duration::ZERO), "a staged artifact is looked at again at once");
+    let converting = conv(ArtifactState::InProgress { bytes_done: 1, bytes_total: 2 });
+    assert_eq!(converting.requeue, Some(POLL_IN_PROGRESS), "a running conversion wakes its migration");
     let killed =
         conv(ArtifactState::Failed(Failure::retryable(Reason::ConversionKilled, "qemu-img was killed")));
     assert_eq!(killed.status.phase, Phase::Retryable);

@@ -77,6 +77,9 @@ pub struct EsxiOptions {
     pub pair_disk_mib: Option<(u64, u64)>,
     /// Whether the shell has `sha256sum`.
     pub with_sha256sum: bool,
+    /// Whether the shell has `openssl` (the distribution's, with its
+    /// libraries), which ESXi hosts have and hash with.
+    pub with_openssl: bool,
     /// An address sshd listens on besides 127.0.0.1, on the same port: the
     /// host end of the test node's veth, where pods reach the host.
     pub also_listen: Option<std::net::Ipv4Addr>,
@@ -106,6 +109,7 @@ impl Default for EsxiOptions {
             snapshot_format: crate::vmdk_delta::DeltaFormat::SeSparse,
             pair_disk_mib: None,
             with_sha256sum: true,
+            with_openssl: true,
             also_listen: None,
             fleet: None,
             guests: None,
@@ -748,6 +752,9 @@ fn build_chroot(root: &Path, uid: u32, gid: u32, opts: &EsxiOptions) -> anyhow::
     for (name, text) in SCRIPTS_BIN {
         write_mode(&bin.join(name), text.as_bytes(), 0o755)?;
     }
+    if opts.with_openssl {
+        install_with_libraries(root, Path::new("/usr/bin/openssl"), &bin.join("openssl"))?;
+    }
     // SFTP, which ESXi offers: the distribution's sftp-server and the two
     // libraries it needs (it is only used by the scp baseline of the benchmark).
     for file in
@@ -781,6 +788,30 @@ fn build_chroot(root: &Path, uid: u32, gid: u32, opts: &EsxiOptions) -> anyhow::
     )?;
     write_mode(&root.join("etc/group"), format!("root:x:0:\n{ESXI_USER}:x:{gid}:\n").as_bytes(), 0o644)?;
     write_mode(&root.join("etc/vmware-release"), b"VMware ESXi 8.0.3 GA\n", 0o644)?;
+    Ok(())
+}
+
+/// Copies a dynamically linked program into the chroot at `dest`, with the
+/// libraries `ldd` names for it at their own paths.
+fn install_with_libraries(root: &Path, program: &Path, dest: &Path) -> anyhow::Result<()> {
+    write_mode(dest, &fs::read(program).with_context(|| program.display().to_string())?, 0o755)?;
+    let out = Command::new("ldd").arg(program).output().context("ldd")?;
+    ensure!(out.status.success(), "ldd {}", program.display());
+    for line in String::from_utf8_lossy(&out.stdout).lines() {
+        // `libx.so => /lib/.../libx.so (0x...)` or `/lib64/ld-linux-x86-64.so.2 (0x...)`.
+        let path = line.split("=>").last().unwrap_or_default().split_whitespace().next().unwrap_or_default();
+        if !path.starts_with('/') {
+            continue;
+        }
+        let target = root.join(path.trim_start_matches('/'));
+        if target.exists() {
+            continue;
+        }
+        if let Some(parent) = target.parent() {
+            fs::create_dir_all(parent)?;
+        }
+        write_mode(&target, &fs::read(path).with_context(|| path.to_owned())?, 0o755)?;
+    }
     Ok(())
 }
 
