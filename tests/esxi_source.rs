@@ -408,3 +408,134 @@ async fn the_disk_store_wakes_the_controller_when_a_copy_ends_and_then_reports_i
         other => panic!("expected Complete right after the wake, got {other:?}"),
     }
 }
+
+fn sha256_of(path: &std::path::Path) -> String {
+    copy::sha256_file(path).expect("sha256")
+}
+
+/// The disk `qemu-img` reads through a chain on the emulated host (the VM's disk as it is now), hashed.
+fn chain_sha256(descriptor: &std::path::Path) -> String {
+    let out = tempfile::NamedTempFile::new().unwrap();
+    let status = std::process::Command::new("qemu-img")
+        .args(["convert", "-f", "vmdk", "-O", "raw"])
+        .arg(descriptor)
+        .arg(out.path())
+        .status()
+        .expect("qemu-img");
+    assert!(status.success());
+    sha256_of(out.path())
+}
+
+/// The warm path's data plan, in both delta formats ESXi writes: a snapshot
+/// taken (once, by name) while the guest writes, the frozen bases copied
+/// while it runs, the VM powered off, only the deltas copied, and the disks
+/// assembled locally: bit for bit the disks the VM has at power-off, which a
+/// cold copy of the powered-off VM gives after the snapshot is removed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_warm_copy_of_a_changing_vm_assembles_exactly_the_disks_a_cold_copy_gives() {
+    use crate::support::esxi_snapshots::GuestWrites;
+    use crate::support::vmdk_delta::DeltaFormat;
+    use vmmigrate::convert::chain::{self, DeltaKind};
+    use vmmigrate::source::esxi::snapshot::snapshot_name;
+    for format in [DeltaFormat::SeSparse, DeltaFormat::VmfsSparse] {
+        let emu = EsxiEmulator::start(EsxiOptions {
+            pair_disk_mib: Some((24, 8)),
+            snapshot_format: format,
+            ..Default::default()
+        })
+        .expect("emulator");
+        let writer = emu.start_guest_writes("12", GuestWrites { blocks_per_second: 1000, seed: 11 });
+        let (esxi, store) = source(&emu, password(&emu));
+        let vmm = discovered(&esxi, &emu, "pair").await;
+        let inventory = vmm.status.as_ref().unwrap().source_inventory.clone().unwrap();
+        let name = snapshot_name("m");
+
+        let id = esxi.ensure_snapshot(&vmm, &name, true).await.expect("snapshot");
+        assert_eq!(
+            esxi.ensure_snapshot(&vmm, &name, true).await.expect("again"),
+            id,
+            "one snapshot, by name"
+        );
+        assert_eq!(esxi.snapshots(&vmm).await.unwrap().len(), 1);
+        let chains = esxi.disk_chains(&vmm).await.expect("chains");
+        assert_eq!(chains.len(), 2);
+        for (chain, disk) in chains.iter().zip(&inventory.disks) {
+            assert_eq!(chain.len(), 2, "{chain:?}");
+            assert_eq!(chain[1].extent_path, disk.extent_path, "the base is the discovered extent");
+            assert_eq!(chain[0].capacity_bytes, disk.capacity_bytes as u64);
+        }
+
+        // The bases, copied while the guest writes on into the deltas.
+        let before = emu.guest_blocks_written();
+        let mut bases = Vec::new();
+        for (i, chain) in chains.iter().enumerate() {
+            let local = store.path().join(format!("base-{i}.raw"));
+            let done = copy_once(&emu, &chain[1].extent_path, &local, 2).await.expect("base copy");
+            assert!(done.verified_remotely);
+            bases.push(local);
+        }
+        vmmigrate_harness::process::wait_until(Duration::from_secs(30), "guest writes", || {
+            Ok(emu.guest_blocks_written() > before + 100)
+        })
+        .unwrap();
+
+        // The cutover: powered off, then only the deltas.
+        esxi.power_off(&vmm).await.expect("power off");
+        drop(writer);
+        let mut assembled = Vec::new();
+        for (i, chain) in chains.iter().enumerate() {
+            let local = store.path().join(format!("delta-{i}.vmdk"));
+            let done = copy_once(&emu, &chain[0].extent_path, &local, 2).await.expect("delta copy");
+            assert!(done.verified_remotely);
+            assert!(done.size < chain[0].capacity_bytes / 2, "only the changes travel: {} bytes", done.size);
+            let kind = DeltaKind::from_create_type(&chain[0].create_type).expect("a delta");
+            let out = store.path().join(format!("disk-{i}.raw"));
+            chain::assemble(
+                &bases[i],
+                chain[0].capacity_bytes,
+                &[(kind, local)],
+                &store.path().join(format!("work-{i}")),
+                &out,
+            )
+            .await
+            .expect("assemble");
+            assembled.push(sha256_of(&out));
+        }
+        let at_power_off: Vec<String> = emu.disk_tops("12").iter().map(|t| chain_sha256(t)).collect();
+        assert_eq!(assembled, at_power_off, "{format:?}: the VM's disks at power-off");
+        let base_shas: Vec<String> = bases.iter().map(|b| sha256_of(b)).collect();
+        assert_ne!(assembled, base_shas, "{format:?}: the guest's writes are in the result");
+
+        // Removing the snapshot consolidates on the host: a cold copy now reads the same bytes.
+        assert!(esxi.remove_snapshot(&vmm, &name).await.expect("remove"));
+        assert!(!esxi.remove_snapshot(&vmm, &name).await.expect("remove again"), "already gone");
+        let cold: Vec<String> = emu.disk_files("12").iter().map(|d| sha256_of(&d.1)).collect();
+        assert_eq!(assembled, cold, "{format:?}: warm and cold give the same bytes");
+        assert_eq!(emu.power_off_transitions("12"), 1);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn someone_elses_snapshot_is_never_removed_and_a_chain_through_it_is_followed() {
+    use vmmigrate::source::esxi::snapshot::snapshot_name;
+    let emu = EsxiEmulator::start(EsxiOptions { pair_disk_mib: Some((1, 1)), ..Default::default() })
+        .expect("emulator");
+    let (esxi, _store) = source(&emu, password(&emu));
+    let vmm = discovered(&esxi, &emu, "pair").await;
+    let out =
+        emu.ssh_command().arg("vim-cmd vmsvc/snapshot.create 12 before-upgrade '' 0 0").output().unwrap();
+    assert!(out.status.success());
+    let refused = esxi.remove_snapshot(&vmm, "before-upgrade").await.expect_err("not ours by name");
+    assert!(refused.message.contains("removes only its own"), "{}", refused.message);
+    assert!(
+        esxi.ensure_snapshot(&vmm, "before-upgrade", false).await.is_err(),
+        "only vmmigrate- names are made"
+    );
+    esxi.ensure_snapshot(&vmm, &snapshot_name("m"), false).await.expect("ours on top");
+    let chains = esxi.disk_chains(&vmm).await.expect("chains");
+    assert!(chains.iter().all(|c| c.len() == 3), "{chains:?}");
+    assert!(esxi.remove_snapshot(&vmm, &snapshot_name("m")).await.unwrap());
+    let left = esxi.snapshots(&vmm).await.unwrap();
+    assert_eq!(left.len(), 1);
+    assert_eq!(left[0].name, "before-upgrade", "the user's snapshot stays");
+}

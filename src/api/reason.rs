@@ -85,6 +85,8 @@ reasons! {
     InvalidPowerState,
     PowerOffNotObserved,
     HostFault,
+    SnapshotFailed,
+    SnapshotChainUnexpected,
     APIUnavailable,
     // The disk copy
     ChecksumMismatch,

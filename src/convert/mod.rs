@@ -14,6 +14,7 @@
 
 pub mod access;
 pub mod artifact;
+pub mod chain;
 pub(crate) mod job;
 pub mod produce;
 pub mod qemu;

@@ -75,7 +75,7 @@ fn timeout_of(vmm: &VirtualMachineMigration) -> Duration {
     Duration::from_secs(vmm.spec.strategy.timeouts.ssh_seconds.max(1) as u64)
 }
 
-fn vim_fault(what: &str, out: &Output) -> Option<Failure> {
+pub(super) fn vim_fault(what: &str, out: &Output) -> Option<Failure> {
     let fault = parse::parse_fault(&out.text())?;
     Some(match fault.kind.as_str() {
         "vim.fault.NotFound" => {
@@ -166,7 +166,7 @@ impl EsxiSource {
     /// key, same credentials (the Secret's namespace, name and version, and a
     /// digest of what it holds). A migration never rides a session another
     /// namespace's password opened.
-    async fn session(&self, vmm: &VirtualMachineMigration) -> Result<Arc<Session>, Failure> {
+    pub(super) async fn session(&self, vmm: &VirtualMachineMigration) -> Result<Arc<Session>, Failure> {
         let credentials = self.credentials(vmm).await?;
         let key = session_key(vmm, &credentials);
         let source = &vmm.spec.source;
@@ -187,7 +187,7 @@ impl EsxiSource {
         Ok(session)
     }
 
-    async fn run(
+    pub(super) async fn run(
         &self,
         vmm: &VirtualMachineMigration,
         cmd: Result<RemoteCommand, SshError>,
@@ -197,14 +197,14 @@ impl EsxiSource {
         session.run(&cmd).await.map_err(|e| e.failure())
     }
 
-    fn vim_cmd(op: &str, vmid: &str) -> Result<RemoteCommand, SshError> {
+    pub(super) fn vim_cmd(op: &str, vmid: &str) -> Result<RemoteCommand, SshError> {
         if vmid.is_empty() || !vmid.bytes().all(|b| b.is_ascii_digit()) {
             return Err(SshError::InvalidArgument(format!("vmid {vmid:?}")));
         }
         RemoteCommand::new("vim-cmd")?.arg(op)?.arg(vmid)
     }
 
-    async fn find_vm(&self, vmm: &VirtualMachineMigration) -> Result<parse::VmListEntry, Failure> {
+    pub(super) async fn find_vm(&self, vmm: &VirtualMachineMigration) -> Result<parse::VmListEntry, Failure> {
         let out = self.run(vmm, RemoteCommand::new("vim-cmd").and_then(|c| c.arg("vmsvc/getallvms"))).await?;
         let vms = parse::parse_getallvms(&out.stdout_text());
         let wanted = &vmm.spec.source.vm;
@@ -242,7 +242,7 @@ impl EsxiSource {
         vmm.status.as_ref()?.source_inventory.as_ref().map(|i| i.vmid.clone())
     }
 
-    async fn vmid_or_find(&self, vmm: &VirtualMachineMigration) -> Result<String, Failure> {
+    pub(super) async fn vmid_or_find(&self, vmm: &VirtualMachineMigration) -> Result<String, Failure> {
         match Self::vmid(vmm) {
             Some(id) => Ok(id),
             None => Ok(self.find_vm(vmm).await?.vmid),
@@ -298,11 +298,11 @@ fn credentials_from(field: impl Fn(&str) -> Option<String>, what: &str) -> Resul
     Ok(Credentials { username, secret })
 }
 
-fn join(dir: &str, file: &str) -> String {
+pub(super) fn join(dir: &str, file: &str) -> String {
     if file.starts_with('/') { file.to_owned() } else { format!("{}/{file}", dir.trim_end_matches('/')) }
 }
 
-fn parent(path: &str) -> &str {
+pub(super) fn parent(path: &str) -> &str {
     path.rsplit_once('/').map(|(d, _)| d).unwrap_or("")
 }
 

@@ -3,4 +3,5 @@
 pub mod adapter;
 pub mod copy;
 pub(crate) mod parse;
+pub mod snapshot;
 pub mod ssh;
