@@ -76,7 +76,13 @@ pub(crate) async fn observe(adapters: &Adapters, vmm: &VirtualMachineMigration) 
             bounded("ESXi discovery", ssh_timeout(vmm) * 4, adapters.esxi.discover(vmm)).await,
         ),
         Phase::Validated => {
-            Observed::Preflight(bounded("pre-flight", CALL_TIMEOUT, adapters.cluster.preflight(vmm)).await)
+            let facts = bounded("pre-flight", CALL_TIMEOUT, adapters.cluster.preflight(vmm)).await;
+            let blocked =
+                bounded("the data plane's pre-flight", CALL_TIMEOUT, adapters.disks.preflight(vmm)).await;
+            Observed::Preflight(facts.and_then(|mut facts| {
+                facts.data_plane_blocked = blocked?;
+                Ok(facts)
+            }))
         }
         Phase::Preparing => {
             let power = match bounded("ESXi power state", ssh_timeout(vmm), adapters.esxi.power(vmm)).await {

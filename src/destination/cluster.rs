@@ -339,6 +339,7 @@ impl Cluster for KubeCluster {
             destination_namespace_exists,
             destination_vm,
             destination_refused: None,
+            data_plane_blocked: None,
             source_claimed_by,
         })
     }

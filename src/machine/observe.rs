@@ -81,6 +81,10 @@ pub struct PreflightFacts {
     pub destination_refused: Option<String>,
     /// Another migration (`namespace/name`) that holds the claim on the same source VM.
     pub source_claimed_by: Option<String>,
+    /// What keeps the data plane from running this migration (e.g. an object
+    /// of a worker's name that is not the migration's). The controller fills
+    /// it from its data plane, whatever the cluster adapter says.
+    pub data_plane_blocked: Option<String>,
 }
 
 /// Whether the destination VM name is free.

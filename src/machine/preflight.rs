@@ -95,6 +95,9 @@ pub(crate) fn blockers(
     if let Some(refused) = &facts.destination_refused {
         block(Reason::DestinationNamespaceNotAllowed, refused.clone());
     }
+    if let Some(blocked) = &facts.data_plane_blocked {
+        block(Reason::WorkerCannotStart, blocked.clone());
+    }
     if let Some(other) = &facts.source_claimed_by {
         block(
             Reason::SourceVMClaimed,

@@ -50,6 +50,11 @@ pub trait DiskStore: Send + Sync {
     /// Whom to tell when a copy ends (done or failed), so the migration does
     /// not wait for its next poll. Adapters without background work ignore it.
     fn notify_on_finish(&self, _wake: Wake) {}
+    /// Asked at validation, before anything irreversible: what would keep
+    /// this store from running the migration, for a person (`None`: nothing).
+    async fn preflight(&self, _vmm: &VirtualMachineMigration) -> Result<Option<String>, Failure> {
+        Ok(None)
+    }
     /// The state of disk `disk`'s copy. A failure of a finished copy is
     /// reported once; afterwards the partial data shows as `Partial` or `Absent`.
     async fn copy_state(&self, vmm: &VirtualMachineMigration, disk: usize) -> CopyState;

@@ -615,6 +615,29 @@ fn cannot_start(pod: &Pod) -> Option<Failure> {
 
 #[async_trait]
 impl DiskStore for WorkerPlane {
+    /// An object of a worker's name that is not this migration's stops the
+    /// migration at validation, before its source is powered off.
+    async fn preflight(&self, vmm: &VirtualMachineMigration) -> Result<Option<String>, Failure> {
+        let name = worker_name(vmm);
+        let checks = [
+            self.ours(vmm, &self.api::<Service>(vmm), &name, "worker Service").await.map(|_| ()),
+            self.ours(vmm, &self.api::<Secret>(vmm), &name, "worker Secret").await.map(|_| ()),
+            self.ours(vmm, &self.api::<PersistentVolumeClaim>(vmm), &claim_name(vmm), "work claim")
+                .await
+                .map(|_| ()),
+            self.ours(vmm, &self.api::<Job>(vmm), &name, "worker Job").await.map(|_| ()),
+        ];
+        let mut taken = Vec::new();
+        for check in checks {
+            match check {
+                Ok(()) => {}
+                Err(failure) if failure.reason == Reason::WorkerCannotStart => taken.push(failure.message),
+                Err(failure) => return Err(failure),
+            }
+        }
+        Ok((!taken.is_empty()).then(|| taken.join("; ")))
+    }
+
     async fn copy_state(&self, vmm: &VirtualMachineMigration, disk: usize) -> CopyState {
         let state = match self.presence(vmm).await {
             Ok(Presence::Absent) => CopyState::Absent,

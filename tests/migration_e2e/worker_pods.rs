@@ -186,7 +186,8 @@ async fn a_worker_pod_killed_mid_copy_resumes_in_a_new_pod_from_its_recorded_chu
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_claim_of_the_workers_name_that_is_not_the_migrations_is_never_used_or_deleted() {
+async fn a_claim_of_the_workers_name_that_is_not_the_migrations_stops_it_at_validation_and_is_never_used_or_deleted()
+ {
     let m = Migration::with_worker_pods("e2e-worker-foreign").await;
     // A user's own claim under the name the worker's would have.
     let claims: Api<PersistentVolumeClaim> = Api::namespaced(m.client.clone(), &m.ns);
@@ -200,10 +201,19 @@ async fn a_claim_of_the_workers_name_that_is_not_the_migrations_is_never_used_or
     m.create(|_| {}).await;
 
     let vmm = m.wait_until_stopped(|v| phase_of(v) == Phase::ManualInterventionRequired).await;
-    let errors = vmm.status.clone().unwrap().errors;
-    let last = errors.last().expect("the reason is recorded");
-    assert_eq!(last.reason, "WorkerCannotStart", "{errors:?}");
-    assert!(last.message.contains("is not this migration's"), "{}", last.message);
+    let status = vmm.status.clone().unwrap();
+    // Found at validation: before anything irreversible.
+    let blocker = status.blockers.iter().find(|b| b.reason == "WorkerCannotStart").expect("a blocker");
+    assert!(blocker.message.contains("is not this migration's"), "{}", blocker.message);
+    assert!(blocker.message.contains(&format!("{VM}-vmm-work")), "{}", blocker.message);
+    assert_eq!(
+        status.errors.last().map(|e| e.reason.as_str()),
+        Some("ValidationBlocked"),
+        "{:?}",
+        status.errors
+    );
+    assert_eq!(m.emu.vm_power(m.vmid), "on", "the source was never powered off");
+    assert_eq!(m.emu.power_off_transitions(m.vmid), 0);
     let jobs = Api::<Job>::namespaced(m.client.clone(), &m.ns).list(&ListParams::default()).await.unwrap();
     assert!(jobs.items.is_empty(), "no worker ran on someone else's claim");
 

@@ -312,6 +312,7 @@ impl Cluster for FleetSim {
             destination_namespace_exists: true,
             destination_vm: DestinationOccupancy::Free,
             destination_refused: None,
+            data_plane_blocked: None,
             source_claimed_by: None,
         })
     }

@@ -698,6 +698,7 @@ impl Cluster for SimWorld {
             destination_namespace_exists: true,
             destination_vm,
             destination_refused: None,
+            data_plane_blocked: None,
             source_claimed_by: None,
         })
     }

@@ -225,6 +225,7 @@ fn preflight_ok() -> PreflightFacts {
         destination_vm: DestinationOccupancy::Free,
         destination_refused: None,
         source_claimed_by: None,
+        data_plane_blocked: None,
     }
 }
 
@@ -258,6 +259,10 @@ fn each_preflight_rule_blocks_with_its_reason_and_needs_a_human() {
         ("DestinationNamespaceNotFound", |_, f| f.destination_namespace_exists = false),
         ("DestinationNamespaceNotAllowed", |_, f| f.destination_refused = Some("not allowed".into())),
         ("SourceVMClaimed", |_, f| f.source_claimed_by = Some("apps/web-01-again".into())),
+        ("WorkerCannotStart", |_, f| {
+            f.data_plane_blocked =
+                Some("work claim apps/web-01-vmm-work exists and is not this migration's".into())
+        }),
     ];
     for (reason, mutate) in cases {
         let mut run = Run::at(Phase::Validated);
