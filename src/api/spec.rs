@@ -86,6 +86,35 @@ pub struct VirtualMachineMigrationSpec {
     /// migration of an earlier wave of the same plan (in the same namespace) has Completed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub wave: Option<WaveSpec>,
+    /// `Cold` (the default): the source is powered off, then its disks are
+    /// copied. `Warm`: a snapshot of the source (no memory; quiesced when
+    /// VMware Tools run) freezes its base disks, which are copied while the
+    /// VM runs; at the cutover the VM is powered off per `powerOffPolicy`,
+    /// only the snapshot's deltas are copied, the disks are assembled from
+    /// base and deltas, and the snapshot is removed. The VM is off only for
+    /// the deltas. A source already powered off is copied cold.
+    #[serde(default, skip_serializing_if = "MigrationMode::is_cold")]
+    pub mode: MigrationMode,
+}
+
+/// The name of the snapshot a warm migration named `migration` takes of its
+/// source: `vmmigrate-` and a Kubernetes name, nothing a shell could read otherwise.
+pub fn snapshot_name(migration: &str) -> String {
+    format!("vmmigrate-{migration}")
+}
+
+/// How the source's disks are copied.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub enum MigrationMode {
+    #[default]
+    Cold,
+    Warm,
+}
+
+impl MigrationMode {
+    fn is_cold(&self) -> bool {
+        *self == MigrationMode::Cold
+    }
 }
 
 /// When the source may be powered off.

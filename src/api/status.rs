@@ -65,6 +65,10 @@ pub struct VirtualMachineMigrationStatus {
     /// approval, a free read slot on its host); absent when it is not waiting.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub waiting: Option<Waiting>,
+    /// The snapshot a warm migration took of its source: the only change it
+    /// makes to the source besides the power-off, logged here.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub snapshot: Option<SnapshotRecord>,
 }
 
 /// What a validated migration waits for before the cutover.
@@ -144,6 +148,24 @@ pub struct Timestamps {
     /// destination, removing staged data) was done. Set once.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cleaned_up: Option<Time>,
+}
+
+/// A snapshot of the source VM that vmmigrate created (and removes).
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct SnapshotRecord {
+    /// `vmmigrate-<migration name>`.
+    pub name: String,
+    /// The host's snapshot id, once seen.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub id: Option<String>,
+    /// Whether it was taken quiesced (VMware Tools running).
+    #[serde(default)]
+    pub quiesced: bool,
+    pub created: Time,
+    /// When it was removed again (the host consolidated it into the base).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub removed: Option<Time>,
 }
 
 /// One entry in the phase timeline.

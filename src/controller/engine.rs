@@ -4,7 +4,8 @@
 //! exactly this code.
 
 use crate::api::Reason;
-use crate::api::{Phase, VirtualMachineMigration};
+use crate::api::snapshot_name;
+use crate::api::{MigrationMode, Phase, VirtualMachineMigration};
 use crate::machine::tenancy::DestinationRules;
 use crate::machine::{
     self, Action, ArtifactState, CopyState, DataVolumeState, Decision, Failure, ImportingFacts, Input,
@@ -97,10 +98,35 @@ pub(crate) async fn observe(adapters: &Adapters, vmm: &VirtualMachineMigration) 
                     discard: false,
                 }));
             }
+            let status = vmm.status.clone().unwrap_or_default();
+            let warm = vmm.spec.mode == MigrationMode::Warm;
+            let snapshot = if warm {
+                let name = snapshot_name(&vmm.name_any());
+                match bounded("ESXi snapshots", ssh_timeout(vmm), adapters.esxi.snapshot_id(vmm, &name)).await
+                {
+                    Ok(id) => id,
+                    Err(failure) => return Observed::Preparing(Err(failure)),
+                }
+            } else {
+                None
+            };
+            let mut deltas = Vec::new();
+            if warm && status.snapshot.is_some() && status.timestamps.source_powered_off.is_some() {
+                for disk in 0..disks {
+                    let state =
+                        tokio::time::timeout(CALL_TIMEOUT, adapters.disks.delta_state(vmm, disk)).await;
+                    deltas.push(state.unwrap_or_else(|_| CopyState::Failed {
+                        failure: Failure::retryable(Reason::Timeout, "the disk store did not answer"),
+                        discard: false,
+                    }));
+                }
+            }
             Observed::Preparing(Ok(machine::PreparingFacts {
                 power: power.state,
                 tools_running: power.tools_running,
                 copies,
+                snapshot,
+                deltas,
             }))
         }
         Phase::Converting => {
@@ -210,6 +236,18 @@ pub(crate) async fn perform(
         Action::PowerOffHard => bounded("ESXi power-off", esxi, adapters.esxi.power_off(vmm)).await,
         Action::StartDiskCopy { disk } => {
             bounded("disk copy", CALL_TIMEOUT, adapters.disks.start_copy(vmm, *disk)).await
+        }
+        // A quiesced snapshot of a busy guest takes a while on the host.
+        Action::CreateSnapshot { quiesce } => {
+            let name = snapshot_name(&vmm.name_any());
+            bounded("ESXi snapshot", esxi * 10, adapters.esxi.create_snapshot(vmm, &name, *quiesce)).await
+        }
+        Action::RemoveSnapshot => {
+            let name = snapshot_name(&vmm.name_any());
+            bounded("ESXi snapshot removal", esxi * 10, adapters.esxi.remove_snapshot(vmm, &name)).await
+        }
+        Action::StartDeltaCopy { disk } => {
+            bounded("delta copy", esxi * 4, adapters.disks.start_delta_copy(vmm, *disk)).await
         }
         Action::DiscardDiskCopy { disk } => {
             bounded("disk discard", CALL_TIMEOUT, adapters.disks.discard_copy(vmm, *disk)).await

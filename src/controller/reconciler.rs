@@ -382,8 +382,9 @@ async fn apply_step(
     let cutover_approved = vmm.annotations().get(APPROVE_CUTOVER_ANNOTATION).is_some_and(|v| v == "true");
     let now = Timestamp::now();
     let status = vmm.status.clone().unwrap_or_default();
-    let cutover_open =
-        matches!(machine::fleet::cutover_gate(&vmm.spec, &status, now, cutover_approved), Ok(None));
+    // A warm migration copies its frozen bases before the cutover: it asks for a read slot at once.
+    let cutover_open = vmm.spec.mode == crate::api::MigrationMode::Warm
+        || matches!(machine::fleet::cutover_gate(&vmm.spec, &status, now, cutover_approved), Ok(None));
     let input = StepInput {
         now,
         jitter: ctx.jitter(),

@@ -65,9 +65,23 @@ fn gate(ctx: &mut Ctx<'_>, input: &Gating) -> Result<Option<fleet::Wait>, Failur
     if let Some(wait) = &input.fleet.wave {
         return Ok(Some(wait.clone()));
     }
-    if let Some(wait) = fleet::cutover_gate(ctx.spec, &ctx.status, input.now, input.cutover_approved)? {
-        return Ok(Some(wait));
+    // A warm migration's copy of the frozen bases runs early: its cutover
+    // gate is asked in Preparing, before the power-off.
+    if !warm(ctx.spec) {
+        if let Some(wait) = fleet::cutover_gate(ctx.spec, &ctx.status, input.now, input.cutover_approved)? {
+            return Ok(Some(wait));
+        }
+        note_approval(ctx);
     }
+    Ok(input.fleet.slot.clone())
+}
+
+fn warm(spec: &VirtualMachineMigrationSpec) -> bool {
+    spec.mode == crate::api::MigrationMode::Warm
+}
+
+/// Records an approval of the cutover the first time it is seen (the gate is open).
+pub(super) fn note_approval(ctx: &mut Ctx<'_>) {
     if ctx.spec.cutover.mode == crate::api::CutoverMode::Approval
         && ctx.status.timestamps.cutover_approved.is_none()
     {
@@ -75,7 +89,6 @@ fn gate(ctx: &mut Ctx<'_>, input: &Gating) -> Result<Option<fleet::Wait>, Failur
         let by = if ctx.spec.cutover.approved { "spec.cutover.approved (Git)" } else { "annotation" };
         ctx.event(EventType::Normal, "CutoverApproved", format!("cutover approved by {by}"));
     }
-    Ok(input.fleet.slot.clone())
 }
 
 /// Whether a migration validated before is still held at a gate, so the
@@ -84,10 +97,11 @@ pub(crate) fn held_at_gate(input: &Input<'_>) -> bool {
     conditions::is_true(input.status, condition::VALIDATED)
         && input.status.observed_generation == Some(input.generation)
         && (input.fleet.wave.is_some()
-            || !matches!(
-                fleet::cutover_gate(input.spec, input.status, input.now, input.cutover_approved),
-                Ok(None)
-            )
+            || (!warm(input.spec)
+                && !matches!(
+                    fleet::cutover_gate(input.spec, input.status, input.now, input.cutover_approved),
+                    Ok(None)
+                ))
             || input.fleet.slot.is_some())
 }
 

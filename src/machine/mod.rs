@@ -19,6 +19,7 @@ mod importing;
 mod observe;
 pub(crate) mod preflight;
 pub mod tenancy;
+mod warm;
 
 pub(crate) use gates::held_at_gate;
 use gates::{Gating, hold, validated};
@@ -86,6 +87,17 @@ pub enum Action {
     PowerOffHard,
     /// Start or resume copying one disk; a no-op when it is running or complete.
     StartDiskCopy {
+        disk: usize,
+    },
+    /// Warm mode: create the migration's snapshot of the source (no memory),
+    /// quiesced when VMware Tools run; a no-op when it exists.
+    CreateSnapshot {
+        quiesce: bool,
+    },
+    /// Warm mode: remove the migration's snapshot (the host consolidates it).
+    RemoveSnapshot,
+    /// Warm mode, after the cutover: copy one disk's deltas and assemble it.
+    StartDeltaCopy {
         disk: usize,
     },
     /// Remove a failed or corrupt local copy.
@@ -203,6 +215,8 @@ fn elapsed_since(since: &Option<Time>, now: Timestamp) -> Option<Duration> {
 
 struct Ctx<'a> {
     spec: &'a VirtualMachineMigrationSpec,
+    /// `metadata.name` of the migration.
+    name: &'a str,
     generation: i64,
     now: Time,
     now_ts: Timestamp,
@@ -218,6 +232,7 @@ impl<'a> Ctx<'a> {
     fn new(input: &Input<'a>) -> Ctx<'a> {
         Ctx {
             spec: input.spec,
+            name: input.name,
             generation: input.generation,
             now: api_time(input.now),
             now_ts: input.now,
@@ -474,6 +489,10 @@ pub(crate) fn cleanup_on_delete(
     status: &VirtualMachineMigrationStatus,
 ) -> Vec<Action> {
     let mut actions = Vec::new();
+    // A snapshot this migration took never outlives it.
+    if status.snapshot.as_ref().is_some_and(|s| s.removed.is_none()) {
+        actions.push(Action::RemoveSnapshot);
+    }
     if spec.cleanup.staging == CleanupAction::Delete || status.phase != Phase::Completed {
         actions.push(Action::CleanupStaging);
     }
@@ -541,18 +560,17 @@ fn preparing(ctx: &mut Ctx<'_>, observed: Observed, input: &Gating) {
         return ctx.enter(Phase::Validated);
     }
     let already_off = ctx.status.timestamps.source_powered_off.is_some();
+    // Warm: once a snapshot was taken, or while the source runs. A source
+    // already off before anything was taken is copied cold.
+    if ctx.spec.mode == crate::api::MigrationMode::Warm
+        && (ctx.status.snapshot.is_some() || (!already_off && facts.power != SourcePowerState::PoweredOff))
+    {
+        return warm::preparing(ctx, &facts, input);
+    }
     match facts.power {
         SourcePowerState::PoweredOff => {
             if !already_off {
-                ctx.status.timestamps.source_powered_off = Some(ctx.now.clone());
-                ctx.status.timestamps.shutdown_requested.get_or_insert_with(|| ctx.now.clone());
-                ctx.condition(
-                    condition::SOURCE_POWERED_OFF,
-                    true,
-                    "PoweredOff",
-                    "the source VM is powered off",
-                );
-                ctx.event(EventType::Normal, "SourcePoweredOff", "the source VM is powered off");
+                record_powered_off(ctx);
             }
         }
         SourcePowerState::PoweredOn | SourcePowerState::Unknown if already_off => {
@@ -589,43 +607,7 @@ fn preparing(ctx: &mut Ctx<'_>, observed: Observed, input: &Gating) {
     }
     // Observed off: copy every disk.
     let total = facts.copies.len();
-    let mut done = 0;
-    let mut progress = Progress::default();
-    for (disk, copy) in facts.copies.iter().enumerate() {
-        let (bytes_done, bytes_total) = match copy {
-            CopyState::Absent => {
-                ctx.actions.push(Action::StartDiskCopy { disk });
-                (0, 0)
-            }
-            CopyState::Partial { bytes_done, bytes_total } => {
-                ctx.actions.push(Action::StartDiskCopy { disk });
-                (*bytes_done, *bytes_total)
-            }
-            CopyState::InProgress { bytes_done, bytes_total } => (*bytes_done, *bytes_total),
-            CopyState::Complete { size, .. } => {
-                done += 1;
-                (*size, *size)
-            }
-            CopyState::Failed { failure, discard } => {
-                if *discard {
-                    ctx.actions.push(Action::DiscardDiskCopy { disk });
-                }
-                ctx.condition(
-                    condition::DISK_ACQUIRED,
-                    false,
-                    failure.reason.as_str(),
-                    failure.message.clone(),
-                );
-                return ctx.fail(Phase::Preparing, failure.clone());
-            }
-        };
-        progress.disks.push(DiskProgress {
-            index: disk as i32,
-            bytes_done,
-            bytes_total,
-            ..Default::default()
-        });
-    }
+    let Some((done, progress)) = tally_copies(ctx, &facts.copies) else { return };
     if done == total && total > 0 {
         let inventory = ctx.status.source_inventory.clone().unwrap_or_default();
         ctx.status.disks = facts
@@ -667,6 +649,59 @@ fn preparing(ctx: &mut Ctx<'_>, observed: Observed, input: &Gating) {
         );
         ctx.wait(POLL_IN_PROGRESS);
     }
+}
+
+/// Each disk's copy: starts or resumes what is missing and sums the
+/// progress; `(disks complete, progress)`, or `None` once a failed copy was
+/// recorded as the phase's failure.
+fn tally_copies(ctx: &mut Ctx<'_>, copies: &[CopyState]) -> Option<(usize, Progress)> {
+    let mut done = 0;
+    let mut progress = Progress::default();
+    for (disk, copy) in copies.iter().enumerate() {
+        let (bytes_done, bytes_total) = match copy {
+            CopyState::Absent => {
+                ctx.actions.push(Action::StartDiskCopy { disk });
+                (0, 0)
+            }
+            CopyState::Partial { bytes_done, bytes_total } => {
+                ctx.actions.push(Action::StartDiskCopy { disk });
+                (*bytes_done, *bytes_total)
+            }
+            CopyState::InProgress { bytes_done, bytes_total } => (*bytes_done, *bytes_total),
+            CopyState::Complete { size, .. } => {
+                done += 1;
+                (*size, *size)
+            }
+            CopyState::Failed { failure, discard } => {
+                if *discard {
+                    ctx.actions.push(Action::DiscardDiskCopy { disk });
+                }
+                ctx.condition(
+                    condition::DISK_ACQUIRED,
+                    false,
+                    failure.reason.as_str(),
+                    failure.message.clone(),
+                );
+                ctx.fail(Phase::Preparing, failure.clone());
+                return None;
+            }
+        };
+        progress.disks.push(DiskProgress {
+            index: disk as i32,
+            bytes_done,
+            bytes_total,
+            ..Default::default()
+        });
+    }
+    Some((done, progress))
+}
+
+/// The source was observed powered off: recorded once.
+fn record_powered_off(ctx: &mut Ctx<'_>) {
+    ctx.status.timestamps.source_powered_off = Some(ctx.now.clone());
+    ctx.status.timestamps.shutdown_requested.get_or_insert_with(|| ctx.now.clone());
+    ctx.condition(condition::SOURCE_POWERED_OFF, true, "PoweredOff", "the source VM is powered off");
+    ctx.event(EventType::Normal, "SourcePoweredOff", "the source VM is powered off");
 }
 
 /// Powers the source down as the policy allows. Only called with Validated=True

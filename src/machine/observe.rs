@@ -105,6 +105,10 @@ pub(crate) struct PreparingFacts {
     pub tools_running: bool,
     /// One entry per inventory disk, in index order.
     pub copies: Vec<CopyState>,
+    /// Warm mode: the id of the migration's snapshot on the source, if it has one.
+    pub snapshot: Option<String>,
+    /// Warm mode, after the cutover: each disk's deltas and assembly.
+    pub deltas: Vec<CopyState>,
 }
 
 /// The local copy of one source disk.

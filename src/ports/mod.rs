@@ -38,6 +38,37 @@ pub trait EsxiHost: Send + Sync {
     async fn request_shutdown(&self, vmm: &VirtualMachineMigration) -> Result<(), Failure>;
     /// `power.off`: hard power-off. "Already off" is success.
     async fn power_off(&self, vmm: &VirtualMachineMigration) -> Result<(), Failure>;
+    /// The id of the source's snapshot `name`, if it has one.
+    async fn snapshot_id(
+        &self,
+        _vmm: &VirtualMachineMigration,
+        _name: &str,
+    ) -> Result<Option<String>, Failure> {
+        Err(unsupported("snapshots of the source"))
+    }
+    /// Creates snapshot `name` (no memory; quiesced when asked) unless it exists.
+    async fn create_snapshot(
+        &self,
+        _vmm: &VirtualMachineMigration,
+        _name: &str,
+        _quiesce: bool,
+    ) -> Result<(), Failure> {
+        Err(unsupported("snapshots of the source"))
+    }
+    /// Removes snapshot `name` if it exists (only vmmigrate's own).
+    async fn remove_snapshot(&self, _vmm: &VirtualMachineMigration, _name: &str) -> Result<(), Failure> {
+        Err(unsupported("snapshots of the source"))
+    }
+}
+
+/// What an adapter that cannot do `what` answers: a person must choose another way.
+fn unsupported(what: &str) -> Failure {
+    Failure::needs_human(
+        crate::api::Reason::SnapshotFailed,
+        format!(
+            "{what}: not supported by this data plane (use spec.mode Cold, or the in-process data plane)"
+        ),
+    )
 }
 
 /// Asks the controller to look at a migration (`namespace`, `name`) again now:
@@ -64,6 +95,17 @@ pub trait DiskStore: Send + Sync {
     async fn discard_copy(&self, vmm: &VirtualMachineMigration, disk: usize) -> Result<(), Failure>;
     /// Removes every copy of this migration. "Not found" is success.
     async fn remove_all(&self, vmm: &VirtualMachineMigration) -> Result<(), Failure>;
+    /// Warm mode, after the cutover: the deltas of disk `disk` copied and the
+    /// disk assembled from its base copy and them. `Complete` carries the
+    /// assembled disk's size and sha256 (it replaces the base copy).
+    async fn delta_state(&self, _vmm: &VirtualMachineMigration, _disk: usize) -> CopyState {
+        CopyState::Failed { failure: unsupported("warm migration"), discard: false }
+    }
+    /// Starts copying disk `disk`'s deltas and assembling it; a no-op while
+    /// that runs or once it is done.
+    async fn start_delta_copy(&self, _vmm: &VirtualMachineMigration, _disk: usize) -> Result<(), Failure> {
+        Err(unsupported("warm migration"))
+    }
 }
 
 /// Turns an acquired disk into the artifact CDI imports.

@@ -618,6 +618,12 @@ impl DiskStore for WorkerPlane {
     /// An object of a worker's name that is not this migration's stops the
     /// migration at validation, before its source is powered off.
     async fn preflight(&self, vmm: &VirtualMachineMigration) -> Result<Option<String>, Failure> {
+        if vmm.spec.mode == crate::api::MigrationMode::Warm {
+            return Ok(Some(
+                "spec.mode Warm needs the in-process data plane; the worker pods copy cold only (use spec.mode Cold)"
+                    .into(),
+            ));
+        }
         let name = worker_name(vmm);
         let checks = [
             self.ours(vmm, &self.api::<Service>(vmm), &name, "worker Service").await.map(|_| ()),

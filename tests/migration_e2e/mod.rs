@@ -42,6 +42,7 @@ use vmmigrate::destination::cluster::{
 };
 use vmmigrate::metrics::Metrics;
 
+mod warm;
 mod worker_pods;
 
 /// What a step may take on a loaded two-core machine running the whole suite.
@@ -129,6 +130,12 @@ impl Migration {
         Migration::start(prefix, Cdi::Real, false, Kubevirt::Simulated, ("db-02", "2"), DataPlane::Pods).await
     }
 
+    /// VM 12 `pair` (two disks, 24 + 8 MiB, powered on with Tools), for warm migrations.
+    async fn pair(prefix: &str) -> Migration {
+        Migration::start(prefix, Cdi::Real, false, Kubevirt::Simulated, ("pair", "12"), DataPlane::Process)
+            .await
+    }
+
     /// The real guest `vm` of the emulator's `GUEST_VMS`, on real KubeVirt.
     async fn guest(prefix: &str, vm: &'static str) -> Migration {
         let (vmid, vm) = esxi_emulator::GUEST_VMS
@@ -171,8 +178,10 @@ impl Migration {
         };
         // Worker pods reach the host where pods reach the host: the node's veth.
         let also_listen = (data_plane == DataPlane::Pods).then_some(node_ip);
-        let emu = EsxiEmulator::start(EsxiOptions { guests, also_listen, ..Default::default() })
-            .expect("ESXi emulator");
+        let pair_disk_mib = (vm == "pair").then_some((24, 8));
+        let emu =
+            EsxiEmulator::start(EsxiOptions { guests, also_listen, pair_disk_mib, ..Default::default() })
+                .expect("ESXi emulator");
         let source_host = also_listen.map_or_else(|| "127.0.0.1".to_owned(), |ip| ip.to_string());
         let secret: Secret = serde_json::from_value(json!({
             "apiVersion": "v1", "kind": "Secret", "metadata": {"name": "esxi"},

@@ -10,6 +10,7 @@ use crate::api::{
 const NAME: &str = "web-01";
 
 mod gates;
+mod warm;
 
 fn spec() -> VirtualMachineMigrationSpec {
     serde_json::from_value(serde_json::json!({
@@ -142,7 +143,13 @@ fn cond(status: &VirtualMachineMigrationStatus, type_: &str) -> Option<(Conditio
 }
 
 fn preparing(power: SourcePowerState, copies: Vec<CopyState>) -> Observed {
-    Observed::Preparing(Ok(PreparingFacts { power, tools_running: true, copies }))
+    Observed::Preparing(Ok(PreparingFacts {
+        power,
+        tools_running: true,
+        copies,
+        snapshot: None,
+        deltas: Vec::new(),
+    }))
 }
 
 fn complete_copy() -> CopyState {
@@ -375,6 +382,8 @@ fn without_vmware_tools_graceful_only_needs_a_human_and_graceful_then_force_forc
             power: SourcePowerState::PoweredOn,
             tools_running: tools,
             copies: vec![CopyState::Absent],
+            snapshot: None,
+            deltas: Vec::new(),
         }))
     };
     let run = Run::at(Phase::Preparing);

@@ -30,13 +30,13 @@ pub enum CredentialSource {
     Directory(PathBuf),
 }
 
-struct CopyTask {
-    progress: Arc<AtomicU64>,
-    total: u64,
+pub(super) struct CopyTask {
+    pub(super) progress: Arc<AtomicU64>,
+    pub(super) total: u64,
     /// Set when the copy has its result, just before the controller is
     /// woken: the task may not have returned yet when it looks.
-    ended: Arc<std::sync::atomic::AtomicBool>,
-    handle: tokio::task::JoinHandle<Result<CopyResult, CopyError>>,
+    pub(super) ended: Arc<std::sync::atomic::AtomicBool>,
+    pub(super) handle: tokio::task::JoinHandle<Result<CopyResult, CopyError>>,
 }
 
 /// Settings of the disk store.
@@ -52,11 +52,11 @@ pub struct StoreConfig {
 /// ESXi hosts over SSH plus the local disk store.
 pub struct EsxiSource {
     credentials: CredentialSource,
-    store: StoreConfig,
+    pub(super) store: StoreConfig,
     sessions: tokio::sync::Mutex<HashMap<String, Arc<Session>>>,
-    copies: Mutex<HashMap<(String, usize), CopyTask>>,
+    pub(super) copies: Mutex<HashMap<(String, usize), CopyTask>>,
     /// Told when a copy ends.
-    wake: std::sync::OnceLock<crate::ports::Wake>,
+    pub(super) wake: std::sync::OnceLock<crate::ports::Wake>,
 }
 
 impl Drop for EsxiSource {
@@ -263,7 +263,7 @@ impl EsxiSource {
         })
     }
 
-    fn local_path(&self, vmm: &VirtualMachineMigration, disk: usize) -> PathBuf {
+    pub(super) fn local_path(&self, vmm: &VirtualMachineMigration, disk: usize) -> PathBuf {
         copy_path(&self.store.root, vmm, disk)
     }
 
@@ -271,7 +271,7 @@ impl EsxiSource {
         migration_copies_dir(&self.store.root, vmm)
     }
 
-    fn disk_of(vmm: &VirtualMachineMigration, disk: usize) -> Option<SourceDisk> {
+    pub(super) fn disk_of(vmm: &VirtualMachineMigration, disk: usize) -> Option<SourceDisk> {
         vmm.status.as_ref()?.source_inventory.as_ref()?.disks.get(disk).cloned()
     }
 
@@ -296,6 +296,11 @@ fn credentials_from(field: impl Fn(&str) -> Option<String>, what: &str) -> Resul
         }
     };
     Ok(Credentials { username, secret })
+}
+
+/// The key of a disk's warm delta task in the copy table: apart from its base copy.
+pub(super) fn delta_key_uid(uid: &str) -> String {
+    format!("{uid}/delta")
 }
 
 pub(super) fn join(dir: &str, file: &str) -> String {
@@ -379,7 +384,11 @@ impl EsxiHost for EsxiSource {
             cores_per_socket: cores,
             memory_mib: facts.memory_mib,
             power_state: power,
-            snapshots: parse::parse_snapshots(&snapshots.text()).len() as i32,
+            // The snapshot a warm migration takes itself is not the user's.
+            snapshots: parse::parse_snapshots(&snapshots.text())
+                .iter()
+                .filter(|s| s.name != crate::api::snapshot_name(&vmm.name_any()))
+                .count() as i32,
             pending_question: parse::parse_message(&message.text()),
             disks,
             nics: facts
@@ -417,6 +426,27 @@ impl EsxiHost for EsxiSource {
             Some(f) => Err(f),
             None => Ok(()),
         }
+    }
+
+    async fn snapshot_id(
+        &self,
+        vmm: &VirtualMachineMigration,
+        name: &str,
+    ) -> Result<Option<String>, Failure> {
+        Ok(self.snapshots(vmm).await?.into_iter().find(|s| s.name == name).map(|s| s.id))
+    }
+
+    async fn create_snapshot(
+        &self,
+        vmm: &VirtualMachineMigration,
+        name: &str,
+        quiesce: bool,
+    ) -> Result<(), Failure> {
+        self.ensure_snapshot(vmm, name, quiesce).await.map(|_| ())
+    }
+
+    async fn remove_snapshot(&self, vmm: &VirtualMachineMigration, name: &str) -> Result<(), Failure> {
+        EsxiSource::remove_snapshot(self, vmm, name).await.map(|_| ())
     }
 
     async fn power_off(&self, vmm: &VirtualMachineMigration) -> Result<(), Failure> {
@@ -537,6 +567,14 @@ impl DiskStore for EsxiSource {
         Ok(())
     }
 
+    async fn delta_state(&self, vmm: &VirtualMachineMigration, disk: usize) -> CopyState {
+        self.warm_delta_state(vmm, disk).await
+    }
+
+    async fn start_delta_copy(&self, vmm: &VirtualMachineMigration, disk: usize) -> Result<(), Failure> {
+        self.warm_start_delta_copy(vmm, disk).await
+    }
+
     async fn discard_copy(&self, vmm: &VirtualMachineMigration, disk: usize) -> Result<(), Failure> {
         if let Some(task) = self.copies.lock().ok().and_then(|mut c| c.remove(&Self::task_key(vmm, disk))) {
             task.handle.abort();
@@ -549,11 +587,13 @@ impl DiskStore for EsxiSource {
     async fn remove_all(&self, vmm: &VirtualMachineMigration) -> Result<(), Failure> {
         let uid = vmm.metadata.uid.clone().unwrap_or_default();
         if let Ok(mut copies) = self.copies.lock() {
+            let delta_uid = delta_key_uid(&uid);
             copies.retain(|(u, _), task| {
-                if *u == uid {
+                let ours = *u == uid || *u == delta_uid;
+                if ours {
                     task.handle.abort();
                 }
-                *u != uid
+                !ours
             });
         }
         remove_dir(&self.migration_dir(vmm))

@@ -8,11 +8,17 @@
 //! assembled locally (`convert::chain`). Creating is idempotent by name (a
 //! retry after a crash finds the snapshot it made), removing likewise.
 
-use super::adapter::{EsxiSource, join, parent, vim_fault};
+use super::adapter::{CopyTask, EsxiSource, delta_key_uid, join, parent, vim_fault};
+use super::copy::{self, CopyError, CopyPlan, CopyResult};
 use super::parse;
-use super::ssh::RemoteCommand;
+use super::ssh::{RemoteCommand, Session};
 use crate::api::{Reason, VirtualMachineMigration};
-use crate::machine::Failure;
+use crate::convert::chain::{self, DeltaKind};
+use crate::machine::{CopyState, Failure};
+use kube::ResourceExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 /// A snapshot of the source VM as `snapshot.get` lists it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -38,11 +44,7 @@ pub struct ChainLevel {
 /// Most levels a chain is followed through (ESXi allows 32 snapshots).
 const MAX_CHAIN: usize = 32;
 
-/// A snapshot name vmmigrate creates: `vmmigrate-` and a Kubernetes name,
-/// nothing the remote shell could read otherwise.
-pub fn snapshot_name(migration: &str) -> String {
-    format!("vmmigrate-{migration}")
-}
+pub use crate::api::snapshot_name;
 
 fn valid_snapshot_name(name: &str) -> bool {
     name.len() <= 80
@@ -224,6 +226,203 @@ impl EsxiSource {
         }
         Ok(chains)
     }
+}
+
+/// `disk-<n>.assembled`: "size sha256 verified|local", written once the disk
+/// is assembled from its base copy and deltas (it then replaces the base copy).
+fn assembled_marker(local: &Path) -> PathBuf {
+    local.with_extension("assembled")
+}
+
+fn read_assembled(local: &Path) -> Option<(u64, String, bool)> {
+    let text = std::fs::read_to_string(assembled_marker(local)).ok()?;
+    let mut parts = text.split_whitespace();
+    let size = parts.next()?.parse().ok()?;
+    let sha = parts.next()?.to_owned();
+    let verified = parts.next() == Some("verified");
+    // Done only once the copy in place is the assembled disk.
+    let (copy_size, copy_sha, _) = copy::is_complete(local)?;
+    (copy_size == size && copy_sha == sha).then_some((size, sha, verified))
+}
+
+impl EsxiSource {
+    pub(super) async fn warm_delta_state(&self, vmm: &VirtualMachineMigration, disk: usize) -> CopyState {
+        let key = (delta_key_uid(&vmm.metadata.uid.clone().unwrap_or_default()), disk);
+        let finished = {
+            let mut copies = self.copies.lock().unwrap_or_else(|p| p.into_inner());
+            match copies.get(&key) {
+                Some(task) if !task.handle.is_finished() && !task.ended.load(Ordering::Acquire) => {
+                    return CopyState::InProgress {
+                        bytes_done: task.progress.load(Ordering::Relaxed) as i64,
+                        bytes_total: task.total as i64,
+                    };
+                }
+                Some(_) => copies.remove(&key),
+                None => None,
+            }
+        };
+        if let Some(task) = finished {
+            match task.handle.await {
+                Ok(Err(err)) => {
+                    let (failure, _) = err.failure();
+                    return CopyState::Failed { failure, discard: false };
+                }
+                Err(join) if join.is_panic() => {
+                    return CopyState::Failed {
+                        failure: Failure::retryable(Reason::CopyTaskPanicked, "the delta copy task panicked"),
+                        discard: false,
+                    };
+                }
+                _ => {}
+            }
+        }
+        match read_assembled(&self.local_path(vmm, disk)) {
+            Some((size, sha256, verified_remotely)) => {
+                CopyState::Complete { size: size as i64, sha256, verified_remotely }
+            }
+            None => CopyState::Absent,
+        }
+    }
+
+    /// Copies disk `disk`'s deltas (the VM is off, so they no longer change)
+    /// and assembles the disk from its base copy and them, in a task.
+    pub(super) async fn warm_start_delta_copy(
+        &self,
+        vmm: &VirtualMachineMigration,
+        disk: usize,
+    ) -> Result<(), Failure> {
+        let uid = vmm.metadata.uid.clone().unwrap_or_default();
+        let key = (delta_key_uid(&uid), disk);
+        if self.copies.lock().map(|c| c.contains_key(&key)).unwrap_or(false) {
+            return Ok(());
+        }
+        let local = self.local_path(vmm, disk);
+        if read_assembled(&local).is_some() {
+            return Ok(());
+        }
+        let Some((_, _, base_verified)) = copy::is_complete(&local) else {
+            return Err(Failure::retryable(
+                Reason::AcquiredCopyMissing,
+                format!("disk {disk}: no complete copy of its base to assemble on"),
+            ));
+        };
+        let source = Self::disk_of(vmm, disk).ok_or_else(|| {
+            Failure::retryable(Reason::InventoryMissing, format!("no disk {disk} in the inventory"))
+        })?;
+        let chains = self.disk_chains(vmm).await?;
+        let chain = chains.get(disk).cloned().ok_or_else(|| {
+            Failure::needs_human(Reason::SnapshotChainUnexpected, format!("the .vmx has no disk {disk} now"))
+        })?;
+        // Top first down to the base: the base must be the extent that was copied.
+        let Some((base, deltas)) = chain.split_last() else {
+            return Err(Failure::needs_human(
+                Reason::SnapshotChainUnexpected,
+                format!("disk {disk} has no chain"),
+            ));
+        };
+        if base.extent_path != source.extent_path || deltas.is_empty() {
+            return Err(Failure::needs_human(
+                Reason::SnapshotChainUnexpected,
+                format!(
+                    "disk {disk}: expected deltas on top of {}, the host shows {:?}",
+                    source.extent_path,
+                    chain.iter().map(|l| l.descriptor_path.as_str()).collect::<Vec<_>>()
+                ),
+            ));
+        }
+        let mut levels = Vec::new();
+        for (i, level) in deltas.iter().rev().enumerate() {
+            let kind = DeltaKind::from_create_type(&level.create_type).ok_or_else(|| {
+                Failure::needs_human(
+                    Reason::SnapshotChainUnexpected,
+                    format!("{} is not a delta", level.descriptor_path),
+                )
+            })?;
+            // A name of its own: `with_extension` of the copy's name would share its markers.
+            let stem = local.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+            levels.push((
+                kind,
+                level.extent_path.clone(),
+                local.with_file_name(format!("{stem}-delta-{}.vmdk", i + 1)),
+            ));
+        }
+        let capacity = base.capacity_bytes;
+        let session = self.session(vmm).await?;
+        let (chunk_size, streams) = (self.store.chunk_size, self.store.streams);
+        let progress = Arc::new(AtomicU64::new(0));
+        let task_progress = progress.clone();
+        let metrics = self.store.metrics.clone();
+        let wake = self.wake.get().cloned();
+        let (namespace, name) = (vmm.metadata.namespace.clone().unwrap_or_default(), vmm.name_any());
+        let ended = Arc::new(AtomicBool::new(false));
+        let task_ended = ended.clone();
+        let handle = tokio::spawn(async move {
+            let result = copy_and_assemble(
+                session,
+                &local,
+                capacity,
+                &levels,
+                (chunk_size, streams),
+                base_verified,
+                task_progress,
+            )
+            .await;
+            if let Ok(done) = &result {
+                metrics.copied_bytes(done.bytes_read);
+            }
+            task_ended.store(true, Ordering::Release);
+            if let Some(wake) = wake {
+                wake(&namespace, &name);
+            }
+            result
+        });
+        let task = CopyTask { progress, total: 0, ended, handle };
+        if let Ok(mut copies) = self.copies.lock() {
+            copies.insert(key, task);
+        }
+        Ok(())
+    }
+}
+
+/// Copies each delta (with the host's sha256), assembles the disk on the
+/// base copy at `local`, and puts the result in its place with its markers.
+async fn copy_and_assemble(
+    session: Arc<Session>,
+    local: &Path,
+    capacity: u64,
+    levels: &[(DeltaKind, String, PathBuf)],
+    (chunk_size, streams): (u64, usize),
+    base_verified: bool,
+    progress: Arc<AtomicU64>,
+) -> Result<CopyResult, CopyError> {
+    let mut verified = base_verified;
+    let mut bytes_read = 0;
+    let mut copied = Vec::new();
+    for (kind, remote, delta_local) in levels {
+        let plan = CopyPlan { chunk_size, streams, ..CopyPlan::new(remote.clone(), delta_local.clone()) };
+        let done = copy::copy_disk(session.clone(), &plan, progress.clone()).await?;
+        verified &= done.verified_remotely;
+        bytes_read += done.bytes_read;
+        copied.push((*kind, delta_local.clone()));
+    }
+    let work = local.with_extension("assembly");
+    let out = local.with_extension("assembled.raw");
+    chain::assemble(local, capacity, &copied, &work, &out)
+        .await
+        .map_err(|e| CopyError::Io(std::io::Error::other(e.to_string())))?;
+    let sha = copy::sha256_file(&out)?;
+    let how = if verified { "verified" } else { "local" };
+    // The assembled marker first, then the disk in place (re-assembling an
+    // assembled disk with the same deltas gives the same bytes).
+    std::fs::write(assembled_marker(local), format!("{capacity} {sha} {how}\n"))?;
+    let _ = std::fs::remove_file(local.with_extension("sha256"));
+    std::fs::rename(&out, local)?;
+    std::fs::write(local.with_extension("sha256"), format!("{capacity} {sha} {how}\n"))?;
+    let _ = std::fs::remove_dir_all(&work);
+    for (_, delta) in &copied {
+        let _ = copy::discard(delta);
+    }
+    Ok(CopyResult { size: capacity, sha256: sha, verified_remotely: verified, bytes_read })
 }
 
 #[cfg(test)]

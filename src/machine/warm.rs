@@ -1,0 +1,230 @@
+//! Preparing, warm (`spec.mode: Warm`): a snapshot of the source freezes its
+//! base disks, which are copied while the VM runs; at the cutover (the same
+//! gate and power policy as a cold migration) the VM is powered off, only
+//! the snapshot's deltas are copied, each disk is assembled from its base
+//! copy and deltas, and the snapshot is removed (the host consolidates it).
+//! Every step is recorded before the next, and each is idempotent: the
+//! snapshot is found by name, copies resume from their chunks, a disk
+//! assembled twice from the same parts is the same disk.
+
+use super::gates::{hold, note_approval};
+use super::*;
+use crate::api::SnapshotRecord;
+use crate::api::snapshot_name;
+
+pub(super) fn preparing(ctx: &mut Ctx<'_>, facts: &PreparingFacts, input: &Gating) {
+    let name = snapshot_name(ctx.name);
+    let mut off = ctx.status.timestamps.source_powered_off.is_some();
+    match facts.power {
+        SourcePowerState::PoweredOff if !off => {
+            record_powered_off(ctx);
+            off = true;
+        }
+        SourcePowerState::PoweredOn | SourcePowerState::Unknown if off => {
+            return ctx.fail(
+                Phase::Preparing,
+                Failure::needs_human(
+                    Reason::SourcePoweredOnAgain,
+                    "the source VM was powered on again after vmmigrate recorded it off; its disks may have changed. Power it off and retry",
+                ),
+            );
+        }
+        SourcePowerState::Suspended => {
+            return ctx.fail(
+                Phase::Preparing,
+                Failure::needs_human(
+                    Reason::SourceSuspended,
+                    "the source VM is suspended; resume it (or power it off) on the host, then retry",
+                ),
+            );
+        }
+        _ => {}
+    }
+
+    // Done: every disk assembled from its base and deltas. The snapshot goes
+    // (found gone after a crash that removed it: that was this removal).
+    let assembled = off
+        && !facts.deltas.is_empty()
+        && facts.deltas.iter().all(|d| matches!(d, CopyState::Complete { .. }));
+    if assembled {
+        return finish(ctx, facts, &name);
+    }
+
+    match (&ctx.status.snapshot, &facts.snapshot) {
+        (None, existing) => {
+            ctx.actions.push(Action::CreateSnapshot { quiesce: facts.tools_running });
+            ctx.status.snapshot = Some(SnapshotRecord {
+                name: name.clone(),
+                id: existing.clone(),
+                quiesced: facts.tools_running,
+                created: ctx.now.clone(),
+                removed: None,
+            });
+            let how = if facts.tools_running { "quiesced, " } else { "" };
+            ctx.event(
+                EventType::Normal,
+                "SnapshotCreated",
+                format!("snapshot {name} of the source created ({how}no memory): its base disks are copied while the VM runs"),
+            );
+            ctx.condition(
+                condition::DISK_ACQUIRED,
+                false,
+                "SnapshotCreated",
+                format!("snapshot {name} created"),
+            );
+            return ctx.wait(Duration::ZERO);
+        }
+        (Some(record), None) => {
+            // Gone, and not by this migration: the bases copied from it no longer vouch for anything.
+            let message = format!(
+                "the snapshot {} of the source was removed outside vmmigrate; the base copies are discarded, and a retry takes a new snapshot",
+                record.name
+            );
+            ctx.status.snapshot = None;
+            for disk in 0..facts.copies.len() {
+                ctx.actions.push(Action::DiscardDiskCopy { disk });
+            }
+            return ctx.fail(Phase::Preparing, Failure::needs_human(Reason::SnapshotFailed, message));
+        }
+        (Some(record), Some(id)) if record.id.as_ref() != Some(id) => {
+            if let Some(record) = ctx.status.snapshot.as_mut() {
+                record.id = Some(id.clone());
+            }
+        }
+        _ => {}
+    }
+
+    // The frozen bases, copied while the VM runs (after the cutover the
+    // base copies become the assembled disks: only the deltas count).
+    let total = facts.copies.len();
+    if !off {
+        let Some((done, progress)) = tally_copies(ctx, &facts.copies) else { return };
+        if done < total {
+            set_progress(ctx, progress);
+            ctx.condition(
+                condition::DISK_ACQUIRED,
+                false,
+                "CopyingBase",
+                format!("{done} of {total} base disk(s) copied from snapshot {name} while the VM runs"),
+            );
+            return ctx.wait(POLL_IN_PROGRESS);
+        }
+        // Every base copied: the cutover, as for a cold migration.
+        return match fleet::cutover_gate(ctx.spec, &ctx.status, input.now, input.cutover_approved) {
+            Ok(None) => {
+                note_approval(ctx);
+                ctx.condition(
+                    condition::DISK_ACQUIRED,
+                    false,
+                    "BaseCopied",
+                    format!("{total} base disk(s) copied; the source is powered off for the deltas"),
+                );
+                power_down(ctx, facts)
+            }
+            // The bases stay copied and the snapshot stays; the read slot is kept.
+            Ok(Some(wait)) => {
+                ctx.condition(
+                    condition::DISK_ACQUIRED,
+                    false,
+                    "BaseCopied",
+                    format!("{total} base disk(s) copied; waiting for the cutover: {}", wait.message),
+                );
+                hold(ctx, wait)
+            }
+            Err(failure) => ctx.fail(Phase::Preparing, failure),
+        };
+    }
+    ctx.status.waiting = None;
+
+    // After the cutover: only the deltas, then each disk assembled.
+    let mut progress = Progress::default();
+    let mut assembled = 0;
+    for disk in 0..total {
+        let state = facts.deltas.get(disk).cloned().unwrap_or(CopyState::Absent);
+        let (bytes_done, bytes_total) = match &state {
+            CopyState::Absent | CopyState::Partial { .. } => {
+                ctx.actions.push(Action::StartDeltaCopy { disk });
+                (0, 0)
+            }
+            CopyState::InProgress { bytes_done, bytes_total } => (*bytes_done, *bytes_total),
+            CopyState::Complete { size, .. } => {
+                assembled += 1;
+                (*size, *size)
+            }
+            CopyState::Failed { failure, .. } => {
+                ctx.condition(
+                    condition::DISK_ACQUIRED,
+                    false,
+                    failure.reason.as_str(),
+                    failure.message.clone(),
+                );
+                return ctx.fail(Phase::Preparing, failure.clone());
+            }
+        };
+        progress.disks.push(DiskProgress {
+            index: disk as i32,
+            bytes_done,
+            bytes_total,
+            ..Default::default()
+        });
+    }
+    set_progress(ctx, progress);
+    ctx.condition(
+        condition::DISK_ACQUIRED,
+        false,
+        "CopyingDeltas",
+        format!(
+            "{assembled} of {total} disk(s) assembled from their base and the deltas copied after the cutover"
+        ),
+    );
+    ctx.wait(POLL_IN_PROGRESS);
+}
+
+/// Every disk assembled: the snapshot is removed and the disks recorded.
+fn finish(ctx: &mut Ctx<'_>, facts: &PreparingFacts, name: &str) {
+    if facts.snapshot.is_some() {
+        ctx.actions.push(Action::RemoveSnapshot);
+    }
+    if let Some(record) = ctx.status.snapshot.as_mut()
+        && record.removed.is_none()
+    {
+        record.removed = Some(ctx.now.clone());
+        ctx.events.push(Event {
+            type_: EventType::Normal,
+            reason: "SnapshotRemoved".into(),
+            message: format!("snapshot {name} of the source removed (the host consolidated it)"),
+        });
+    }
+    let inventory = ctx.status.source_inventory.clone().unwrap_or_default();
+    ctx.status.disks = facts
+        .deltas
+        .iter()
+        .enumerate()
+        .map(|(i, state)| {
+            let (size, sha, remote) = match state {
+                CopyState::Complete { size, sha256, verified_remotely } => {
+                    (*size, Some(sha256.clone()), Some(*verified_remotely))
+                }
+                _ => (0, None, None),
+            };
+            DiskStatus {
+                index: i as i32,
+                source_path: inventory.disks.get(i).map(|d| d.extent_path.clone()).unwrap_or_default(),
+                size_bytes: size,
+                source_sha256: sha,
+                source_verified_remotely: remote,
+                ..Default::default()
+            }
+        })
+        .collect();
+    ctx.condition(
+        condition::DISK_ACQUIRED,
+        true,
+        "Copied",
+        format!(
+            "{} disk(s): bases copied while the VM ran, deltas after the cutover, assembled and checksummed",
+            facts.deltas.len()
+        ),
+    );
+    ctx.advance(Phase::Converting);
+}

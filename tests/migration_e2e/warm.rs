@@ -1,0 +1,50 @@
+//! Warm migration (`spec.mode: Warm`) through the real controller, against
+//! the ESXi emulator with a guest writing to its disks the whole time: the
+//! snapshot, the bases copied while the VM runs, one power-off at the
+//! cutover, only the deltas after it, real CDI importing the assembled disks.
+
+use super::*;
+use crate::support::esxi_snapshots::GuestWrites;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_warm_migration_of_a_changing_vm_imports_exactly_its_disks_at_power_off_and_copies_only_deltas_after_it()
+ {
+    let m = Migration::pair("e2e-warm").await;
+    let writer = m.emu.start_guest_writes(m.vmid, GuestWrites { blocks_per_second: 500, seed: 3 });
+    m.create(|body| body["spec"]["mode"] = json!("Warm")).await;
+    let vmm = m.wait_completed().await;
+    drop(writer);
+    let status = vmm.status.clone().unwrap();
+
+    // The snapshot: taken, logged, removed; the source powered off once.
+    let snapshot = status.snapshot.clone().expect("the snapshot is logged in the status");
+    assert_eq!(snapshot.name, "vmmigrate-pair");
+    assert!(snapshot.id.is_some() && snapshot.quiesced, "{snapshot:?}");
+    assert!(snapshot.removed.is_some(), "removed after the deltas were copied");
+    let off = status.timestamps.source_powered_off.clone().expect("powered off");
+    assert!(snapshot.created.0 <= off.0, "the snapshot came before the power-off");
+    assert_eq!(m.emu.power_off_transitions(m.vmid), 1);
+    let listed = m.emu.ssh_command().arg("vim-cmd vmsvc/snapshot.get 12").output().unwrap();
+    assert_eq!(String::from_utf8_lossy(&listed.stdout), "Get Snapshot:\n", "no snapshot left on the source");
+
+    // The data: the guest changed the disks during the copy; what was
+    // imported is the disks as they were at power-off, which, with the
+    // snapshot consolidated, is what a cold copy would read now.
+    let now: Vec<String> = m.emu.disk_files(m.vmid).iter().map(|d| copy_sha256(&d.1)).collect();
+    assert_ne!(now, m.source_sha256_at_start(), "the guest wrote during the migration");
+    let recorded: Vec<String> = status.disks.iter().map(|d| d.source_sha256.clone().unwrap()).collect();
+    assert_eq!(recorded, now, "the assembled disks are the disks at power-off");
+    assert!(status.disks.iter().all(|d| d.source_verified_remotely == Some(true)));
+    assert_eq!(m.imported_sha256(2).await, now, "the imported bytes");
+
+    // After the power-off only the deltas traveled.
+    let reads = m.emu.disk_reads();
+    let delta_bytes: u64 =
+        reads.iter().filter(|r| r.path.ends_with("-sesparse.vmdk")).map(|r| r.delivered).sum();
+    let total: u64 = m.emu.disk_files(m.vmid).iter().map(|d| d.3).sum();
+    assert!(delta_bytes > 0 && delta_bytes < total / 2, "deltas: {delta_bytes} of {total} bytes");
+}
+
+fn copy_sha256(path: &std::path::Path) -> String {
+    vmmigrate::source::esxi::copy::sha256_file(path).expect("sha256")
+}
