@@ -10,7 +10,15 @@
 //! `/dev/null`. Each copy must still be verified by the host's own sha256
 //! (`openssl dgst` on the emulated host, as on ESXi), or the run fails.
 //!
-//!   cargo bench --bench cold_path                 # 640 + 384 MiB, 3 runs
+//! Then the downtime of a warm migration against a cold one
+//! (`spec.mode: Warm` / `Cold`): one 1 GiB disk served at a host's stream
+//! rate (`VMMIGRATE_BENCH_RATE_MIB`, 100 MiB/s by default; 0: as fast as
+//! this machine goes), a running guest changing about 5 % of its blocks
+//! during the time one read of the disk takes, the downtime measured from
+//! the status recording the source powered off to the migration entering
+//! Importing.
+//!
+//!   cargo bench --bench cold_path                 # 640 + 384 MiB, 3 runs; then downtime, 3 runs each
 //!   VMMIGRATE_BENCH_MIB=96,32 VMMIGRATE_BENCH_REPEAT=1 cargo bench --bench cold_path
 //!
 //! The source is powered off before each run (the guest's shutdown is the
@@ -49,8 +57,17 @@ fn bare_ssh_cat(emu: &EsxiEmulator) -> f64 {
     started.elapsed().as_secs_f64()
 }
 
-/// `(entered Preparing, entered Converting, entered Importing)` after `started`, in seconds.
-async fn migrate(client: &kube::Client, emu: &EsxiEmulator, run: usize) -> (f64, f64, f64) {
+/// When a migration got where, in seconds after its creation.
+struct Times {
+    preparing: f64,
+    converting: f64,
+    importing: f64,
+    /// When the status first recorded the source powered off.
+    powered_off: Option<f64>,
+}
+
+/// Migrates VM `pair` of `emu` in `mode` (`Cold` or `Warm`) up to Importing.
+async fn migrate(client: &kube::Client, emu: &EsxiEmulator, run: &str, mode: &str) -> Times {
     let ns = format!("cold-path-{}-{run}", std::process::id());
     let namespace: Namespace = serde_json::from_value(serde_json::json!({"metadata": {"name": ns}})).unwrap();
     let namespaces: Api<Namespace> = Api::all(client.clone());
@@ -108,12 +125,14 @@ async fn migrate(client: &kube::Client, emu: &EsxiEmulator, run: usize) -> (f64,
                        "credentialsSecretRef": {"name": "esxi"}, "vm": {"name": "pair"}},
             "destination": {"namespace": ns, "storageClassName": "local-path"},
             "networkMap": [{"source": "VM Network", "type": "Pod"}],
+            "powerOffPolicy": "GracefulThenForce",
+            "mode": mode,
         }
     });
     let vmm: VirtualMachineMigration = serde_json::from_value(body).unwrap();
     let started = Instant::now();
     api.create(&PostParams::default(), &vmm).await.expect("create migration");
-    let (mut preparing, mut converting) = (None, None);
+    let (mut preparing, mut converting, mut powered_off) = (None, None, None);
     let deadline = tokio::time::Instant::now() + Duration::from_secs(600);
     let importing = loop {
         let event = tokio::time::timeout_at(deadline, events.next())
@@ -123,6 +142,9 @@ async fn migrate(client: &kube::Client, emu: &EsxiEmulator, run: usize) -> (f64,
         let Ok(watcher::Event::Apply(object) | watcher::Event::InitApply(object)) = event else { continue };
         let status = object.status.unwrap_or_default();
         let at = started.elapsed().as_secs_f64();
+        if status.timestamps.source_powered_off.is_some() {
+            powered_off.get_or_insert(at);
+        }
         match status.phase {
             Phase::Preparing => {
                 preparing.get_or_insert(at);
@@ -149,7 +171,7 @@ async fn migrate(client: &kube::Client, emu: &EsxiEmulator, run: usize) -> (f64,
     let _ = controller.await;
     let _ = namespaces.delete(&ns, &DeleteParams::default()).await;
     let preparing = preparing.expect("Preparing seen");
-    (preparing, converting.unwrap_or(importing), importing)
+    Times { preparing, converting: converting.unwrap_or(importing), importing, powered_off }
 }
 
 fn main() {
@@ -160,21 +182,25 @@ fn main() {
         .unwrap_or_else(|| vec![640, 384]);
     let repeat: usize =
         std::env::var("VMMIGRATE_BENCH_REPEAT").ok().and_then(|v| v.parse().ok()).unwrap_or(3).max(1);
+    let rate_mib: u64 = std::env::var("VMMIGRATE_BENCH_RATE_MIB").ok().and_then(|v| v.parse().ok()).unwrap_or(100);
     let cluster = KubeEnv::shared();
+    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+
+    // 1. The cold data path beside `ssh cat`, the source off before the run.
     let emu =
         EsxiEmulator::start(EsxiOptions { pair_disk_mib: Some((sizes[0], sizes[1])), ..Default::default() })
             .expect("ESXi emulator");
-    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
     let mut rows = Vec::new();
     runtime.block_on(async {
         let client = cluster.client().await;
         for run in 1..=repeat {
             emu.set_power(VMID, false);
-            let (preparing, converting, importing) = migrate(&client, &emu, run).await;
+            let t = migrate(&client, &emu, &format!("cold-{run}"), "Cold").await;
             let cat = bare_ssh_cat(&emu);
-            rows.push((run, importing - preparing, converting - preparing, importing - converting, cat));
+            rows.push((run, t.importing - t.preparing, t.converting - t.preparing, t.importing - t.converting, cat));
         }
     });
+    drop(emu);
     let mib = sizes[0] + sizes[1];
     println!("\ncold data path: VM `pair`, two disks of {} + {} MiB ({mib} MiB)", sizes[0], sizes[1]);
     println!(
@@ -187,4 +213,58 @@ fn main() {
     let mut ratios: Vec<f64> = rows.iter().map(|r| r.1 / r.4).collect();
     ratios.sort_by(f64::total_cmp);
     println!("median ratio: {:.2}×", ratios[ratios.len() / 2]);
+
+    // 2. Downtime, warm against cold: one 1 GiB disk served at a host's
+    // stream rate, a guest changing about 5 % of its blocks during the copy.
+    let emu = EsxiEmulator::start(EsxiOptions { pair_disk_mib: Some((1024, 0)), ..Default::default() })
+        .expect("ESXi emulator");
+    if rate_mib > 0 {
+        emu.set_read_rate(Some(rate_mib << 20));
+    }
+    let disk_blocks = (1024u64 << 20) / 4096;
+    // 5 % of the blocks over the time one read of the disk takes at the rate.
+    let copy_seconds = if rate_mib > 0 { 1024.0 / rate_mib as f64 } else { 2.0 };
+    let blocks_per_second = ((disk_blocks as f64 * 0.05) / copy_seconds).ceil() as u32;
+    let mut downtime = Vec::new();
+    runtime.block_on(async {
+        let client = cluster.client().await;
+        for run in 1..=repeat {
+            for mode in ["Cold", "Warm"] {
+                emu.set_power(VMID, true);
+                let before = emu.guest_blocks_written();
+                let writer = emu.start_guest_writes(
+                    VMID,
+                    vmmigrate_harness::esxi_snapshots::GuestWrites { blocks_per_second, seed: run as u64 },
+                );
+                let t = migrate(&client, &emu, &format!("{}-{run}", mode.to_lowercase()), mode).await;
+                drop(writer);
+                let written = emu.guest_blocks_written() - before;
+                let off = t.powered_off.expect("the source was powered off");
+                downtime.push((run, mode, t.importing - off, t.importing, written));
+            }
+        }
+    });
+    println!(
+        "\ndowntime: one 1024 MiB disk read at {} MiB/s, a guest writing {blocks_per_second} blocks of 4 KiB per second while on",
+        if rate_mib > 0 { rate_mib.to_string() } else { "full speed".into() }
+    );
+    println!("| run | mode | power-off → Importing (downtime) | create → Importing | guest blocks written while on (of {disk_blocks}) |");
+    println!("|---|---|---:|---:|---:|");
+    for (run, mode, down, total, written) in &downtime {
+        println!(
+            "| {run} | {mode} | {down:.2} s | {total:.2} s | {written} ({:.1} %) |",
+            *written as f64 / disk_blocks as f64 * 100.0
+        );
+    }
+    let median = |mode: &str| {
+        let mut v: Vec<f64> = downtime.iter().filter(|d| d.1 == mode).map(|d| d.2).collect();
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    println!(
+        "median downtime: cold {:.2} s, warm {:.2} s: warm is {:.0} % of cold",
+        median("Cold"),
+        median("Warm"),
+        median("Warm") / median("Cold") * 100.0
+    );
 }

@@ -73,7 +73,7 @@ pub struct EsxiOptions {
     /// the default of ESXi 8) or vmfsSparse (VMFS5).
     pub snapshot_format: crate::vmdk_delta::DeltaFormat,
     /// Adds VM 12 `pair`, powered on with Tools running, with two thick
-    /// disks of these sizes (scsi0:0 and scsi0:1).
+    /// disks of these sizes (scsi0:0 and scsi0:1; a second size of 0: one disk).
     pub pair_disk_mib: Option<(u64, u64)>,
     /// Whether the shell has `sha256sum`.
     pub with_sha256sum: bool,
@@ -1176,10 +1176,10 @@ fn vm_specs(opts: &EsxiOptions) -> Vec<VmSpec> {
         pair.dir = "pair".into();
         pair.hostname = "pair";
         pair.uuid_tail = None;
-        pair.disks = vec![
-            disk("scsi0:0", "pair.vmdk", first, "lsilogic"),
-            disk("scsi0:1", "pair_1.vmdk", second, "lsilogic"),
-        ];
+        pair.disks = vec![disk("scsi0:0", "pair.vmdk", first, "lsilogic")];
+        if second > 0 {
+            pair.disks.push(disk("scsi0:1", "pair_1.vmdk", second, "lsilogic"));
+        }
         pair.nics[0].mac = "00:0c:29:aa:bb:0c";
         vms.push(pair);
     }
