@@ -19,6 +19,7 @@
 //! Importing.
 //!
 //!   cargo bench --bench cold_path                 # 640 + 384 MiB, 3 runs; then downtime, 3 runs each
+//!   VMMIGRATE_BENCH_TRACE=1 ...                   # every status change seen, with its time
 //!   VMMIGRATE_BENCH_MIB=96,32 VMMIGRATE_BENCH_REPEAT=1 cargo bench --bench cold_path
 //!
 //! The source is powered off before each run (the guest's shutdown is the
@@ -145,6 +146,11 @@ async fn migrate(client: &kube::Client, emu: &EsxiEmulator, run: &str, mode: &st
         if status.timestamps.source_powered_off.is_some() {
             powered_off.get_or_insert(at);
         }
+        if std::env::var_os("VMMIGRATE_BENCH_TRACE").is_some() {
+            let acquired =
+                status.conditions.iter().find(|c| c.type_ == "DiskAcquired").map(|c| c.reason.clone());
+            eprintln!("{at:7.2} s {run} {} {acquired:?}", status.phase);
+        }
         match status.phase {
             Phase::Preparing => {
                 preparing.get_or_insert(at);
@@ -182,7 +188,8 @@ fn main() {
         .unwrap_or_else(|| vec![640, 384]);
     let repeat: usize =
         std::env::var("VMMIGRATE_BENCH_REPEAT").ok().and_then(|v| v.parse().ok()).unwrap_or(3).max(1);
-    let rate_mib: u64 = std::env::var("VMMIGRATE_BENCH_RATE_MIB").ok().and_then(|v| v.parse().ok()).unwrap_or(100);
+    let rate_mib: u64 =
+        std::env::var("VMMIGRATE_BENCH_RATE_MIB").ok().and_then(|v| v.parse().ok()).unwrap_or(100);
     let cluster = KubeEnv::shared();
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
 
@@ -197,7 +204,13 @@ fn main() {
             emu.set_power(VMID, false);
             let t = migrate(&client, &emu, &format!("cold-{run}"), "Cold").await;
             let cat = bare_ssh_cat(&emu);
-            rows.push((run, t.importing - t.preparing, t.converting - t.preparing, t.importing - t.converting, cat));
+            rows.push((
+                run,
+                t.importing - t.preparing,
+                t.converting - t.preparing,
+                t.importing - t.converting,
+                cat,
+            ));
         }
     });
     drop(emu);
@@ -236,7 +249,7 @@ fn main() {
                     VMID,
                     vmmigrate_harness::esxi_snapshots::GuestWrites { blocks_per_second, seed: run as u64 },
                 );
-                let t = migrate(&client, &emu, &format!("{}-{run}", mode.to_lowercase()), mode).await;
+                let t = migrate(&client, &emu, &format!("down-{}-{run}", mode.to_lowercase()), mode).await;
                 drop(writer);
                 let written = emu.guest_blocks_written() - before;
                 let off = t.powered_off.expect("the source was powered off");
@@ -248,7 +261,9 @@ fn main() {
         "\ndowntime: one 1024 MiB disk read at {} MiB/s, a guest writing {blocks_per_second} blocks of 4 KiB per second while on",
         if rate_mib > 0 { rate_mib.to_string() } else { "full speed".into() }
     );
-    println!("| run | mode | power-off → Importing (downtime) | create → Importing | guest blocks written while on (of {disk_blocks}) |");
+    println!(
+        "| run | mode | power-off → Importing (downtime) | create → Importing | guest blocks written while on (of {disk_blocks}) |"
+    );
     println!("|---|---|---:|---:|---:|");
     for (run, mode, down, total, written) in &downtime {
         println!(
