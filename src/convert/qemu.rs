@@ -131,6 +131,35 @@ pub async fn convert(
     Ok(())
 }
 
+/// One range of `qemu-img map --output=json`.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+pub struct MapRange {
+    pub start: u64,
+    pub length: u64,
+    /// Allocated in this image (not read through to a backing file or unallocated).
+    #[serde(default)]
+    pub present: bool,
+    #[serde(default)]
+    pub zero: bool,
+    #[serde(default)]
+    pub data: bool,
+    /// Where a data range's bytes lie in the image's data file.
+    #[serde(default)]
+    pub offset: Option<u64>,
+}
+
+/// `qemu-img map --output=json -f <format> <path>`: what each range of the
+/// image is, and where its data lies.
+pub async fn map(path: &Path, format: &str) -> Result<Vec<MapRange>, QemuError> {
+    let mut cmd = qemu_img();
+    cmd.args(["map", "--output=json", "-f", format]).arg(path_arg(path));
+    let out = output(cmd).await?;
+    if !out.status.success() {
+        return Err(failed(format!("qemu-img map of {}", path.display()), &out.stderr));
+    }
+    serde_json::from_slice(&out.stdout).map_err(|e| QemuError::Unparsable(format!("qemu-img map: {e}")))
+}
+
 /// The first executable `virt-v2v` in an absolute `$PATH` directory.
 pub fn virt_v2v_path() -> Option<PathBuf> {
     find_executable("virt-v2v", &std::env::var_os("PATH")?)

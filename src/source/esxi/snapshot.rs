@@ -406,18 +406,19 @@ async fn copy_and_assemble(
         copied.push((*kind, delta_local.clone()));
     }
     let work = local.with_extension("assembly");
-    let out = local.with_extension("assembled.raw");
-    chain::assemble(local, capacity, &copied, &work, &out)
+    // The deltas' ranges onto the base copy, in place: the disk at the
+    // cutover, written in the time the deltas take, not the disk. Done only
+    // once both markers say the new sha256 (the assembled one last); a
+    // crash in between is redone from here, and applying the same deltas
+    // again gives the same bytes.
+    let _ = std::fs::remove_file(assembled_marker(local));
+    chain::apply(local, capacity, &copied, &work)
         .await
         .map_err(|e| CopyError::Io(std::io::Error::other(e.to_string())))?;
-    let sha = copy::sha256_file(&out)?;
+    let sha = copy::sha256_file(local)?;
     let how = if verified { "verified" } else { "local" };
-    // The assembled marker first, then the disk in place (re-assembling an
-    // assembled disk with the same deltas gives the same bytes).
-    std::fs::write(assembled_marker(local), format!("{capacity} {sha} {how}\n"))?;
-    let _ = std::fs::remove_file(local.with_extension("sha256"));
-    std::fs::rename(&out, local)?;
     std::fs::write(local.with_extension("sha256"), format!("{capacity} {sha} {how}\n"))?;
+    std::fs::write(assembled_marker(local), format!("{capacity} {sha} {how}\n"))?;
     let _ = std::fs::remove_dir_all(&work);
     for (_, delta) in &copied {
         let _ = copy::discard(delta);
