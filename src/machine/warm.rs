@@ -94,21 +94,23 @@ pub(super) fn preparing(ctx: &mut Ctx<'_>, facts: &PreparingFacts, input: &Gatin
         _ => {}
     }
 
-    // The frozen bases, copied while the VM runs (after the cutover the
-    // base copies become the assembled disks: only the deltas count).
+    // The frozen bases, copied while the VM runs; a VM that went off before
+    // they were done (the user shut it down) still has them copied first,
+    // as the snapshot keeps them frozen. (Once the deltas are applied, a
+    // base copy reads complete: it is the assembled disk.)
     let total = facts.copies.len();
+    let Some((done, progress)) = tally_copies(ctx, &facts.copies) else { return };
+    if done < total {
+        set_progress(ctx, progress);
+        ctx.condition(
+            condition::DISK_ACQUIRED,
+            false,
+            "CopyingBase",
+            format!("{done} of {total} base disk(s) copied from snapshot {name}"),
+        );
+        return ctx.wait(POLL_IN_PROGRESS);
+    }
     if !off {
-        let Some((done, progress)) = tally_copies(ctx, &facts.copies) else { return };
-        if done < total {
-            set_progress(ctx, progress);
-            ctx.condition(
-                condition::DISK_ACQUIRED,
-                false,
-                "CopyingBase",
-                format!("{done} of {total} base disk(s) copied from snapshot {name} while the VM runs"),
-            );
-            return ctx.wait(POLL_IN_PROGRESS);
-        }
         // Every base copied: the cutover, as for a cold migration.
         return match fleet::cutover_gate(ctx.spec, &ctx.status, input.now, input.cutover_approved) {
             Ok(None) => {

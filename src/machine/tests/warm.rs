@@ -106,6 +106,20 @@ fn after_the_cutover_only_the_deltas_are_copied_then_the_snapshot_goes_and_the_a
 }
 
 #[test]
+fn a_vm_shut_down_by_its_user_before_the_bases_are_copied_gets_them_copied_before_any_delta() {
+    let mut run = warm_run();
+    run.step(facts(SourcePowerState::PoweredOn, vec![CopyState::Absent], None, vec![]), t(0));
+    let partial = CopyState::InProgress { bytes_done: 5, bytes_total: 10 };
+    let d = run.step(facts(SourcePowerState::PoweredOff, vec![partial], Some("4"), vec![]), t(3));
+    assert!(d.status.timestamps.source_powered_off.is_some(), "recorded, though not done by vmmigrate");
+    assert!(d.actions.iter().all(|a| !matches!(a, Action::StartDeltaCopy { .. })), "{:?}", d.actions);
+    assert_eq!(cond(&d.status, condition::DISK_ACQUIRED).unwrap().1, "CopyingBase");
+    let d = run.step(facts(SourcePowerState::PoweredOff, vec![complete_copy()], Some("4"), vec![]), t(6));
+    assert_eq!(d.actions, vec![Action::StartDeltaCopy { disk: 0 }]);
+    assert!(!has_power_action(&d), "it is off already");
+}
+
+#[test]
 fn a_crash_after_removing_the_snapshot_finishes_without_calling_it_foreign() {
     let mut run = warm_run();
     run.step(facts(SourcePowerState::PoweredOn, vec![CopyState::Absent], None, vec![]), t(0));
