@@ -9,7 +9,6 @@
 
 use super::qemu::{self, QemuError};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::AtomicU64;
 
 /// A delta's format, as its descriptor's `createType` names it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -57,76 +56,10 @@ pub enum ChainError {
     Io(#[from] std::io::Error),
 }
 
-/// Writes to `output` (raw) the disk that the flat `base` with `deltas` on
-/// top (lowest first: each delta's kind and its copied data file) holds.
-/// `work` is an empty directory on the same file system as the copies
-/// (they are hard-linked into it under names of our own).
-pub async fn assemble(
-    base: &Path,
-    capacity: u64,
-    deltas: &[(DeltaKind, PathBuf)],
-    work: &Path,
-    output: &Path,
-) -> Result<(), ChainError> {
-    if capacity == 0 || !capacity.is_multiple_of(512) {
-        return Err(ChainError::NotSectors { expected: capacity });
-    }
-    let sectors = capacity / 512;
-    std::fs::create_dir_all(work)?;
-    let link = |from: &Path, name: &str| -> std::io::Result<()> {
-        let to = work.join(name);
-        let _ = std::fs::remove_file(&to);
-        std::fs::hard_link(from, to)
-    };
-    link(base, "base-flat.vmdk")?;
-    std::fs::write(
-        work.join("base.vmdk"),
-        format!(
-            "# Disk DescriptorFile\nversion=1\nencoding=\"UTF-8\"\nCID=00000001\nparentCID=ffffffff\n\
-             createType=\"vmfs\"\n\n# Extent description\nRW {sectors} VMFS \"base-flat.vmdk\"\n"
-        ),
-    )?;
-    let mut top = "base.vmdk".to_owned();
-    for (i, (kind, data)) in deltas.iter().enumerate() {
-        let data_name = format!("level-{}-data.vmdk", i + 1);
-        link(data, &data_name)?;
-        let name = format!("level-{}.vmdk", i + 1);
-        std::fs::write(
-            work.join(&name),
-            format!(
-                "# Disk DescriptorFile\nversion=1\nencoding=\"UTF-8\"\nCID={cid:08x}\nparentCID={parent:08x}\n\
-                 createType=\"{}\"\nparentFileNameHint=\"{top}\"\n\n# Extent description\n\
-                 RW {sectors} {} \"{data_name}\"\n",
-                kind.create_type(),
-                kind.extent_kind(),
-                cid = i + 2,
-                parent = i + 1,
-            ),
-        )?;
-        top = name;
-    }
-    let top = work.join(top);
-    // A delta's own header could claim another size: refuse before writing anything.
-    let info = qemu::info(&top, Some("vmdk")).await?;
-    if info.virtual_size != capacity {
-        return Err(ChainError::SizeMismatch { expected: capacity, actual: info.virtual_size });
-    }
-    let partial = output.with_extension("partial");
-    let _ = std::fs::remove_file(&partial);
-    qemu::convert(&top, "vmdk", &partial, "raw", &AtomicU64::new(0)).await?;
-    let actual = std::fs::metadata(&partial)?.len();
-    if actual != capacity {
-        let _ = std::fs::remove_file(&partial);
-        return Err(ChainError::SizeMismatch { expected: capacity, actual });
-    }
-    std::fs::rename(&partial, output)?;
-    Ok(())
-}
-
 /// Applies `deltas` (lowest first: each delta's kind and its copied data
 /// file) onto `base` in place: every range a delta holds is written into
-/// the base copy, nothing else is touched. The same disk as [`assemble`]
-/// gives, in the time the deltas take rather than the disk. qemu-img reads
+/// the base copy, nothing else is touched: the disk the chain describes, in
+/// the time the deltas take rather than the disk. qemu-img reads
 /// each delta on its own (a descriptor without a parent) and says where its
 /// ranges are (`qemu-img map`); the bytes are then read from the copied
 /// delta at those offsets, each range checked against the disk's and the

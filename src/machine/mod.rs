@@ -574,23 +574,9 @@ fn preparing(ctx: &mut Ctx<'_>, observed: Observed, input: &Gating) {
             }
         }
         SourcePowerState::PoweredOn | SourcePowerState::Unknown if already_off => {
-            return ctx.fail(
-                Phase::Preparing,
-                Failure::needs_human(
-                    Reason::SourcePoweredOnAgain,
-                    "the source VM was powered on again after vmmigrate recorded it off; its disks may have changed. Power it off and retry",
-                ),
-            );
+            return ctx.fail(Phase::Preparing, powered_on_again());
         }
-        SourcePowerState::Suspended => {
-            return ctx.fail(
-                Phase::Preparing,
-                Failure::needs_human(
-                    Reason::SourceSuspended,
-                    "the source VM is suspended; resume and shut it down (or power it off) on the host, then retry",
-                ),
-            );
-        }
+        SourcePowerState::Suspended => return ctx.fail(Phase::Preparing, suspended()),
         SourcePowerState::PoweredOn | SourcePowerState::Unknown => {
             // Nothing irreversible outside the cutover window: a window that
             // closed between admission and the first power action sends the
@@ -694,6 +680,21 @@ fn tally_copies(ctx: &mut Ctx<'_>, copies: &[CopyState]) -> Option<(usize, Progr
         });
     }
     Some((done, progress))
+}
+
+/// The source is on again after vmmigrate recorded it off.
+fn powered_on_again() -> Failure {
+    Failure::needs_human(
+        Reason::SourcePoweredOnAgain,
+        "the source VM was powered on again after vmmigrate recorded it off; its disks may have changed. Power it off and retry",
+    )
+}
+
+fn suspended() -> Failure {
+    Failure::needs_human(
+        Reason::SourceSuspended,
+        "the source VM is suspended; resume and shut it down (or power it off) on the host, then retry",
+    )
 }
 
 /// The source was observed powered off: recorded once.

@@ -21,23 +21,9 @@ pub(super) fn preparing(ctx: &mut Ctx<'_>, facts: &PreparingFacts, input: &Gatin
             off = true;
         }
         SourcePowerState::PoweredOn | SourcePowerState::Unknown if off => {
-            return ctx.fail(
-                Phase::Preparing,
-                Failure::needs_human(
-                    Reason::SourcePoweredOnAgain,
-                    "the source VM was powered on again after vmmigrate recorded it off; its disks may have changed. Power it off and retry",
-                ),
-            );
+            return ctx.fail(Phase::Preparing, powered_on_again());
         }
-        SourcePowerState::Suspended => {
-            return ctx.fail(
-                Phase::Preparing,
-                Failure::needs_human(
-                    Reason::SourceSuspended,
-                    "the source VM is suspended; resume it (or power it off) on the host, then retry",
-                ),
-            );
-        }
+        SourcePowerState::Suspended => return ctx.fail(Phase::Preparing, suspended()),
         _ => {}
     }
 

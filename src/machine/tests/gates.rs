@@ -51,18 +51,7 @@ fn a_validated_migration_held_by_its_wave_or_a_read_slot_stays_validated_says_wh
 fn a_window_holds_the_cutover_until_its_start_and_the_requeue_is_the_start() {
     let mut run = Run::at(Phase::Validated);
     let start = t(3600);
-    run.spec.cutover = crate::api::CutoverSpec {
-        mode: crate::api::CutoverMode::Window,
-        window: Some(crate::api::CutoverWindow {
-            start: start.to_zoned(jiff::tz::TimeZone::UTC).datetime().to_string(),
-            end: (start + SignedDuration::from_hours(2))
-                .to_zoned(jiff::tz::TimeZone::UTC)
-                .datetime()
-                .to_string(),
-            time_zone: "UTC".into(),
-        }),
-        approved: false,
-    };
+    window_in(&mut run, start);
     let d = run.step(Observed::Preflight(Ok(preflight_ok())), t(0));
     assert_eq!(d.status.phase, Phase::Validated);
     let waiting = d.status.waiting.clone().unwrap();

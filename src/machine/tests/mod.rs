@@ -156,6 +156,22 @@ fn complete_copy() -> CopyState {
     CopyState::Complete { size: 1 << 20, sha256: "ab".repeat(32), verified_remotely: true }
 }
 
+/// A cutover window of two hours from `start`, in UTC.
+fn window_in(run: &mut Run, start: Timestamp) {
+    run.spec.cutover = crate::api::CutoverSpec {
+        mode: crate::api::CutoverMode::Window,
+        window: Some(crate::api::CutoverWindow {
+            start: start.to_zoned(jiff::tz::TimeZone::UTC).datetime().to_string(),
+            end: (start + SignedDuration::from_hours(2))
+                .to_zoned(jiff::tz::TimeZone::UTC)
+                .datetime()
+                .to_string(),
+            time_zone: "UTC".into(),
+        }),
+        approved: false,
+    };
+}
+
 fn has_power_action(d: &Decision) -> bool {
     d.actions.iter().any(|a| matches!(a, Action::RequestGuestShutdown | Action::PowerOffHard))
 }

@@ -29,21 +29,6 @@ fn assembled() -> CopyState {
     CopyState::Complete { size: 1 << 20, sha256: "cd".repeat(32), verified_remotely: true }
 }
 
-fn window_in(run: &mut Run, start: Timestamp) {
-    run.spec.cutover = crate::api::CutoverSpec {
-        mode: crate::api::CutoverMode::Window,
-        window: Some(crate::api::CutoverWindow {
-            start: start.to_zoned(jiff::tz::TimeZone::UTC).datetime().to_string(),
-            end: (start + SignedDuration::from_hours(2))
-                .to_zoned(jiff::tz::TimeZone::UTC)
-                .datetime()
-                .to_string(),
-            time_zone: "UTC".into(),
-        }),
-        approved: false,
-    };
-}
-
 #[test]
 fn warm_takes_its_snapshot_first_copies_the_bases_while_the_vm_runs_and_powers_off_only_then() {
     use SourcePowerState::PoweredOn;

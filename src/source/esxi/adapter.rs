@@ -271,6 +271,62 @@ impl EsxiSource {
         migration_copies_dir(&self.store.root, vmm)
     }
 
+    /// The state of the task under `key` while it runs, and once it ended
+    /// its failure (reported once: the entry goes; what it left is discarded
+    /// only when `may_discard`); `None` when the files must speak.
+    pub(super) async fn task_state(
+        &self,
+        key: &(String, usize),
+        what: &str,
+        may_discard: bool,
+    ) -> Option<CopyState> {
+        let finished = {
+            let mut copies = self.copies.lock().unwrap_or_else(|p| p.into_inner());
+            match copies.get(key) {
+                Some(task) if !task.handle.is_finished() && !task.ended.load(Ordering::Acquire) => {
+                    return Some(CopyState::InProgress {
+                        bytes_done: task.progress.load(Ordering::Relaxed) as i64,
+                        bytes_total: task.total as i64,
+                    });
+                }
+                Some(_) => copies.remove(key),
+                None => None,
+            }
+        }?;
+        match finished.handle.await {
+            Ok(Err(err)) => {
+                let (failure, discard) = err.failure();
+                Some(CopyState::Failed { failure, discard: discard && may_discard })
+            }
+            Err(join) if join.is_panic() => Some(CopyState::Failed {
+                failure: Failure::retryable(Reason::CopyTaskPanicked, format!("{what} panicked")),
+                discard: may_discard,
+            }),
+            _ => None,
+        }
+    }
+
+    /// The VM's `.vmx` on the host (its path) and what it says.
+    pub(super) async fn read_vmx(
+        &self,
+        vmm: &VirtualMachineMigration,
+        entry: &parse::VmListEntry,
+    ) -> Result<(String, parse::VmxFacts), Failure> {
+        let vmx_path = if entry.datastore.is_empty() {
+            entry.vmx_path.clone()
+        } else {
+            format!("/vmfs/volumes/{}/{}", entry.datastore, entry.vmx_path)
+        };
+        let vmx = self.run(vmm, head(&vmx_path)).await?;
+        if vmx.exit_status != Some(0) {
+            return Err(Failure::retryable(
+                Reason::VmxUnreadable,
+                format!("cannot read {vmx_path}: {}", vmx.text().trim()),
+            ));
+        }
+        Ok((vmx_path, parse::vmx_facts(&parse::parse_vmx(&vmx.stdout_text()))))
+    }
+
     pub(super) fn disk_of(vmm: &VirtualMachineMigration, disk: usize) -> Option<SourceDisk> {
         vmm.status.as_ref()?.source_inventory.as_ref()?.disks.get(disk).cloned()
     }
@@ -298,6 +354,11 @@ fn credentials_from(field: impl Fn(&str) -> Option<String>, what: &str) -> Resul
     Ok(Credentials { username, secret })
 }
 
+/// `head -c 1 MiB` of a file on the host: how the `.vmx` and descriptors are read.
+pub(super) fn head(path: &str) -> Result<RemoteCommand, SshError> {
+    RemoteCommand::new("head").and_then(|c| c.arg("-c")?.arg("1048576")?.arg(path))
+}
+
 /// The key of a disk's warm delta task in the copy table: apart from its base copy.
 pub(super) fn delta_key_uid(uid: &str) -> String {
     format!("{uid}/delta")
@@ -322,21 +383,7 @@ impl EsxiHost for EsxiSource {
         let guest = self.run(vmm, Self::vim_cmd("vmsvc/get.guest", &vmid)).await?;
         let guest = parse::parse_guest_info(&guest.text());
         let version = self.run(vmm, RemoteCommand::new("vmware").and_then(|c| c.arg("-v"))).await?;
-        let vmx_path = if entry.datastore.is_empty() {
-            entry.vmx_path.clone()
-        } else {
-            format!("/vmfs/volumes/{}/{}", entry.datastore, entry.vmx_path)
-        };
-        let head =
-            |path: &str| RemoteCommand::new("head").and_then(|c| c.arg("-c")?.arg("1048576")?.arg(path));
-        let vmx = self.run(vmm, head(&vmx_path)).await?;
-        if vmx.exit_status != Some(0) {
-            return Err(Failure::retryable(
-                Reason::VmxUnreadable,
-                format!("cannot read {vmx_path}: {}", vmx.text().trim()),
-            ));
-        }
-        let facts = parse::vmx_facts(&parse::parse_vmx(&vmx.stdout_text()));
+        let (vmx_path, facts) = self.read_vmx(vmm, &entry).await?;
         let vm_dir = parent(&vmx_path).to_owned();
         let mut disks = Vec::new();
         for (index, disk) in facts.disks.iter().enumerate() {
@@ -477,38 +524,8 @@ impl DiskStore for EsxiSource {
     }
 
     async fn copy_state(&self, vmm: &VirtualMachineMigration, disk: usize) -> CopyState {
-        let key = Self::task_key(vmm, disk);
-        let finished = {
-            let mut copies = match self.copies.lock() {
-                Ok(c) => c,
-                Err(p) => p.into_inner(),
-            };
-            match copies.get(&key) {
-                Some(task) if !task.handle.is_finished() && !task.ended.load(Ordering::Acquire) => {
-                    return CopyState::InProgress {
-                        bytes_done: task.progress.load(Ordering::Relaxed) as i64,
-                        bytes_total: task.total as i64,
-                    };
-                }
-                Some(_) => copies.remove(&key),
-                None => None,
-            }
-        };
-        if let Some(task) = finished {
-            // A finished task's failure is reported once; afterwards the files speak.
-            match task.handle.await {
-                Ok(Err(err)) => {
-                    let (failure, discard) = err.failure();
-                    return CopyState::Failed { failure, discard };
-                }
-                Err(join) if join.is_panic() => {
-                    return CopyState::Failed {
-                        failure: Failure::retryable(Reason::CopyTaskPanicked, "the copy task panicked"),
-                        discard: true,
-                    };
-                }
-                _ => {}
-            }
+        if let Some(state) = self.task_state(&Self::task_key(vmm, disk), "the copy task", true).await {
+            return state;
         }
         let local = self.local_path(vmm, disk);
         if let Some((size, sha256, verified_remotely)) = copy::is_complete(&local) {

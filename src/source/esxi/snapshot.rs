@@ -8,10 +8,10 @@
 //! assembled locally (`convert::chain`). Creating is idempotent by name (a
 //! retry after a crash finds the snapshot it made), removing likewise.
 
-use super::adapter::{CopyTask, EsxiSource, delta_key_uid, join, parent, vim_fault};
+use super::adapter::{CopyTask, EsxiSource, delta_key_uid, head, join, parent, vim_fault};
 use super::copy::{self, CopyError, CopyPlan, CopyResult};
 use super::parse;
-use super::ssh::{RemoteCommand, Session};
+use super::ssh::Session;
 use crate::api::{Reason, VirtualMachineMigration};
 use crate::convert::chain::{self, DeltaKind};
 use crate::machine::{CopyState, Failure};
@@ -150,21 +150,7 @@ impl EsxiSource {
     /// deltas are followed; anything else is `SnapshotChainUnexpected`.
     pub async fn disk_chains(&self, vmm: &VirtualMachineMigration) -> Result<Vec<Vec<ChainLevel>>, Failure> {
         let entry = self.find_vm(vmm).await?;
-        let vmx_path = if entry.datastore.is_empty() {
-            entry.vmx_path.clone()
-        } else {
-            format!("/vmfs/volumes/{}/{}", entry.datastore, entry.vmx_path)
-        };
-        let head =
-            |path: &str| RemoteCommand::new("head").and_then(|c| c.arg("-c")?.arg("1048576")?.arg(path));
-        let vmx = self.run(vmm, head(&vmx_path)).await?;
-        if vmx.exit_status != Some(0) {
-            return Err(Failure::retryable(
-                Reason::VmxUnreadable,
-                format!("cannot read {vmx_path}: {}", vmx.text().trim()),
-            ));
-        }
-        let facts = parse::vmx_facts(&parse::parse_vmx(&vmx.stdout_text()));
+        let (vmx_path, facts) = self.read_vmx(vmm, &entry).await?;
         let vm_dir = parent(&vmx_path).to_owned();
         let unexpected = |message: String| Failure::needs_human(Reason::SnapshotChainUnexpected, message);
         let mut chains = Vec::new();
@@ -248,33 +234,9 @@ fn read_assembled(local: &Path) -> Option<(u64, String, bool)> {
 impl EsxiSource {
     pub(super) async fn warm_delta_state(&self, vmm: &VirtualMachineMigration, disk: usize) -> CopyState {
         let key = (delta_key_uid(&vmm.metadata.uid.clone().unwrap_or_default()), disk);
-        let finished = {
-            let mut copies = self.copies.lock().unwrap_or_else(|p| p.into_inner());
-            match copies.get(&key) {
-                Some(task) if !task.handle.is_finished() && !task.ended.load(Ordering::Acquire) => {
-                    return CopyState::InProgress {
-                        bytes_done: task.progress.load(Ordering::Relaxed) as i64,
-                        bytes_total: task.total as i64,
-                    };
-                }
-                Some(_) => copies.remove(&key),
-                None => None,
-            }
-        };
-        if let Some(task) = finished {
-            match task.handle.await {
-                Ok(Err(err)) => {
-                    let (failure, _) = err.failure();
-                    return CopyState::Failed { failure, discard: false };
-                }
-                Err(join) if join.is_panic() => {
-                    return CopyState::Failed {
-                        failure: Failure::retryable(Reason::CopyTaskPanicked, "the delta copy task panicked"),
-                        discard: false,
-                    };
-                }
-                _ => {}
-            }
+        // A failed delta copy never discards: the base copy under it is good.
+        if let Some(state) = self.task_state(&key, "the delta copy task", false).await {
+            return state;
         }
         match read_assembled(&self.local_path(vmm, disk)) {
             Some((size, sha256, verified_remotely)) => {

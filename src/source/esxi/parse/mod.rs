@@ -21,14 +21,14 @@ pub(crate) use vim_cmd::{
     VmListEntry, parse_fault, parse_getallvms, parse_guest_info, parse_message, parse_power_state,
     parse_snapshots,
 };
-pub(crate) use vmx::{parse_vmx, vmx_facts};
+pub(crate) use vmx::{VmxFacts, parse_vmx, vmx_facts};
 // What only the tests name.
 #[cfg(test)]
 use {
     descriptor::{Descriptor, Extent},
     vim_cmd::{Fault, GuestInfo, GuestNic, Snapshot, Summary, parse_summary, split_datastore_path},
     vmodl::{Vmodl, parse_vmodl},
-    vmx::{VmxDisk, VmxFacts, VmxNic},
+    vmx::{VmxDisk, VmxNic},
 };
 
 #[cfg(test)]
