@@ -26,6 +26,8 @@ pub(crate) mod labels {
     pub(crate) const MIGRATION_UID: &str = "migration.platform.example/migration-uid";
     /// The disk index on DataVolumes and conversion Jobs.
     pub(crate) const DISK: &str = "migration.platform.example/disk";
+    /// `"true"` on what a rehearsal (`spec.mode: Rehearsal`) created.
+    pub(crate) const REHEARSAL: &str = "migration.platform.example/rehearsal";
 }
 
 /// Condition types written by the controller.

@@ -87,6 +87,7 @@ reasons! {
     HostFault,
     SnapshotFailed,
     SnapshotChainUnexpected,
+    PowerActionRefused,
     APIUnavailable,
     // The disk copy
     ChecksumMismatch,

@@ -54,6 +54,7 @@ pub const APPROVE_CUTOVER_ANNOTATION: &str = "migration.platform.example/approve
     printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp")
 )]
 #[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("!has(self.rehearsal) || (has(self.mode) && self.mode == 'Rehearsal')").message("spec.rehearsal is only allowed with mode Rehearsal"))]
 pub struct VirtualMachineMigrationSpec {
     /// The ESXi host and the VM on it.
     pub source: SourceSpec,
@@ -93,8 +94,86 @@ pub struct VirtualMachineMigrationSpec {
     /// only the snapshot's deltas are copied, the disks are assembled from
     /// base and deltas, and the snapshot is removed. The VM is off only for
     /// the deltas. A source already powered off is copied cold.
+    /// `Rehearsal`: a trial run that never powers the source off: the disks
+    /// are copied from a snapshot while the VM runs, the snapshot is removed
+    /// once they are copied, and the copy is imported and started under
+    /// another name (`spec.rehearsal`) with its networks detached or on the
+    /// one network named there; the checks run and are reported, and
+    /// everything it created goes when the migration is deleted.
     #[serde(default, skip_serializing_if = "MigrationMode::is_cold")]
     pub mode: MigrationMode,
+    /// The rehearsal VM's name and network, for `mode: Rehearsal`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rehearsal: Option<RehearsalSpec>,
+}
+
+impl VirtualMachineMigrationSpec {
+    /// The runStrategy the destination VM is given once created: a
+    /// rehearsal is a boot test, so its VM is always started.
+    pub(crate) fn run_strategy(&self) -> RunStrategy {
+        match self.mode {
+            MigrationMode::Rehearsal => RunStrategy::Always,
+            _ => self.destination.run_strategy,
+        }
+    }
+
+    /// The checks that run in Validating, in order: all of them, except in a
+    /// rehearsal those that could not reach its VM ([`Self::skipped_checks`]).
+    pub(crate) fn checks_to_run(&self) -> Vec<&ValidationCheck> {
+        let skipped = self.skipped_checks();
+        self.validation.checks.iter().filter(|c| !skipped.iter().any(|(name, _)| *name == c.name)).collect()
+    }
+
+    /// The checks a rehearsal cannot run, each with why: an HTTP check goes
+    /// through a Service on the pod network, which a rehearsal VM is never
+    /// on; without a network the VM reports no address either.
+    pub(crate) fn skipped_checks(&self) -> Vec<(&str, &'static str)> {
+        if self.mode != MigrationMode::Rehearsal {
+            return Vec::new();
+        }
+        let detached = self.rehearsal.as_ref().is_none_or(|r| r.network_name.is_none());
+        self.validation
+            .checks
+            .iter()
+            .filter_map(|c| match c.kind() {
+                Some(CheckKindRef::Http(_)) => Some((
+                    c.name.as_str(),
+                    "an HTTP check goes through the pod network, which a rehearsal VM is not on",
+                )),
+                Some(CheckKindRef::Ip) if detached => {
+                    Some((c.name.as_str(), "the rehearsal VM has no network, so no address"))
+                }
+                _ => None,
+            })
+            .collect()
+    }
+}
+
+/// Where a rehearsal's copy runs.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct RehearsalSpec {
+    /// Name of the rehearsal VirtualMachine (its DataVolumes are `<name>-disk-<n>`);
+    /// defaults to the destination name with `-rehearsal` appended.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 55), regex(pattern = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"))]
+    pub name: Option<String>,
+    /// A NetworkAttachmentDefinition (`name` or `namespace/name`) every NIC
+    /// of the rehearsal VM is attached to, with a MAC address of its own.
+    /// Unset: the rehearsal VM has no network at all (not even the pod
+    /// network), so it can never answer for the running source.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 253))]
+    pub network_name: Option<String>,
+}
+
+/// The name of the VM a rehearsal creates: `spec.rehearsal.name`, else
+/// `<destination>-rehearsal`.
+pub(crate) fn rehearsal_name(spec: &VirtualMachineMigrationSpec, destination: &str) -> String {
+    match spec.rehearsal.as_ref().and_then(|r| r.name.clone()) {
+        Some(name) => name,
+        None => format!("{destination}-rehearsal"),
+    }
 }
 
 /// The name of the snapshot a warm migration named `migration` takes of its
@@ -109,11 +188,22 @@ pub enum MigrationMode {
     #[default]
     Cold,
     Warm,
+    Rehearsal,
 }
 
 impl MigrationMode {
     fn is_cold(&self) -> bool {
         *self == MigrationMode::Cold
+    }
+
+    /// Warm and Rehearsal copy from a snapshot while the source runs.
+    pub fn takes_snapshot(self) -> bool {
+        matches!(self, MigrationMode::Warm | MigrationMode::Rehearsal)
+    }
+
+    /// Only a rehearsal leaves the source's power alone, always.
+    pub fn may_power_off(self) -> bool {
+        self != MigrationMode::Rehearsal
     }
 }
 

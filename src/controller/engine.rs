@@ -100,7 +100,7 @@ pub(crate) async fn observe(adapters: &Adapters, vmm: &VirtualMachineMigration) 
             }
             let status = vmm.status.clone().unwrap_or_default();
             let warm = vmm.spec.mode == MigrationMode::Warm;
-            let snapshot = if warm {
+            let snapshot = if vmm.spec.mode.takes_snapshot() {
                 let name = snapshot_name(&vmm.name_any());
                 match bounded("ESXi snapshots", ssh_timeout(vmm), adapters.esxi.snapshot_id(vmm, &name)).await
                 {
@@ -201,7 +201,7 @@ pub(crate) async fn observe(adapters: &Adapters, vmm: &VirtualMachineMigration) 
         }
         Phase::Validating => {
             let mut results = Vec::new();
-            for check in &vmm.spec.validation.checks {
+            for check in vmm.spec.checks_to_run() {
                 let result = tokio::time::timeout(CALL_TIMEOUT, adapters.prober.check(vmm, check)).await;
                 results.push(result.unwrap_or_else(|_| machine::CheckResult::NotYet {
                     message: format!("check {:?} did not answer in time", check.name),
@@ -230,6 +230,13 @@ pub(crate) async fn perform(
     let esxi = ssh_timeout(vmm);
     match action {
         Action::RemoveRetryAnnotation => Ok(()),
+        // A rehearsal never powers its source off: refused here too, whatever asked.
+        Action::RequestGuestShutdown | Action::PowerOffHard if !vmm.spec.mode.may_power_off() => {
+            Err(Failure::terminal(
+                Reason::PowerActionRefused,
+                "a rehearsal never powers its source off; the power action was refused",
+            ))
+        }
         Action::RequestGuestShutdown => {
             bounded("ESXi shutdown", esxi, adapters.esxi.request_shutdown(vmm)).await
         }
@@ -290,6 +297,9 @@ pub(crate) async fn perform(
         }
         Action::ReleaseDestination => {
             bounded("destination release", CALL_TIMEOUT, adapters.cluster.release_destination(vmm)).await
+        }
+        Action::ReleaseSourceClaim => {
+            bounded("source claim release", CALL_TIMEOUT, adapters.cluster.release_source(vmm)).await
         }
     }
 }

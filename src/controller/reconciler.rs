@@ -382,8 +382,8 @@ async fn apply_step(
     let cutover_approved = vmm.annotations().get(APPROVE_CUTOVER_ANNOTATION).is_some_and(|v| v == "true");
     let now = Timestamp::now();
     let status = vmm.status.clone().unwrap_or_default();
-    // A warm migration copies its frozen bases before the cutover: it asks for a read slot at once.
-    let cutover_open = vmm.spec.mode == crate::api::MigrationMode::Warm
+    // Warm and Rehearsal copy from a snapshot before any cutover: they ask for a read slot at once.
+    let cutover_open = vmm.spec.mode.takes_snapshot()
         || matches!(machine::fleet::cutover_gate(&vmm.spec, &status, now, cutover_approved), Ok(None));
     let input = StepInput {
         now,

@@ -136,7 +136,7 @@ impl KubeCluster {
     }
 
     fn vm_name(vmm: &VirtualMachineMigration) -> String {
-        destination_name(&vmm.spec, vmm.metadata.name.as_deref().unwrap_or_default()).to_owned()
+        destination_name(&vmm.spec, vmm.metadata.name.as_deref().unwrap_or_default()).into_owned()
     }
 
     fn dv_name(vmm: &VirtualMachineMigration, disk: usize) -> String {
@@ -518,7 +518,7 @@ impl Cluster for KubeCluster {
 
     async fn starting(&self, vmm: &VirtualMachineMigration) -> Result<StartingFacts, Failure> {
         let name = Self::vm_name(vmm);
-        let wanted = serde_json::to_value(vmm.spec.destination.run_strategy).unwrap_or(Value::Null);
+        let wanted = serde_json::to_value(vmm.spec.run_strategy()).unwrap_or(Value::Null);
         let vm = self.get(vmm, &virtual_machine_resource(), &name).await?;
         let run_strategy_set = vm.as_ref().and_then(|vm| vm.data["spec"].get("runStrategy")) == Some(&wanted);
         let vmi = match self.get(vmm, &virtual_machine_instance_resource(), &name).await? {
@@ -559,7 +559,7 @@ impl Cluster for KubeCluster {
 
     async fn set_run_strategy(&self, vmm: &VirtualMachineMigration) -> Result<(), Failure> {
         let name = Self::vm_name(vmm);
-        let patch = json!({ "spec": { "runStrategy": vmm.spec.destination.run_strategy } });
+        let patch = json!({ "spec": { "runStrategy": vmm.spec.run_strategy() } });
         self.dynamic(vmm, &virtual_machine_resource())
             .patch(&name, &PatchParams::default().validation_strict(), &Patch::Merge(&patch))
             .await
@@ -613,7 +613,7 @@ impl Prober for KubeProber {
             &vmm.spec.destination.namespace,
             &virtual_machine_instance_resource(),
         );
-        let vmi = match api.get_opt(name).await {
+        let vmi = match api.get_opt(&name).await {
             Ok(Some(vmi)) => vmi,
             Ok(None) => return CheckResult::NotYet { message: "the VMI does not exist yet".into() },
             Err(e) => return CheckResult::NotYet { message: format!("reading the VMI: {e}") },

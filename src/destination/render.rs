@@ -7,14 +7,14 @@
 //! `sata`); NVMe becomes `virtio`. NICs: vmxnet3 → virtio, e1000/e1000e kept;
 //! the MAC address is preserved.
 
-use crate::api::{Firmware, ImportVerification, NetworkKind, VirtualMachineMigration};
+use crate::api::{Firmware, ImportVerification, MigrationMode, NetworkKind, VirtualMachineMigration};
 use crate::machine::{data_volume_name, destination_name};
 use crate::ports::ImportAccess;
 use serde_json::{Value, json};
 
 use crate::api::labels::{
     DISK as LABEL_DISK, MIGRATION as LABEL_MIGRATION, MIGRATION_NAMESPACE as LABEL_MIGRATION_NAMESPACE,
-    MIGRATION_UID as LABEL_MIGRATION_UID,
+    MIGRATION_UID as LABEL_MIGRATION_UID, REHEARSAL as LABEL_REHEARSAL,
 };
 
 /// Labels linking an object back to its migration.
@@ -25,6 +25,9 @@ pub(crate) fn labels(vmm: &VirtualMachineMigration) -> serde_json::Map<String, V
     labels
         .insert(LABEL_MIGRATION_NAMESPACE.into(), json!(vmm.metadata.namespace.clone().unwrap_or_default()));
     labels.insert(LABEL_MIGRATION_UID.into(), json!(vmm.metadata.uid.clone().unwrap_or_default()));
+    if vmm.spec.mode == MigrationMode::Rehearsal {
+        labels.insert(LABEL_REHEARSAL.into(), json!("true"));
+    }
     labels
 }
 
@@ -84,8 +87,10 @@ pub(crate) fn import_ca(vmm: &VirtualMachineMigration, disk: usize, access: &Imp
 }
 
 fn import_metadata(vmm: &VirtualMachineMigration, disk: usize, name: fn(&str) -> String) -> Value {
-    let dv =
-        data_volume_name(destination_name(&vmm.spec, vmm.metadata.name.as_deref().unwrap_or_default()), disk);
+    let dv = data_volume_name(
+        &destination_name(&vmm.spec, vmm.metadata.name.as_deref().unwrap_or_default()),
+        disk,
+    );
     let mut labels = labels(vmm);
     labels.insert(LABEL_DISK.into(), json!(disk.to_string()));
     json!({
@@ -100,8 +105,10 @@ fn import_metadata(vmm: &VirtualMachineMigration, disk: usize, name: fn(&str) ->
 /// with the credentials of [`import_secret`] and the CA of [`import_ca`].
 pub(crate) fn data_volume(vmm: &VirtualMachineMigration, disk: usize) -> Value {
     let status = vmm.status.clone().unwrap_or_default();
-    let name =
-        data_volume_name(destination_name(&vmm.spec, vmm.metadata.name.as_deref().unwrap_or_default()), disk);
+    let name = data_volume_name(
+        &destination_name(&vmm.spec, vmm.metadata.name.as_deref().unwrap_or_default()),
+        disk,
+    );
     let evidence = status.disks.get(disk).cloned().unwrap_or_default();
     let size = evidence.size_bytes.max(1);
     // Whole MiB, rounded up: CDI sizes the PVC from this.
@@ -146,7 +153,7 @@ pub(crate) fn data_volume(vmm: &VirtualMachineMigration, disk: usize) -> Value {
 pub(crate) fn virtual_machine(vmm: &VirtualMachineMigration) -> Value {
     let status = vmm.status.clone().unwrap_or_default();
     let inventory = status.source_inventory.clone().unwrap_or_default();
-    let name = destination_name(&vmm.spec, vmm.metadata.name.as_deref().unwrap_or_default()).to_owned();
+    let name = destination_name(&vmm.spec, vmm.metadata.name.as_deref().unwrap_or_default()).into_owned();
     let (sockets, cores) = match &vmm.spec.destination.cpu {
         Some(cpu) => (cpu.sockets, cpu.cores),
         None => (inventory.cpu_sockets.max(1), inventory.cores_per_socket.max(1)),
@@ -182,13 +189,27 @@ pub(crate) fn virtual_machine(vmm: &VirtualMachineMigration) -> Value {
     }
     let mut interfaces = Vec::new();
     let mut networks = Vec::new();
+    // A rehearsal runs beside its running source: never on the pod network
+    // (no Service of the source's can reach it), with its NICs detached or
+    // on the one network named for it, each with a MAC address of its own.
+    let rehearsal = vmm.spec.mode == MigrationMode::Rehearsal;
+    let rehearsal_network = vmm.spec.rehearsal.as_ref().and_then(|r| r.network_name.clone());
     for (i, nic) in inventory.nics.iter().enumerate() {
+        if rehearsal && rehearsal_network.is_none() {
+            break;
+        }
         let mapping = vmm.spec.network_map.iter().find(|m| m.source == nic.network);
         let model = match nic.model.as_str() {
             "e1000" | "e1000e" => nic.model.as_str(),
             _ => "virtio",
         };
         let mut iface = json!({ "name": format!("nic-{i}"), "model": model });
+        if let Some(network) = rehearsal_network.as_ref().filter(|_| rehearsal) {
+            iface["bridge"] = json!({});
+            networks.push(json!({ "name": format!("nic-{i}"), "multus": { "networkName": network } }));
+            interfaces.push(iface);
+            continue;
+        }
         if !nic.mac_address.is_empty() {
             iface["macAddress"] = json!(nic.mac_address);
         }
@@ -204,6 +225,11 @@ pub(crate) fn virtual_machine(vmm: &VirtualMachineMigration) -> Value {
             }
         }
         interfaces.push(iface);
+    }
+    let mut devices = json!({ "disks": disks, "interfaces": interfaces });
+    if rehearsal && networks.is_empty() {
+        // Without this KubeVirt adds a pod network interface by itself.
+        devices["autoattachPodInterface"] = json!(false);
     }
     let mut template_labels = labels(vmm);
     template_labels.insert("kubevirt.io/domain".into(), json!(name));
@@ -227,7 +253,7 @@ pub(crate) fn virtual_machine(vmm: &VirtualMachineMigration) -> Value {
                         "resources": { "requests": { "memory": memory } },
                         "firmware": firmware,
                         "features": features,
-                        "devices": { "disks": disks, "interfaces": interfaces },
+                        "devices": devices,
                     },
                     "networks": networks,
                     "volumes": volumes,

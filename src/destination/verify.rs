@@ -44,8 +44,10 @@ pub(crate) fn crd_has_checksum(crd: &Value) -> bool {
 
 /// The verify Job's name: `<dv>-verify`, at most 63 characters.
 pub(crate) fn job_name(vmm: &VirtualMachineMigration, disk: usize) -> String {
-    let dv =
-        data_volume_name(destination_name(&vmm.spec, vmm.metadata.name.as_deref().unwrap_or_default()), disk);
+    let dv = data_volume_name(
+        &destination_name(&vmm.spec, vmm.metadata.name.as_deref().unwrap_or_default()),
+        disk,
+    );
     crate::convert::job::bounded_name(&dv, "-verify")
 }
 
@@ -54,8 +56,10 @@ pub(crate) fn job_name(vmm: &VirtualMachineMigration, disk: usize) -> String {
 pub(crate) fn verify_job(settings: &VerifySettings, vmm: &VirtualMachineMigration, disk: usize) -> Value {
     let status = vmm.status.clone().unwrap_or_default();
     let evidence = status.disks.get(disk).cloned().unwrap_or_default();
-    let dv =
-        data_volume_name(destination_name(&vmm.spec, vmm.metadata.name.as_deref().unwrap_or_default()), disk);
+    let dv = data_volume_name(
+        &destination_name(&vmm.spec, vmm.metadata.name.as_deref().unwrap_or_default()),
+        disk,
+    );
     let mut labels = labels(vmm);
     labels.insert(crate::convert::job::LABEL_ROLE.into(), json!("verify"));
     labels.insert(crate::api::labels::DISK.into(), json!(disk.to_string()));

@@ -27,7 +27,7 @@ pub(super) fn validated(ctx: &mut Ctx<'_>, observed: Observed, input: &Gating) {
         ctx.record_error(Phase::Validated, &failure);
         return ctx.enter(Phase::Discovering);
     };
-    let blockers = preflight::blockers(ctx.spec, ctx.destination, &inventory, &facts);
+    let blockers = preflight::blockers(ctx.spec, &ctx.destination, &inventory, &facts);
     if blockers.is_empty() {
         ctx.status.blockers.clear();
         ctx.condition(condition::VALIDATED, true, "ChecksPassed", "all pre-flight checks passed");
@@ -66,8 +66,8 @@ fn gate(ctx: &mut Ctx<'_>, input: &Gating) -> Result<Option<fleet::Wait>, Failur
         return Ok(Some(wait.clone()));
     }
     // A warm migration's copy of the frozen bases runs early: its cutover
-    // gate is asked in Preparing, before the power-off.
-    if !warm(ctx.spec) {
+    // gate is asked in Preparing, before the power-off. A rehearsal has no cutover.
+    if !copies_before_cutover(ctx.spec) {
         if let Some(wait) = fleet::cutover_gate(ctx.spec, &ctx.status, input.now, input.cutover_approved)? {
             return Ok(Some(wait));
         }
@@ -76,8 +76,9 @@ fn gate(ctx: &mut Ctx<'_>, input: &Gating) -> Result<Option<fleet::Wait>, Failur
     Ok(input.fleet.slot.clone())
 }
 
-fn warm(spec: &VirtualMachineMigrationSpec) -> bool {
-    spec.mode == crate::api::MigrationMode::Warm
+/// Warm and Rehearsal copy from a snapshot before any cutover gate.
+fn copies_before_cutover(spec: &VirtualMachineMigrationSpec) -> bool {
+    spec.mode.takes_snapshot()
 }
 
 /// Records an approval of the cutover the first time it is seen (the gate is open).
@@ -97,7 +98,7 @@ pub(crate) fn held_at_gate(input: &Input<'_>) -> bool {
     conditions::is_true(input.status, condition::VALIDATED)
         && input.status.observed_generation == Some(input.generation)
         && (input.fleet.wave.is_some()
-            || (!warm(input.spec)
+            || (!copies_before_cutover(input.spec)
                 && !matches!(
                     fleet::cutover_gate(input.spec, input.status, input.now, input.cutover_approved),
                     Ok(None)

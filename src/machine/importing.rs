@@ -18,7 +18,7 @@ pub(super) fn importing(ctx: &mut Ctx<'_>, observed: Observed) {
     let mut progress = Progress::default();
     let mut importer_trouble = Vec::new();
     for (disk, dv) in volumes.iter().enumerate() {
-        let name = data_volume_name(ctx.destination, disk);
+        let name = data_volume_name(&ctx.destination, disk);
         if let Some(d) = ctx.status.disks.get_mut(disk) {
             d.data_volume_name = Some(name.clone());
         }

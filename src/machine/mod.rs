@@ -18,6 +18,7 @@ mod gates;
 mod importing;
 mod observe;
 pub(crate) mod preflight;
+mod rehearsal;
 pub mod tenancy;
 mod warm;
 
@@ -28,8 +29,8 @@ pub use observe::*;
 
 use crate::api::{
     CleanupAction, DiskFormat, DiskProgress, DiskStatus, ImportVerification, MAX_ERRORS, MAX_HISTORY,
-    MigrationError, Phase, PhaseTransition, PowerOffPolicy, Progress, RetriesExhausted, RetryStatus,
-    RunStrategy, SourcePowerState, ValidationResult, VirtualMachineMigrationSpec,
+    MigrationError, MigrationMode, Phase, PhaseTransition, PowerOffPolicy, Progress, RetriesExhausted,
+    RetryStatus, RunStrategy, SourcePowerState, ValidationResult, VirtualMachineMigrationSpec,
     VirtualMachineMigrationStatus, condition,
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
@@ -144,6 +145,9 @@ pub enum Action {
     /// Remove owner references from the VirtualMachine and DataVolumes so that
     /// deleting the migration never deletes the migrated VM.
     ReleaseDestination,
+    /// Give up the claim on the source VM: a finished rehearsal is done with
+    /// it, and the migration itself may claim it.
+    ReleaseSourceClaim,
 }
 
 /// `Normal` or `Warning`.
@@ -173,12 +177,17 @@ pub struct Decision {
     pub events: Vec<Event>,
 }
 
-/// The destination VM name: `spec.destination.name`, else the migration's name.
+/// The destination VM name: `spec.destination.name`, else the migration's
+/// name; a rehearsal's VM has a name of its own ([`crate::api::rehearsal_name`]).
 pub(crate) fn destination_name<'a>(
     spec: &'a VirtualMachineMigrationSpec,
     migration_name: &'a str,
-) -> &'a str {
-    spec.destination.name.as_deref().unwrap_or(migration_name)
+) -> std::borrow::Cow<'a, str> {
+    let name = spec.destination.name.as_deref().unwrap_or(migration_name);
+    if spec.mode == crate::api::MigrationMode::Rehearsal {
+        return crate::api::rehearsal_name(spec, name).into();
+    }
+    name.into()
 }
 
 /// Deterministic DataVolume name of disk `n`.
@@ -221,7 +230,7 @@ struct Ctx<'a> {
     now: Time,
     now_ts: Timestamp,
     jitter: f64,
-    destination: &'a str,
+    destination: std::borrow::Cow<'a, str>,
     status: VirtualMachineMigrationStatus,
     actions: Vec<Action>,
     events: Vec<Event>,
@@ -367,7 +376,23 @@ impl<'a> Ctx<'a> {
             return;
         }
         let completed = self.status.phase == Phase::Completed;
-        if completed || self.spec.cleanup.on_failure == CleanupAction::Retain {
+        // A migration that ends never leaves its snapshot on the source.
+        if let Some(record) = self.status.snapshot.as_mut()
+            && record.removed.is_none()
+        {
+            record.removed = Some(self.now.clone());
+            let message = format!("snapshot {} of the source removed (the migration ended)", record.name);
+            self.actions.push(Action::RemoveSnapshot);
+            self.event(EventType::Normal, "SnapshotRemoved", message);
+        }
+        if self.spec.mode == MigrationMode::Rehearsal {
+            // A rehearsal's VM and volumes go with its manifest (its owner
+            // references stay); the source is the migration's to claim.
+            self.actions.push(Action::ReleaseSourceClaim);
+            if !completed && self.spec.cleanup.on_failure == CleanupAction::Delete {
+                self.actions.push(Action::DeleteDestination);
+            }
+        } else if completed || self.spec.cleanup.on_failure == CleanupAction::Retain {
             // The migrated (or kept) VM must outlive its migration object.
             self.actions.push(Action::ReleaseDestination);
         } else {
@@ -496,7 +521,10 @@ pub(crate) fn cleanup_on_delete(
     if spec.cleanup.staging == CleanupAction::Delete || status.phase != Phase::Completed {
         actions.push(Action::CleanupStaging);
     }
-    if status.phase == Phase::Completed || spec.cleanup.on_failure == CleanupAction::Retain {
+    // What a rehearsal created goes with it, whatever its phase.
+    if spec.mode != MigrationMode::Rehearsal
+        && (status.phase == Phase::Completed || spec.cleanup.on_failure == CleanupAction::Retain)
+    {
         actions.push(Action::ReleaseDestination);
     } else {
         actions.push(Action::DeleteDestination);
@@ -559,10 +587,14 @@ fn preparing(ctx: &mut Ctx<'_>, observed: Observed, input: &Gating) {
         ctx.event(EventType::Warning, "NotValidated", "Preparing without Validated=True; validating first");
         return ctx.enter(Phase::Validated);
     }
+    // A rehearsal never looks at the power: it copies from a snapshot.
+    if ctx.spec.mode == MigrationMode::Rehearsal {
+        return rehearsal::preparing(ctx, &facts);
+    }
     let already_off = ctx.status.timestamps.source_powered_off.is_some();
     // Warm: once a snapshot was taken, or while the source runs. A source
     // already off before anything was taken is copied cold.
-    if ctx.spec.mode == crate::api::MigrationMode::Warm
+    if ctx.spec.mode == MigrationMode::Warm
         && (ctx.status.snapshot.is_some() || (!already_off && facts.power != SourcePowerState::PoweredOff))
     {
         return warm::preparing(ctx, &facts, input);
@@ -595,29 +627,7 @@ fn preparing(ctx: &mut Ctx<'_>, observed: Observed, input: &Gating) {
     let total = facts.copies.len();
     let Some((done, progress)) = tally_copies(ctx, &facts.copies) else { return };
     if done == total && total > 0 {
-        let inventory = ctx.status.source_inventory.clone().unwrap_or_default();
-        ctx.status.disks = facts
-            .copies
-            .iter()
-            .enumerate()
-            .map(|(i, copy)| {
-                let source = inventory.disks.get(i);
-                let (size, sha, remote) = match copy {
-                    CopyState::Complete { size, sha256, verified_remotely } => {
-                        (*size, Some(sha256.clone()), Some(*verified_remotely))
-                    }
-                    _ => (0, None, None),
-                };
-                DiskStatus {
-                    index: i as i32,
-                    source_path: source.map(|d| d.extent_path.clone()).unwrap_or_default(),
-                    size_bytes: size,
-                    source_sha256: sha,
-                    source_verified_remotely: remote,
-                    ..Default::default()
-                }
-            })
-            .collect();
+        ctx.status.disks = recorded_disks(ctx, &facts.copies);
         ctx.condition(
             condition::DISK_ACQUIRED,
             true,
@@ -680,6 +690,32 @@ fn tally_copies(ctx: &mut Ctx<'_>, copies: &[CopyState]) -> Option<(usize, Progr
         });
     }
     Some((done, progress))
+}
+
+/// What the status records of the copied disks: path, size and sha256 of
+/// each complete copy.
+fn recorded_disks(ctx: &Ctx<'_>, copies: &[CopyState]) -> Vec<DiskStatus> {
+    let inventory = ctx.status.source_inventory.clone().unwrap_or_default();
+    copies
+        .iter()
+        .enumerate()
+        .map(|(i, copy)| {
+            let (size, sha, remote) = match copy {
+                CopyState::Complete { size, sha256, verified_remotely } => {
+                    (*size, Some(sha256.clone()), Some(*verified_remotely))
+                }
+                _ => (0, None, None),
+            };
+            DiskStatus {
+                index: i as i32,
+                source_path: inventory.disks.get(i).map(|d| d.extent_path.clone()).unwrap_or_default(),
+                size_bytes: size,
+                source_sha256: sha,
+                source_verified_remotely: remote,
+                ..Default::default()
+            }
+        })
+        .collect()
 }
 
 /// The source is on again after vmmigrate recorded it off.
@@ -955,9 +991,9 @@ fn creating_vm(ctx: &mut Ctx<'_>, observed: Observed) {
         }
         VmState::Matching { uid } => {
             ctx.status.destination_vm =
-                Some(crate::api::DestinationVm { namespace, name: ctx.destination.to_owned(), uid });
+                Some(crate::api::DestinationVm { namespace, name: ctx.destination.to_string(), uid });
             ctx.condition(condition::VM_CREATED, true, "Created", "the VirtualMachine matches the rendered spec");
-            if matches!(ctx.spec.destination.run_strategy, RunStrategy::Halted | RunStrategy::Manual) {
+            if matches!(ctx.spec.run_strategy(), RunStrategy::Halted | RunStrategy::Manual) {
                 // Nothing to start or probe: the user asked for a stopped VM.
                 complete(ctx, "the VirtualMachine was created and left stopped as spec.destination.runStrategy asks");
             } else {
@@ -1036,7 +1072,7 @@ fn validating(ctx: &mut Ctx<'_>, observed: Observed) {
     if ctx.status.timestamps.validation_started.is_none() {
         ctx.status.timestamps.validation_started = Some(ctx.now.clone());
     }
-    let checks = &ctx.spec.validation.checks;
+    let checks = ctx.spec.checks_to_run();
     ctx.status.validation_results = checks
         .iter()
         .zip(results.iter())
@@ -1073,8 +1109,18 @@ fn validating(ctx: &mut Ctx<'_>, observed: Observed) {
     }
     let passing = results.iter().filter(|r| matches!(r, CheckResult::Pass { .. })).count();
     if passing == checks.len() && results.len() == checks.len() {
-        ctx.condition(condition::GUEST_READY, true, "ChecksPassed", format!("{passing} check(s) passed"));
-        complete(ctx, "the VM runs and every validation check passed");
+        let skipped = ctx.spec.skipped_checks();
+        let mut message = format!("{passing} check(s) passed");
+        if !skipped.is_empty() {
+            let list: Vec<String> = skipped.iter().map(|(name, why)| format!("{name:?} ({why})")).collect();
+            message.push_str(&format!("; not run in a rehearsal: {}", list.join(", ")));
+        }
+        ctx.condition(condition::GUEST_READY, true, "ChecksPassed", message);
+        if ctx.spec.mode == MigrationMode::Rehearsal {
+            complete(ctx, "the rehearsal VM runs and its checks passed; the source was never powered off");
+        } else {
+            complete(ctx, "the VM runs and every validation check passed");
+        }
         return;
     }
     let timeout = Duration::from_secs(ctx.spec.strategy.timeouts.validating_seconds.max(1) as u64);

@@ -3,7 +3,7 @@
 
 use super::observe::{DestinationOccupancy, PreflightFacts};
 use crate::api::Reason;
-use crate::api::{Blocker, NetworkKind, SourceInventory, VirtualMachineMigrationSpec};
+use crate::api::{Blocker, MigrationMode, NetworkKind, SourceInventory, VirtualMachineMigrationSpec};
 
 /// Longest destination name: `<name>-disk-NN` must stay a 63-character label.
 pub(crate) const MAX_DESTINATION_NAME: usize = 55;
@@ -60,7 +60,9 @@ pub(crate) fn blockers(
             );
         }
     }
-    for nic in &inventory.nics {
+    // A rehearsal's NICs are detached or on its own network: no map needed.
+    let mapped_nics = if spec.mode == MigrationMode::Rehearsal { &[][..] } else { &inventory.nics[..] };
+    for nic in mapped_nics {
         let mapped = spec.network_map.iter().any(|m| m.source == nic.network);
         if !mapped {
             block(
@@ -73,8 +75,7 @@ pub(crate) fn blockers(
         }
     }
     // Two NICs on the pod network cannot both be masquerade-bound.
-    let pod_nics = inventory
-        .nics
+    let pod_nics = mapped_nics
         .iter()
         .filter(|n| spec.network_map.iter().any(|m| m.source == n.network && m.kind == NetworkKind::Pod))
         .count();
@@ -88,7 +89,12 @@ pub(crate) fn blockers(
         block(
             Reason::InvalidDestinationName,
             format!(
-                "destination name {destination_name:?} must be a lowercase RFC 1123 label of at most {MAX_DESTINATION_NAME} characters (set spec.destination.name)"
+                "destination name {destination_name:?} must be a lowercase RFC 1123 label of at most {MAX_DESTINATION_NAME} characters (set {})",
+                if spec.mode == MigrationMode::Rehearsal {
+                    "spec.rehearsal.name"
+                } else {
+                    "spec.destination.name"
+                }
             ),
         );
     }

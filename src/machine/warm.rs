@@ -36,48 +36,8 @@ pub(super) fn preparing(ctx: &mut Ctx<'_>, facts: &PreparingFacts, input: &Gatin
         return finish(ctx, facts, &name);
     }
 
-    match (&ctx.status.snapshot, &facts.snapshot) {
-        (None, existing) => {
-            ctx.actions.push(Action::CreateSnapshot { quiesce: facts.tools_running });
-            ctx.status.snapshot = Some(SnapshotRecord {
-                name: name.clone(),
-                id: existing.clone(),
-                quiesced: facts.tools_running,
-                created: ctx.now.clone(),
-                removed: None,
-            });
-            let how = if facts.tools_running { "quiesced, " } else { "" };
-            ctx.event(
-                EventType::Normal,
-                "SnapshotCreated",
-                format!("snapshot {name} of the source created ({how}no memory): its base disks are copied while the VM runs"),
-            );
-            ctx.condition(
-                condition::DISK_ACQUIRED,
-                false,
-                "SnapshotCreated",
-                format!("snapshot {name} created"),
-            );
-            return ctx.wait(Duration::ZERO);
-        }
-        (Some(record), None) => {
-            // Gone, and not by this migration: the bases copied from it no longer vouch for anything.
-            let message = format!(
-                "the snapshot {} of the source was removed outside vmmigrate; the base copies are discarded, and a retry takes a new snapshot",
-                record.name
-            );
-            ctx.status.snapshot = None;
-            for disk in 0..facts.copies.len() {
-                ctx.actions.push(Action::DiscardDiskCopy { disk });
-            }
-            return ctx.fail(Phase::Preparing, Failure::needs_human(Reason::SnapshotFailed, message));
-        }
-        (Some(record), Some(id)) if record.id.as_ref() != Some(id) => {
-            if let Some(record) = ctx.status.snapshot.as_mut() {
-                record.id = Some(id.clone());
-            }
-        }
-        _ => {}
+    if !snapshot_taken(ctx, facts, &name) {
+        return;
     }
 
     // The frozen bases, copied while the VM runs; a VM that went off before
@@ -170,41 +130,8 @@ pub(super) fn preparing(ctx: &mut Ctx<'_>, facts: &PreparingFacts, input: &Gatin
 
 /// Every disk assembled: the snapshot is removed and the disks recorded.
 fn finish(ctx: &mut Ctx<'_>, facts: &PreparingFacts, name: &str) {
-    if facts.snapshot.is_some() {
-        ctx.actions.push(Action::RemoveSnapshot);
-    }
-    if let Some(record) = ctx.status.snapshot.as_mut()
-        && record.removed.is_none()
-    {
-        record.removed = Some(ctx.now.clone());
-        ctx.events.push(Event {
-            type_: EventType::Normal,
-            reason: "SnapshotRemoved".into(),
-            message: format!("snapshot {name} of the source removed (the host consolidated it)"),
-        });
-    }
-    let inventory = ctx.status.source_inventory.clone().unwrap_or_default();
-    ctx.status.disks = facts
-        .deltas
-        .iter()
-        .enumerate()
-        .map(|(i, state)| {
-            let (size, sha, remote) = match state {
-                CopyState::Complete { size, sha256, verified_remotely } => {
-                    (*size, Some(sha256.clone()), Some(*verified_remotely))
-                }
-                _ => (0, None, None),
-            };
-            DiskStatus {
-                index: i as i32,
-                source_path: inventory.disks.get(i).map(|d| d.extent_path.clone()).unwrap_or_default(),
-                size_bytes: size,
-                source_sha256: sha,
-                source_verified_remotely: remote,
-                ..Default::default()
-            }
-        })
-        .collect();
+    remove_snapshot(ctx, facts, name, "the host consolidated it");
+    ctx.status.disks = recorded_disks(ctx, &facts.deltas);
     ctx.condition(
         condition::DISK_ACQUIRED,
         true,
@@ -215,4 +142,76 @@ fn finish(ctx: &mut Ctx<'_>, facts: &PreparingFacts, name: &str) {
         ),
     );
     ctx.advance(Phase::Converting);
+}
+
+/// Removes the migration's snapshot when the host still has it, and logs
+/// the removal once (found gone after a crash that removed it: that was
+/// this removal).
+pub(super) fn remove_snapshot(ctx: &mut Ctx<'_>, facts: &PreparingFacts, name: &str, how: &str) {
+    if facts.snapshot.is_some() {
+        ctx.actions.push(Action::RemoveSnapshot);
+    }
+    if let Some(record) = ctx.status.snapshot.as_mut()
+        && record.removed.is_none()
+    {
+        record.removed = Some(ctx.now.clone());
+        ctx.events.push(Event {
+            type_: EventType::Normal,
+            reason: "SnapshotRemoved".into(),
+            message: format!("snapshot {name} of the source removed ({how})"),
+        });
+    }
+}
+
+/// The migration's snapshot: taken when none was, its id kept current.
+/// `false` when the decision is made (the snapshot was just asked for, or
+/// it vanished behind vmmigrate's back and the copies are discarded).
+pub(super) fn snapshot_taken(ctx: &mut Ctx<'_>, facts: &PreparingFacts, name: &str) -> bool {
+    match (&ctx.status.snapshot, &facts.snapshot) {
+        (None, existing) => {
+            ctx.actions.push(Action::CreateSnapshot { quiesce: facts.tools_running });
+            ctx.status.snapshot = Some(SnapshotRecord {
+                name: name.to_owned(),
+                id: existing.clone(),
+                quiesced: facts.tools_running,
+                created: ctx.now.clone(),
+                removed: None,
+            });
+            let how = if facts.tools_running { "quiesced, " } else { "" };
+            ctx.event(
+                EventType::Normal,
+                "SnapshotCreated",
+                format!("snapshot {name} of the source created ({how}no memory): its base disks are copied while the VM runs"),
+            );
+            ctx.condition(
+                condition::DISK_ACQUIRED,
+                false,
+                "SnapshotCreated",
+                format!("snapshot {name} created"),
+            );
+            ctx.wait(Duration::ZERO);
+            return false;
+        }
+        (Some(record), None) => {
+            // Gone, and not by this migration: the bases copied from it no longer vouch for anything.
+            let message = format!(
+                "the snapshot {} of the source was removed outside vmmigrate; the base copies are discarded, and a retry takes a new snapshot",
+                record.name
+            );
+            ctx.status.snapshot = None;
+            for disk in 0..facts.copies.len() {
+                ctx.actions.push(Action::DiscardDiskCopy { disk });
+            }
+            ctx.fail(Phase::Preparing, Failure::needs_human(Reason::SnapshotFailed, message));
+            return false;
+        }
+        (Some(record), Some(id)) if record.id.as_ref() != Some(id) => {
+            if let Some(record) = ctx.status.snapshot.as_mut() {
+                record.id = Some(id.clone());
+            }
+        }
+        _ => {}
+    }
+
+    true
 }

@@ -11,6 +11,7 @@ pub(super) const MIRRORED: &[&str] = &[
     "self.maxSeconds >= self.initialSeconds",
     "(has(self.http) ? 1 : 0) + (has(self.guestAgent) ? 1 : 0) + (has(self.ip) ? 1 : 0) == 1",
     "self.mode == 'Window' ? has(self.window) : !has(self.window)",
+    "!has(self.rehearsal) || (has(self.mode) && self.mode == 'Rehearsal')",
 ];
 
 /// `Some(passes)` for a mirrored rule, `None` for an unknown one or when a
@@ -40,6 +41,9 @@ pub(super) fn evaluate(rule: &str, object: &Map<String, Value>, schema: &JSONSch
         "self.mode == 'Window' ? has(self.window) : !has(self.window)" => {
             let window = get("mode")?.as_str()? == "Window";
             Some(if window { has("window") } else { !has("window") })
+        }
+        "!has(self.rehearsal) || (has(self.mode) && self.mode == 'Rehearsal')" => {
+            Some(!has("rehearsal") || (has("mode") && get("mode")?.as_str()? == "Rehearsal"))
         }
         _ => None,
     }

@@ -10,6 +10,7 @@ use crate::api::{
 const NAME: &str = "web-01";
 
 mod gates;
+mod rehearsal;
 mod warm;
 
 fn spec() -> VirtualMachineMigrationSpec {
