@@ -294,6 +294,64 @@ mod tests {
     }
 
     #[test]
+    fn a_rehearsal_vm_has_its_own_name_no_pod_network_and_no_mac_of_the_source() {
+        let mut vmm = test_migration();
+        vmm.spec.mode = crate::api::MigrationMode::Rehearsal;
+        vmm.spec.network_map = vec![crate::api::NetworkMapping {
+            source: "VM Network".into(),
+            kind: NetworkKind::Pod,
+            network_name: None,
+        }];
+        let nic = |mac: &str| crate::api::SourceNic {
+            device: "ethernet0".into(),
+            model: "vmxnet3".into(),
+            network: "VM Network".into(),
+            mac_address: mac.into(),
+        };
+        vmm.status = Some(crate::api::VirtualMachineMigrationStatus {
+            source_inventory: Some(SourceInventory {
+                nics: vec![nic("00:50:56:aa:bb:cc"), nic("00:50:56:aa:bb:cd")],
+                ..Default::default()
+            }),
+            ..Default::default()
+        });
+        let vm = virtual_machine(&vmm);
+        assert_eq!(vm["metadata"]["name"], "web-rehearsal");
+        assert_eq!(vm["metadata"]["labels"]["migration.platform.example/rehearsal"], "true");
+        let template = &vm["spec"]["template"]["spec"];
+        assert_eq!(template["networks"], json!([]), "detached");
+        assert_eq!(template["domain"]["devices"]["interfaces"], json!([]));
+        assert_eq!(template["domain"]["devices"]["autoattachPodInterface"], false);
+
+        vmm.spec.rehearsal =
+            Some(crate::api::RehearsalSpec { name: None, network_name: Some("lab/isolated".into()) });
+        let vm = virtual_machine(&vmm);
+        let template = &vm["spec"]["template"]["spec"];
+        let networks = template["networks"].as_array().unwrap();
+        assert_eq!(networks.len(), 2);
+        assert!(
+            networks.iter().all(|n| n["multus"]["networkName"] == "lab/isolated" && n.get("pod").is_none())
+        );
+        let interfaces = template["domain"]["devices"]["interfaces"].as_array().unwrap();
+        assert!(
+            interfaces.iter().all(|i| i.get("macAddress").is_none() && i.get("bridge").is_some()),
+            "{interfaces:?}"
+        );
+        assert!(template["domain"]["devices"].get("autoattachPodInterface").is_none());
+        assert_eq!(data_volume(&vmm, 0)["metadata"]["name"], "web-rehearsal-disk-0");
+
+        // The migration itself keeps the source's MAC and the pod network.
+        vmm.spec.mode = crate::api::MigrationMode::Cold;
+        vmm.spec.rehearsal = None;
+        let vm = virtual_machine(&vmm);
+        assert_eq!(vm["metadata"]["name"], "web");
+        assert_eq!(
+            vm["spec"]["template"]["spec"]["domain"]["devices"]["interfaces"][0]["macAddress"],
+            "00:50:56:aa:bb:cc"
+        );
+    }
+
+    #[test]
     fn firmware_follows_the_source_and_secure_boot_brings_smm() {
         let bios = with_firmware(Firmware::Bios, false);
         assert_eq!(bios["firmware"]["bootloader"], json!({ "bios": {} }));

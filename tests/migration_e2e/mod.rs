@@ -42,6 +42,7 @@ use vmmigrate::destination::cluster::{
 };
 use vmmigrate::metrics::Metrics;
 
+mod rehearsal;
 mod warm;
 mod worker_pods;
 
@@ -430,10 +431,15 @@ impl Migration {
     /// `guest-console-log` container), its page (GET / at the address its
     /// VMI reports) and the VMI's `status.interfaces`.
     async fn guest_facts(&self) -> GuestFacts {
+        self.guest_facts_of(self.vm).await
+    }
+
+    /// [`Self::guest_facts`] of the VM named `vm` in the cluster.
+    async fn guest_facts_of(&self, vm: &str) -> GuestFacts {
         use k8s_openapi::api::core::v1::Pod;
         let pods: Api<Pod> = Api::namespaced(self.client.clone(), &self.ns);
         let launcher = pods
-            .list(&ListParams::default().labels(&format!("kubevirt.io/domain={}", self.vm)))
+            .list(&ListParams::default().labels(&format!("kubevirt.io/domain={vm}")))
             .await
             .unwrap()
             .items
@@ -445,7 +451,7 @@ impl Migration {
         let console = pods.logs(&launcher.name_any(), &params).await.unwrap_or_default();
         let vmis: Api<DynamicObject> =
             Api::namespaced_with(self.client.clone(), &self.ns, &virtual_machine_instance_resource());
-        let vmi = vmis.get(self.vm).await.expect("the VMI");
+        let vmi = vmis.get(vm).await.expect("the VMI");
         let interfaces = vmi.data["status"]["interfaces"].as_array().cloned().unwrap_or_default();
         let ip = interfaces.first().and_then(|i| i["ipAddress"].as_str()).unwrap_or_default().to_owned();
         let page = if ip.is_empty() {
@@ -480,9 +486,14 @@ impl Migration {
     /// node (its first `size` bytes; CDI grows the image with zeros to fill
     /// the volume).
     async fn imported_sha256(&self, disks: usize) -> Vec<String> {
+        self.imported_sha256_of(self.vm, disks).await
+    }
+
+    /// [`Self::imported_sha256`] of the disks of the destination VM `vm`.
+    async fn imported_sha256_of(&self, vm: &str, disks: usize) -> Vec<String> {
         let mut found = Vec::new();
         for d in 0..disks {
-            let dv = format!("{}-disk-{d}", self.vm);
+            let dv = format!("{vm}-disk-{d}");
             let image = crate::support::imported_image(&self.client, &self.ns, &dv).await;
             let size = self.emu.disk_files(self.vmid)[d].3;
             let digest = vmmigrate::convert::artifact::volume_digest(&image, size)

@@ -87,4 +87,23 @@ mod tests {
             ]
         );
     }
+
+    #[test]
+    fn a_rehearsal_section_is_refused_unless_the_mode_is_rehearsal() {
+        let with = |mode: &str| {
+            manifest("a", "a").replace(
+                "  destination:",
+                &format!("{mode}  rehearsal:\n    networkName: isolated\n  destination:"),
+            )
+        };
+        let errors = errors_of(&[file("migrations/a.yaml", &with("  mode: Warm\n"))]);
+        assert_eq!(errors.len(), 1, "{errors:?}");
+        assert!(
+            errors[0]
+                .starts_with("migrations/a.yaml:5: spec: spec.rehearsal is only allowed with mode Rehearsal"),
+            "{errors:?}"
+        );
+        assert_eq!(errors_of(&[file("migrations/a.yaml", &with(""))]).len(), 1, "the default mode is Cold");
+        assert!(errors_of(&[file("migrations/a.yaml", &with("  mode: Rehearsal\n"))]).is_empty());
+    }
 }
