@@ -740,6 +740,52 @@ async fn a_local_work_tree_is_applied_on_every_file_change_through_notify() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rehearsal_beside_its_migration_in_git_is_deleted_when_its_manifest_leaves_and_the_migration_only_marked_orphaned()
+ {
+    use vmmigrate::gitops::apply::apply_commit;
+    use vmmigrate::gitops::render::{RenderOptions, render};
+    use vmmigrate::gitops::{Provenance, RepoFile};
+    let client = KubeEnv::shared().client().await;
+    let ns = test_namespace(&client, "gitops-rehearsal").await;
+    let rehearsal = manifest(&ns, "web-trial", "web 01").replace("\nspec:\n", "\nspec:\n  mode: Rehearsal\n");
+    let files = |both: bool| {
+        let mut files = vec![RepoFile {
+            path: "migrations/web.yaml".into(),
+            bytes: manifest(&ns, "web-01", "web 01").into_bytes(),
+        }];
+        if both {
+            files.push(RepoFile {
+                path: "migrations/web-trial.yaml".into(),
+                bytes: rehearsal.clone().into_bytes(),
+            });
+        }
+        files
+    };
+    let provenance = Provenance { repo_url: "https://git.example/m.git".into(), commit: "ab".repeat(20) };
+    let namespaces = std::slice::from_ref(&ns);
+    let rendered = render(&files(true), &provenance, &RenderOptions::default()).expect("renders");
+    assert_eq!(apply_commit(&client, &rendered, namespaces).await.expect("applies").applied.len(), 2);
+    let api: Api<VirtualMachineMigration> = Api::namespaced(client.clone(), &ns);
+    assert_eq!(api.get("web-trial").await.unwrap().spec.mode, vmmigrate::api::MigrationMode::Rehearsal);
+
+    // Both manifests leave Git: the migration stays (marked), the rehearsal goes.
+    let report = apply_commit(&client, &[], namespaces).await.expect("applies");
+    assert_eq!(report.deleted, vec![(ns.clone(), "web-trial".to_owned())]);
+    assert_eq!(report.orphaned, vec![(ns.clone(), "web-01".to_owned())]);
+    assert!(api.get_opt("web-trial").await.unwrap().is_none(), "the rehearsal is deleted");
+    let kept = api.get("web-01").await.unwrap();
+    assert_eq!(
+        kept.annotations().get("migration.platform.example/orphaned").map(String::as_str),
+        Some("true")
+    );
+
+    // The migration's manifest comes back alone: nothing else changes.
+    let rendered = render(&files(false), &provenance, &RenderOptions::default()).expect("renders");
+    let report = apply_commit(&client, &rendered, namespaces).await.expect("applies");
+    assert!(report.deleted.is_empty() && report.orphaned.is_empty(), "{report:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_thousand_manifests_render_and_apply_without_error() {
     use vmmigrate::gitops::render::{RenderOptions, render};
     use vmmigrate::gitops::{Provenance, RepoFile};

@@ -1,19 +1,23 @@
 //! Applying one commit's migrations: all or nothing, server-side apply with
-//! our own field manager, never a delete.
+//! our own field manager, never a delete of a migration (a rehearsal's aside).
 //!
 //! 1. Every rendered object is sent as a server-side dry run first; if any is
 //!    refused, nothing of that commit is applied and every refusal is
 //!    reported (with the manifest's path).
 //! 2. For a migration already past `Validated`, spec changes that would
 //!    change *what* is migrated or *how the source is touched* are held back
-//!    (`source`, `destination`, `networkMap`, `powerOffPolicy`, `conversion`):
+//!    (`source`, `destination`, `networkMap`, `powerOffPolicy`, `conversion`,
+//!    `mode`, `rehearsal`):
 //!    the live values are kept and the hold is reported. `strategy`,
 //!    `validation` and `cleanup` still apply. Terminal migrations
 //!    (Completed, Failed) take no spec change at all: create a new one.
 //! 3. A live migration applied by us whose manifest left Git is marked
 //!    orphaned (an annotation, through a merge patch so that field ownership
 //!    does not change) and is otherwise left alone; it is unmarked when the
-//!    manifest comes back.
+//!    manifest comes back. A rehearsal (`spec.mode: Rehearsal`) is the one
+//!    exception: it never touched the source's power and its objects are
+//!    throwaway, so when its manifest leaves Git it is deleted, and its
+//!    finalizer removes its VM, volumes and any snapshot it still holds.
 //!
 //! The real apply can still fail half-way (the API server going away between
 //! two objects); the next poll applies the same commit again, and server-side
@@ -22,14 +26,15 @@
 use super::render::RenderedMigration;
 use super::{ANNOTATION_ORPHANED, FIELD_MANAGER, LABEL_GITOPS};
 use crate::api::{Phase, VirtualMachineMigration};
-use kube::api::{Api, ListParams, Patch, PatchParams};
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, Preconditions};
 use kube::{Client, ResourceExt};
 use serde_json::{Value, json};
 use std::collections::BTreeSet;
 
-/// Spec fields a migration keeps once it is past `Validated`.
+/// Spec fields a migration keeps once it is past `Validated`: a rehearsal
+/// never becomes a migration that powers its source off mid-way, nor the reverse.
 pub(crate) const HELD_FIELDS: &[&str] =
-    &["source", "destination", "networkMap", "powerOffPolicy", "conversion"];
+    &["source", "destination", "networkMap", "powerOffPolicy", "conversion", "mode", "rehearsal"];
 
 /// What applying one commit did.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -40,6 +45,8 @@ pub struct ApplyReport {
     pub held: Vec<(String, String, String)>,
     /// Live migrations whose manifest is gone.
     pub orphaned: Vec<(String, String)>,
+    /// Rehearsals whose manifest is gone, deleted with what they created.
+    pub deleted: Vec<(String, String)>,
 }
 
 /// Why a commit was not applied.
@@ -202,6 +209,22 @@ pub async fn apply_commit(
         if wanted.contains(&key) {
             continue;
         }
+        if vmm.spec.mode == crate::api::MigrationMode::Rehearsal {
+            let api: Api<VirtualMachineMigration> = Api::namespaced(client.clone(), &key.0);
+            // Only the object that was listed: a new one of the same name is not ours to delete.
+            let params = DeleteParams {
+                preconditions: Some(Preconditions { uid: vmm.uid(), resource_version: None }),
+                ..Default::default()
+            };
+            match api.delete(&key.1, &params).await {
+                Ok(_) => {}
+                Err(kube::Error::Api(s)) if s.code == 404 || s.code == 409 => {}
+                Err(e) => return Err(e.into()),
+            }
+            tracing::info!(namespace = %key.0, name = %key.1, "rehearsal manifest removed from Git; the rehearsal and its objects are deleted");
+            report.deleted.push(key);
+            continue;
+        }
         if !vmm.annotations().contains_key(ANNOTATION_ORPHANED) {
             let api: Api<VirtualMachineMigration> = Api::namespaced(client.clone(), &key.0);
             let mark = json!({ "metadata": { "annotations": { ANNOTATION_ORPHANED: "true" } } });
@@ -211,6 +234,7 @@ pub async fn apply_commit(
         report.orphaned.push(key);
     }
     report.orphaned.sort();
+    report.deleted.sort();
     Ok(report)
 }
 

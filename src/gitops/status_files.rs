@@ -97,8 +97,12 @@ impl<'a> Row<'a> {
         match &self.status.destination_vm {
             Some(vm) => format!("{}/{}", vm.namespace, vm.name),
             None => {
-                let dest = &self.migration.spec.destination;
-                format!("{}/{}", dest.namespace, dest.name.as_deref().unwrap_or(self.name))
+                let spec = &self.migration.spec;
+                format!(
+                    "{}/{}",
+                    spec.destination.namespace,
+                    crate::machine::destination_name(spec, self.name)
+                )
             }
         }
     }
@@ -134,6 +138,13 @@ struct StatusFile<'a> {
     waiting: Option<&'a crate::api::Waiting>,
     #[serde(skip_serializing_if = "Option::is_none")]
     wave: Option<&'a crate::api::WaveSpec>,
+    /// `Warm` or `Rehearsal`; a cold migration says nothing.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    mode: Option<crate::api::MigrationMode>,
+    /// The snapshot a warm migration or a rehearsal took of its source: when
+    /// it was created and removed.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    snapshot: Option<&'a crate::api::SnapshotRecord>,
     #[serde(rename = "sourceVM")]
     source_vm: SourceVmView<'a>,
     #[serde(rename = "destinationVM", skip_serializing_if = "Option::is_none")]
@@ -144,6 +155,8 @@ struct StatusFile<'a> {
     progress: Option<ProgressView>,
     #[serde(skip_serializing_if = "Vec::is_empty")]
     disks: Vec<DiskView<'a>>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    validation_results: Vec<CheckView<'a>>,
     #[serde(skip_serializing_if = "no_timestamps")]
     timestamps: &'a Timestamps,
     #[serde(skip_serializing_if = "<[_]>::is_empty")]
@@ -151,6 +164,15 @@ struct StatusFile<'a> {
     /// Newest last.
     #[serde(skip_serializing_if = "<[_]>::is_empty")]
     errors: &'a [MigrationError],
+}
+
+/// A check's outcome, without the time it was last looked at.
+#[derive(Serialize)]
+struct CheckView<'a> {
+    name: &'a str,
+    passed: bool,
+    #[serde(skip_serializing_if = "str::is_empty")]
+    message: &'a str,
 }
 
 #[derive(Serialize)]
@@ -247,6 +269,8 @@ fn status_yaml(row: &Row<'_>) -> String {
         phase: status.phase,
         waiting: status.waiting.as_ref(),
         wave: row.migration.spec.wave.as_ref(),
+        mode: Some(row.migration.spec.mode).filter(|m| *m != crate::api::MigrationMode::Cold),
+        snapshot: status.snapshot.as_ref(),
         source_vm: row.source_vm(),
         destination_vm: status.destination_vm.as_ref(),
         conditions: conditions
@@ -274,6 +298,11 @@ fn status_yaml(row: &Row<'_>) -> String {
                 import_verification: d.import_verification,
                 imported_sha256: d.imported_sha256.as_deref(),
             })
+            .collect(),
+        validation_results: status
+            .validation_results
+            .iter()
+            .map(|r| CheckView { name: &r.name, passed: r.passed, message: &r.message })
             .collect(),
         timestamps: &status.timestamps,
         history: &status.history,
@@ -379,6 +408,9 @@ fn status_md(rows: &[Row<'_>], source_commit: &str) -> String {
         let mut migration = markdown_cell(&format!("{}/{}", row.namespace, row.name));
         if row.orphaned {
             migration.push_str(" (orphaned)");
+        }
+        if row.migration.spec.mode == crate::api::MigrationMode::Rehearsal {
+            migration.push_str(" (rehearsal)");
         }
         let source = row.source_vm();
         let source_vm = match (source.name, source.id) {
@@ -590,6 +622,37 @@ mod tests {
             assert!(!text.contains("s3cr3t") && !text.contains("esxi-root-password"), "{text}");
             assert!(!text.contains("lastTransitionTime"), "{text}");
         }
+    }
+
+    #[test]
+    fn a_rehearsal_shows_its_mode_snapshot_checks_and_its_own_vm_in_git() {
+        let mut m = migration("apps", "web-01", Phase::Validating);
+        m.spec.mode = crate::api::MigrationMode::Rehearsal;
+        let status = m.status.get_or_insert_with(Default::default);
+        status.snapshot = Some(crate::api::SnapshotRecord {
+            name: "vmmigrate-web-01".into(),
+            id: Some("3".into()),
+            quiesced: true,
+            created: t("2025-03-01T10:00:00Z"),
+            removed: Some(t("2025-03-01T10:05:00Z")),
+        });
+        status.validation_results = vec![crate::api::ValidationResult {
+            name: "agent".into(),
+            passed: true,
+            message: "connected".into(),
+            last_checked: t("2025-03-01T10:09:00Z"),
+        }];
+        let files = status_files(&input(vec![m]));
+        let value: serde_yaml::Value = serde_yaml::from_str(&files["apps/web-01.yaml"]).unwrap();
+        assert_eq!(value["mode"], "Rehearsal");
+        assert_eq!(value["snapshot"]["name"], "vmmigrate-web-01");
+        assert_eq!(value["snapshot"]["removed"], "2025-03-01T10:05:00Z");
+        assert_eq!(value["validationResults"][0]["name"], "agent");
+        assert_eq!(value["validationResults"][0]["passed"], true);
+        assert!(!files["apps/web-01.yaml"].contains("lastChecked"), "no volatile times");
+        let md = &files[STATUS_MD];
+        assert!(md.contains("| apps/web-01 (rehearsal) |"), "{md}");
+        assert!(md.contains("| apps/web-01-rehearsal |"), "the rehearsal VM's own name: {md}");
     }
 
     #[test]

@@ -105,5 +105,17 @@ mod tests {
         );
         assert_eq!(errors_of(&[file("migrations/a.yaml", &with(""))]).len(), 1, "the default mode is Cold");
         assert!(errors_of(&[file("migrations/a.yaml", &with("  mode: Rehearsal\n"))]).is_empty());
+        // A rehearsal beside the migration of the same VM: both in Git, each its own VM.
+        let trial = manifest("a-trial", "a").replace("  destination:", "  mode: Rehearsal\n  destination:");
+        let both = [file("migrations/a.yaml", &manifest("a", "a")), file("migrations/a-trial.yaml", &trial)];
+        assert!(errors_of(&both).is_empty(), "{:?}", errors_of(&both));
+        let twice = [
+            file("migrations/b.yaml", &trial.replace("a-trial", "b-trial")),
+            file("migrations/a-trial.yaml", &trial),
+        ];
+        assert!(
+            errors_of(&twice).iter().any(|e| e.contains("is also migrated by")),
+            "two rehearsals of one VM"
+        );
     }
 }

@@ -1023,13 +1023,18 @@ impl Renderer {
             (None, Some(id)) => format!("vmid {id}"),
             (None, None) => String::new(),
         };
+        // One migration and one rehearsal of a VM may both be in Git (the
+        // cluster's claim on the VM runs them one at a time); a rehearsal's
+        // VM has a name of its own.
+        let rehearsal =
+            if typed.spec.mode == crate::api::MigrationMode::Rehearsal { " (rehearsal)" } else { "" };
         Some(Accepted {
             doc: m,
-            source_key: format!("{} on {}:{}", vm, source.host.to_ascii_lowercase(), source.port),
+            source_key: format!("{} on {}:{}{rehearsal}", vm, source.host.to_ascii_lowercase(), source.port),
             destination_key: format!(
                 "{}/{}",
                 typed.spec.destination.namespace,
-                destination_name.as_deref().unwrap_or(&name)
+                crate::machine::destination_name(&typed.spec, &name)
             ),
             rendered: RenderedMigration {
                 path: doc.path.clone(),
