@@ -5,6 +5,11 @@
 //! at any checkpoint: after observing, or after any single action and before
 //! the status write.
 //!
+//! A fifth of the schedules migrate warm and a fifth rehearse, with a guest
+//! writing to its disks while the VM is on: the crashes then also land
+//! between each new step (snapshot taken, bases copied, deltas applied,
+//! snapshot removed) and the status write that records it.
+//!
 //! Every schedule asserts the invariants of DESIGN §8. A failure prints its
 //! seed; replay it with
 //!   VMMIGRATE_SIM_SEED=<seed> cargo test --test machine_simulation
@@ -17,7 +22,7 @@ use std::collections::BTreeMap;
 use std::io::Write;
 use std::time::Duration;
 use vmmigrate::api::{
-    CleanupAction, Phase, PowerOffPolicy, RETRY_ANNOTATION, VirtualMachineMigration,
+    CleanupAction, MigrationMode, Phase, PowerOffPolicy, RETRY_ANNOTATION, VirtualMachineMigration,
     VirtualMachineMigrationSpec, condition,
 };
 use vmmigrate::controller::engine::{self, Checkpoint, StepInput};
@@ -35,6 +40,7 @@ enum Expect {
 }
 
 struct Scenario {
+    mode: MigrationMode,
     faults: FaultPlan,
     policy: PowerOffPolicy,
     retry_limit: i32,
@@ -103,14 +109,24 @@ fn scenario(seed: u64) -> Scenario {
         }
         _ => {}
     }
-    Scenario {
-        faults,
-        policy,
-        retry_limit,
-        on_failure: if rng.chance(0.5) { CleanupAction::Retain } else { CleanupAction::Delete },
-        crash_rate: rng.unit() * 0.3,
-        expect,
+    let on_failure = if rng.chance(0.5) { CleanupAction::Retain } else { CleanupAction::Delete };
+    let crash_rate = rng.unit() * 0.3;
+    let mode = match rng.below(5) {
+        0 => MigrationMode::Warm,
+        1 => MigrationMode::Rehearsal,
+        _ => MigrationMode::Cold,
+    };
+    faults.guest_writes = mode != MigrationMode::Cold;
+    // A rehearsal never asks the guest to shut down: nobody is asked about it.
+    if mode == MigrationMode::Rehearsal
+        && matches!(
+            expect,
+            Expect::HumanThenCompleted(Reason::GuestShutdownTimeout | Reason::ToolsNotRunning)
+        )
+    {
+        expect = Expect::Completed;
     }
+    Scenario { mode, faults, policy, retry_limit, on_failure, crash_rate, expect }
 }
 
 fn migration(s: &Scenario) -> VirtualMachineMigration {
@@ -121,7 +137,10 @@ fn migration(s: &Scenario) -> VirtualMachineMigration {
         },
         "destination": {"namespace": "migrations", "storageClassName": "standard"},
         "networkMap": [{"source": "VM Network", "type": "Pod"}],
-        "validation": {"checks": [{"name": "home", "http": {"service": "web", "port": 80}}]}
+        "validation": {"checks": [
+            {"name": "home", "http": {"service": "web", "port": 80}},
+            {"name": "agent", "guestAgent": {}}
+        ]}
     }))
     .expect("spec");
     let mut vmm = VirtualMachineMigration::new("web-01", spec);
@@ -129,6 +148,7 @@ fn migration(s: &Scenario) -> VirtualMachineMigration {
     vmm.metadata.uid = Some("3f0c1d2e-uid".into());
     vmm.metadata.generation = Some(1);
     vmm.spec.power_off_policy = s.policy;
+    vmm.spec.mode = s.mode;
     vmm.spec.strategy.retry_limit = s.retry_limit;
     vmm.spec.cleanup.on_failure = s.on_failure;
     vmm
@@ -142,6 +162,8 @@ struct Totals {
     action_failures: usize,
     human_retries: usize,
     outcomes: BTreeMap<String, usize>,
+    /// Crashes right after an action of this kind, before its status write.
+    crashes_after: BTreeMap<String, usize>,
 }
 
 fn run_schedule(seed: u64, rt: &tokio::runtime::Runtime, totals: &mut Totals) -> Result<(), String> {
@@ -152,6 +174,7 @@ fn run_schedule(seed: u64, rt: &tokio::runtime::Runtime, totals: &mut Totals) ->
         world.human_shuts_down();
     }
     let initial_off_transitions = world.ledger().power_off_transitions;
+    let initial_power = world.source_power();
     let adapters = sim::adapters(&world);
     let mut rng = SplitMix(seed.wrapping_mul(0x2545_F491_4F6C_DD1D));
     let mut vmm = migration(&sc);
@@ -197,13 +220,26 @@ fn run_schedule(seed: u64, rt: &tokio::runtime::Runtime, totals: &mut Totals) ->
             cutover_approved: false,
             fleet: Default::default(),
         };
-        let step =
-            rt.block_on(engine::step(&adapters, &vmm, input, |_: &Checkpoint| crash_rng.chance(crash_rate)));
+        let mut crashed_after = None;
+        let step = rt.block_on(engine::step(&adapters, &vmm, input, |cp: &Checkpoint| {
+            let crash = crash_rng.chance(crash_rate);
+            if crash && let Checkpoint::Performed(action) = cp {
+                crashed_after = Some(action.clone());
+            }
+            crash
+        }));
+        if let Some(action) = crashed_after {
+            let name = format!("{action:?}");
+            let kind = name.split([' ', '{']).next().unwrap_or_default().to_owned();
+            *totals.crashes_after.entry(kind).or_default() += 1;
+        }
         let Some(step) = step else {
             // The controller died: in-memory work is lost, nothing was recorded.
             world.crash();
             totals.crashes += 1;
-            now += SignedDuration::from_secs(1 + rng.below(5) as i64);
+            let restart = 1 + rng.below(5);
+            now += SignedDuration::from_secs(restart as i64);
+            world.advance(restart);
             continue;
         };
         if step.failed.is_some() {
@@ -225,6 +261,9 @@ fn run_schedule(seed: u64, rt: &tokio::runtime::Runtime, totals: &mut Totals) ->
             }
             if sc.policy == PowerOffPolicy::RequireAlreadyOff {
                 return Err(format!("{action:?} performed under RequireAlreadyOff"));
+            }
+            if sc.mode == MigrationMode::Rehearsal {
+                return Err(format!("{action:?} performed in a rehearsal"));
             }
             if *action == Action::PowerOffHard && sc.policy == PowerOffPolicy::GracefulOnly {
                 return Err("hard power-off under GracefulOnly".into());
@@ -264,6 +303,14 @@ fn run_schedule(seed: u64, rt: &tokio::runtime::Runtime, totals: &mut Totals) ->
             (None, Some(b)) => powered_off_at = Some(b.clone()),
             _ => {}
         }
+        // A snapshot is removed as soon as its disks are copied: none is
+        // left once the migration recorded a phase past Preparing.
+        if next.phase > Phase::Preparing
+            && next.phase.is_active()
+            && let Some(name) = world.snapshot_left()
+        {
+            return Err(format!("snapshot {name} still on the source in {}", next.phase));
+        }
         let ledger = world.ledger();
         if ledger.power_off_transitions - initial_off_transitions > 1 {
             return Err(format!("source powered off {} times", ledger.power_off_transitions));
@@ -287,10 +334,11 @@ fn run_schedule(seed: u64, rt: &tokio::runtime::Runtime, totals: &mut Totals) ->
         vmm.status = Some(next);
         let wait = step.decision.requeue.unwrap_or(Duration::from_secs(60)).max(Duration::from_secs(1));
         now += SignedDuration::from_millis(wait.as_millis() as i64);
+        world.advance(wait.as_secs());
     }
 
     let status = vmm.status.clone().unwrap_or_default();
-    let outcome = format!("{}", status.phase);
+    let outcome = format!("{:?} {}", sc.mode, status.phase);
     *totals.outcomes.entry(outcome).or_default() += 1;
     if !(status.phase.is_terminal() && status.timestamps.cleaned_up.is_some()) {
         return Err(format!("did not finish in {MAX_STEPS} steps; stuck in {}", status.phase));
@@ -301,6 +349,17 @@ fn run_schedule(seed: u64, rt: &tokio::runtime::Runtime, totals: &mut Totals) ->
     let (dvs, vm_present, still_owned, leftovers) = world.destination_summary();
     if leftovers {
         return Err("copied or staged data left behind".into());
+    }
+    if let Some(name) = world.snapshot_left() {
+        return Err(format!("snapshot {name} left on the source after the migration ended"));
+    }
+    let ledger = world.ledger();
+    if sc.mode == MigrationMode::Cold && ledger.snapshots_created > 0 {
+        return Err("a cold migration took a snapshot".into());
+    }
+    let rehearsal = sc.mode == MigrationMode::Rehearsal;
+    if rehearsal && ledger.shutdown_requests + ledger.hard_power_offs > 0 {
+        return Err("a rehearsal asked for a power action".into());
     }
     match &sc.expect {
         Expect::Completed | Expect::HumanThenCompleted(_) => {
@@ -313,7 +372,9 @@ fn run_schedule(seed: u64, rt: &tokio::runtime::Runtime, totals: &mut Totals) ->
             {
                 return Err(format!("never asked a human about {reason}"));
             }
-            let source = world.source_sha();
+            // A rehearsal copies the moment of its snapshot; a migration the disks at power-off.
+            let source = if rehearsal { world.frozen_sha() } else { world.source_sha() };
+            let destination = if rehearsal { "web-01-rehearsal" } else { "web-01" };
             for (i, disk) in status.disks.iter().enumerate() {
                 if disk.source_sha256.as_deref() != Some(source[i].as_str()) {
                     return Err(format!(
@@ -324,7 +385,7 @@ fn run_schedule(seed: u64, rt: &tokio::runtime::Runtime, totals: &mut Totals) ->
                 if disk.artifact_sha256 != disk.source_sha256 {
                     return Err(format!("disk {i}: raw artifact checksum differs from the source's"));
                 }
-                if disk.data_volume_name.as_deref() != Some(format!("web-01-disk-{i}").as_str()) {
+                if disk.data_volume_name.as_deref() != Some(format!("{destination}-disk-{i}").as_str()) {
                     return Err(format!("disk {i}: DataVolume name {:?}", disk.data_volume_name));
                 }
             }
@@ -334,8 +395,17 @@ fn run_schedule(seed: u64, rt: &tokio::runtime::Runtime, totals: &mut Totals) ->
                     status.disks.len()
                 ));
             }
-            if still_owned {
-                return Err("the completed VM or its DataVolumes still have the migration as owner".into());
+            if still_owned != rehearsal {
+                return Err(format!(
+                    "owned by the migration: {still_owned}; a completed VM is released, a rehearsal's goes with it"
+                ));
+            }
+            if rehearsal {
+                let transitions = world.ledger().power_off_transitions - initial_off_transitions;
+                if transitions != 0 || world.source_power() != initial_power {
+                    return Err(format!("a rehearsal changed the source's power ({transitions} power-offs)"));
+                }
+                return Ok(());
             }
             let expected_off = if sc.policy == PowerOffPolicy::RequireAlreadyOff { 0 } else { 1 };
             let transitions = world.ledger().power_off_transitions - initial_off_transitions;
@@ -395,10 +465,11 @@ fn thousands_of_fault_and_crash_schedules_keep_every_invariant() {
     // Written straight to stderr so the summary shows in CI logs (libtest captures println!).
     let _ = writeln!(
         std::io::stderr(),
-        "machine simulation: {} schedules, {} reconciles, {} crashes, {} failed actions, {} human retries; outcomes {:?}; {} failing",
+        "machine simulation: {} schedules, {} reconciles, {} crashes ({:?} right after an action), {} failed actions, {} human retries; outcomes {:?}; {} failing",
         totals.schedules,
         totals.steps,
         totals.crashes,
+        totals.crashes_after,
         totals.action_failures,
         totals.human_retries,
         totals.outcomes,
@@ -415,4 +486,18 @@ fn thousands_of_fault_and_crash_schedules_keep_every_invariant() {
         totals.crashes > 0 && totals.human_retries > 0,
         "the schedules must exercise crashes and human retries"
     );
+    if seeds.len() >= 100 {
+        for mode in ["Cold", "Warm", "Rehearsal"] {
+            let completed = totals.outcomes.get(&format!("{mode} Completed")).copied().unwrap_or(0);
+            assert!(completed > 0, "no {mode} schedule completed: {:?}", totals.outcomes);
+        }
+        // The controller died right after each step of warm and rehearsal
+        // runs, before recording it, and the run still ended well.
+        for step in
+            ["CreateSnapshot", "StartDiskCopy", "RemoveSnapshot", "StartDeltaCopy", "ReleaseSourceClaim"]
+        {
+            let crashes = totals.crashes_after.get(step).copied().unwrap_or(0);
+            assert!(crashes > 0, "no crash right after {step}: {:?}", totals.crashes_after);
+        }
+    }
 }

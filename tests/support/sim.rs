@@ -11,6 +11,10 @@
 //! conversion, an evicted importer, a VMI without capacity, a call that hangs
 //! until the engine's timeout, a create whose response is lost, and the
 //! needs-a-human cases (guest ignores shutdown, snapshots, wrong app content).
+//! Warm and rehearsal runs get the host's snapshots (a snapshot freezes the
+//! base the copies read; removing it keeps what the guest wrote since), a
+//! guest that writes while the VM is on, and the delta copy that assembles a
+//! disk as it is at power-off.
 //! `crash()` drops what a controller process would lose when it dies.
 
 use async_trait::async_trait;
@@ -90,6 +94,8 @@ pub struct FaultPlan {
     pub foreign_vm: bool,
     /// Copies make no progress while set (tests use it to catch a migration mid-copy).
     pub hold_copies: bool,
+    /// The guest writes to its disks while the VM is on (one write per power observation).
+    pub guest_writes: bool,
 }
 
 #[derive(Debug, Default)]
@@ -97,6 +103,21 @@ struct LocalCopy {
     data: Vec<u8>,
     running: bool,
     pending_failure: Option<(Failure, bool)>,
+    /// Warm: the deltas are being copied onto this base copy.
+    delta_running: bool,
+    /// Warm: the deltas were applied; the copy is the disk at power-off.
+    assembled: bool,
+    /// The host's sha256 of what the copy read, taken as it read it (a
+    /// later change of the disk does not make a finished copy wrong).
+    host_sha: Option<String>,
+}
+
+/// A snapshot of the source: the base it froze, which copies read.
+#[derive(Debug)]
+struct SimSnapshot {
+    name: String,
+    id: String,
+    base: Vec<Vec<u8>>,
 }
 
 #[derive(Debug, Default)]
@@ -135,6 +156,8 @@ pub struct Ledger {
     pub dv_deletes: BTreeMap<usize, u32>,
     pub vm_creates: u32,
     pub vm_updates: u32,
+    pub snapshots_created: u32,
+    pub snapshots_removed: u32,
     pub violations: Vec<String>,
 }
 
@@ -155,6 +178,9 @@ struct World {
     app_ticks: u32,
     staging_base: String,
     published: Option<Published>,
+    snapshot: Option<SimSnapshot>,
+    /// sha256 of each disk of the base the last snapshot froze.
+    frozen_sha: Vec<String>,
 }
 
 /// Where staged artifacts are written for the real staging server to serve
@@ -223,6 +249,8 @@ impl SimWorld {
                 app_ticks: 3,
                 staging_base: "http://staging.sim".into(),
                 published: None,
+                snapshot: None,
+                frozen_sha: Vec::new(),
             }),
         })
     }
@@ -238,6 +266,7 @@ impl SimWorld {
         let mut w = self.lock();
         for copy in &mut w.copies {
             copy.running = false;
+            copy.delta_running = false;
             copy.pending_failure = None;
         }
         for artifact in &mut w.artifacts {
@@ -278,6 +307,15 @@ impl SimWorld {
         self.lock().faults.hold_copies = false;
     }
 
+    /// Time passes on the host: a guest shutting down gets that much nearer
+    /// to off (one tick a second, besides one per look at the power).
+    pub fn advance(&self, seconds: u64) {
+        let mut w = self.lock();
+        if let Some(ticks) = w.shutdown_ticks {
+            w.shutdown_ticks = Some(ticks.saturating_sub(seconds.min(u64::from(u32::MAX)) as u32));
+        }
+    }
+
     /// A human shuts the guest down on the host (outside vmmigrate).
     pub fn human_shuts_down(&self) {
         self.lock().power = SourcePowerState::PoweredOff;
@@ -298,6 +336,16 @@ impl SimWorld {
 
     pub fn source_power(&self) -> SourcePowerState {
         self.lock().power
+    }
+
+    /// The sha256 of the disks the last snapshot froze.
+    pub fn frozen_sha(&self) -> Vec<String> {
+        self.lock().frozen_sha.clone()
+    }
+
+    /// The name of a snapshot the source still has.
+    pub fn snapshot_left(&self) -> Option<String> {
+        self.lock().snapshot.as_ref().map(|s| s.name.clone())
     }
 
     /// (DataVolumes present, VM present, VM still owned, anything staged or copied).
@@ -324,6 +372,26 @@ impl World {
             return Err(Failure::retryable(Reason::APIUnavailable, format!("{what}: transient failure")));
         }
         Ok(self.rng.chance(self.faults.hang))
+    }
+
+    /// What a copy reads of disk `disk`: the base a snapshot froze, else the disk.
+    fn readable(&self, disk: usize) -> &[u8] {
+        match &self.snapshot {
+            Some(s) => &s.base[disk],
+            None => &self.source_disks[disk],
+        }
+    }
+
+    /// The running guest writes one byte to one of its disks (the expected
+    /// contents follow: only vmmigrate must never write).
+    fn guest_write(&mut self) {
+        if !self.faults.guest_writes || self.power != SourcePowerState::PoweredOn {
+            return;
+        }
+        let disk = self.rng.below(self.source_disks.len() as u64) as usize;
+        let at = self.rng.below(self.source_disks[disk].len() as u64) as usize;
+        self.source_disks[disk][at] = self.source_disks[disk][at].wrapping_add(1);
+        self.source_sha[disk] = sha_hex(&self.source_disks[disk]);
     }
 }
 
@@ -392,6 +460,7 @@ impl EsxiHost for SimWorld {
     async fn power(&self, _vmm: &VirtualMachineMigration) -> Result<PowerObservation, Failure> {
         call!(self, "power.getstate");
         let mut w = self.lock();
+        w.guest_write();
         if let Some(ticks) = w.shutdown_ticks {
             if ticks == 0 {
                 w.shutdown_ticks = None;
@@ -435,6 +504,48 @@ impl EsxiHost for SimWorld {
         }
         Ok(())
     }
+
+    async fn snapshot_id(
+        &self,
+        _vmm: &VirtualMachineMigration,
+        name: &str,
+    ) -> Result<Option<String>, Failure> {
+        call!(self, "snapshot.get");
+        Ok(self.lock().snapshot.as_ref().filter(|s| s.name == name).map(|s| s.id.clone()))
+    }
+
+    async fn create_snapshot(
+        &self,
+        _vmm: &VirtualMachineMigration,
+        name: &str,
+        _quiesce: bool,
+    ) -> Result<(), Failure> {
+        call!(self, "snapshot.create");
+        let mut w = self.lock();
+        if w.snapshot.is_none() {
+            w.ledger.snapshots_created += 1;
+            let base = w.source_disks.clone();
+            w.frozen_sha = base.iter().map(|d| sha_hex(d)).collect();
+            let id = w.ledger.snapshots_created.to_string();
+            w.snapshot = Some(SimSnapshot { name: name.to_owned(), id, base });
+        }
+        let lost = w.faults.lost_response;
+        if w.rng.chance(lost) {
+            return Err(Failure::retryable(Reason::SSHConnectFailed, "snapshot.create: the answer was lost"));
+        }
+        Ok(())
+    }
+
+    async fn remove_snapshot(&self, _vmm: &VirtualMachineMigration, name: &str) -> Result<(), Failure> {
+        call!(self, "snapshot.remove");
+        let mut w = self.lock();
+        if w.snapshot.as_ref().is_some_and(|s| s.name == name) {
+            // Consolidated: the disks keep what the guest wrote since.
+            w.snapshot = None;
+            w.ledger.snapshots_removed += 1;
+        }
+        Ok(())
+    }
 }
 
 #[async_trait]
@@ -448,7 +559,14 @@ impl DiskStore for SimWorld {
         let roll_cut = w.rng.chance(cut);
         let roll_corrupt = w.rng.chance(corrupt);
         let hold = w.faults.hold_copies;
-        let World { copies, source_disks, .. } = &mut *w;
+        if disk >= w.source_disks.len() {
+            return CopyState::Failed {
+                failure: Failure::terminal(Reason::LocalDiskError, format!("disk {disk}")),
+                discard: false,
+            };
+        }
+        let source = w.readable(disk).to_vec();
+        let World { copies, .. } = &mut *w;
         let Some(copy) = copies.get_mut(disk) else {
             return CopyState::Failed {
                 failure: Failure::terminal(Reason::LocalDiskError, format!("disk {disk}")),
@@ -472,9 +590,10 @@ impl DiskStore for SimWorld {
             // Only reads from the source, never writes.
             let start = copy.data.len();
             let end = (start + COPY_CHUNK).min(total);
-            copy.data.extend_from_slice(&source_disks[disk][start..end]);
+            copy.data.extend_from_slice(&source[start..end]);
             if copy.data.len() == total {
                 copy.running = false;
+                copy.host_sha = Some(sha_hex(&source));
                 if roll_corrupt && !copy.data.is_empty() {
                     copy.data[0] ^= 0xff;
                 }
@@ -495,7 +614,8 @@ impl DiskStore for SimWorld {
             return CopyState::Partial { bytes_done: copy.data.len() as i64, bytes_total: total as i64 };
         }
         let sha = sha_hex(&copy.data);
-        if sha != sha_hex(&source_disks[disk]) {
+        let host_sha = copy.host_sha.clone().unwrap_or_else(|| sha_hex(&source));
+        if !copy.assembled && sha != host_sha {
             return CopyState::Failed {
                 failure: Failure::retryable(
                     Reason::ChecksumMismatch,
@@ -511,11 +631,54 @@ impl DiskStore for SimWorld {
         call!(self, "start copy");
         let mut w = self.lock();
         let power = w.power;
-        if power != SourcePowerState::PoweredOff {
+        if power != SourcePowerState::PoweredOff && w.snapshot.is_none() {
             w.ledger.violations.push(format!("disk {disk} copy started while the source was {power:?}"));
         }
         if let Some(copy) = w.copies.get_mut(disk) {
             copy.running = true;
+        }
+        Ok(())
+    }
+
+    async fn delta_state(&self, _vmm: &VirtualMachineMigration, disk: usize) -> CopyState {
+        let mut w = self.lock();
+        w.ledger.calls += 1;
+        let World { copies, source_disks, .. } = &mut *w;
+        let Some(copy) = copies.get_mut(disk) else { return CopyState::Absent };
+        if copy.delta_running {
+            // One tick: the deltas copied and applied onto the base copy.
+            copy.delta_running = false;
+            copy.data = source_disks[disk].clone();
+            copy.assembled = true;
+        }
+        if !copy.assembled {
+            return CopyState::Absent;
+        }
+        let size = copy.data.len() as i64;
+        CopyState::Complete { size, sha256: sha_hex(&copy.data), verified_remotely: true }
+    }
+
+    async fn start_delta_copy(&self, _vmm: &VirtualMachineMigration, disk: usize) -> Result<(), Failure> {
+        call!(self, "start delta copy");
+        let mut w = self.lock();
+        let power = w.power;
+        let total = w.source_disks.get(disk).map_or(0, Vec::len);
+        if power != SourcePowerState::PoweredOff {
+            w.ledger
+                .violations
+                .push(format!("disk {disk} delta copy started while the source was {power:?}"));
+        }
+        if w.snapshot.is_none() {
+            w.ledger.violations.push(format!("disk {disk} delta copy started without a snapshot"));
+        }
+        let Some(copy) = w.copies.get_mut(disk) else { return Ok(()) };
+        if copy.data.len() != total || copy.running {
+            let violation = format!("disk {disk} delta copy started before its base was copied");
+            w.ledger.violations.push(violation);
+            return Ok(());
+        }
+        if !copy.assembled {
+            copy.delta_running = true;
         }
         Ok(())
     }
