@@ -131,9 +131,16 @@ impl Migration {
         Migration::start(prefix, Cdi::Real, false, Kubevirt::Simulated, ("db-02", "2"), DataPlane::Pods).await
     }
 
-    /// VM 12 `pair` (two disks, 24 + 8 MiB, powered on with Tools), for warm migrations.
+    /// VM 12 `pair` (two disks, 24 + 8 MiB, powered on with Tools), for
+    /// warm migrations; its snapshots are seSparse (VMFS6).
     async fn pair(prefix: &str) -> Migration {
-        Migration::start(prefix, Cdi::Real, false, Kubevirt::Simulated, ("pair", "12"), DataPlane::Process)
+        Migration::pair_with(prefix, crate::support::vmdk_delta::DeltaFormat::SeSparse).await
+    }
+
+    /// [`Self::pair`] with snapshots in `format` (vmfsSparse: VMFS5).
+    async fn pair_with(prefix: &str, format: crate::support::vmdk_delta::DeltaFormat) -> Migration {
+        let vm = ("pair", "12");
+        Migration::start_with(prefix, Cdi::Real, false, Kubevirt::Simulated, vm, DataPlane::Process, format)
             .await
     }
 
@@ -154,8 +161,21 @@ impl Migration {
         cdi: Cdi,
         front: bool,
         kubevirt: Kubevirt,
+        vm: (&'static str, &'static str),
+        data_plane: DataPlane,
+    ) -> Migration {
+        let format = crate::support::vmdk_delta::DeltaFormat::SeSparse;
+        Migration::start_with(prefix, cdi, front, kubevirt, vm, data_plane, format).await
+    }
+
+    async fn start_with(
+        prefix: &str,
+        cdi: Cdi,
+        front: bool,
+        kubevirt: Kubevirt,
         (vm, vmid): (&'static str, &'static str),
         data_plane: DataPlane,
+        snapshot_format: crate::support::vmdk_delta::DeltaFormat,
     ) -> Migration {
         let env = match kubevirt {
             Kubevirt::Simulated => tokio::task::block_in_place(KubeEnv::shared),
@@ -180,9 +200,14 @@ impl Migration {
         // Worker pods reach the host where pods reach the host: the node's veth.
         let also_listen = (data_plane == DataPlane::Pods).then_some(node_ip);
         let pair_disk_mib = (vm == "pair").then_some((24, 8));
-        let emu =
-            EsxiEmulator::start(EsxiOptions { guests, also_listen, pair_disk_mib, ..Default::default() })
-                .expect("ESXi emulator");
+        let emu = EsxiEmulator::start(EsxiOptions {
+            guests,
+            also_listen,
+            pair_disk_mib,
+            snapshot_format,
+            ..Default::default()
+        })
+        .expect("ESXi emulator");
         let source_host = also_listen.map_or_else(|| "127.0.0.1".to_owned(), |ip| ip.to_string());
         let secret: Secret = serde_json::from_value(json!({
             "apiVersion": "v1", "kind": "Secret", "metadata": {"name": "esxi"},

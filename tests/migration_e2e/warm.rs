@@ -5,11 +5,22 @@
 
 use super::*;
 use crate::support::esxi_snapshots::GuestWrites;
+use crate::support::vmdk_delta::DeltaFormat;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_warm_migration_of_a_changing_vm_imports_exactly_its_disks_at_power_off_and_copies_only_deltas_after_it()
  {
-    let m = Migration::pair("e2e-warm").await;
+    warm_migration_of_a_changing_vm(DeltaFormat::SeSparse, "-sesparse.vmdk").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_warm_migration_on_vmfs5_assembles_its_disks_from_vmfs_sparse_deltas_and_imports_them_at_power_off()
+{
+    warm_migration_of_a_changing_vm(DeltaFormat::VmfsSparse, "-delta.vmdk").await;
+}
+
+async fn warm_migration_of_a_changing_vm(format: DeltaFormat, delta_suffix: &str) {
+    let m = Migration::pair_with(&format!("e2e-warm-{format:?}").to_lowercase(), format).await;
     let writer = m.emu.start_guest_writes(m.vmid, GuestWrites { blocks_per_second: 500, seed: 3 });
     m.create(|body| body["spec"]["mode"] = json!("Warm")).await;
     let vmm = m.wait_completed().await;
@@ -39,8 +50,7 @@ async fn a_warm_migration_of_a_changing_vm_imports_exactly_its_disks_at_power_of
 
     // After the power-off only the deltas traveled.
     let reads = m.emu.disk_reads();
-    let delta_bytes: u64 =
-        reads.iter().filter(|r| r.path.ends_with("-sesparse.vmdk")).map(|r| r.delivered).sum();
+    let delta_bytes: u64 = reads.iter().filter(|r| r.path.ends_with(delta_suffix)).map(|r| r.delivered).sum();
     let total: u64 = m.emu.disk_files(m.vmid).iter().map(|d| d.3).sum();
     assert!(delta_bytes > 0 && delta_bytes < total / 2, "deltas: {delta_bytes} of {total} bytes");
 }
