@@ -618,11 +618,11 @@ impl DiskStore for WorkerPlane {
     /// An object of a worker's name that is not this migration's stops the
     /// migration at validation, before its source is powered off.
     async fn preflight(&self, vmm: &VirtualMachineMigration) -> Result<Option<String>, Failure> {
-        if vmm.spec.mode == crate::api::MigrationMode::Warm {
-            return Ok(Some(
-                "spec.mode Warm needs the in-process data plane; the worker pods copy cold only (use spec.mode Cold)"
-                    .into(),
-            ));
+        if vmm.spec.mode.takes_snapshot() {
+            return Ok(Some(format!(
+                "spec.mode {:?} needs the in-process data plane (--data-plane process); the worker pods copy cold only (use spec.mode Cold)",
+                vmm.spec.mode
+            )));
         }
         let name = worker_name(vmm);
         let checks = [

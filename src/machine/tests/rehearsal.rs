@@ -168,3 +168,28 @@ fn what_a_rehearsal_made_goes_with_it_and_its_source_is_released_once_it_ends() 
     let blockers = preflight::blockers(&run.spec, "web-01-rehearsal", &inventory, &preflight);
     assert!(blockers.is_empty(), "a rehearsal needs no network map: {blockers:?}");
 }
+
+#[test]
+fn snapshots_of_its_own_independent_and_raw_mapped_disks_are_refused_in_every_mode() {
+    type Mutate = fn(&mut SourceInventory);
+    let cases: [(&str, Mutate); 3] = [
+        ("SnapshotsPresent", |i| i.snapshots = 1),
+        ("IndependentDisk", |i| i.disks[0].mode = "independent-nonpersistent".into()),
+        ("UnsupportedDiskType", |i| i.disks[0].create_type = "vmfsPassthroughRawDeviceMap".into()),
+    ];
+    for mode in [MigrationMode::Cold, MigrationMode::Warm, MigrationMode::Rehearsal] {
+        for (reason, mutate) in cases {
+            let mut run = Run::at(Phase::Validated);
+            run.spec.mode = mode;
+            mutate(run.status.source_inventory.as_mut().unwrap());
+            let d = run.decide_at(Observed::Preflight(Ok(preflight_ok())), t(0));
+            assert_eq!(d.status.phase, Phase::ManualInterventionRequired, "{mode:?} {reason}");
+            assert!(
+                d.status.blockers.iter().any(|b| b.reason == reason),
+                "{mode:?}: {:?}",
+                d.status.blockers
+            );
+            assert!(d.actions.is_empty(), "{mode:?} {reason}: nothing done to the source: {:?}", d.actions);
+        }
+    }
+}
