@@ -761,15 +761,25 @@ async fn a_rehearsal_beside_its_migration_in_git_is_deleted_when_its_manifest_le
         }
         files
     };
-    let provenance = Provenance { repo_url: "https://git.example/m.git".into(), commit: "ab".repeat(20) };
+    const GIT_REPO: &str = "https://git.example/m.git";
+    let provenance = Provenance { repo_url: GIT_REPO.into(), commit: "ab".repeat(20) };
     let namespaces = std::slice::from_ref(&ns);
     let rendered = render(&files(true), &provenance, &RenderOptions::default()).expect("renders");
-    assert_eq!(apply_commit(&client, &rendered, namespaces).await.expect("applies").applied.len(), 2);
+    assert_eq!(apply_commit(&client, &rendered, namespaces, GIT_REPO).await.expect("applies").applied.len(), 2);
     let api: Api<VirtualMachineMigration> = Api::namespaced(client.clone(), &ns);
     assert_eq!(api.get("web-trial").await.unwrap().spec.mode, vmmigrate::api::MigrationMode::Rehearsal);
+    // Another repository's rehearsal in the same namespace.
+    const OTHER_REPO: &str = "https://git.example/other.git";
+    let theirs = rehearsal.replace("web-trial", "their-trial").replace("web 01", "web 02");
+    let theirs = [RepoFile { path: "migrations/theirs.yaml".into(), bytes: theirs.into_bytes() }];
+    let other = Provenance { repo_url: OTHER_REPO.into(), commit: "cd".repeat(20) };
+    let rendered = render(&theirs, &other, &RenderOptions::default()).expect("renders");
+    apply_commit(&client, &rendered, namespaces, OTHER_REPO).await.expect("applies");
 
-    // Both manifests leave Git: the migration stays (marked), the rehearsal goes.
-    let report = apply_commit(&client, &[], namespaces).await.expect("applies");
+    // Both manifests leave Git: the migration stays (marked), the rehearsal
+    // goes; the other repository's objects are not this one's to touch.
+    let report = apply_commit(&client, &[], namespaces, GIT_REPO).await.expect("applies");
+    assert!(api.get_opt("their-trial").await.unwrap().is_some(), "another repository's rehearsal stays");
     assert_eq!(report.deleted, vec![(ns.clone(), "web-trial".to_owned())]);
     assert_eq!(report.orphaned, vec![(ns.clone(), "web-01".to_owned())]);
     assert!(api.get_opt("web-trial").await.unwrap().is_none(), "the rehearsal is deleted");
@@ -781,7 +791,7 @@ async fn a_rehearsal_beside_its_migration_in_git_is_deleted_when_its_manifest_le
 
     // The migration's manifest comes back alone: nothing else changes.
     let rendered = render(&files(false), &provenance, &RenderOptions::default()).expect("renders");
-    let report = apply_commit(&client, &rendered, namespaces).await.expect("applies");
+    let report = apply_commit(&client, &rendered, namespaces, GIT_REPO).await.expect("applies");
     assert!(report.deleted.is_empty() && report.orphaned.is_empty(), "{report:?}");
 }
 
@@ -804,7 +814,7 @@ async fn a_thousand_manifests_render_and_apply_without_error() {
     let render_time = started.elapsed();
     assert_eq!(rendered.len(), 1000);
     let started = Instant::now();
-    let report = vmmigrate::gitops::apply::apply_commit(&client, &rendered, std::slice::from_ref(&ns))
+    let report = vmmigrate::gitops::apply::apply_commit(&client, &rendered, std::slice::from_ref(&ns), "")
         .await
         .expect("applies");
     eprintln!(
@@ -817,7 +827,7 @@ async fn a_thousand_manifests_render_and_apply_without_error() {
     let api: Api<VirtualMachineMigration> = Api::namespaced(client.clone(), &ns);
     assert_eq!(api.list(&Default::default()).await.unwrap().items.len(), 1000);
     // The same commit again changes nothing and still succeeds.
-    let again = vmmigrate::gitops::apply::apply_commit(&client, &rendered, std::slice::from_ref(&ns))
+    let again = vmmigrate::gitops::apply::apply_commit(&client, &rendered, std::slice::from_ref(&ns), "")
         .await
         .expect("again");
     assert_eq!(again.applied.len(), 1000);

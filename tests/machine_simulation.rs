@@ -41,6 +41,8 @@ enum Expect {
 
 struct Scenario {
     mode: MigrationMode,
+    /// Someone edits `spec.mode` of the running migration (kubectl) to this.
+    mode_edited_to: Option<MigrationMode>,
     faults: FaultPlan,
     policy: PowerOffPolicy,
     retry_limit: i32,
@@ -126,7 +128,11 @@ fn scenario(seed: u64) -> Scenario {
     {
         expect = Expect::Completed;
     }
-    Scenario { mode, faults, policy, retry_limit, on_failure, crash_rate, expect }
+    // Half the rehearsals are edited into a migration that would power off,
+    // once they left Validated: the recorded mode must win.
+    let mode_edited_to = (mode == MigrationMode::Rehearsal && rng.chance(0.5))
+        .then(|| if rng.chance(0.5) { MigrationMode::Cold } else { MigrationMode::Warm });
+    Scenario { mode, mode_edited_to, faults, policy, retry_limit, on_failure, crash_rate, expect }
 }
 
 fn migration(s: &Scenario) -> VirtualMachineMigration {
@@ -164,6 +170,8 @@ struct Totals {
     outcomes: BTreeMap<String, usize>,
     /// Crashes right after an action of this kind, before its status write.
     crashes_after: BTreeMap<String, usize>,
+    /// Rehearsals whose spec.mode was edited mid-run.
+    mode_edits: usize,
 }
 
 fn run_schedule(seed: u64, rt: &tokio::runtime::Runtime, totals: &mut Totals) -> Result<(), String> {
@@ -209,6 +217,14 @@ fn run_schedule(seed: u64, rt: &tokio::runtime::Runtime, totals: &mut Totals) ->
                 .insert(RETRY_ANNOTATION.into(), "true".into());
             totals.human_retries += 1;
         }
+        if let Some(edited) = sc.mode_edited_to
+            && status.mode.is_some()
+            && vmm.spec.mode != edited
+        {
+            vmm.spec.mode = edited;
+            vmm.metadata.generation = Some(vmm.metadata.generation.unwrap_or(1) + 1);
+            totals.mode_edits += 1;
+        }
         totals.steps += 1;
         let crash_rate = sc.crash_rate;
         let mut crash_rng = SplitMix(rng.next_u64());
@@ -242,8 +258,12 @@ fn run_schedule(seed: u64, rt: &tokio::runtime::Runtime, totals: &mut Totals) ->
             world.advance(restart);
             continue;
         };
-        if step.failed.is_some() {
+        if let Some((action, failure)) = &step.failed {
             totals.action_failures += 1;
+            // The engine's last line of defence must never be needed.
+            if failure.reason == Reason::PowerActionRefused {
+                return Err(format!("{action:?} was asked for in a rehearsal and refused"));
+            }
         }
         let next = step.decision.status.clone();
 
@@ -491,6 +511,7 @@ fn thousands_of_fault_and_crash_schedules_keep_every_invariant() {
             let completed = totals.outcomes.get(&format!("{mode} Completed")).copied().unwrap_or(0);
             assert!(completed > 0, "no {mode} schedule completed: {:?}", totals.outcomes);
         }
+        assert!(totals.mode_edits > 0, "no rehearsal was edited mid-run");
         // The controller died right after each step of warm and rehearsal
         // runs, before recording it, and the run still ended well.
         for step in

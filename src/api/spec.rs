@@ -107,10 +107,27 @@ pub struct VirtualMachineMigrationSpec {
     pub rehearsal: Option<RehearsalSpec>,
 }
 
+impl VirtualMachineMigration {
+    /// The migration as it runs, when that differs from its spec: once it
+    /// left Validated, the mode and rehearsal settings recorded then are
+    /// the ones that count, whatever the spec was changed to since.
+    pub fn pinned(&self) -> Option<VirtualMachineMigration> {
+        let status = self.status.as_ref()?;
+        let mode = status.mode?;
+        if mode == self.spec.mode && status.rehearsal == self.spec.rehearsal {
+            return None;
+        }
+        let mut pinned = self.clone();
+        pinned.spec.mode = mode;
+        pinned.spec.rehearsal = status.rehearsal.clone();
+        Some(pinned)
+    }
+}
+
 impl VirtualMachineMigrationSpec {
     /// The runStrategy the destination VM is given once created: a
     /// rehearsal is a boot test, so its VM is always started.
-    pub(crate) fn run_strategy(&self) -> RunStrategy {
+    pub fn run_strategy(&self) -> RunStrategy {
         match self.mode {
             MigrationMode::Rehearsal => RunStrategy::Always,
             _ => self.destination.run_strategy,
@@ -158,12 +175,13 @@ pub struct RehearsalSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(min = 1, max = 55), regex(pattern = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"))]
     pub name: Option<String>,
-    /// A NetworkAttachmentDefinition (`name` or `namespace/name`) every NIC
-    /// of the rehearsal VM is attached to, with a MAC address of its own.
+    /// A NetworkAttachmentDefinition of the destination namespace (a plain
+    /// name: another namespace's network is not the migration's to use) every
+    /// NIC of the rehearsal VM is attached to, with a MAC address of its own.
     /// Unset: the rehearsal VM has no network at all (not even the pod
     /// network), so it can never answer for the running source.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(length(min = 1, max = 253))]
+    #[schemars(length(min = 1, max = 253), regex(pattern = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"))]
     pub network_name: Option<String>,
 }
 

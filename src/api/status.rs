@@ -65,10 +65,18 @@ pub struct VirtualMachineMigrationStatus {
     /// approval, a free read slot on its host); absent when it is not waiting.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub waiting: Option<Waiting>,
-    /// The snapshot a warm migration took of its source: the only change it
-    /// makes to the source besides the power-off, logged here.
+    /// The snapshot a warm migration or a rehearsal took of its source: the
+    /// only change either makes to the source besides a warm power-off, logged here.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub snapshot: Option<SnapshotRecord>,
+    /// The mode the migration runs in, fixed when it left Validated: a later
+    /// change of `spec.mode` is not applied (a rehearsal never turns into a
+    /// migration that powers its source off, nor the reverse).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mode: Option<super::MigrationMode>,
+    /// `spec.rehearsal` as it was when the migration left Validated.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rehearsal: Option<super::RehearsalSpec>,
 }
 
 /// What a validated migration waits for before the cutover.
@@ -163,6 +171,10 @@ pub struct SnapshotRecord {
     #[serde(default)]
     pub quiesced: bool,
     pub created: Time,
+    /// When vmmigrate decided to remove it, recorded before it asks the host:
+    /// a snapshot gone without this was removed by someone else.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub removing: Option<Time>,
     /// When it was removed again (the host consolidated it into the base).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub removed: Option<Time>,

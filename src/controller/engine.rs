@@ -326,6 +326,10 @@ pub async fn step(
     input: StepInput<'_>,
     mut interrupt: impl FnMut(&Checkpoint) -> bool,
 ) -> Option<Step> {
+    // Past Validated the recorded mode counts, whatever the spec says now.
+    let pinned = vmm.pinned();
+    let changed_mode = pinned.as_ref().map(|_| vmm.spec.mode);
+    let vmm = pinned.as_ref().unwrap_or(vmm);
     let status = vmm.status.clone().unwrap_or_default();
     let name = vmm.metadata.name.clone().unwrap_or_default();
     let generation = vmm.metadata.generation.unwrap_or(1);
@@ -352,7 +356,19 @@ pub async fn step(
     if interrupt(&Checkpoint::Observed) {
         return None;
     }
-    let decision = machine::decide(make_input(observed));
+    let mut decision = machine::decide(make_input(observed));
+    if let Some(asked) = changed_mode
+        && decision.status.phase != status.phase
+    {
+        decision.events.push(machine::Event {
+            type_: machine::EventType::Warning,
+            reason: "SpecChangeNotApplied".into(),
+            message: format!(
+                "spec.mode {asked:?} (or spec.rehearsal) was changed after the migration left Validated and is not applied: it runs as {:?}",
+                vmm.spec.mode
+            ),
+        });
+    }
     // Actions act on what this decision says (a DataVolume is rendered with
     // the verification it chose), though it is recorded only after them.
     let acting = VirtualMachineMigration { status: Some(decision.status.clone()), ..vmm.clone() };

@@ -382,8 +382,9 @@ async fn apply_step(
     let cutover_approved = vmm.annotations().get(APPROVE_CUTOVER_ANNOTATION).is_some_and(|v| v == "true");
     let now = Timestamp::now();
     let status = vmm.status.clone().unwrap_or_default();
-    // Warm and Rehearsal copy from a snapshot before any cutover: they ask for a read slot at once.
-    let cutover_open = vmm.spec.mode.takes_snapshot()
+    // Warm and Rehearsal copy from a snapshot before any cutover: they ask
+    // for a read slot at once (by the mode recorded, once there is one).
+    let cutover_open = status.mode.unwrap_or(vmm.spec.mode).takes_snapshot()
         || matches!(machine::fleet::cutover_gate(&vmm.spec, &status, now, cutover_approved), Ok(None));
     let input = StepInput {
         now,
@@ -510,6 +511,8 @@ fn strip_nulls(value: &serde_json::Value) -> serde_json::Value {
 }
 
 async fn cleanup(vmm: &VirtualMachineMigration, ctx: &Context) -> Result<Action, Error> {
+    let pinned = vmm.pinned();
+    let vmm = pinned.as_ref().unwrap_or(vmm);
     let status = vmm.status.clone().unwrap_or_default();
     let actions = machine::cleanup_on_delete(&vmm.spec, &status);
     tracing::info!(phase = %status.phase, ?actions, "migration deleted; cleaning up");

@@ -24,7 +24,7 @@
 //! apply is idempotent, so the cluster converges on the commit.
 
 use super::render::RenderedMigration;
-use super::{ANNOTATION_ORPHANED, FIELD_MANAGER, LABEL_GITOPS};
+use super::{ANNOTATION_ORPHANED, ANNOTATION_REPO, FIELD_MANAGER, LABEL_GITOPS};
 use crate::api::{Phase, VirtualMachineMigration};
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, Preconditions};
 use kube::{Client, ResourceExt};
@@ -104,7 +104,12 @@ pub(crate) fn reconcile_spec(
         if !wanted.is_null() && !crate::destination::semantic::agrees(&current, &wanted) {
             held.push(*field);
         }
-        if !current.is_null() {
+        if current.is_null() {
+            // Unset on the live object (a default, e.g. `mode: Cold`): it stays unset.
+            if let Some(spec) = object["spec"].as_object_mut() {
+                spec.remove(*field);
+            }
+        } else {
             object["spec"][*field] = current;
         }
     }
@@ -140,11 +145,14 @@ pub(crate) async fn server_spec(
 }
 
 /// Applies one commit's migrations (see the module documentation).
-/// `namespaces`: where to look for orphans (all namespaces when empty).
+/// `namespaces`: where to look for orphans (all namespaces when empty);
+/// `repo`: the repository the commit is of: only its migrations can be
+/// orphaned by it (or, for a rehearsal, deleted).
 pub async fn apply_commit(
     client: &Client,
     rendered: &[RenderedMigration],
     namespaces: &[String],
+    repo: &str,
 ) -> Result<ApplyReport, ApplyError> {
     let mut report = ApplyReport::default();
     let mut planned = Vec::with_capacity(rendered.len());
@@ -206,7 +214,8 @@ pub async fn apply_commit(
     }
     for vmm in live {
         let key = (vmm.namespace().unwrap_or_default(), vmm.name_any());
-        if wanted.contains(&key) {
+        let from_repo = vmm.annotations().get(ANNOTATION_REPO).is_some_and(|r| r == repo);
+        if wanted.contains(&key) || !from_repo {
             continue;
         }
         if vmm.spec.mode == crate::api::MigrationMode::Rehearsal {
@@ -283,6 +292,24 @@ mod tests {
         assert_eq!(object["spec"]["source"]["vm"]["name"], "web", "the VM being migrated does not change");
         assert_eq!(object["spec"]["strategy"]["retryLimit"], 3);
         assert!(note.unwrap().contains("spec.source"));
+    }
+
+    #[test]
+    fn past_validated_a_cold_migration_does_not_become_a_rehearsal_nor_a_rehearsal_cold() {
+        let mut wanted = rendered("web", 5);
+        wanted["spec"]["mode"] = json!("Rehearsal");
+        wanted["spec"]["rehearsal"] = json!({ "name": "trial" });
+        // The live cold migration has no `mode` at all (the default is not written).
+        let (object, note) = reconcile_spec(&wanted, Some(&live(Phase::Preparing, spec("web", 5))));
+        assert_eq!(object["spec"].get("mode"), None, "{object}");
+        assert_eq!(object["spec"].get("rehearsal"), None);
+        assert!(note.unwrap().contains("spec.mode, spec.rehearsal"));
+
+        let mut rehearsing = spec("web", 5);
+        rehearsing["mode"] = json!("Rehearsal");
+        let (object, note) = reconcile_spec(&rendered("web", 5), Some(&live(Phase::Converting, rehearsing)));
+        assert_eq!(object["spec"]["mode"], "Rehearsal", "a rehearsal stays one");
+        assert_eq!(note, None, "the manifest left the field unset; nothing to hold");
     }
 
     #[test]

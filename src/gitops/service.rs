@@ -352,7 +352,7 @@ impl Gitops {
             self.state().last_applied = Some(commit.clone());
             return Ok(SyncOutcome::Rendered { commit, migrations: rendered.len() });
         }
-        let applied = apply_commit(&self.client, &rendered, &[]).await;
+        let applied = apply_commit(&self.client, &rendered, &[], &self.opts.repo).await;
         self.metrics.git_apply(match &applied {
             Ok(_) => "applied",
             Err(ApplyError::Refused(_)) => "rejected",

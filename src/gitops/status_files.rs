@@ -269,7 +269,8 @@ fn status_yaml(row: &Row<'_>) -> String {
         phase: status.phase,
         waiting: status.waiting.as_ref(),
         wave: row.migration.spec.wave.as_ref(),
-        mode: Some(row.migration.spec.mode).filter(|m| *m != crate::api::MigrationMode::Cold),
+        mode: Some(status.mode.unwrap_or(row.migration.spec.mode))
+            .filter(|m| *m != crate::api::MigrationMode::Cold),
         snapshot: status.snapshot.as_ref(),
         source_vm: row.source_vm(),
         destination_vm: status.destination_vm.as_ref(),
@@ -634,6 +635,7 @@ mod tests {
             id: Some("3".into()),
             quiesced: true,
             created: t("2025-03-01T10:00:00Z"),
+            removing: Some(t("2025-03-01T10:05:00Z")),
             removed: Some(t("2025-03-01T10:05:00Z")),
         });
         status.validation_results = vec![crate::api::ValidationResult {

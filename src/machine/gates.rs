@@ -35,6 +35,11 @@ pub(super) fn validated(ctx: &mut Ctx<'_>, observed: Observed, input: &Gating) {
             Ok(Some(wait)) => hold(ctx, wait),
             Ok(None) => {
                 ctx.status.waiting = None;
+                // From here on the mode is fixed, whatever the spec says later.
+                if ctx.status.mode.is_none() {
+                    ctx.status.mode = Some(ctx.spec.mode);
+                    ctx.status.rehearsal = ctx.spec.rehearsal.clone();
+                }
                 ctx.advance(Phase::Preparing);
             }
             Err(failure) => ctx.fail(Phase::Validated, failure),

@@ -357,6 +357,15 @@ impl<'a> Ctx<'a> {
             }
             FailureClass::NeedsHuman => {
                 self.status.retry = None;
+                if self.spec.mode == MigrationMode::Rehearsal && self.status.phase == Phase::Preparing {
+                    // A rehearsal waiting for a person holds nothing on the
+                    // running source: a retry copies again from a new snapshot.
+                    let disks = self.status.source_inventory.as_ref().map_or(0, |i| i.disks.len());
+                    if self.status.snapshot.as_ref().is_some_and(|s| s.removed.is_none()) {
+                        self.actions.extend((0..disks).map(|disk| Action::DiscardDiskCopy { disk }));
+                    }
+                    self.drop_snapshot("the rehearsal waits for a person");
+                }
                 self.enter(Phase::ManualInterventionRequired);
                 self.requeue = None;
             }
@@ -370,25 +379,18 @@ impl<'a> Ctx<'a> {
     }
 
     /// The finishing work of a terminal phase, done once and recorded with
-    /// `timestamps.cleanedUp`. Never touches the source.
+    /// `timestamps.cleanedUp`. Of the source, it only removes a snapshot the
+    /// migration still holds, after the cluster's own work (an unreachable
+    /// host does not hold that up: the actions run in order).
     fn finish(&mut self) {
         if self.status.timestamps.cleaned_up.is_some() {
             return;
         }
         let completed = self.status.phase == Phase::Completed;
-        // A migration that ends never leaves its snapshot on the source.
-        if let Some(record) = self.status.snapshot.as_mut()
-            && record.removed.is_none()
-        {
-            record.removed = Some(self.now.clone());
-            let message = format!("snapshot {} of the source removed (the migration ended)", record.name);
-            self.actions.push(Action::RemoveSnapshot);
-            self.event(EventType::Normal, "SnapshotRemoved", message);
-        }
-        if self.spec.mode == MigrationMode::Rehearsal {
+        let rehearsal = self.spec.mode == MigrationMode::Rehearsal;
+        if rehearsal {
             // A rehearsal's VM and volumes go with its manifest (its owner
-            // references stay); the source is the migration's to claim.
-            self.actions.push(Action::ReleaseSourceClaim);
+            // references stay).
             if !completed && self.spec.cleanup.on_failure == CleanupAction::Delete {
                 self.actions.push(Action::DeleteDestination);
             }
@@ -401,7 +403,26 @@ impl<'a> Ctx<'a> {
         if self.spec.cleanup.staging == CleanupAction::Delete {
             self.actions.push(Action::CleanupStaging);
         }
+        // A migration that ends never leaves its snapshot on the source.
+        self.drop_snapshot("the migration ended");
+        if rehearsal {
+            // Done with the source: the migration itself may claim it.
+            self.actions.push(Action::ReleaseSourceClaim);
+        }
         self.status.timestamps.cleaned_up = Some(self.now.clone());
+    }
+
+    /// Removes the snapshot the migration still holds, logged once.
+    fn drop_snapshot(&mut self, why: &str) {
+        if let Some(record) = self.status.snapshot.as_mut()
+            && record.removed.is_none()
+        {
+            record.removing.get_or_insert_with(|| self.now.clone());
+            record.removed = Some(self.now.clone());
+            let message = format!("snapshot {} of the source removed ({why})", record.name);
+            self.actions.push(Action::RemoveSnapshot);
+            self.event(EventType::Normal, "SnapshotRemoved", message);
+        }
     }
 
     fn wait(&mut self, after: Duration) {

@@ -6,7 +6,7 @@
 //! and the engine refuses one for a rehearsal besides.
 //! Every step is recorded before the next and idempotent, as in warm mode.
 
-use super::warm::{remove_snapshot, snapshot_taken};
+use super::warm::{finish_from_snapshot, snapshot_taken};
 use super::*;
 use crate::api::snapshot_name;
 
@@ -33,11 +33,15 @@ pub(super) fn preparing(ctx: &mut Ctx<'_>, facts: &PreparingFacts) {
         );
         return ctx.wait(Duration::ZERO);
     }
-    if copied {
-        return finish(ctx, facts, &name);
-    }
     if !snapshot_taken(ctx, facts, &name) {
         return;
+    }
+    if copied {
+        let summary = format!(
+            "{total} disk(s) copied from snapshot {name} while the VM ran, and checksummed; the snapshot is removed"
+        );
+        let how = "its disks are copied; the VM keeps running";
+        return finish_from_snapshot(ctx, facts, &name, &facts.copies, how, summary);
     }
     let Some((done, progress)) = tally_copies(ctx, &facts.copies) else { return };
     set_progress(ctx, progress);
@@ -48,20 +52,4 @@ pub(super) fn preparing(ctx: &mut Ctx<'_>, facts: &PreparingFacts) {
         format!("{done} of {total} disk(s) copied from snapshot {name} while the VM runs"),
     );
     ctx.wait(POLL_IN_PROGRESS);
-}
-
-/// Every disk copied: the snapshot goes at once and the disks are recorded.
-fn finish(ctx: &mut Ctx<'_>, facts: &PreparingFacts, name: &str) {
-    remove_snapshot(ctx, facts, name, "its disks are copied; the VM keeps running");
-    ctx.status.disks = recorded_disks(ctx, &facts.copies);
-    ctx.condition(
-        condition::DISK_ACQUIRED,
-        true,
-        "Copied",
-        format!(
-            "{} disk(s) copied from snapshot {name} while the VM ran, and checksummed; the snapshot is removed",
-            facts.copies.len()
-        ),
-    );
-    ctx.advance(Phase::Converting);
 }

@@ -27,17 +27,19 @@ pub(super) fn preparing(ctx: &mut Ctx<'_>, facts: &PreparingFacts, input: &Gatin
         _ => {}
     }
 
-    // Done: every disk assembled from its base and deltas. The snapshot goes
-    // (found gone after a crash that removed it: that was this removal).
+    if !snapshot_taken(ctx, facts, &name) {
+        return;
+    }
+    // Done: every disk assembled from its base and deltas. The snapshot goes.
     let assembled = off
         && !facts.deltas.is_empty()
         && facts.deltas.iter().all(|d| matches!(d, CopyState::Complete { .. }));
     if assembled {
-        return finish(ctx, facts, &name);
-    }
-
-    if !snapshot_taken(ctx, facts, &name) {
-        return;
+        let summary = format!(
+            "{} disk(s): bases copied while the VM ran, deltas after the cutover, assembled and checksummed",
+            facts.deltas.len()
+        );
+        return finish_from_snapshot(ctx, facts, &name, &facts.deltas, "the host consolidated it", summary);
     }
 
     // The frozen bases, copied while the VM runs; a VM that went off before
@@ -128,26 +130,34 @@ pub(super) fn preparing(ctx: &mut Ctx<'_>, facts: &PreparingFacts, input: &Gatin
     ctx.wait(POLL_IN_PROGRESS);
 }
 
-/// Every disk assembled: the snapshot is removed and the disks recorded.
-fn finish(ctx: &mut Ctx<'_>, facts: &PreparingFacts, name: &str) {
-    remove_snapshot(ctx, facts, name, "the host consolidated it");
-    ctx.status.disks = recorded_disks(ctx, &facts.deltas);
-    ctx.condition(
-        condition::DISK_ACQUIRED,
-        true,
-        "Copied",
-        format!(
-            "{} disk(s): bases copied while the VM ran, deltas after the cutover, assembled and checksummed",
-            facts.deltas.len()
-        ),
-    );
+/// Every disk copied (and, warm, assembled): the decision to remove the
+/// snapshot is recorded first, so that a snapshot found gone without it is
+/// known to be someone else's doing; then it is removed, the disks recorded,
+/// and Preparing is done.
+pub(super) fn finish_from_snapshot(
+    ctx: &mut Ctx<'_>,
+    facts: &PreparingFacts,
+    name: &str,
+    disks: &[CopyState],
+    how: &str,
+    summary: String,
+) {
+    if let Some(record) = ctx.status.snapshot.as_mut()
+        && record.removing.is_none()
+    {
+        record.removing = Some(ctx.now.clone());
+        return ctx.wait(Duration::ZERO);
+    }
+    remove_snapshot(ctx, facts, name, how);
+    ctx.status.disks = recorded_disks(ctx, disks);
+    ctx.condition(condition::DISK_ACQUIRED, true, "Copied", summary);
     ctx.advance(Phase::Converting);
 }
 
 /// Removes the migration's snapshot when the host still has it, and logs
 /// the removal once (found gone after a crash that removed it: that was
-/// this removal).
-pub(super) fn remove_snapshot(ctx: &mut Ctx<'_>, facts: &PreparingFacts, name: &str, how: &str) {
+/// this removal, as `removing` was recorded before).
+fn remove_snapshot(ctx: &mut Ctx<'_>, facts: &PreparingFacts, name: &str, how: &str) {
     if facts.snapshot.is_some() {
         ctx.actions.push(Action::RemoveSnapshot);
     }
@@ -175,6 +185,7 @@ pub(super) fn snapshot_taken(ctx: &mut Ctx<'_>, facts: &PreparingFacts, name: &s
                 id: existing.clone(),
                 quiesced: facts.tools_running,
                 created: ctx.now.clone(),
+                removing: None,
                 removed: None,
             });
             let how = if facts.tools_running { "quiesced, " } else { "" };
@@ -192,6 +203,9 @@ pub(super) fn snapshot_taken(ctx: &mut Ctx<'_>, facts: &PreparingFacts, name: &s
             ctx.wait(Duration::ZERO);
             return false;
         }
+        // Gone after vmmigrate decided to remove it: its own removal (a crash
+        // came between the removal and its record).
+        (Some(record), None) if record.removing.is_some() => {}
         (Some(record), None) => {
             // Gone, and not by this migration: the bases copied from it no longer vouch for anything.
             let message = format!(

@@ -995,7 +995,7 @@ impl Cluster for SimWorld {
     async fn starting(&self, vmm: &VirtualMachineMigration) -> Result<StartingFacts, Failure> {
         call!(self, "get VMI");
         let mut w = self.lock();
-        let wanted = format!("{:?}", vmm.spec.destination.run_strategy);
+        let wanted = format!("{:?}", vmm.spec.run_strategy());
         let set = w.vm.as_ref().is_some_and(|vm| vm.run_strategy == wanted);
         let no_capacity = w.faults.no_capacity;
         let unschedulable = w.rng.chance(no_capacity);
@@ -1020,7 +1020,7 @@ impl Cluster for SimWorld {
     async fn set_run_strategy(&self, vmm: &VirtualMachineMigration) -> Result<(), Failure> {
         call!(self, "set runStrategy");
         let mut w = self.lock();
-        let wanted = format!("{:?}", vmm.spec.destination.run_strategy);
+        let wanted = format!("{:?}", vmm.spec.run_strategy());
         match w.vm.as_mut() {
             Some(vm) if vm.ours => {
                 vm.run_strategy = wanted;

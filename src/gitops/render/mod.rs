@@ -936,7 +936,23 @@ impl Renderer {
         let name = merged.pointer("/metadata/name").and_then(Value::as_str).unwrap_or_default().to_owned();
         let destination_name =
             merged.pointer("/spec/destination/name").and_then(Value::as_str).map(str::to_owned);
+        // A rehearsal's VM has a name of its own: `spec.rehearsal.name`, else
+        // the destination name with `-rehearsal` appended.
+        let rehearsal = merged.pointer("/spec/mode").and_then(Value::as_str) == Some("Rehearsal");
+        let rehearsal_named = merged.pointer("/spec/rehearsal/name").is_some();
+        if rehearsal && !rehearsal_named && !name.is_empty() && is_dns_subdomain(&name) {
+            let vm = format!("{}-rehearsal", destination_name.as_deref().unwrap_or(&name));
+            if !is_dns_label(&vm) || vm.len() > MAX_DESTINATION_NAME {
+                findings.push(finding(
+                    segs(&["spec", "mode"]),
+                    format!(
+                        "a rehearsal's VM would be named {vm:?}, which must be a lowercase RFC 1123 label (no dots) of at most {MAX_DESTINATION_NAME} characters; set spec.rehearsal.name"
+                    ),
+                ));
+            }
+        }
         if destination_name.is_none()
+            && !rehearsal
             && !name.is_empty()
             && is_dns_subdomain(&name)
             && (!is_dns_label(&name) || name.len() > MAX_DESTINATION_NAME)
