@@ -765,7 +765,10 @@ async fn a_rehearsal_beside_its_migration_in_git_is_deleted_when_its_manifest_le
     let provenance = Provenance { repo_url: GIT_REPO.into(), commit: "ab".repeat(20) };
     let namespaces = std::slice::from_ref(&ns);
     let rendered = render(&files(true), &provenance, &RenderOptions::default()).expect("renders");
-    assert_eq!(apply_commit(&client, &rendered, namespaces, GIT_REPO).await.expect("applies").applied.len(), 2);
+    assert_eq!(
+        apply_commit(&client, &rendered, namespaces, GIT_REPO).await.expect("applies").applied.len(),
+        2
+    );
     let api: Api<VirtualMachineMigration> = Api::namespaced(client.clone(), &ns);
     assert_eq!(api.get("web-trial").await.unwrap().spec.mode, vmmigrate::api::MigrationMode::Rehearsal);
     // Another repository's rehearsal in the same namespace.

@@ -121,13 +121,16 @@ mod tests {
         let long = "a".repeat(50);
         let errors = errors_of(&[file("migrations/long.yaml", &trial.replace("a-trial", &long))]);
         assert_eq!(errors.len(), 1, "{errors:?}");
-        assert!(errors[0].contains("spec.mode") && errors[0].contains("set spec.rehearsal.name"), "{errors:?}");
+        assert!(
+            errors[0].contains("spec.mode") && errors[0].contains("set spec.rehearsal.name"),
+            "{errors:?}"
+        );
         let named = trial
             .replace("a-trial", &long)
             .replace("  mode: Rehearsal\n", "  mode: Rehearsal\n  rehearsal:\n    name: short\n");
         assert!(errors_of(&[file("migrations/long.yaml", &named)]).is_empty());
-        let other_ns =
-            trial.replace("  mode: Rehearsal\n", "  mode: Rehearsal\n  rehearsal:\n    networkName: team-b/lab\n");
+        let other_ns = trial
+            .replace("  mode: Rehearsal\n", "  mode: Rehearsal\n  rehearsal:\n    networkName: team-b/lab\n");
         let errors = errors_of(&[file("migrations/a-trial.yaml", &other_ns)]);
         assert!(errors.iter().any(|e| e.contains("spec.rehearsal.networkName")), "{errors:?}");
     }

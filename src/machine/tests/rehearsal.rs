@@ -40,7 +40,12 @@ fn a_rehearsal_copies_from_its_snapshot_while_the_vm_runs_and_removes_it_once_co
     assert!(d.actions.is_empty());
     assert_eq!(cond(&d.status, condition::DISK_ACQUIRED).unwrap().1, "CopyingFromSnapshot");
 
-    // Copied: no cutover, no power-off, the snapshot goes at once.
+    // Copied: no cutover, no power-off, the snapshot goes at once: the
+    // decision recorded first, then the removal.
+    let d = run.step(facts(PoweredOn, vec![complete_copy()], Some("9")), t(3));
+    assert!(d.actions.is_empty(), "{:?}", d.actions);
+    assert!(d.status.snapshot.as_ref().unwrap().removing.is_some());
+    assert_eq!(d.requeue, Some(Duration::ZERO));
     let d = run.step(facts(PoweredOn, vec![complete_copy()], Some("9")), t(3));
     assert_eq!(d.actions, vec![Action::RemoveSnapshot]);
     assert_eq!(d.status.phase, Phase::Converting);
@@ -63,7 +68,7 @@ fn a_rehearsal_never_asks_for_a_power_action_whatever_the_source_does() {
             run.spec.power_off_policy = policy;
             approval(&mut run);
             let mut copies = vec![CopyState::Absent];
-            for (i, snapshot) in [None, Some("9"), Some("9"), Some("9")].into_iter().enumerate() {
+            for (i, snapshot) in [None, Some("9"), Some("9"), Some("9"), Some("9")].into_iter().enumerate() {
                 let d = run.step(facts(power, copies.clone(), snapshot), t(i as i64));
                 assert!(!has_power_action(&d), "{power:?} {policy:?}: {:?}", d.actions);
                 assert_ne!(
@@ -93,6 +98,7 @@ fn a_disk_read_again_after_the_removal_is_copied_with_every_other_from_a_new_sna
     let mut run = rehearsal_run(Phase::Preparing);
     run.step(facts(SourcePowerState::PoweredOn, vec![CopyState::Absent, CopyState::Absent], None), t(0));
     let both = vec![complete_copy(), complete_copy()];
+    run.step(facts(SourcePowerState::PoweredOn, both.clone(), Some("9")), t(1));
     let d = run.step(facts(SourcePowerState::PoweredOn, both, Some("9")), t(1));
     assert_eq!(d.status.phase, Phase::Converting);
     // Converting found disk 1's copy corrupt, discarded it and came back.
@@ -110,9 +116,45 @@ fn a_disk_read_again_after_the_removal_is_copied_with_every_other_from_a_new_sna
 fn a_crash_after_the_removal_goes_on_without_calling_the_snapshot_foreign() {
     let mut run = rehearsal_run(Phase::Preparing);
     run.step(facts(SourcePowerState::PoweredOn, vec![CopyState::Absent], None), t(0));
+    run.step(facts(SourcePowerState::PoweredOn, vec![complete_copy()], Some("9")), t(4));
+    // The removal ran, its status write did not: the decision was recorded before.
     let d = run.decide_at(facts(SourcePowerState::PoweredOn, vec![complete_copy()], None), t(5));
     assert!(d.actions.is_empty(), "{:?}", d.actions);
     assert_eq!(d.status.phase, Phase::Converting);
+}
+
+#[test]
+fn a_snapshot_removed_by_someone_else_as_the_last_copy_ends_is_not_taken_for_its_own() {
+    let mut run = rehearsal_run(Phase::Preparing);
+    run.step(facts(SourcePowerState::PoweredOn, vec![CopyState::Absent], None), t(0));
+    run.step(facts(SourcePowerState::PoweredOn, vec![CopyState::Absent], Some("9")), t(1));
+    // The copy read while the host consolidated the snapshot into that very file.
+    let d = run.step(facts(SourcePowerState::PoweredOn, vec![complete_copy()], None), t(5));
+    assert_eq!(d.status.phase, Phase::ManualInterventionRequired);
+    assert_eq!(d.status.errors.last().unwrap().reason, Reason::SnapshotFailed);
+    assert_eq!(d.actions, vec![Action::DiscardDiskCopy { disk: 0 }], "the copy does not vouch for anything");
+    assert!(!has_power_action(&d));
+}
+
+#[test]
+fn a_rehearsal_stopping_for_a_person_while_copying_leaves_no_snapshot_on_the_running_source() {
+    let mut run = rehearsal_run(Phase::Preparing);
+    run.step(facts(SourcePowerState::PoweredOn, vec![CopyState::Absent], None), t(0));
+    let failed = CopyState::Failed {
+        failure: Failure::needs_human(Reason::LocalDiskError, "the work volume is full"),
+        discard: false,
+    };
+    let d = run.step(facts(SourcePowerState::PoweredOn, vec![failed], Some("9")), t(1));
+    assert_eq!(d.status.phase, Phase::ManualInterventionRequired);
+    assert!(d.actions.contains(&Action::RemoveSnapshot), "{:?}", d.actions);
+    assert!(d.actions.contains(&Action::DiscardDiskCopy { disk: 0 }), "{:?}", d.actions);
+    assert!(d.status.snapshot.as_ref().unwrap().removed.is_some());
+    // A retry copies again from a new snapshot.
+    run.status.phase = Phase::Preparing;
+    let d = run.step(facts(SourcePowerState::PoweredOn, vec![CopyState::Absent], None), t(9));
+    assert!(d.status.snapshot.is_none());
+    let d = run.step(facts(SourcePowerState::PoweredOn, vec![CopyState::Absent], None), t(10));
+    assert_eq!(d.actions, vec![Action::CreateSnapshot { quiesce: true }]);
 }
 
 #[test]
@@ -151,7 +193,7 @@ fn a_rehearsal_vm_is_always_started_and_its_checks_skip_what_cannot_reach_it() {
 fn what_a_rehearsal_made_goes_with_it_and_its_source_is_released_once_it_ends() {
     let mut run = rehearsal_run(Phase::Completed);
     let d = run.step(Observed::Nothing, t(0));
-    assert_eq!(d.actions, vec![Action::ReleaseSourceClaim, Action::CleanupStaging], "never released");
+    assert_eq!(d.actions, vec![Action::CleanupStaging, Action::ReleaseSourceClaim], "never released");
     assert!(cleanup_on_delete(&run.spec, &run.status).contains(&Action::DeleteDestination));
 
     // A rehearsal that failed with its snapshot still taken removes it.
@@ -159,7 +201,7 @@ fn what_a_rehearsal_made_goes_with_it_and_its_source_is_released_once_it_ends() 
     run.step(facts(SourcePowerState::PoweredOn, vec![CopyState::Absent], None), t(0));
     run.status.phase = Phase::Failed;
     let d = run.step(Observed::Nothing, t(1));
-    assert_eq!(d.actions[0], Action::RemoveSnapshot);
+    assert_eq!(d.actions, vec![Action::CleanupStaging, Action::RemoveSnapshot, Action::ReleaseSourceClaim]);
     assert!(d.status.snapshot.unwrap().removed.is_some());
     let mut preflight = preflight_ok();
     preflight.destination_namespace_exists = true;

@@ -78,6 +78,9 @@ fn after_the_cutover_only_the_deltas_are_copied_then_the_snapshot_goes_and_the_a
     assert_eq!(cond(&d.status, condition::DISK_ACQUIRED).unwrap().1, "CopyingDeltas");
 
     let d = run.step(facts(PoweredOff, vec![complete_copy()], Some("4"), vec![assembled()]), t(7));
+    assert!(d.actions.is_empty(), "the decision to remove it is recorded first: {:?}", d.actions);
+    assert!(d.status.snapshot.as_ref().unwrap().removing.is_some());
+    let d = run.step(facts(PoweredOff, vec![complete_copy()], Some("4"), vec![assembled()]), t(7));
     assert_eq!(d.actions, vec![Action::RemoveSnapshot]);
     assert_eq!(d.status.phase, Phase::Converting);
     assert!(d.status.snapshot.as_ref().unwrap().removed.is_some(), "the removal is logged");
@@ -109,6 +112,7 @@ fn a_crash_after_removing_the_snapshot_finishes_without_calling_it_foreign() {
     let mut run = warm_run();
     run.step(facts(SourcePowerState::PoweredOn, vec![CopyState::Absent], None, vec![]), t(0));
     run.step(facts(SourcePowerState::PoweredOff, vec![complete_copy()], Some("4"), vec![]), t(5));
+    run.step(facts(SourcePowerState::PoweredOff, vec![complete_copy()], Some("4"), vec![assembled()]), t(7));
     // The removal ran, the status write did not: the snapshot is gone, the disks are assembled.
     let d =
         run.step(facts(SourcePowerState::PoweredOff, vec![complete_copy()], None, vec![assembled()]), t(8));
