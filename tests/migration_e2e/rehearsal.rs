@@ -164,7 +164,12 @@ async fn a_rehearsal_boots_on_real_kubevirt_without_a_network_and_leaves_the_sou
     let vm = vms.get("app-bios-rehearsal").await.expect("the rehearsal VM");
     let template = &vm.data["spec"]["template"]["spec"];
     assert_eq!(template["domain"]["devices"]["autoattachPodInterface"], false, "{template}");
-    assert_eq!(template["networks"], json!([]), "{template}");
+    // (virt-api drops the empty lists vmmigrate writes.)
+    let empty = |v: &Value| v.is_null() || v == &json!([]);
+    assert!(
+        empty(&template["networks"]) && empty(&template["domain"]["devices"]["interfaces"]),
+        "{template}"
+    );
     let results: Vec<(&str, bool)> =
         status.validation_results.iter().map(|r| (r.name.as_str(), r.passed)).collect();
     assert_eq!(results, vec![("agent", true)]);
