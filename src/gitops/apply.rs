@@ -101,7 +101,11 @@ pub(crate) fn reconcile_spec(
         let wanted = rendered["spec"].get(*field).cloned().unwrap_or(Value::Null);
         let current = live_spec.get(*field).cloned().unwrap_or(Value::Null);
         // Server defaults make the live value a superset of what was written.
-        if !wanted.is_null() && !crate::destination::semantic::agrees(&current, &wanted) {
+        // `mode` and `rehearsal` are never defaulted into the live value: a
+        // manifest that drops them asks for a change too (a rehearsal to Cold).
+        let unset_is_a_value = matches!(*field, "mode" | "rehearsal");
+        if (!wanted.is_null() || unset_is_a_value) && !crate::destination::semantic::agrees(&current, &wanted)
+        {
             held.push(*field);
         }
         if current.is_null() {
@@ -309,7 +313,9 @@ mod tests {
         rehearsing["mode"] = json!("Rehearsal");
         let (object, note) = reconcile_spec(&rendered("web", 5), Some(&live(Phase::Converting, rehearsing)));
         assert_eq!(object["spec"]["mode"], "Rehearsal", "a rehearsal stays one");
-        assert_eq!(note, None, "the manifest left the field unset; nothing to hold");
+        assert!(note.unwrap().contains("spec.mode"), "dropping the mode is a change, and it is held");
+        let (_, note) = reconcile_spec(&rendered("web", 5), Some(&live(Phase::Converting, spec("web", 5))));
+        assert_eq!(note, None, "a cold migration's unset mode is no change");
     }
 
     #[test]
