@@ -171,8 +171,10 @@ pub struct SnapshotRecord {
     #[serde(default)]
     pub quiesced: bool,
     pub created: Time,
-    /// When vmmigrate decided to remove it, recorded before it asks the host:
-    /// a snapshot gone without this was removed by someone else.
+    /// When vmmigrate decided to remove it, recorded before it asks the host
+    /// and once removing it can no longer change what is read (warm: at the
+    /// cutover; a rehearsal: once its disks are copied): a snapshot gone
+    /// without this was removed by someone else.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub removing: Option<Time>,
     /// When it was removed again (the host consolidated it into the base).

@@ -86,6 +86,30 @@ pub(super) fn preparing(ctx: &mut Ctx<'_>, facts: &PreparingFacts, input: &Gatin
     }
     ctx.status.waiting = None;
 
+    // After the cutover the bases are copied and the source is off: the
+    // snapshot's removal can no longer change what was or will be read (the
+    // deltas do not change, and the bases are copied), so it is decided now,
+    // and done in the step that finds every disk assembled, without one more
+    // step on the downtime. Gone before that, it was someone else: the
+    // deltas are lost.
+    if let Some(record) = ctx.status.snapshot.as_mut() {
+        // (`snapshot_taken` let a missing snapshot through only with the
+        // decision recorded; before every disk is assembled that decision
+        // was never carried out by vmmigrate.)
+        if facts.snapshot.is_none() {
+            let message = format!(
+                "the snapshot {} of the source was removed outside vmmigrate after the cutover, before its deltas were copied; the copies are discarded, and a retry copies the disks again",
+                record.name
+            );
+            ctx.status.snapshot = None;
+            for disk in 0..facts.copies.len() {
+                ctx.actions.push(Action::DiscardDiskCopy { disk });
+            }
+            return ctx.fail(Phase::Preparing, Failure::needs_human(Reason::SnapshotFailed, message));
+        }
+        record.removing.get_or_insert_with(|| ctx.now.clone());
+    }
+
     // After the cutover: only the deltas, then each disk assembled.
     let mut progress = Progress::default();
     let mut assembled = 0;

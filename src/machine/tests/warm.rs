@@ -77,11 +77,12 @@ fn after_the_cutover_only_the_deltas_are_copied_then_the_snapshot_goes_and_the_a
     assert!(d.actions.is_empty());
     assert_eq!(cond(&d.status, condition::DISK_ACQUIRED).unwrap().1, "CopyingDeltas");
 
+    assert!(
+        d.status.snapshot.as_ref().unwrap().removing.is_some(),
+        "the removal is decided at the cutover: it can no longer change what is read"
+    );
     let d = run.step(facts(PoweredOff, vec![complete_copy()], Some("4"), vec![assembled()]), t(7));
-    assert!(d.actions.is_empty(), "the decision to remove it is recorded first: {:?}", d.actions);
-    assert!(d.status.snapshot.as_ref().unwrap().removing.is_some());
-    let d = run.step(facts(PoweredOff, vec![complete_copy()], Some("4"), vec![assembled()]), t(7));
-    assert_eq!(d.actions, vec![Action::RemoveSnapshot]);
+    assert_eq!(d.actions, vec![Action::RemoveSnapshot], "removed in the step that finds the disks assembled");
     assert_eq!(d.status.phase, Phase::Converting);
     assert!(d.status.snapshot.as_ref().unwrap().removed.is_some(), "the removal is logged");
     assert!(d.events.iter().any(|e| e.reason == "SnapshotRemoved"));
@@ -112,7 +113,6 @@ fn a_crash_after_removing_the_snapshot_finishes_without_calling_it_foreign() {
     let mut run = warm_run();
     run.step(facts(SourcePowerState::PoweredOn, vec![CopyState::Absent], None, vec![]), t(0));
     run.step(facts(SourcePowerState::PoweredOff, vec![complete_copy()], Some("4"), vec![]), t(5));
-    run.step(facts(SourcePowerState::PoweredOff, vec![complete_copy()], Some("4"), vec![assembled()]), t(7));
     // The removal ran, the status write did not: the snapshot is gone, the disks are assembled.
     let d =
         run.step(facts(SourcePowerState::PoweredOff, vec![complete_copy()], None, vec![assembled()]), t(8));
@@ -129,6 +129,19 @@ fn a_snapshot_removed_behind_its_back_discards_the_bases_and_waits_for_a_person(
     assert_eq!(d.status.errors.last().unwrap().reason, Reason::SnapshotFailed);
     assert_eq!(d.actions, vec![Action::DiscardDiskCopy { disk: 0 }]);
     assert!(d.status.snapshot.is_none(), "a retry takes a new one");
+    assert!(!has_power_action(&d));
+}
+
+#[test]
+fn a_snapshot_removed_by_someone_else_after_the_cutover_before_the_deltas_are_copied_waits_for_a_person() {
+    let mut run = warm_run();
+    run.step(facts(SourcePowerState::PoweredOn, vec![CopyState::Absent], None, vec![]), t(0));
+    run.step(facts(SourcePowerState::PoweredOff, vec![complete_copy()], Some("4"), vec![]), t(5));
+    let copying = CopyState::InProgress { bytes_done: 1, bytes_total: 2 };
+    let d = run.step(facts(SourcePowerState::PoweredOff, vec![complete_copy()], None, vec![copying]), t(6));
+    assert_eq!(d.status.phase, Phase::ManualInterventionRequired);
+    assert_eq!(d.status.errors.last().unwrap().reason, Reason::SnapshotFailed);
+    assert_eq!(d.actions, vec![Action::DiscardDiskCopy { disk: 0 }]);
     assert!(!has_power_action(&d));
 }
 
