@@ -124,12 +124,17 @@ fn kill_container_process(env: &KubeEnv, pod: &Pod) {
     let id = container.rsplit("://").next().unwrap();
     let mut killed: Vec<String> = Vec::new();
     let mut seen = Vec::new();
+    // The container's processes are read once: its cgroup can be reached
+    // again under another parent, and by then the kubelet may have started
+    // the next process there.
+    let mut read = false;
     let root = Path::new("/sys/fs/cgroup/memory").join(&node.cgroup_root);
     let mut stack = vec![root];
     while let Some(dir) = stack.pop() {
         // cgroupfs layout: …/kubepods/<qos>/pod<uid>/<container id>
         let in_pod = dir.parent().is_some_and(|p| p.ends_with(format!("pod{uid}")));
-        if in_pod && dir.ends_with(id) {
+        if in_pod && dir.ends_with(id) && !read {
+            read = true;
             for pid in std::fs::read_to_string(dir.join("cgroup.procs")).unwrap_or_default().lines() {
                 let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
                 // The main process only: not its git children (whose
@@ -138,9 +143,7 @@ fn kill_container_process(env: &KubeEnv, pod: &Pod) {
                 let main = argv.first().is_some_and(|a| a.ends_with(b"vmmigrate"))
                     && argv.get(1).is_some_and(|a| *a == b"run");
                 seen.push(format!("{pid}: {}", String::from_utf8_lossy(&cmdline).replace('\0', " ")));
-                // A cgroup reached twice (its hierarchy can show it under two
-                // parents) is the same process: killed once.
-                if main && !killed.contains(&pid.to_owned()) {
+                if main {
                     assert!(Command::new("kill").args(["-KILL", pid]).status().unwrap().success());
                     killed.push(pid.to_owned());
                 }

@@ -101,11 +101,7 @@ pub(super) fn preparing(ctx: &mut Ctx<'_>, facts: &PreparingFacts, input: &Gatin
                 "the snapshot {} of the source was removed outside vmmigrate after the cutover, before its deltas were copied; the copies are discarded, and a retry copies the disks again",
                 record.name
             );
-            ctx.status.snapshot = None;
-            for disk in 0..facts.copies.len() {
-                ctx.actions.push(Action::DiscardDiskCopy { disk });
-            }
-            return ctx.fail(Phase::Preparing, Failure::needs_human(Reason::SnapshotFailed, message));
+            return snapshot_lost(ctx, facts, message);
         }
         record.removing.get_or_insert_with(|| ctx.now.clone());
     }
@@ -236,11 +232,7 @@ pub(super) fn snapshot_taken(ctx: &mut Ctx<'_>, facts: &PreparingFacts, name: &s
                 "the snapshot {} of the source was removed outside vmmigrate; the base copies are discarded, and a retry takes a new snapshot",
                 record.name
             );
-            ctx.status.snapshot = None;
-            for disk in 0..facts.copies.len() {
-                ctx.actions.push(Action::DiscardDiskCopy { disk });
-            }
-            ctx.fail(Phase::Preparing, Failure::needs_human(Reason::SnapshotFailed, message));
+            snapshot_lost(ctx, facts, message);
             return false;
         }
         (Some(record), Some(id)) if record.id.as_ref() != Some(id) => {
@@ -252,4 +244,14 @@ pub(super) fn snapshot_taken(ctx: &mut Ctx<'_>, facts: &PreparingFacts, name: &s
     }
 
     true
+}
+
+/// The snapshot was removed outside vmmigrate: the copies read from it no
+/// longer vouch for anything; they are discarded and a person is asked.
+fn snapshot_lost(ctx: &mut Ctx<'_>, facts: &PreparingFacts, message: String) {
+    ctx.status.snapshot = None;
+    for disk in 0..facts.copies.len() {
+        ctx.actions.push(Action::DiscardDiskCopy { disk });
+    }
+    ctx.fail(Phase::Preparing, Failure::needs_human(Reason::SnapshotFailed, message));
 }

@@ -331,8 +331,43 @@ impl EsxiSource {
         vmm.status.as_ref()?.source_inventory.as_ref()?.disks.get(disk).cloned()
     }
 
-    fn task_key(vmm: &VirtualMachineMigration, disk: usize) -> (String, usize) {
+    pub(super) fn task_key(vmm: &VirtualMachineMigration, disk: usize) -> (String, usize) {
         (vmm.metadata.uid.clone().unwrap_or_default(), disk)
+    }
+
+    /// Runs a copy (`run`, given its progress counter) in the background
+    /// under `key`: its bytes are counted when it ends (`bytes_read` excludes
+    /// what a resume skipped), then it is marked ended and its migration woken.
+    pub(super) fn spawn_copy<F>(
+        &self,
+        vmm: &VirtualMachineMigration,
+        key: (String, usize),
+        total: u64,
+        run: impl FnOnce(Arc<AtomicU64>) -> F,
+    ) where
+        F: std::future::Future<Output = Result<CopyResult, CopyError>> + Send + 'static,
+    {
+        let progress = Arc::new(AtomicU64::new(0));
+        let copying = run(progress.clone());
+        let metrics = self.store.metrics.clone();
+        let wake = self.wake.get().cloned();
+        let (namespace, name) = (vmm.metadata.namespace.clone().unwrap_or_default(), vmm.name_any());
+        let ended = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let task_ended = ended.clone();
+        let handle = tokio::spawn(async move {
+            let result = copying.await;
+            if let Ok(done) = &result {
+                metrics.copied_bytes(done.bytes_read);
+            }
+            task_ended.store(true, Ordering::Release);
+            if let Some(wake) = wake {
+                wake(&namespace, &name);
+            }
+            result
+        });
+        if let Ok(mut copies) = self.copies.lock() {
+            copies.insert(key, CopyTask { progress, total, ended, handle });
+        }
     }
 }
 
@@ -558,29 +593,10 @@ impl DiskStore for EsxiSource {
             streams: self.store.streams,
             ..CopyPlan::new(source.extent_path.clone(), local)
         };
-        let progress = Arc::new(AtomicU64::new(0));
-        let task_progress = progress.clone();
-        let metrics = self.store.metrics.clone();
-        let wake = self.wake.get().cloned();
-        let (namespace, name) = (vmm.metadata.namespace.clone().unwrap_or_default(), vmm.name_any());
-        let ended = Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let task_ended = ended.clone();
-        let handle = tokio::spawn(async move {
-            let result = copy::copy_disk(session, &plan, task_progress).await;
-            // Counted when the run ends: `bytes_read` excludes what a resume skipped.
-            if let Ok(done) = &result {
-                metrics.copied_bytes(done.bytes_read);
-            }
-            task_ended.store(true, Ordering::Release);
-            if let Some(wake) = wake {
-                wake(&namespace, &name);
-            }
-            result
+        let total = source.capacity_bytes.max(0) as u64;
+        self.spawn_copy(vmm, key, total, move |progress| async move {
+            copy::copy_disk(session, &plan, progress).await
         });
-        let task = CopyTask { progress, total: source.capacity_bytes.max(0) as u64, ended, handle };
-        if let Ok(mut copies) = self.copies.lock() {
-            copies.insert(key, task);
-        }
         Ok(())
     }
 

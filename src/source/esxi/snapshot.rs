@@ -8,17 +8,16 @@
 //! assembled locally (`convert::chain`). Creating is idempotent by name (a
 //! retry after a crash finds the snapshot it made), removing likewise.
 
-use super::adapter::{CopyTask, EsxiSource, delta_key_uid, head, join, parent, vim_fault};
+use super::adapter::{EsxiSource, delta_key_uid, head, join, parent, vim_fault};
 use super::copy::{self, CopyError, CopyPlan, CopyResult};
 use super::parse;
 use super::ssh::Session;
 use crate::api::{Reason, VirtualMachineMigration};
 use crate::convert::chain::{self, DeltaKind};
 use crate::machine::{CopyState, Failure};
-use kube::ResourceExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::AtomicU64;
 
 /// A snapshot of the source VM as `snapshot.get` lists it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -311,37 +310,10 @@ impl EsxiSource {
         let capacity = base.capacity_bytes;
         let session = self.session(vmm).await?;
         let (chunk_size, streams) = (self.store.chunk_size, self.store.streams);
-        let progress = Arc::new(AtomicU64::new(0));
-        let task_progress = progress.clone();
-        let metrics = self.store.metrics.clone();
-        let wake = self.wake.get().cloned();
-        let (namespace, name) = (vmm.metadata.namespace.clone().unwrap_or_default(), vmm.name_any());
-        let ended = Arc::new(AtomicBool::new(false));
-        let task_ended = ended.clone();
-        let handle = tokio::spawn(async move {
-            let result = copy_and_assemble(
-                session,
-                &local,
-                capacity,
-                &levels,
-                (chunk_size, streams),
-                base_verified,
-                task_progress,
-            )
-            .await;
-            if let Ok(done) = &result {
-                metrics.copied_bytes(done.bytes_read);
-            }
-            task_ended.store(true, Ordering::Release);
-            if let Some(wake) = wake {
-                wake(&namespace, &name);
-            }
-            result
+        self.spawn_copy(vmm, key, 0, move |progress| async move {
+            let strides = (chunk_size, streams);
+            copy_and_assemble(session, &local, capacity, &levels, strides, base_verified, progress).await
         });
-        let task = CopyTask { progress, total: 0, ended, handle };
-        if let Ok(mut copies) = self.copies.lock() {
-            copies.insert(key, task);
-        }
         Ok(())
     }
 }
