@@ -17,7 +17,7 @@ use super::produce::{self, ConversionRequest, OutputFormat};
 use crate::api::{ConversionRunner, DiskFormat, VirtualMachineMigration};
 use crate::machine::{ArtifactState, Failure, Reason};
 use crate::metrics::Metrics;
-use crate::ports::kube_errors::{classify, is_not_found};
+use crate::ports::kube_errors::{classify, delete_by_uid, is_not_found};
 use crate::ports::workdir::{copies_root, copy_path};
 use crate::ports::{Converter, ImportAccess, Staging};
 use async_trait::async_trait;
@@ -372,14 +372,11 @@ impl Converter for ArtifactStore {
         if vmm.spec.conversion.runner == ConversionRunner::Job
             && let Ok((api, _)) = self.jobs(vmm)
         {
-            let dp = DeleteParams {
-                propagation_policy: Some(PropagationPolicy::Background),
-                ..Default::default()
-            };
-            match api.delete(&job::job_name(vmm, disk), &dp).await {
-                Ok(_) => {}
-                Err(e) if is_not_found(&e) => {}
-                Err(e) => return Err(classify("deleting the conversion Job", e)),
+            // Only this migration's Job, by its uid: never another of that name.
+            let name = job::job_name(vmm, disk);
+            let found = api.get_opt(&name).await.map_err(|e| classify("reading the conversion Job", e))?;
+            if let Some(found) = found.filter(|j| j.labels().get(crate::api::labels::MIGRATION_UID) == Some(&uid_of(vmm))) {
+                delete_by_uid(&api, &name, found.metadata.uid.clone(), "the conversion Job").await?;
             }
         }
         for file in [self.staged_path(vmm, disk), self.artifact_path(vmm, disk)] {
@@ -450,17 +447,9 @@ impl Staging for ArtifactStore {
             && let Ok((api, _)) = self.jobs(vmm)
         {
             let selector = format!("{}={uid},{}=convert", crate::api::labels::MIGRATION_UID, job::LABEL_ROLE);
-            let dp = DeleteParams {
-                propagation_policy: Some(PropagationPolicy::Background),
-                ..Default::default()
-            };
             if let Ok(list) = api.list(&ListParams::default().labels(&selector)).await {
                 for j in list {
-                    match api.delete(&j.name_any(), &dp).await {
-                        Ok(_) => {}
-                        Err(e) if is_not_found(&e) => {}
-                        Err(e) => return Err(classify("deleting a conversion Job", e)),
-                    }
+                    delete_by_uid(&api, &j.name_any(), j.metadata.uid.clone(), "a conversion Job").await?;
                 }
             }
         }

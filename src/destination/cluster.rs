@@ -12,7 +12,7 @@ use crate::machine::{
     CheckResult, DataVolumeState, DestinationOccupancy, Failure, PreflightFacts, StartingFacts, VmState,
     VmiState, VolumeCheck, data_volume_name, destination_name,
 };
-use crate::ports::kube_errors::{classify, is_not_found};
+use crate::ports::kube_errors::{classify, delete_by_uid, is_not_found};
 use crate::ports::{Cluster, ImportAccess, Prober};
 use async_trait::async_trait;
 use k8s_openapi::api::batch::v1::Job;
@@ -194,11 +194,7 @@ impl KubeCluster {
     ) -> Result<(), Failure> {
         match self.get(vmm, ar, name).await? {
             Some(obj) if is_ours(vmm, &obj) => {
-                match self.dynamic(vmm, ar).delete(name, &DeleteParams::background()).await {
-                    Ok(_) => Ok(()),
-                    Err(e) if is_not_found(&e) => Ok(()),
-                    Err(e) => Err(classify(&format!("deleting {} {name}", ar.kind), e)),
-                }
+                delete_by_uid(&self.dynamic(vmm, ar), name, obj.metadata.uid.clone(), &ar.kind).await
             }
             _ => Ok(()),
         }

@@ -23,7 +23,7 @@ use crate::api::{Reason, VirtualMachineMigration};
 use crate::convert::access::StagingAccess;
 use crate::convert::job::{LABEL_ROLE, bounded_name, run_as_context};
 use crate::machine::{ArtifactState, CopyState, Failure};
-use crate::ports::kube_errors::{classify, is_not_found};
+use crate::ports::kube_errors::{classify, delete_by_uid, is_not_found};
 use crate::ports::{Converter, DiskStore, ImportAccess, Staging};
 use async_trait::async_trait;
 use k8s_openapi::api::batch::v1::Job;
@@ -413,21 +413,7 @@ async fn delete_owned<K>(api: &Api<K>, object: &K, what: &str) -> Result<(), Fai
 where
     K: kube::Resource + Clone + DeserializeOwned + std::fmt::Debug,
 {
-    let dp = DeleteParams {
-        propagation_policy: Some(PropagationPolicy::Background),
-        preconditions: Some(kube::api::Preconditions {
-            uid: object.meta().uid.clone(),
-            resource_version: None,
-        }),
-        ..Default::default()
-    };
-    match api.delete(&object.name_any(), &dp).await {
-        Ok(_) => Ok(()),
-        Err(e) if is_not_found(&e) => Ok(()),
-        // Gone and made again under the same name meanwhile: not this one.
-        Err(kube::Error::Api(s)) if s.code == 409 => Ok(()),
-        Err(e) => Err(classify(&format!("deleting the {what}"), e)),
-    }
+    delete_by_uid(api, &object.name_any(), object.meta().uid.clone(), &format!("the {what}")).await
 }
 
 /// Deletes `name` if it is the migration `uid`'s; leaves anyone else's.
