@@ -283,6 +283,13 @@ fn gitops(
         // a shutdown can flush its last status (a lost Lease drops it unflushed:
         // the next leader writes).
         let started = std::sync::Mutex::new(None);
+        // Filled by the election, if there is one: asked before an irreversible action.
+        let fence_slot =
+            std::sync::Arc::new(std::sync::OnceLock::<crate::controller::reconciler::LeaseFence>::new());
+        let lease_fence: crate::controller::reconciler::LeaseFence = {
+            let slot = fence_slot.clone();
+            std::sync::Arc::new(move || slot.get().is_none_or(|holds| holds()))
+        };
         let work = async {
             let gitops = crate::gitops::service::start(client.clone(), opts, metrics.clone()).await?;
             *started.lock().unwrap_or_else(|p| p.into_inner()) = Some(gitops);
@@ -299,13 +306,15 @@ fn gitops(
                 interrupt: None,
                 metrics: metrics.clone(),
                 limits: c.limits(),
+                lease_fence: Some(lease_fence),
             };
             crate::controller::reconciler::run(client.clone(), adapters, config, std::future::pending())
                 .await;
             drop(staging);
             Ok(())
         };
-        let result = ctl::run_elected(client.clone(), &election, &instance, metrics.clone(), work).await;
+        let result =
+            ctl::run_elected(client.clone(), &election, &instance, metrics.clone(), &fence_slot, work).await;
         let gitops = started.lock().unwrap_or_else(|p| p.into_inner()).take();
         if let Some(gitops) = gitops
             && result.is_ok()

@@ -118,6 +118,17 @@ fn scenario(seed: u64) -> Scenario {
         1 => MigrationMode::Rehearsal,
         _ => MigrationMode::Cold,
     };
+    // A person powers the source on again after vmmigrate powered it off:
+    // mid-copy, or after the copies completed, before the destination starts.
+    if mode != MigrationMode::Rehearsal
+        && expect == Expect::Completed
+        && policy != PowerOffPolicy::RequireAlreadyOff
+        && rng.chance(0.3)
+    {
+        let phases = [Phase::Preparing, Phase::Converting, Phase::Importing, Phase::CreatingVm];
+        faults.person_powers_on_in = Some(phases[rng.below(4) as usize]);
+        expect = Expect::HumanThenCompleted(Reason::SourcePoweredOnAgain);
+    }
     faults.guest_writes = mode != MigrationMode::Cold;
     // A rehearsal never asks the guest to shut down: nobody is asked about it.
     if mode == MigrationMode::Rehearsal
@@ -211,6 +222,7 @@ fn run_schedule(seed: u64, rt: &tokio::runtime::Runtime, totals: &mut Totals) ->
             }
             seen_human.push(why);
             world.human_fixes();
+            world.person_powers_off();
             vmm.metadata
                 .annotations
                 .get_or_insert_with(Default::default)
@@ -225,8 +237,10 @@ fn run_schedule(seed: u64, rt: &tokio::runtime::Runtime, totals: &mut Totals) ->
             vmm.metadata.generation = Some(vmm.metadata.generation.unwrap_or(1) + 1);
             totals.mode_edits += 1;
         }
+        world.person_acts(&status);
         totals.steps += 1;
         let crash_rate = sc.crash_rate;
+        let fence = SimFence { world: world.clone(), written: std::sync::Mutex::new(None) };
         let mut crash_rng = SplitMix(rng.next_u64());
         let input = StepInput {
             now,
@@ -235,6 +249,9 @@ fn run_schedule(seed: u64, rt: &tokio::runtime::Runtime, totals: &mut Totals) ->
             destinations: &DestinationRules::default(),
             cutover_approved: false,
             fleet: Default::default(),
+            shutdown_seen_for: None,
+            orphan_hold: false,
+            fence: &fence,
         };
         let mut crashed_after = None;
         let step = rt.block_on(engine::step(&adapters, &vmm, input, |cp: &Checkpoint| {
@@ -249,8 +266,13 @@ fn run_schedule(seed: u64, rt: &tokio::runtime::Runtime, totals: &mut Totals) ->
             let kind = name.split([' ', '{']).next().unwrap_or_default().to_owned();
             *totals.crashes_after.entry(kind).or_default() += 1;
         }
+        let ahead = fence.written.lock().expect("fence").take();
         let Some(step) = step else {
-            // The controller died: in-memory work is lost, nothing was recorded.
+            // The controller died: in-memory work is lost, and only what it
+            // wrote ahead was recorded.
+            if let Some(ahead) = ahead {
+                vmm.status = Some(ahead);
+            }
             world.crash();
             totals.crashes += 1;
             let restart = 1 + rng.below(5);
@@ -316,11 +338,22 @@ fn run_schedule(seed: u64, rt: &tokio::runtime::Runtime, totals: &mut Totals) ->
         {
             return Err(format!("retry of {} resumes {resume}, which is not earlier", r.phase));
         }
-        // The power-off timestamp is written once.
+        // The power-off timestamp is written once per epoch, and removed
+        // only when the epoch ends because the source was seen on again.
+        if next.epoch < status.epoch {
+            return Err(format!("epoch went back from {} to {}", status.epoch, next.epoch));
+        }
         match (&powered_off_at, &next.timestamps.source_powered_off) {
-            (Some(a), Some(b)) if a != b => return Err("timestamps.sourcePoweredOff rewritten".into()),
-            (Some(_), None) => return Err("timestamps.sourcePoweredOff removed".into()),
-            (None, Some(b)) => powered_off_at = Some(b.clone()),
+            (Some((e, a)), Some(b)) if *e == next.epoch && a != b => {
+                return Err("timestamps.sourcePoweredOff rewritten in one epoch".into());
+            }
+            (Some(_), None)
+                if next.errors.last().map(|e| e.reason.as_str()) != Some("SourcePoweredOnAgain") =>
+            {
+                return Err("timestamps.sourcePoweredOff removed without the source seen on again".into());
+            }
+            (Some(_), None) => powered_off_at = None,
+            (_, Some(b)) => powered_off_at = Some((next.epoch, b.clone())),
             _ => {}
         }
         // A snapshot is removed as soon as its disks are copied: none is
@@ -332,7 +365,8 @@ fn run_schedule(seed: u64, rt: &tokio::runtime::Runtime, totals: &mut Totals) ->
             return Err(format!("snapshot {name} still on the source in {}", next.phase));
         }
         let ledger = world.ledger();
-        if ledger.power_off_transitions - initial_off_transitions > 1 {
+        // Once per epoch: a power-off again only after a person powered it on.
+        if ledger.power_off_transitions - initial_off_transitions > 1 + ledger.person_power_ons {
             return Err(format!("source powered off {} times", ledger.power_off_transitions));
         }
         if let Some(v) = ledger.violations.first() {
@@ -392,8 +426,9 @@ fn run_schedule(seed: u64, rt: &tokio::runtime::Runtime, totals: &mut Totals) ->
             {
                 return Err(format!("never asked a human about {reason}"));
             }
-            // A rehearsal copies the moment of its snapshot; a migration the disks at power-off.
-            let source = if rehearsal { world.frozen_sha() } else { world.source_sha() };
+            // A rehearsal copies the moment of its snapshot; a migration the
+            // disks at their last power-off.
+            let source = if rehearsal { world.frozen_sha() } else { world.at_power_off() };
             let destination = if rehearsal { "web-01-rehearsal" } else { "web-01" };
             for (i, disk) in status.disks.iter().enumerate() {
                 if disk.source_sha256.as_deref() != Some(source[i].as_str()) {
@@ -427,7 +462,8 @@ fn run_schedule(seed: u64, rt: &tokio::runtime::Runtime, totals: &mut Totals) ->
                 }
                 return Ok(());
             }
-            let expected_off = if sc.policy == PowerOffPolicy::RequireAlreadyOff { 0 } else { 1 };
+            let by_us = if sc.policy == PowerOffPolicy::RequireAlreadyOff { 0 } else { 1 };
+            let expected_off = by_us + world.ledger().person_power_ons;
             let transitions = world.ledger().power_off_transitions - initial_off_transitions;
             if transitions != expected_off {
                 return Err(format!(
@@ -457,6 +493,25 @@ fn run_schedule(seed: u64, rt: &tokio::runtime::Runtime, totals: &mut Totals) ->
         }
     }
     Ok(())
+}
+
+/// The simulation's fence: the status a step writes ahead is recorded (a
+/// crash after it keeps it), and the world learns which power actions it holds.
+struct SimFence {
+    world: std::sync::Arc<SimWorld>,
+    written: std::sync::Mutex<Option<vmmigrate::api::VirtualMachineMigrationStatus>>,
+}
+
+#[async_trait::async_trait]
+impl engine::Fence for SimFence {
+    async fn write_ahead(
+        &self,
+        status: &vmmigrate::api::VirtualMachineMigrationStatus,
+    ) -> Result<(), vmmigrate::machine::Failure> {
+        self.world.written_ahead(&status.power_actions);
+        *self.written.lock().expect("fence") = Some(status.clone());
+        Ok(())
+    }
 }
 
 #[test]

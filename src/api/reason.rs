@@ -46,6 +46,9 @@ reasons! {
     AcquiredCopyCorrupt,
     AcquiredCopyMissing,
     Timeout,
+    SourceChangedSinceDiscovery,
+    SourcePowerUnknown,
+    OrphanNotConfirmed,
     // Pre-flight rules (Validated)
     SnapshotsPresent,
     PendingQuestion,
@@ -137,6 +140,25 @@ reasons! {
     KubeAPIError,
     LostLease,
     InvalidLeaderElectionConfig,
+}
+
+impl Reason {
+    /// A failure of the path to something that answered before (an API
+    /// server in a brownout, a connection lost mid-copy, a call that timed
+    /// out), not of the migration: it never spends the retry budget, however
+    /// long it lasts. A host that cannot be reached at all (SSH connect or
+    /// handshake) does spend it: a person may have named the wrong one.
+    pub fn is_transport(self) -> bool {
+        matches!(
+            self,
+            Reason::Timeout
+                | Reason::ConnectionLost
+                | Reason::APIUnavailable
+                | Reason::APIError
+                | Reason::Conflict
+                | Reason::KubeAPIError
+        )
+    }
 }
 
 impl std::fmt::Display for Reason {

@@ -22,6 +22,12 @@ pub const RETRY_ANNOTATION: &str = "migration.platform.example/retry";
 /// `spec.cutover.mode: Approval`, for kubectl users; from Git the approval is
 /// `spec.cutover.approved: true`, merged as a second change.
 pub const APPROVE_CUTOVER_ANNOTATION: &str = "migration.platform.example/approve-cutover";
+/// Annotation (value `"true"`) the gitops side sets on a migration whose
+/// manifest left Git; removed when the manifest comes back.
+pub const ORPHANED_ANNOTATION: &str = "migration.platform.example/orphaned";
+/// Annotation (value `"true"`) by which a person lets an orphaned migration
+/// take its irreversible steps (the power-off) after all.
+pub const CONFIRM_ORPHAN_ANNOTATION: &str = "migration.platform.example/confirm-orphan";
 
 /// A request to move one VM from a standalone ESXi host into KubeVirt.
 #[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]

@@ -77,6 +77,46 @@ pub struct VirtualMachineMigrationStatus {
     /// `spec.rehearsal` as it was when the migration left Validated.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rehearsal: Option<super::RehearsalSpec>,
+    /// The power-off epoch: how many times this migration recorded its source
+    /// powered off. Copies carry the epoch they were made in; a power-on seen
+    /// after a power-off ends the epoch and discards every copy made in it.
+    #[serde(default, skip_serializing_if = "is_zero_i32")]
+    pub epoch: i32,
+    /// Every power action vmmigrate asked of the source, each recorded here
+    /// before it was asked (write-ahead), newest last (bounded).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub power_actions: Vec<PowerActionRecord>,
+}
+
+fn is_zero_i32(n: &i32) -> bool {
+    *n == 0
+}
+
+/// Most entries kept in `status.powerActions`.
+pub(crate) const MAX_POWER_ACTIONS: usize = 16;
+
+/// A power action on the source, recorded before it is asked of the host.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct PowerActionRecord {
+    /// `PowerOff` (`power.off`) or `Shutdown` (`power.shutdown`).
+    pub action: PowerActionKind,
+    /// The epoch it belongs to (the power-off it leads to is the next one).
+    pub epoch: i32,
+    /// The VM it addresses, as the inventory read just before said.
+    pub vmid: String,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub bios_uuid: String,
+    /// When it was recorded; the controller asks the host only after this
+    /// record is written (the call may still fail: see `errors`).
+    pub recorded: Time,
+}
+
+/// Which power action.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, JsonSchema)]
+pub enum PowerActionKind {
+    PowerOff,
+    Shutdown,
 }
 
 /// What a validated migration waits for before the cutover.
@@ -180,6 +220,10 @@ pub struct SnapshotRecord {
     /// When it was removed again (the host consolidated it into the base).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub removed: Option<Time>,
+    /// Set when the migration was deleted and the snapshot could not be
+    /// removed (the host or its credentials were gone): what stays, and why.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub left_on_source: Option<String>,
 }
 
 /// One entry in the phase timeline.
@@ -392,6 +436,9 @@ pub struct DiskStatus {
     pub import_progress: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub import_progress_at: Option<Time>,
+    /// The power-off epoch the copy was made in.
+    #[serde(default, skip_serializing_if = "is_zero_i32")]
+    pub epoch: i32,
 }
 
 /// How an import is proven to hold the copied bytes.

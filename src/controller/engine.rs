@@ -110,6 +110,17 @@ pub(crate) async fn observe(adapters: &Adapters, vmm: &VirtualMachineMigration) 
             } else {
                 None
             };
+            // Read again before the power-off is recorded or asked for (cold;
+            // warm once its bases are copied), to compare with discovery's.
+            let bases_copied = copies.iter().all(|c| matches!(c, CopyState::Complete { .. }));
+            let inventory = (vmm.spec.mode.may_power_off()
+                && status.timestamps.source_powered_off.is_none()
+                && (!warm || bases_copied))
+                .then(|| bounded("ESXi discovery", ssh_timeout(vmm) * 4, adapters.esxi.discover(vmm)));
+            let inventory = match inventory {
+                Some(read) => Some(read.await),
+                None => None,
+            };
             let mut deltas = Vec::new();
             if warm && status.snapshot.is_some() && status.timestamps.source_powered_off.is_some() {
                 for disk in 0..disks {
@@ -127,6 +138,7 @@ pub(crate) async fn observe(adapters: &Adapters, vmm: &VirtualMachineMigration) 
                 copies,
                 snapshot,
                 deltas,
+                inventory,
             }))
         }
         Phase::Converting => {
@@ -218,6 +230,57 @@ pub(crate) async fn observe(adapters: &Adapters, vmm: &VirtualMachineMigration) 
         | Phase::ManualInterventionRequired
         | Phase::Completed
         | Phase::Failed => Observed::Nothing,
+    }
+}
+
+/// The source's power after Preparing, until the destination is started:
+/// read for a migration that recorded its source off (never for a rehearsal).
+async fn observe_source(
+    adapters: &Adapters,
+    vmm: &VirtualMachineMigration,
+) -> Option<Result<crate::api::SourcePowerState, Failure>> {
+    let status = vmm.status.as_ref()?;
+    let watched =
+        matches!(status.phase, Phase::Converting | Phase::Importing | Phase::CreatingVm | Phase::Starting);
+    if !watched || !vmm.spec.mode.may_power_off() || status.timestamps.source_powered_off.is_none() {
+        return None;
+    }
+    Some(bounded("ESXi power state", ssh_timeout(vmm), adapters.esxi.power(vmm)).await.map(|p| p.state))
+}
+
+/// Whether an action cannot be undone or destroys something: it is
+/// performed only after the fence let the step act.
+fn fenced(action: &Action) -> bool {
+    matches!(
+        action,
+        Action::PowerOffHard
+            | Action::RequestGuestShutdown
+            | Action::DiscardDiskCopy { .. }
+            | Action::CleanupStaging
+            | Action::DeleteDestination
+            | Action::DeleteDataVolume { .. }
+    )
+}
+
+/// Asked right before the first action of a step that cannot be undone or
+/// destroys something (a power action, discarding copies, cleaning staging,
+/// deleting volumes), with the status the step will record: it writes that
+/// status ahead, with the resourceVersion the step read, and lets the step
+/// act only if the write succeeded, the migration is not being deleted and
+/// this process still holds the lease. A stale read (409), a deleted
+/// migration or a stale leader acts on nothing.
+#[async_trait::async_trait]
+pub trait Fence: Send + Sync {
+    async fn write_ahead(&self, status: &crate::api::VirtualMachineMigrationStatus) -> Result<(), Failure>;
+}
+
+/// No fence: every step may act (tests of the machine alone).
+pub struct Unfenced;
+
+#[async_trait::async_trait]
+impl Fence for Unfenced {
+    async fn write_ahead(&self, _status: &crate::api::VirtualMachineMigrationStatus) -> Result<(), Failure> {
+        Ok(())
     }
 }
 
@@ -315,6 +378,12 @@ pub struct StepInput<'a> {
     pub cutover_approved: bool,
     /// What the rest of the fleet says (waves, read slots); asked at Validated.
     pub fleet: machine::fleet::FleetGates,
+    /// How long this process has seen the recorded `shutdownRequested` (its own clock).
+    pub shutdown_seen_for: Option<Duration>,
+    /// Orphaned in Git and not confirmed by a person.
+    pub orphan_hold: bool,
+    /// Writes ahead before an irreversible or destructive action.
+    pub fence: &'a dyn Fence,
 }
 
 /// One reconcile. `interrupt` is asked at every checkpoint and returns true to
@@ -344,10 +413,14 @@ pub async fn step(
         observed,
         now: input.now,
         jitter: input.jitter,
+        source: None,
+        shutdown_seen_for: input.shutdown_seen_for,
+        orphan_hold: input.orphan_hold,
     };
     // Held at a gate after validating: nothing to look at until it opens.
     let held = status.phase == Phase::Validated && machine::held_at_gate(&make_input(Observed::Nothing));
     let mut observed = if held { Observed::Nothing } else { observe(adapters, vmm).await };
+    let source = if held { None } else { observe_source(adapters, vmm).await };
     if let Observed::Preflight(Ok(facts)) = &mut observed {
         // The controller's own rule, whatever the adapter reported.
         facts.destination_refused =
@@ -356,7 +429,7 @@ pub async fn step(
     if interrupt(&Checkpoint::Observed) {
         return None;
     }
-    let mut decision = machine::decide(make_input(observed));
+    let mut decision = machine::decide(Input { source, ..make_input(observed) });
     if let Some(asked) = changed_mode
         && decision.status.phase != status.phase
     {
@@ -373,7 +446,15 @@ pub async fn step(
     // the verification it chose), though it is recorded only after them.
     let acting = VirtualMachineMigration { status: Some(decision.status.clone()), ..vmm.clone() };
     let mut performed = Vec::new();
+    let mut fence_passed = false;
     for action in &decision.actions {
+        if fenced(action) && !fence_passed {
+            if let Err(failure) = input.fence.write_ahead(&decision.status).await {
+                tracing::warn!(?action, reason = %failure.reason, "not performed: {}", failure.message);
+                return None;
+            }
+            fence_passed = true;
+        }
         if let Err(failure) = perform(adapters, &acting, action).await {
             // Nothing of this decision is recorded: the failure is recorded
             // against the recorded status and phase (record before you advance).

@@ -12,8 +12,8 @@ use super::fleet::Fleet;
 use crate::api::Reason;
 use crate::api::labels::{MIGRATION as LABEL_MIGRATION, MIGRATION_NAMESPACE as LABEL_MIGRATION_NAMESPACE};
 use crate::api::{
-    APPROVE_CUTOVER_ANNOTATION, Phase, RETRY_ANNOTATION, VirtualMachineMigration,
-    VirtualMachineMigrationStatus,
+    APPROVE_CUTOVER_ANNOTATION, CONFIRM_ORPHAN_ANNOTATION, ORPHANED_ANNOTATION, Phase, RETRY_ANNOTATION,
+    VirtualMachineMigration, VirtualMachineMigrationStatus,
 };
 use crate::destination::cluster::{
     FIELD_MANAGER, data_volume_resource, virtual_machine_instance_resource, virtual_machine_resource,
@@ -67,7 +67,14 @@ pub struct ControllerConfig {
     pub metrics: Arc<crate::metrics::Metrics>,
     /// Concurrent disk reads per ESXi host and in the cluster.
     pub limits: crate::machine::fleet::Limits,
+    /// Whether this process still holds the leader Lease (on its own clock),
+    /// asked right before an irreversible or destructive action; `None`
+    /// when it runs without leader election.
+    pub lease_fence: Option<LeaseFence>,
 }
+
+/// Answers whether this process may still act as the leader.
+pub type LeaseFence = Arc<dyn Fn() -> bool + Send + Sync>;
 
 impl std::fmt::Debug for ControllerConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -78,6 +85,7 @@ impl std::fmt::Debug for ControllerConfig {
             .field("destinations", &self.destinations)
             .field("limits", &self.limits)
             .field("interrupt", &self.interrupt.is_some())
+            .field("lease_fence", &self.lease_fence.is_some())
             .finish()
     }
 }
@@ -120,6 +128,9 @@ pub(crate) struct Context {
     jitter_draws: std::sync::atomic::AtomicU64,
     /// Waves and read slots across every migration this controller sees.
     fleet: Fleet,
+    /// When this process first saw each migration's recorded
+    /// `shutdownRequested` (uid, the recorded time), on its own clock.
+    shutdown_seen: Mutex<HashMap<(String, String), std::time::Instant>>,
 }
 
 impl Context {
@@ -142,6 +153,7 @@ impl Context {
             failures: Mutex::new(HashMap::new()),
             jitter_keys: std::hash::RandomState::new(),
             jitter_draws: std::sync::atomic::AtomicU64::new(0),
+            shutdown_seen: Mutex::new(HashMap::new()),
         };
         (ctx, woken)
     }
@@ -151,6 +163,20 @@ impl Context {
         use std::hash::BuildHasher;
         let draw = self.jitter_draws.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         (self.jitter_keys.hash_one(draw) >> 11) as f64 / (1u64 << 53) as f64
+    }
+
+    /// How long this process has seen the shutdown request recorded in
+    /// `status`, on its own clock (client-go's rule for durations that span
+    /// replicas: another replica's timestamp is not compared with our clock).
+    fn shutdown_seen_for(&self, vmm: &VirtualMachineMigration) -> Option<Duration> {
+        let requested = vmm.status.as_ref()?.timestamps.shutdown_requested.as_ref()?;
+        let key = (vmm.metadata.uid.clone().unwrap_or_default(), requested.0.to_string());
+        let mut seen = self.shutdown_seen.lock().ok()?;
+        // Forget requests of migrations that moved on (bounded by the fleet).
+        if seen.len() > 4096 {
+            seen.clear();
+        }
+        Some(seen.entry(key).or_insert_with(std::time::Instant::now).elapsed())
     }
 
     fn cap(&self, d: Duration) -> Duration {
@@ -386,6 +412,8 @@ async fn apply_step(
     // for a read slot at once (by the mode recorded, once there is one).
     let cutover_open = status.mode.unwrap_or(vmm.spec.mode).takes_snapshot()
         || matches!(machine::fleet::cutover_gate(&vmm.spec, &status, now, cutover_approved), Ok(None));
+    let annotated = |key: &str| vmm.annotations().get(key).is_some_and(|v| v == "true");
+    let fence = WriteAhead { api, vmm, lease: ctx.config.lease_fence.clone(), written: Mutex::new(None) };
     let input = StepInput {
         now,
         jitter: ctx.jitter(),
@@ -393,13 +421,20 @@ async fn apply_step(
         destinations: &ctx.config.destinations,
         cutover_approved,
         fleet: ctx.fleet.gates(vmm, cutover_open).await,
+        shutdown_seen_for: ctx.shutdown_seen_for(vmm),
+        orphan_hold: annotated(ORPHANED_ANNOTATION) && !annotated(CONFIRM_ORPHAN_ANNOTATION),
+        fence: &fence,
     };
     let interrupt = ctx.config.interrupt.clone();
     let stop = |cp: &engine::Checkpoint| interrupt.as_ref().is_some_and(|f| f(phase, cp));
     let Some(step) = engine::step(&ctx.adapters, vmm, input, stop).await else {
-        tracing::warn!(phase = %phase, "reconcile interrupted before recording");
-        return Ok((Action::await_change(), None));
+        // Interrupted (tests), or the fence refused: nothing was recorded.
+        tracing::warn!(phase = %phase, "reconcile ended before recording");
+        return Ok((Action::requeue(ctx.cap(Duration::from_secs(1))), None));
     };
+    // Written ahead: the record continues from that write.
+    let ahead = fence.written.lock().ok().and_then(|mut w| w.take());
+    let vmm = ahead.as_ref().unwrap_or(vmm);
     let mut resource_version = vmm.resource_version();
     if step.performed.contains(&MachineAction::RemoveRetryAnnotation) {
         let patch = json!({ "metadata": { "annotations": { RETRY_ANNOTATION: null } } });
@@ -439,6 +474,51 @@ async fn apply_step(
     Ok((action, next))
 }
 
+/// The controller's fence: the status a step will record, written ahead
+/// with the resourceVersion the step read (a stale read fails with 409); the
+/// step acts only if that write succeeded, the written object is not being
+/// deleted, and the lease is still held (asked before and after the write).
+struct WriteAhead<'a> {
+    api: &'a Api<VirtualMachineMigration>,
+    vmm: &'a VirtualMachineMigration,
+    lease: Option<LeaseFence>,
+    /// The object as written ahead.
+    written: Mutex<Option<VirtualMachineMigration>>,
+}
+
+impl WriteAhead<'_> {
+    fn leading(&self) -> Result<(), Failure> {
+        match &self.lease {
+            Some(holds) if !holds() => Err(Failure::retryable(
+                Reason::LostLease,
+                "this replica no longer holds the leader Lease: nothing irreversible is done",
+            )),
+            _ => Ok(()),
+        }
+    }
+}
+
+#[async_trait::async_trait]
+impl engine::Fence for WriteAhead<'_> {
+    async fn write_ahead(&self, status: &VirtualMachineMigrationStatus) -> Result<(), Failure> {
+        self.leading()?;
+        let written = write_status(self.api, self.vmm, status, self.vmm.resource_version())
+            .await
+            .map_err(|e| Failure::retryable(Reason::KubeAPIError, format!("writing ahead: {e}")))?;
+        if written.metadata.deletion_timestamp.is_some() {
+            return Err(Failure::needs_human(
+                Reason::PowerActionRefused,
+                "the migration is being deleted: nothing irreversible is done",
+            ));
+        }
+        self.leading()?;
+        if let Ok(mut slot) = self.written.lock() {
+            *slot = Some(written);
+        }
+        Ok(())
+    }
+}
+
 /// One status write per reconcile, skipped when nothing changed: a JSON merge
 /// patch of what changed since the status that was read (a removed field is
 /// `null`), so the API server decodes and merges the changes, not the whole
@@ -454,6 +534,17 @@ async fn record(
     if vmm.status.as_ref() == Some(status) {
         return Ok(None);
     }
+    write_status(api, vmm, status, resource_version).await.map(Some)
+}
+
+/// The merge patch of `status` over the one `vmm` holds, guarded by
+/// `resource_version`; always sent (an unchanged status still checks it).
+async fn write_status(
+    api: &Api<VirtualMachineMigration>,
+    vmm: &VirtualMachineMigration,
+    status: &VirtualMachineMigrationStatus,
+    resource_version: Option<String>,
+) -> Result<VirtualMachineMigration, Error> {
     let to_json =
         |s: &VirtualMachineMigrationStatus| serde_json::to_value(s).unwrap_or(serde_json::Value::Null);
     let before = vmm.status.as_ref().map(to_json).unwrap_or(serde_json::Value::Null);
@@ -464,7 +555,6 @@ async fn record(
     let params = PatchParams { field_manager: Some(FIELD_MANAGER.into()), ..PatchParams::default() };
     api.patch_status(&vmm.name_any(), &params, &Patch::Merge(&patch))
         .await
-        .map(Some)
         .map_err(|e| Error::Kube("writing status", e))
 }
 
@@ -516,8 +606,45 @@ async fn cleanup(vmm: &VirtualMachineMigration, ctx: &Context) -> Result<Action,
     let status = vmm.status.clone().unwrap_or_default();
     let actions = machine::cleanup_on_delete(&vmm.spec, &status);
     tracing::info!(phase = %status.phase, ?actions, "migration deleted; cleaning up");
+    let mut left = Vec::new();
     for action in &actions {
-        engine::perform(&ctx.adapters, vmm, action).await.map_err(Error::Step)?;
+        match engine::perform(&ctx.adapters, vmm, action).await {
+            Ok(()) => {}
+            // The source cannot be reached for good (its Secret went with the
+            // namespace, the host refuses): what stays there is recorded, and
+            // the migration goes; a passing failure is retried.
+            Err(failure)
+                if *action == MachineAction::RemoveSnapshot
+                    && failure.class != machine::FailureClass::Retryable =>
+            {
+                left.push(snapshot_left(vmm, &failure));
+            }
+            Err(failure) => return Err(Error::Step(failure)),
+        }
+    }
+    if !left.is_empty() {
+        let mut status = status.clone();
+        if let Some(snapshot) = status.snapshot.as_mut() {
+            snapshot.left_on_source = Some(left.join("; "));
+        }
+        // Best effort: the status (and so Git) says what stayed, if it still can.
+        let _ = record(
+            &Api::namespaced(ctx.client.clone(), &vmm.namespace().unwrap_or_default()),
+            vmm,
+            &status,
+            vmm.resource_version(),
+        )
+        .await;
+        publish(
+            ctx,
+            vmm,
+            &[machine::Event {
+                type_: EventType::Warning,
+                reason: "SnapshotLeftOnSource".into(),
+                message: left.join("; "),
+            }],
+        )
+        .await;
     }
     // The source VM is free for another migration once this one is gone.
     ctx.adapters.cluster.release_source(vmm).await.map_err(Error::Step)?;
@@ -528,6 +655,12 @@ async fn cleanup(vmm: &VirtualMachineMigration, ctx: &Context) -> Result<Action,
         "kept the destination objects"
     };
     let note = if status.phase == Phase::Completed { "the migrated VM stays" } else { kept };
+    let source = match status.power_actions.len() {
+        0 => "the source VM's power was never touched".to_owned(),
+        n => format!(
+            "{n} power action(s) on the source were recorded (status.powerActions); its power is left as it is"
+        ),
+    };
     ctx.config.metrics.forget_migration(&vmm.namespace().unwrap_or_default(), &vmm.name_any());
     publish(
         ctx,
@@ -535,14 +668,24 @@ async fn cleanup(vmm: &VirtualMachineMigration, ctx: &Context) -> Result<Action,
         &[machine::Event {
             type_: EventType::Normal,
             reason: "CleanedUp".into(),
-            message: format!(
-                "migration deleted in phase {}: {note}; the source VM was not touched",
-                status.phase
-            ),
+            message: format!("migration deleted in phase {}: {note}; {source}", status.phase),
         }],
     )
     .await;
     Ok(Action::await_change())
+}
+
+/// What a deleted migration leaves on its source: host, VM and snapshot.
+fn snapshot_left(vmm: &VirtualMachineMigration, failure: &Failure) -> String {
+    let vm = vmm.status.as_ref().and_then(|s| s.source_inventory.as_ref());
+    format!(
+        "snapshot {} of VM {} (vmid {}) on host {} is left on the source: {}",
+        crate::api::snapshot_name(&vmm.name_any()),
+        vm.map_or("?", |i| i.name.as_str()),
+        vm.map_or("?", |i| i.vmid.as_str()),
+        vmm.spec.source.host,
+        failure
+    )
 }
 
 fn error_policy(obj: Arc<DynamicObject>, err: &Error, ctx: Arc<Context>) -> Action {

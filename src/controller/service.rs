@@ -284,6 +284,7 @@ pub(crate) async fn run(opts: ControllerOptions) -> anyhow::Result<()> {
         interrupt: None,
         metrics,
         limits: opts.limits(),
+        lease_fence: None,
     };
     let result = run_reconciler(client, adapters, config, &opts.leader_election).await;
     drop(staging);
@@ -307,7 +308,10 @@ pub(crate) async fn run_reconciler(
         LeaseConfig::new(&election.lease_namespace, &election.lease_name, unique_identity(&config.instance))
             .with_lease_seconds(election.lease_seconds);
     let elector = LeaderElector::new(client.clone(), lease).with_metrics(config.metrics.clone());
-    // The elector cancels the reconciler on shutdown and on a lost Lease.
+    // The elector cancels the reconciler on shutdown and on a lost Lease;
+    // before that, its fence stops an irreversible action of a leader whose
+    // renewals stopped (a partition) at the renew deadline.
+    let config = ControllerConfig { lease_fence: Some(elector.fence()), ..config };
     let work = reconciler::run(client, adapters, config, std::future::pending());
     elector.run(work, crate::server::shutdown_signal()).await.context("leader election")
 }
@@ -339,12 +343,14 @@ pub(crate) async fn label_own_pod(client: &Client, leader: bool) {
 /// and reconciles. A standby reports itself ready (`election ready`: it is
 /// healthy and will take over) but labels its pod not-leader, so the
 /// webhook Service sends it nothing. `work`'s error, or a lost Lease, is
-/// returned: the process must exit.
+/// returned: the process must exit. `fence` receives the elector's fence
+/// (whether the Lease is still held, on this process's clock).
 pub(crate) async fn run_elected(
     client: Client,
     election: &LeaderElectionOptions,
     instance: &str,
     metrics: Arc<Metrics>,
+    fence: &std::sync::OnceLock<reconciler::LeaseFence>,
     work: impl std::future::Future<Output = anyhow::Result<()>>,
 ) -> anyhow::Result<()> {
     if !election.leader_elect {
@@ -359,6 +365,7 @@ pub(crate) async fn run_elected(
     let lease = LeaseConfig::new(&election.lease_namespace, &election.lease_name, unique_identity(instance))
         .with_lease_seconds(election.lease_seconds);
     let elector = LeaderElector::new(client.clone(), lease).with_metrics(metrics);
+    let _ = fence.set(elector.fence());
     let failed = std::sync::Mutex::new(None);
     let work = async {
         label_own_pod(&client, true).await;

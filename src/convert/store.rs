@@ -17,12 +17,12 @@ use super::produce::{self, ConversionRequest, OutputFormat};
 use crate::api::{ConversionRunner, DiskFormat, VirtualMachineMigration};
 use crate::machine::{ArtifactState, Failure, Reason};
 use crate::metrics::Metrics;
-use crate::ports::kube_errors::{classify, delete_by_uid, is_not_found};
+use crate::ports::kube_errors::{classify, delete_by_uid};
 use crate::ports::workdir::{copies_root, copy_path};
 use crate::ports::{Converter, ImportAccess, Staging};
 use async_trait::async_trait;
 use k8s_openapi::api::batch::v1::Job;
-use kube::api::{Api, DeleteParams, ListParams, PostParams, PropagationPolicy};
+use kube::api::{Api, ListParams, PostParams};
 use kube::{Client, ResourceExt};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -375,7 +375,9 @@ impl Converter for ArtifactStore {
             // Only this migration's Job, by its uid: never another of that name.
             let name = job::job_name(vmm, disk);
             let found = api.get_opt(&name).await.map_err(|e| classify("reading the conversion Job", e))?;
-            if let Some(found) = found.filter(|j| j.labels().get(crate::api::labels::MIGRATION_UID) == Some(&uid_of(vmm))) {
+            if let Some(found) =
+                found.filter(|j| j.labels().get(crate::api::labels::MIGRATION_UID) == Some(&uid_of(vmm)))
+            {
                 delete_by_uid(&api, &name, found.metadata.uid.clone(), "the conversion Job").await?;
             }
         }

@@ -12,13 +12,13 @@ use crate::machine::{
     CheckResult, DataVolumeState, DestinationOccupancy, Failure, PreflightFacts, StartingFacts, VmState,
     VmiState, VolumeCheck, data_volume_name, destination_name,
 };
-use crate::ports::kube_errors::{classify, delete_by_uid, is_not_found};
+use crate::ports::kube_errors::{classify, delete_by_uid};
 use crate::ports::{Cluster, ImportAccess, Prober};
 use async_trait::async_trait;
 use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::core::v1::Namespace;
 use k8s_openapi::api::storage::v1::StorageClass;
-use kube::api::{Api, DeleteParams, DynamicObject, GroupVersionKind, Patch, PatchParams, PostParams};
+use kube::api::{Api, DynamicObject, GroupVersionKind, Patch, PatchParams, PostParams};
 use kube::core::ApiResource;
 use kube::{Client, ResourceExt};
 use serde_json::{Value, json};

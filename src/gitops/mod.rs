@@ -35,7 +35,7 @@ pub const ANNOTATION_PATH: &str = "migration.platform.example/git-path";
 /// Label on every object the gitops side applied (prune and orphan detection).
 pub const LABEL_GITOPS: &str = "migration.platform.example/gitops";
 /// Annotation set when the manifest of a live migration left Git.
-pub(crate) const ANNOTATION_ORPHANED: &str = "migration.platform.example/orphaned";
+pub(crate) const ANNOTATION_ORPHANED: &str = crate::api::ORPHANED_ANNOTATION;
 /// Field manager of the gitops side's server-side apply.
 pub const FIELD_MANAGER: &str = "vmmigrate-gitops";
 

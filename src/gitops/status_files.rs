@@ -637,6 +637,7 @@ mod tests {
             created: t("2025-03-01T10:00:00Z"),
             removing: Some(t("2025-03-01T10:05:00Z")),
             removed: Some(t("2025-03-01T10:05:00Z")),
+            left_on_source: None,
         });
         status.validation_results = vec![crate::api::ValidationResult {
             name: "agent".into(),

@@ -62,6 +62,22 @@ pub(super) struct Gating {
     pub(super) now: Timestamp,
     pub(super) cutover_approved: bool,
     pub(super) fleet: fleet::FleetGates,
+    /// Orphaned in Git and not confirmed: no irreversible step.
+    pub(super) orphan_hold: bool,
+}
+
+/// An orphaned migration (its manifest left Git) holds before its cutover
+/// until a person confirms it (or the manifest comes back).
+pub(super) fn orphan_wait() -> fleet::Wait {
+    fleet::Wait {
+        reason: Reason::OrphanNotConfirmed,
+        message: format!(
+            "the manifest of this migration left Git; it takes no irreversible step until a person sets the annotation {}=true or the manifest comes back",
+            crate::api::CONFIRM_ORPHAN_ANNOTATION
+        ),
+        until: None,
+        position: None,
+    }
 }
 
 /// The first gate that holds the cutover, in order: wave, cutover, read slot.
@@ -69,6 +85,9 @@ pub(super) struct Gating {
 fn gate(ctx: &mut Ctx<'_>, input: &Gating) -> Result<Option<fleet::Wait>, Failure> {
     if let Some(wait) = &input.fleet.wave {
         return Ok(Some(wait.clone()));
+    }
+    if input.orphan_hold && !copies_before_cutover(ctx.spec) {
+        return Ok(Some(orphan_wait()));
     }
     // A warm migration's copy of the frozen bases runs early: its cutover
     // gate is asked in Preparing, before the power-off. A rehearsal has no cutover.
@@ -103,6 +122,7 @@ pub(crate) fn held_at_gate(input: &Input<'_>) -> bool {
     conditions::is_true(input.status, condition::VALIDATED)
         && input.status.observed_generation == Some(input.generation)
         && (input.fleet.wave.is_some()
+            || (input.orphan_hold && !copies_before_cutover(input.spec))
             || (!copies_before_cutover(input.spec)
                 && !matches!(
                     fleet::cutover_gate(input.spec, input.status, input.now, input.cutover_approved),

@@ -27,7 +27,7 @@ pub(crate) use gates::held_at_gate;
 use gates::{Gating, hold, validated};
 pub use importing::IMPORTER_RESTART_LIMIT;
 pub use observe::*;
-use power::{power_down, powered_on_again, record_powered_off, suspended};
+use power::{end_epoch, power_down, record_powered_off, source_unchanged, stale, suspended};
 
 use crate::api::{
     CleanupAction, DiskFormat, DiskProgress, DiskStatus, ImportVerification, MAX_ERRORS, MAX_HISTORY,
@@ -77,6 +77,17 @@ pub(crate) struct Input<'a> {
     pub now: Timestamp,
     /// Uniform in [0, 1): spreads retries of many migrations apart.
     pub jitter: f64,
+    /// The source's power, read again after Preparing (Converting up to the
+    /// start of the destination) once it was recorded off; `None` where not read.
+    pub source: Option<Result<SourcePowerState, Failure>>,
+    /// How long this process has seen the recorded `shutdownRequested`, on
+    /// its own clock: durations that span replicas are measured locally
+    /// (client-go's rule), so a replica whose clock runs ahead does not cut
+    /// the guest's shutdown short. `None`: the wall clock alone.
+    pub shutdown_seen_for: Option<Duration>,
+    /// The migration's manifest left Git (orphaned) and no person confirmed
+    /// it may go on: it takes no irreversible step.
+    pub orphan_hold: bool,
 }
 
 /// One idempotent external action. Performed in order, before the status write.
@@ -237,6 +248,7 @@ struct Ctx<'a> {
     actions: Vec<Action>,
     events: Vec<Event>,
     requeue: Option<Duration>,
+    shutdown_seen_for: Option<Duration>,
 }
 
 impl<'a> Ctx<'a> {
@@ -253,6 +265,7 @@ impl<'a> Ctx<'a> {
             actions: Vec::new(),
             events: Vec::new(),
             requeue: None,
+            shutdown_seen_for: input.shutdown_seen_for,
         }
     }
 
@@ -334,12 +347,22 @@ impl<'a> Ctx<'a> {
             FailureClass::Retryable => {
                 // Consecutive failures count together, also across rework in
                 // an earlier phase, so a loop between phases stays bounded.
-                let attempt = self.status.retry.as_ref().map_or(1, |r| r.attempt + 1);
+                let mut attempt = self.status.retry.as_ref().map_or(1, |r| r.attempt + 1);
+                // The path to something failing (API server, SSH, a
+                // timeout) is waited out with the longest backoff; it never
+                // spends the budget.
+                if failure.reason.is_transport() {
+                    attempt = attempt.min(self.spec.strategy.retry_limit);
+                }
                 if attempt > self.spec.strategy.retry_limit {
+                    // After the power-off the source is down and the copies
+                    // are the only ones made: a person decides, never an automatic Failed.
+                    let powered_off = self.status.timestamps.source_powered_off.is_some()
+                        && self.spec.mode != MigrationMode::Rehearsal;
                     let exhausted = Failure {
                         class: match self.spec.strategy.on_retries_exhausted {
-                            RetriesExhausted::Fail => FailureClass::Terminal,
-                            RetriesExhausted::ManualIntervention => FailureClass::NeedsHuman,
+                            RetriesExhausted::Fail if !powered_off => FailureClass::Terminal,
+                            _ => FailureClass::NeedsHuman,
                         },
                         reason: Reason::RetryBudgetExhausted.to_owned(),
                         message: format!(
@@ -390,6 +413,19 @@ impl<'a> Ctx<'a> {
         }
         let completed = self.status.phase == Phase::Completed;
         let rehearsal = self.spec.mode == MigrationMode::Rehearsal;
+        if !completed && !rehearsal && self.status.timestamps.source_powered_off.is_some() {
+            // Failed after the source was powered off: what was copied and
+            // imported stays for a person (nothing automatic deletes it).
+            self.actions.push(Action::ReleaseDestination);
+            self.drop_snapshot("the migration ended");
+            self.event(
+                EventType::Warning,
+                "CopiesKept",
+                "the migration failed after the source was powered off: its copies, artifacts and volumes are kept",
+            );
+            self.status.timestamps.cleaned_up = Some(self.now.clone());
+            return;
+        }
         if rehearsal {
             // A rehearsal's VM and volumes go with its manifest (its owner
             // references stay).
@@ -440,8 +476,22 @@ pub(crate) fn decide(input: Input<'_>) -> Decision {
     let mut ctx = Ctx::new(&input);
     let spec_changed = input.status.observed_generation.is_some_and(|g| g < input.generation);
     let phase = ctx.status.phase;
-    let gating =
-        Gating { now: input.now, cutover_approved: input.cutover_approved, fleet: input.fleet.clone() };
+    let gating = Gating {
+        now: input.now,
+        cutover_approved: input.cutover_approved,
+        fleet: input.fleet.clone(),
+        orphan_hold: input.orphan_hold,
+    };
+    // After Preparing the source is looked at again until the destination
+    // starts: a source on again ends the epoch before anything starts.
+    if let Some(Ok(seen)) = &input.source
+        && matches!(phase, Phase::Converting | Phase::Importing | Phase::CreatingVm)
+        && *seen != SourcePowerState::PoweredOff
+        && ctx.status.timestamps.source_powered_off.is_some()
+    {
+        end_epoch(&mut ctx, *seen);
+        return ctx.into_decision();
+    }
     match phase {
         Phase::Pending => {
             if ctx.status.timestamps.created.is_none() {
@@ -455,8 +505,8 @@ pub(crate) fn decide(input: Input<'_>) -> Decision {
         Phase::Preparing => preparing(&mut ctx, input.observed, &gating),
         Phase::Converting => converting(&mut ctx, input.observed),
         Phase::Importing => importing::importing(&mut ctx, input.observed),
-        Phase::CreatingVm => creating_vm(&mut ctx, input.observed),
-        Phase::Starting => starting(&mut ctx, input.observed),
+        Phase::CreatingVm => creating_vm(&mut ctx, input.observed, input.source.as_ref()),
+        Phase::Starting => starting(&mut ctx, input.observed, input.source.as_ref()),
         Phase::Validating => validating(&mut ctx, input.observed),
         Phase::Retryable => match ctx.status.retry.clone() {
             Some(retry) => {
@@ -624,20 +674,28 @@ fn preparing(ctx: &mut Ctx<'_>, observed: Observed, input: &Gating) {
     }
     match facts.power {
         SourcePowerState::PoweredOff => {
+            // The power-off is recorded only for the source discovery saw.
             if !already_off {
+                if !source_unchanged(ctx, &facts) {
+                    return;
+                }
                 record_powered_off(ctx);
             }
         }
-        SourcePowerState::PoweredOn | SourcePowerState::Unknown if already_off => {
-            return ctx.fail(Phase::Preparing, powered_on_again());
-        }
+        // It ran again after the power-off: the copies of that epoch go.
+        seen if already_off => return end_epoch(ctx, seen),
         SourcePowerState::Suspended => return ctx.fail(Phase::Preparing, suspended()),
         SourcePowerState::PoweredOn | SourcePowerState::Unknown => {
             // Nothing irreversible outside the cutover window: a window that
             // closed between admission and the first power action sends the
             // migration back to wait (its read slot goes to the next in line).
-            match fleet::cutover_gate(ctx.spec, &ctx.status, input.now, input.cutover_approved) {
-                Ok(None) => return power_down(ctx, &facts),
+            let gate = match input.orphan_hold {
+                true => Ok(Some(gates::orphan_wait())),
+                false => fleet::cutover_gate(ctx.spec, &ctx.status, input.now, input.cutover_approved),
+            };
+            match gate {
+                Ok(None) if source_unchanged(ctx, &facts) => return power_down(ctx, &facts),
+                Ok(None) => return,
                 Ok(Some(wait)) => {
                     ctx.enter(Phase::Validated);
                     return hold(ctx, wait);
@@ -646,9 +704,9 @@ fn preparing(ctx: &mut Ctx<'_>, observed: Observed, input: &Gating) {
             }
         }
     }
-    // Observed off: copy every disk.
+    // Observed off: copy every disk (in this epoch).
     let total = facts.copies.len();
-    let Some((done, progress)) = tally_copies(ctx, &facts.copies) else { return };
+    let Some((done, progress)) = tally_copies(ctx, &facts.copies, true) else { return };
     if done == total && total > 0 {
         ctx.status.disks = recorded_disks(ctx, &facts.copies);
         ctx.condition(
@@ -673,10 +731,25 @@ fn preparing(ctx: &mut Ctx<'_>, observed: Observed, input: &Gating) {
 /// Each disk's copy: starts or resumes what is missing and sums the
 /// progress; `(disks complete, progress)`, or `None` once a failed copy was
 /// recorded as the phase's failure.
-fn tally_copies(ctx: &mut Ctx<'_>, copies: &[CopyState]) -> Option<(usize, Progress)> {
+/// `in_epoch`: the copies must be of the current power-off epoch (cold);
+/// a copy of another is stale and is discarded, to be copied again.
+fn tally_copies(ctx: &mut Ctx<'_>, copies: &[CopyState], in_epoch: bool) -> Option<(usize, Progress)> {
     let mut done = 0;
     let mut progress = Progress::default();
     for (disk, copy) in copies.iter().enumerate() {
+        if in_epoch && stale(ctx, copy) {
+            ctx.actions.push(Action::DiscardDiskCopy { disk });
+            ctx.event(
+                EventType::Warning,
+                "StaleCopyDiscarded",
+                format!(
+                    "disk {disk}: the copy was made before power-off {} and is discarded",
+                    ctx.status.epoch
+                ),
+            );
+            progress.disks.push(DiskProgress { index: disk as i32, ..Default::default() });
+            continue;
+        }
         let (bytes_done, bytes_total) = match copy {
             CopyState::Absent => {
                 ctx.actions.push(Action::StartDiskCopy { disk });
@@ -723,11 +796,11 @@ fn recorded_disks(ctx: &Ctx<'_>, copies: &[CopyState]) -> Vec<DiskStatus> {
         .iter()
         .enumerate()
         .map(|(i, copy)| {
-            let (size, sha, remote) = match copy {
-                CopyState::Complete { size, sha256, verified_remotely } => {
-                    (*size, Some(sha256.clone()), Some(*verified_remotely))
+            let (size, sha, remote, epoch) = match copy {
+                CopyState::Complete { size, sha256, verified_remotely, epoch } => {
+                    (*size, Some(sha256.clone()), Some(*verified_remotely), *epoch)
                 }
-                _ => (0, None, None),
+                _ => (0, None, None, 0),
             };
             DiskStatus {
                 index: i as i32,
@@ -735,6 +808,7 @@ fn recorded_disks(ctx: &Ctx<'_>, copies: &[CopyState]) -> Vec<DiskStatus> {
                 size_bytes: size,
                 source_sha256: sha,
                 source_verified_remotely: remote,
+                epoch,
                 ..Default::default()
             }
         })
@@ -875,12 +949,52 @@ fn watch_drift(ctx: &mut Ctx<'_>, vm: Result<VmState, Failure>) {
 /// How often a completed migration looks at its VirtualMachine.
 pub(crate) const DRIFT_WATCH: Duration = Duration::from_secs(300);
 
-fn creating_vm(ctx: &mut Ctx<'_>, observed: Observed) {
+/// Before the destination is created or started the source must be seen
+/// off (and, past Preparing, it was: `decide` ended the epoch otherwise).
+/// `false` when the decision is made: the source could not be seen off.
+fn source_seen_off(
+    ctx: &mut Ctx<'_>,
+    phase: Phase,
+    source: Option<&Result<SourcePowerState, Failure>>,
+) -> bool {
+    if ctx.spec.mode == MigrationMode::Rehearsal {
+        return true;
+    }
+    let failure = match source {
+        Some(Ok(SourcePowerState::PoweredOff)) => return true,
+        Some(Ok(seen)) if ctx.status.timestamps.source_powered_off.is_some() => {
+            end_epoch(ctx, *seen);
+            return false;
+        }
+        Some(Ok(seen)) => Failure::retryable(
+            Reason::SourcePowerUnknown,
+            format!("the source VM is {seen:?}; the destination is not started beside it"),
+        ),
+        Some(Err(failure)) => Failure::retryable(
+            failure.reason,
+            format!(
+                "the source's power could not be read, so the destination is not started: {}",
+                failure.message
+            ),
+        ),
+        None => Failure::retryable(
+            Reason::SourcePowerUnknown,
+            "the source's power was not read; the destination is not started",
+        ),
+    };
+    ctx.fail(phase, failure);
+    false
+}
+
+fn creating_vm(ctx: &mut Ctx<'_>, observed: Observed, source: Option<&Result<SourcePowerState, Failure>>) {
     let vm = match observed {
         Observed::CreatingVm(Ok(vm)) => vm,
         Observed::CreatingVm(Err(failure)) => return ctx.fail(Phase::CreatingVm, failure),
         _ => return mismatch(ctx, Phase::CreatingVm, "VM"),
     };
+    if !source_seen_off(ctx, Phase::CreatingVm, source) {
+        return;
+    }
     let namespace = ctx.spec.destination.namespace.clone();
     match vm {
         VmState::Absent => {
@@ -931,12 +1045,17 @@ fn creating_vm(ctx: &mut Ctx<'_>, observed: Observed) {
     }
 }
 
-fn starting(ctx: &mut Ctx<'_>, observed: Observed) {
+fn starting(ctx: &mut Ctx<'_>, observed: Observed, source: Option<&Result<SourcePowerState, Failure>>) {
     let facts = match observed {
         Observed::Starting(Ok(f)) => f,
         Observed::Starting(Err(failure)) => return ctx.fail(Phase::Starting, failure),
         _ => return mismatch(ctx, Phase::Starting, "starting"),
     };
+    // The destination starts only while the source is seen off; once asked
+    // to run it is the user's VM and never stopped by vmmigrate.
+    if !facts.run_strategy_set && !source_seen_off(ctx, Phase::Starting, source) {
+        return;
+    }
     if ctx.status.timestamps.start_requested.is_none() {
         ctx.status.timestamps.start_requested = Some(ctx.now.clone());
     }

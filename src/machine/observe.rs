@@ -98,7 +98,7 @@ pub enum DestinationOccupancy {
 }
 
 /// Power and copy state while preparing.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub(crate) struct PreparingFacts {
     pub power: SourcePowerState,
     /// Whether VMware Tools runs in the guest (a graceful shutdown needs it).
@@ -109,6 +109,10 @@ pub(crate) struct PreparingFacts {
     pub snapshot: Option<String>,
     /// Warm mode, after the cutover: each disk's deltas and assembly.
     pub deltas: Vec<CopyState>,
+    /// The inventory read again before the power-off is recorded (cold, and
+    /// warm once its bases are copied), to compare with discovery's; `None`
+    /// where it was not read.
+    pub inventory: Option<Result<SourceInventory, Failure>>,
 }
 
 /// The local copy of one source disk.
@@ -120,8 +124,14 @@ pub enum CopyState {
     InProgress { bytes_done: i64, bytes_total: i64 },
     /// Bytes are present but nothing is copying (interrupted); resumable.
     Partial { bytes_done: i64, bytes_total: i64 },
-    /// Every byte is present and the size and sha256 match.
-    Complete { size: i64, sha256: String, verified_remotely: bool },
+    /// Every byte is present and the size and sha256 match; made in power-off `epoch`.
+    Complete {
+        size: i64,
+        sha256: String,
+        verified_remotely: bool,
+        #[serde(default)]
+        epoch: i32,
+    },
     /// The last copy failed; partial data may need removing (`discard`).
     Failed { failure: Failure, discard: bool },
 }

@@ -1,8 +1,17 @@
 //! Preparing's power steps, for cold and warm migrations (a rehearsal has
 //! none): recording the source off, asking it to shut down or powering it
 //! off as `powerOffPolicy` allows, and the failures when it will not stay off.
+//!
+//! The rules (docs/state-machine.md, "What the world does around a migration"):
+//! - a power-off is an epoch: copies carry the epoch they were made in; a
+//!   power-on seen after it ends the epoch and discards them;
+//! - at the power-off the inventory is read again and compared with
+//!   discovery's; a difference stops before any power action;
+//! - every power action is recorded in `status.powerActions` by the decision
+//!   that asks for it, and the controller writes that record before it acts.
 
 use super::*;
+use crate::api::{MAX_POWER_ACTIONS, PowerActionKind, PowerActionRecord, SourceInventory};
 
 /// The source is on again after vmmigrate recorded it off.
 pub(super) fn powered_on_again() -> Failure {
@@ -19,8 +28,10 @@ pub(super) fn suspended() -> Failure {
     )
 }
 
-/// The source was observed powered off: recorded once.
+/// The source was observed powered off: recorded once per epoch, and the
+/// epoch it opens is the one every copy made from now on carries.
 pub(super) fn record_powered_off(ctx: &mut Ctx<'_>) {
+    ctx.status.epoch += 1;
     ctx.status.timestamps.source_powered_off = Some(ctx.now.clone());
     ctx.status.timestamps.shutdown_requested.get_or_insert_with(|| ctx.now.clone());
     ctx.condition(condition::SOURCE_POWERED_OFF, true, "PoweredOff", "the source VM is powered off");
@@ -33,7 +44,10 @@ pub(super) fn power_down(ctx: &mut Ctx<'_>, facts: &PreparingFacts) {
     let policy = ctx.spec.power_off_policy;
     let requested = ctx.status.timestamps.shutdown_requested.clone();
     let timeout = Duration::from_secs(ctx.spec.strategy.timeouts.shutdown_seconds.max(1) as u64);
-    let timed_out = elapsed_since(&requested, ctx.now_ts).is_some_and(|e| e >= timeout);
+    // Both clocks must agree the timeout passed: `shutdownRequested` may
+    // have been written by another replica whose clock differs from ours.
+    let timed_out = elapsed_since(&requested, ctx.now_ts).is_some_and(|e| e >= timeout)
+        && ctx.shutdown_seen_for.is_none_or(|local| local >= timeout);
     match policy {
         PowerOffPolicy::RequireAlreadyOff => ctx.fail(
             Phase::Preparing,
@@ -43,7 +57,7 @@ pub(super) fn power_down(ctx: &mut Ctx<'_>, facts: &PreparingFacts) {
             ),
         ),
         PowerOffPolicy::Force => {
-            ctx.actions.push(Action::PowerOffHard);
+            ask(ctx, PowerActionKind::PowerOff);
             ctx.condition(condition::SOURCE_POWERED_OFF, false, "PowerOffRequested", "hard power-off requested");
             ctx.wait(POLL_POWER_ACTION);
         }
@@ -51,7 +65,7 @@ pub(super) fn power_down(ctx: &mut Ctx<'_>, facts: &PreparingFacts) {
             let may_force = policy == PowerOffPolicy::GracefulThenForce;
             if requested.is_none() && !facts.tools_running {
                 if may_force {
-                    ctx.actions.push(Action::PowerOffHard);
+                    ask(ctx, PowerActionKind::PowerOff);
                     ctx.condition(
                         condition::SOURCE_POWERED_OFF,
                         false,
@@ -70,7 +84,7 @@ pub(super) fn power_down(ctx: &mut Ctx<'_>, facts: &PreparingFacts) {
                 }
             } else if requested.is_none() {
                 ctx.status.timestamps.shutdown_requested = Some(ctx.now.clone());
-                ctx.actions.push(Action::RequestGuestShutdown);
+                ask(ctx, PowerActionKind::Shutdown);
                 ctx.condition(
                     condition::SOURCE_POWERED_OFF,
                     false,
@@ -79,7 +93,7 @@ pub(super) fn power_down(ctx: &mut Ctx<'_>, facts: &PreparingFacts) {
                 );
                 ctx.wait(POLL_POWER_ACTION);
             } else if timed_out && may_force {
-                ctx.actions.push(Action::PowerOffHard);
+                ask(ctx, PowerActionKind::PowerOff);
                 ctx.condition(
                     condition::SOURCE_POWERED_OFF,
                     false,
@@ -107,4 +121,158 @@ pub(super) fn power_down(ctx: &mut Ctx<'_>, facts: &PreparingFacts) {
             }
         }
     }
+}
+
+/// Asks for a power action and records it in `status.powerActions` in the
+/// same decision: the controller writes that record (with the
+/// resourceVersion it read, while it holds the lease) before it asks the
+/// host, so no power action happens that the status does not show.
+fn ask(ctx: &mut Ctx<'_>, kind: PowerActionKind) {
+    let inventory = ctx.status.source_inventory.clone().unwrap_or_default();
+    ctx.status.power_actions.push(PowerActionRecord {
+        action: kind,
+        epoch: ctx.status.epoch,
+        vmid: inventory.vmid,
+        bios_uuid: inventory.bios_uuid,
+        recorded: ctx.now.clone(),
+    });
+    let overflow = ctx.status.power_actions.len().saturating_sub(MAX_POWER_ACTIONS);
+    ctx.status.power_actions.drain(..overflow);
+    ctx.actions.push(match kind {
+        PowerActionKind::PowerOff => Action::PowerOffHard,
+        PowerActionKind::Shutdown => Action::RequestGuestShutdown,
+    });
+}
+
+/// The source was seen `seen` after vmmigrate recorded it off: the epoch
+/// ends. Every copy made in it, and every artifact and volume made from
+/// them, holds disks the source has moved past: all of it goes (a running
+/// destination is never touched: it is only started while the source is
+/// off). The power-off is forgotten, and a person is asked; the next
+/// power-off is a new epoch and everything is copied again.
+pub(super) fn end_epoch(ctx: &mut Ctx<'_>, seen: SourcePowerState) {
+    let epoch = ctx.status.epoch;
+    ctx.actions.push(Action::CleanupStaging);
+    if ctx.status.phase >= Phase::Importing && ctx.status.phase.is_active() {
+        ctx.actions.push(Action::DeleteDestination);
+    }
+    // A warm migration's snapshot no longer freezes anything of use.
+    ctx.drop_snapshot("the source ran again after the cutover");
+    ctx.status.snapshot = None;
+    ctx.status.timestamps.source_powered_off = None;
+    ctx.status.timestamps.shutdown_requested = None;
+    ctx.status.timestamps.start_requested = None;
+    ctx.status.disks.clear();
+    ctx.status.destination_vm = None;
+    ctx.condition(
+        condition::SOURCE_POWERED_OFF,
+        false,
+        "PoweredOnAgain",
+        format!("the source VM is {seen:?} again"),
+    );
+    ctx.condition(
+        condition::DISK_ACQUIRED,
+        false,
+        "EpochEnded",
+        format!("the copies of power-off epoch {epoch} were discarded: the source ran after them"),
+    );
+    ctx.event(
+        EventType::Warning,
+        "EpochEnded",
+        format!(
+            "the source VM was seen {seen:?} after power-off {epoch} was recorded: every copy, artifact and volume made since is discarded, and everything is copied again after the next power-off"
+        ),
+    );
+    ctx.fail(Phase::Preparing, powered_on_again());
+}
+
+/// A complete copy made in another epoch than the current one: stale.
+pub(super) fn stale(ctx: &Ctx<'_>, copy: &CopyState) -> bool {
+    matches!(copy, CopyState::Complete { epoch, .. } if *epoch != ctx.status.epoch)
+}
+
+/// At the cutover the source is read again: a source that is not what
+/// discovery saw (another VM under the vmid, a disk added, moved or resized,
+/// a snapshot taken by a backup tool) stops the migration before any power
+/// action or power-off record. `false` when the decision is made.
+pub(super) fn source_unchanged(ctx: &mut Ctx<'_>, facts: &PreparingFacts) -> bool {
+    let Some(recorded) = ctx.status.source_inventory.clone() else { return true };
+    let own_snapshot = facts.snapshot.is_some();
+    match &facts.inventory {
+        Some(Ok(now)) => {
+            let changes = inventory_changes(&recorded, now, own_snapshot);
+            if changes.is_empty() {
+                return true;
+            }
+            let message = format!(
+                "the source VM changed since discovery: {}; nothing was powered off. Retry to discover it again",
+                changes.join("; ")
+            );
+            ctx.condition(
+                condition::SOURCE_DISCOVERED,
+                false,
+                Reason::SourceChangedSinceDiscovery.as_str(),
+                message.clone(),
+            );
+            // A retry discovers the source again (and validates what it finds).
+            ctx.fail(Phase::Discovering, Failure::needs_human(Reason::SourceChangedSinceDiscovery, message));
+            false
+        }
+        Some(Err(failure)) => {
+            ctx.fail(Phase::Preparing, failure.clone());
+            false
+        }
+        None => {
+            ctx.fail(
+                Phase::Preparing,
+                Failure::retryable(
+                    Reason::ObservationMismatch,
+                    "the source's inventory was not read before the cutover",
+                ),
+            );
+            false
+        }
+    }
+}
+
+/// What differs between discovery's inventory and one read now, in words.
+/// `own_snapshot`: the migration's own snapshot is on the source (warm),
+/// which adds one snapshot and points the disks at its deltas.
+pub(crate) fn inventory_changes(
+    before: &SourceInventory,
+    now: &SourceInventory,
+    own_snapshot: bool,
+) -> Vec<String> {
+    let mut changes = Vec::new();
+    let mut differs = |what: &str, a: &dyn std::fmt::Display, b: &dyn std::fmt::Display| {
+        changes.push(format!("{what} was {a}, is {b}"));
+    };
+    if before.vmid != now.vmid {
+        differs("vmid", &before.vmid, &now.vmid);
+    }
+    if before.bios_uuid != now.bios_uuid {
+        differs("BIOS UUID", &before.bios_uuid, &now.bios_uuid);
+    }
+    if before.vmx_path != now.vmx_path {
+        differs(".vmx", &before.vmx_path, &now.vmx_path);
+    }
+    let snapshots = now.snapshots - i32::from(own_snapshot);
+    if before.snapshots != snapshots {
+        differs("snapshots (not vmmigrate's)", &before.snapshots, &snapshots);
+    }
+    if before.disks.len() != now.disks.len() {
+        differs("disk count", &before.disks.len(), &now.disks.len());
+    }
+    for (a, b) in before.disks.iter().zip(&now.disks) {
+        if a.device != b.device || a.capacity_bytes != b.capacity_bytes {
+            changes.push(format!(
+                "disk {} was {} of {} bytes, is {} of {} bytes",
+                a.index, a.device, a.capacity_bytes, b.device, b.capacity_bytes
+            ));
+        }
+        if !own_snapshot && a.extent_path != b.extent_path {
+            changes.push(format!("disk {} was {}, is {}", a.index, a.extent_path, b.extent_path));
+        }
+    }
+    changes
 }

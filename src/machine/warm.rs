@@ -16,12 +16,22 @@ pub(super) fn preparing(ctx: &mut Ctx<'_>, facts: &PreparingFacts, input: &Gatin
     let name = snapshot_name(ctx.name);
     let mut off = ctx.status.timestamps.source_powered_off.is_some();
     match facts.power {
-        SourcePowerState::PoweredOff if !off => {
+        // Off before the cutover (the user shut it down): recorded only for
+        // the source discovery saw, once its bases are copied.
+        SourcePowerState::PoweredOff
+            if !off && facts.copies.iter().all(|c| matches!(c, CopyState::Complete { .. })) =>
+        {
+            if !source_unchanged(ctx, facts) {
+                return;
+            }
             record_powered_off(ctx);
             off = true;
         }
-        SourcePowerState::PoweredOn | SourcePowerState::Unknown if off => {
-            return ctx.fail(Phase::Preparing, powered_on_again());
+        // It ran again after the power-off: the copies of that epoch go.
+        seen @ (SourcePowerState::PoweredOn | SourcePowerState::Unknown | SourcePowerState::Suspended)
+            if off =>
+        {
+            return end_epoch(ctx, seen);
         }
         SourcePowerState::Suspended => return ctx.fail(Phase::Preparing, suspended()),
         _ => {}
@@ -47,7 +57,7 @@ pub(super) fn preparing(ctx: &mut Ctx<'_>, facts: &PreparingFacts, input: &Gatin
     // as the snapshot keeps them frozen. (Once the deltas are applied, a
     // base copy reads complete: it is the assembled disk.)
     let total = facts.copies.len();
-    let Some((done, progress)) = tally_copies(ctx, &facts.copies) else { return };
+    let Some((done, progress)) = tally_copies(ctx, &facts.copies, false) else { return };
     if done < total {
         set_progress(ctx, progress);
         ctx.condition(
@@ -60,7 +70,12 @@ pub(super) fn preparing(ctx: &mut Ctx<'_>, facts: &PreparingFacts, input: &Gatin
     }
     if !off {
         // Every base copied: the cutover, as for a cold migration.
-        return match fleet::cutover_gate(ctx.spec, &ctx.status, input.now, input.cutover_approved) {
+        let gate = match input.orphan_hold {
+            true => Ok(Some(super::gates::orphan_wait())),
+            false => fleet::cutover_gate(ctx.spec, &ctx.status, input.now, input.cutover_approved),
+        };
+        return match gate {
+            Ok(None) if !source_unchanged(ctx, facts) => {}
             Ok(None) => {
                 note_approval(ctx);
                 ctx.condition(
@@ -207,6 +222,7 @@ pub(super) fn snapshot_taken(ctx: &mut Ctx<'_>, facts: &PreparingFacts, name: &s
                 created: ctx.now.clone(),
                 removing: None,
                 removed: None,
+                left_on_source: None,
             });
             let how = if facts.tools_running { "quiesced, " } else { "" };
             ctx.event(

@@ -29,12 +29,20 @@ pub(crate) fn is_not_found(err: &kube::Error) -> bool {
 /// Deletes `name` only while it is the object with `uid` (a precondition the
 /// API server checks): never another made under the same name since it was
 /// read. "Not found" and "another object now" (409) are success: ours is gone.
-pub(crate) async fn delete_by_uid<K>(api: &kube::Api<K>, name: &str, uid: Option<String>, what: &str) -> Result<(), Failure>
+pub(crate) async fn delete_by_uid<K>(
+    api: &kube::Api<K>,
+    name: &str,
+    uid: Option<String>,
+    what: &str,
+) -> Result<(), Failure>
 where
     K: kube::Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
 {
     let Some(uid) = uid.filter(|u| !u.is_empty()) else {
-        return Err(Failure::retryable(Reason::APIError, format!("{what} {name}: the object read has no uid")));
+        return Err(Failure::retryable(
+            Reason::APIError,
+            format!("{what} {name}: the object read has no uid"),
+        ));
     };
     let params = kube::api::DeleteParams {
         propagation_policy: Some(kube::api::PropagationPolicy::Background),

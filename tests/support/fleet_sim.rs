@@ -216,9 +216,12 @@ impl DiskStore for FleetSim {
         let state = self.lock();
         match state.vms.get(&key(vmm)).and_then(|vm| vm.copies.get(&disk)) {
             None => CopyState::Absent,
-            Some(started) if started.elapsed() >= self.copy_time => {
-                CopyState::Complete { size: 1 << 20, sha256: Self::sha(vmm, disk), verified_remotely: true }
-            }
+            Some(started) if started.elapsed() >= self.copy_time => CopyState::Complete {
+                size: 1 << 20,
+                sha256: Self::sha(vmm, disk),
+                verified_remotely: true,
+                epoch: 0,
+            },
             Some(started) => {
                 let done = (started.elapsed().as_secs_f64() / self.copy_time.as_secs_f64() * (1 << 20) as f64)
                     as i64;

@@ -96,6 +96,11 @@ pub struct FaultPlan {
     pub hold_copies: bool,
     /// The guest writes to its disks while the VM is on (one write per power observation).
     pub guest_writes: bool,
+    /// A person powers the source on again after vmmigrate powered it off,
+    /// once it reaches this phase (`Preparing`: mid-copy; later: after the
+    /// copies completed); the guest writes while it runs, and the person
+    /// powers it off again once vmmigrate saw it on and stopped.
+    pub person_powers_on_in: Option<vmmigrate::api::Phase>,
 }
 
 #[derive(Debug, Default)]
@@ -110,6 +115,9 @@ struct LocalCopy {
     /// The host's sha256 of what the copy read, taken as it read it (a
     /// later change of the disk does not make a finished copy wrong).
     host_sha: Option<String>,
+    /// The power-off epoch the copy was started in (the migration's, as
+    /// the controller passed it).
+    epoch: i32,
 }
 
 /// A snapshot of the source: the base it froze, which copies read.
@@ -118,6 +126,8 @@ struct SimSnapshot {
     name: String,
     id: String,
     base: Vec<Vec<u8>>,
+    /// Per disk, the bytes the guest wrote since: the snapshot's delta.
+    dirty: Vec<std::collections::BTreeSet<usize>>,
 }
 
 #[derive(Debug, Default)]
@@ -158,6 +168,10 @@ pub struct Ledger {
     pub vm_updates: u32,
     pub snapshots_created: u32,
     pub snapshots_removed: u32,
+    /// Times a person powered the source on (outside vmmigrate).
+    pub person_power_ons: u32,
+    /// Power actions recorded in a status written ahead, not yet asked.
+    pub written_ahead: Vec<(vmmigrate::api::PowerActionKind, String)>,
     pub violations: Vec<String>,
 }
 
@@ -181,6 +195,14 @@ struct World {
     snapshot: Option<SimSnapshot>,
     /// sha256 of each disk of the base the last snapshot froze.
     frozen_sha: Vec<String>,
+    /// The person's power-on is done (it happens once).
+    person_done: bool,
+    /// Written-ahead power actions already asked of the host.
+    asked: Vec<(vmmigrate::api::PowerActionKind, String)>,
+    /// The source runs by the person's hand, not yet seen by vmmigrate.
+    person_running: bool,
+    /// sha256 of each disk when the source last went off.
+    at_power_off: Vec<String>,
 }
 
 /// Where staged artifacts are written for the real staging server to serve
@@ -251,6 +273,10 @@ impl SimWorld {
                 published: None,
                 snapshot: None,
                 frozen_sha: Vec::new(),
+                person_done: false,
+                asked: Vec::new(),
+                person_running: false,
+                at_power_off: Vec::new(),
             }),
         })
     }
@@ -318,7 +344,56 @@ impl SimWorld {
 
     /// A human shuts the guest down on the host (outside vmmigrate).
     pub fn human_shuts_down(&self) {
-        self.lock().power = SourcePowerState::PoweredOff;
+        let mut w = self.lock();
+        w.power = SourcePowerState::PoweredOff;
+        w.went_off();
+    }
+
+    /// The migration reached `phase` (as recorded): a person who powers the
+    /// source on in that phase does so now, once, after vmmigrate powered
+    /// it off; the guest writes at the start of every disk while it runs.
+    pub fn person_acts(&self, status: &vmmigrate::api::VirtualMachineMigrationStatus) {
+        let mut w = self.lock();
+        if w.person_done
+            || w.faults.person_powers_on_in != Some(status.phase)
+            || w.power != SourcePowerState::PoweredOff
+            || status.timestamps.source_powered_off.is_none()
+        {
+            return;
+        }
+        w.person_done = true;
+        w.person_running = true;
+        w.power = SourcePowerState::PoweredOn;
+        w.ledger.person_power_ons += 1;
+        for disk in 0..w.source_disks.len() {
+            w.write_at(disk, 0);
+        }
+    }
+
+    /// A person powers the source off again after vmmigrate stopped for it.
+    pub fn person_powers_off(&self) {
+        let mut w = self.lock();
+        if w.person_running {
+            w.person_running = false;
+            w.power = SourcePowerState::PoweredOff;
+            w.went_off();
+        }
+    }
+
+    /// A power action was recorded in a status written ahead of its call.
+    pub fn written_ahead(&self, records: &[vmmigrate::api::PowerActionRecord]) {
+        let mut w = self.lock();
+        for r in records {
+            let key = (r.action, format!("{}@{}", r.epoch, r.recorded.0));
+            if !w.ledger.written_ahead.contains(&key) && !w.asked.contains(&key) {
+                w.ledger.written_ahead.push(key);
+            }
+        }
+    }
+
+    /// sha256 of each disk when the source last went off.
+    pub fn at_power_off(&self) -> Vec<String> {
+        self.lock().at_power_off.clone()
     }
 
     pub fn ledger(&self) -> Ledger {
@@ -385,13 +460,44 @@ impl World {
     /// The running guest writes one byte to one of its disks (the expected
     /// contents follow: only vmmigrate must never write).
     fn guest_write(&mut self) {
-        if !self.faults.guest_writes || self.power != SourcePowerState::PoweredOn {
+        if !(self.faults.guest_writes || self.person_running) || self.power != SourcePowerState::PoweredOn {
             return;
         }
         let disk = self.rng.below(self.source_disks.len() as u64) as usize;
         let at = self.rng.below(self.source_disks[disk].len() as u64) as usize;
+        self.write_at(disk, at);
+    }
+
+    /// The guest changes byte `at` of disk `disk` (a snapshot's delta keeps it).
+    fn write_at(&mut self, disk: usize, at: usize) {
         self.source_disks[disk][at] = self.source_disks[disk][at].wrapping_add(1);
         self.source_sha[disk] = sha_hex(&self.source_disks[disk]);
+        if let Some(snapshot) = self.snapshot.as_mut() {
+            snapshot.dirty[disk].insert(at);
+        }
+    }
+
+    /// The source went off: what its disks hold now is what a migration must import.
+    fn went_off(&mut self) {
+        self.at_power_off = self.source_disks.iter().map(|d| sha_hex(d)).collect();
+    }
+
+    /// A power call: it must have been written ahead (a record in a status
+    /// the controller wrote before it asked, not used by an earlier call).
+    fn asked_for(&mut self, kind: vmmigrate::api::PowerActionKind, vmm: &VirtualMachineMigration) {
+        let recorded =
+            vmm.status.as_ref().and_then(|s| s.power_actions.iter().rev().find(|r| r.action == kind));
+        let key = recorded.map(|r| (r.action, format!("{}@{}", r.epoch, r.recorded.0)));
+        match key {
+            Some(key) if self.ledger.written_ahead.contains(&key) => {
+                self.ledger.written_ahead.retain(|k| *k != key);
+                self.asked.push(key);
+            }
+            _ => self
+                .ledger
+                .violations
+                .push(format!("{kind:?} asked of the host without a record written ahead")),
+        }
     }
 }
 
@@ -467,6 +573,7 @@ impl EsxiHost for SimWorld {
                 if w.power == SourcePowerState::PoweredOn {
                     w.power = SourcePowerState::PoweredOff;
                     w.ledger.power_off_transitions += 1;
+                    w.went_off();
                 }
             } else {
                 w.shutdown_ticks = Some(ticks - 1);
@@ -475,10 +582,11 @@ impl EsxiHost for SimWorld {
         Ok(PowerObservation { state: w.power, tools_running: !w.faults.tools_not_running })
     }
 
-    async fn request_shutdown(&self, _vmm: &VirtualMachineMigration) -> Result<(), Failure> {
+    async fn request_shutdown(&self, vmm: &VirtualMachineMigration) -> Result<(), Failure> {
         call!(self, "power.shutdown");
         let mut w = self.lock();
         w.ledger.shutdown_requests += 1;
+        w.asked_for(vmmigrate::api::PowerActionKind::Shutdown, vmm);
         if w.faults.tools_not_running {
             return Err(Failure::needs_human(
                 Reason::ToolsNotRunning,
@@ -494,13 +602,15 @@ impl EsxiHost for SimWorld {
         Ok(())
     }
 
-    async fn power_off(&self, _vmm: &VirtualMachineMigration) -> Result<(), Failure> {
+    async fn power_off(&self, vmm: &VirtualMachineMigration) -> Result<(), Failure> {
         call!(self, "power.off");
         let mut w = self.lock();
         w.ledger.hard_power_offs += 1;
+        w.asked_for(vmmigrate::api::PowerActionKind::PowerOff, vmm);
         if w.power == SourcePowerState::PoweredOn {
             w.power = SourcePowerState::PoweredOff;
             w.ledger.power_off_transitions += 1;
+            w.went_off();
         }
         Ok(())
     }
@@ -527,7 +637,8 @@ impl EsxiHost for SimWorld {
             let base = w.source_disks.clone();
             w.frozen_sha = base.iter().map(|d| sha_hex(d)).collect();
             let id = w.ledger.snapshots_created.to_string();
-            w.snapshot = Some(SimSnapshot { name: name.to_owned(), id, base });
+            let dirty = vec![Default::default(); base.len()];
+            w.snapshot = Some(SimSnapshot { name: name.to_owned(), id, base, dirty });
         }
         let lost = w.faults.lost_response;
         if w.rng.chance(lost) {
@@ -624,17 +735,21 @@ impl DiskStore for SimWorld {
                 discard: true,
             };
         }
-        CopyState::Complete { size: total as i64, sha256: sha, verified_remotely: true }
+        CopyState::Complete { size: total as i64, sha256: sha, verified_remotely: true, epoch: copy.epoch }
     }
 
-    async fn start_copy(&self, _vmm: &VirtualMachineMigration, disk: usize) -> Result<(), Failure> {
+    async fn start_copy(&self, vmm: &VirtualMachineMigration, disk: usize) -> Result<(), Failure> {
         call!(self, "start copy");
         let mut w = self.lock();
         let power = w.power;
         if power != SourcePowerState::PoweredOff && w.snapshot.is_none() {
             w.ledger.violations.push(format!("disk {disk} copy started while the source was {power:?}"));
         }
+        let epoch = vmm.status.as_ref().map_or(0, |s| s.epoch);
         if let Some(copy) = w.copies.get_mut(disk) {
+            if !copy.running && copy.data.is_empty() {
+                copy.epoch = epoch;
+            }
             copy.running = true;
         }
         Ok(())
@@ -643,22 +758,27 @@ impl DiskStore for SimWorld {
     async fn delta_state(&self, _vmm: &VirtualMachineMigration, disk: usize) -> CopyState {
         let mut w = self.lock();
         w.ledger.calls += 1;
-        let World { copies, source_disks, .. } = &mut *w;
+        let World { copies, source_disks, snapshot, .. } = &mut *w;
         let Some(copy) = copies.get_mut(disk) else { return CopyState::Absent };
         if copy.delta_running {
-            // One tick: the deltas copied and applied onto the base copy.
+            // One tick: the snapshot's delta (the bytes written since it was
+            // taken, as the disk holds them now) applied onto the base copy.
             copy.delta_running = false;
-            copy.data = source_disks[disk].clone();
+            if let Some(snapshot) = snapshot.as_ref() {
+                for &at in &snapshot.dirty[disk] {
+                    copy.data[at] = source_disks[disk][at];
+                }
+            }
             copy.assembled = true;
         }
         if !copy.assembled {
             return CopyState::Absent;
         }
         let size = copy.data.len() as i64;
-        CopyState::Complete { size, sha256: sha_hex(&copy.data), verified_remotely: true }
+        CopyState::Complete { size, sha256: sha_hex(&copy.data), verified_remotely: true, epoch: copy.epoch }
     }
 
-    async fn start_delta_copy(&self, _vmm: &VirtualMachineMigration, disk: usize) -> Result<(), Failure> {
+    async fn start_delta_copy(&self, vmm: &VirtualMachineMigration, disk: usize) -> Result<(), Failure> {
         call!(self, "start delta copy");
         let mut w = self.lock();
         let power = w.power;
@@ -679,6 +799,7 @@ impl DiskStore for SimWorld {
         }
         if !copy.assembled {
             copy.delta_running = true;
+            copy.epoch = vmm.status.as_ref().map_or(0, |s| s.epoch);
         }
         Ok(())
     }
@@ -1020,6 +1141,12 @@ impl Cluster for SimWorld {
     async fn set_run_strategy(&self, vmm: &VirtualMachineMigration) -> Result<(), Failure> {
         call!(self, "set runStrategy");
         let mut w = self.lock();
+        let rehearsal = vmm.status.as_ref().and_then(|s| s.mode).unwrap_or(vmm.spec.mode)
+            == vmmigrate::api::MigrationMode::Rehearsal;
+        if !rehearsal && w.power != SourcePowerState::PoweredOff {
+            let power = w.power;
+            w.ledger.violations.push(format!("the destination was started while the source was {power:?}"));
+        }
         let wanted = format!("{:?}", vmm.spec.run_strategy());
         match w.vm.as_mut() {
             Some(vm) if vm.ours => {

@@ -67,6 +67,10 @@ struct Run {
     generation: i64,
     cutover_approved: bool,
     fleet: fleet::FleetGates,
+    /// The source's power as read after Preparing (off unless a test says).
+    source: Option<Result<SourcePowerState, Failure>>,
+    orphan_hold: bool,
+    shutdown_seen_for: Option<Duration>,
 }
 
 impl Run {
@@ -77,6 +81,9 @@ impl Run {
             generation: 1,
             cutover_approved: false,
             fleet: fleet::FleetGates::default(),
+            source: Some(Ok(SourcePowerState::PoweredOff)),
+            orphan_hold: false,
+            shutdown_seen_for: None,
         }
     }
 
@@ -97,6 +104,7 @@ impl Run {
         }
         if phase > Phase::Preparing && phase.is_active() {
             run.status.timestamps.source_powered_off = Some(api_time(t(0)));
+            run.status.epoch = 1;
             run.status.disks = vec![DiskStatus {
                 index: 0,
                 source_path: "/vmfs/volumes/datastore1/web/web-flat.vmdk".into(),
@@ -125,6 +133,9 @@ impl Run {
             observed,
             now,
             jitter: 0.5,
+            source: self.source.clone(),
+            shutdown_seen_for: self.shutdown_seen_for,
+            orphan_hold: self.orphan_hold,
         }
     }
 
@@ -150,11 +161,12 @@ fn preparing(power: SourcePowerState, copies: Vec<CopyState>) -> Observed {
         copies,
         snapshot: None,
         deltas: Vec::new(),
+        inventory: Some(Ok(inventory())),
     }))
 }
 
 fn complete_copy() -> CopyState {
-    CopyState::Complete { size: 1 << 20, sha256: "ab".repeat(32), verified_remotely: true }
+    CopyState::Complete { size: 1 << 20, sha256: "ab".repeat(32), verified_remotely: true, epoch: 1 }
 }
 
 /// A cutover window of two hours from `start`, in UTC.
@@ -401,6 +413,7 @@ fn without_vmware_tools_graceful_only_needs_a_human_and_graceful_then_force_forc
             copies: vec![CopyState::Absent],
             snapshot: None,
             deltas: Vec::new(),
+            inventory: Some(Ok(inventory())),
         }))
     };
     let run = Run::at(Phase::Preparing);
@@ -639,7 +652,12 @@ fn failed_import_rechecks_the_artifact_in_converting_and_counts_against_the_impo
         assert_eq!(d.status.retry.as_ref().map(|r| r.attempt), Some(attempt));
     }
     let d = run.step(failed_import(), t(now));
-    assert_eq!(d.status.phase, Phase::Failed, "a loop between phases stays within the budget");
+    // After the power-off an exhausted budget waits for a person (onRetriesExhausted Fail or not).
+    assert_eq!(
+        d.status.phase,
+        Phase::ManualInterventionRequired,
+        "a loop between phases stays within the budget"
+    );
     assert_eq!(d.status.errors.last().unwrap().reason, Reason::RetryBudgetExhausted);
 }
 
@@ -980,6 +998,9 @@ fn action_failure_is_recorded_against_the_phase_that_asked_for_it() {
             observed: Observed::Nothing,
             now: t(0),
             jitter: 0.0,
+            source: None,
+            shutdown_seen_for: None,
+            orphan_hold: false,
         },
         Phase::Importing,
         Failure::retryable(Reason::APIError, "admission webhook timed out"),

@@ -22,6 +22,7 @@ fn facts(power: SourcePowerState, copies: Vec<CopyState>, snapshot: Option<&str>
         copies,
         snapshot: snapshot.map(str::to_owned),
         deltas: Vec::new(),
+        inventory: None,
     }))
 }
 

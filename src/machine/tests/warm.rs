@@ -22,11 +22,13 @@ fn facts(
         copies,
         snapshot: snapshot.map(str::to_owned),
         deltas,
+        // Discovery's inventory, with the migration's own snapshot on it.
+        inventory: Some(Ok(SourceInventory { snapshots: i32::from(snapshot.is_some()), ..inventory() })),
     }))
 }
 
 fn assembled() -> CopyState {
-    CopyState::Complete { size: 1 << 20, sha256: "cd".repeat(32), verified_remotely: true }
+    CopyState::Complete { size: 1 << 20, sha256: "cd".repeat(32), verified_remotely: true, epoch: 1 }
 }
 
 #[test]
@@ -100,10 +102,13 @@ fn a_vm_shut_down_by_its_user_before_the_bases_are_copied_gets_them_copied_befor
     run.step(facts(SourcePowerState::PoweredOn, vec![CopyState::Absent], None, vec![]), t(0));
     let partial = CopyState::InProgress { bytes_done: 5, bytes_total: 10 };
     let d = run.step(facts(SourcePowerState::PoweredOff, vec![partial], Some("4"), vec![]), t(3));
-    assert!(d.status.timestamps.source_powered_off.is_some(), "recorded, though not done by vmmigrate");
     assert!(d.actions.iter().all(|a| !matches!(a, Action::StartDeltaCopy { .. })), "{:?}", d.actions);
     assert_eq!(cond(&d.status, condition::DISK_ACQUIRED).unwrap().1, "CopyingBase");
     let d = run.step(facts(SourcePowerState::PoweredOff, vec![complete_copy()], Some("4"), vec![]), t(6));
+    assert!(
+        d.status.timestamps.source_powered_off.is_some(),
+        "recorded once the bases are copied and the source compared with discovery, though not done by vmmigrate"
+    );
     assert_eq!(d.actions, vec![Action::StartDeltaCopy { disk: 0 }]);
     assert!(!has_power_action(&d), "it is off already");
 }

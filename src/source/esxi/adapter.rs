@@ -563,8 +563,13 @@ impl DiskStore for EsxiSource {
             return state;
         }
         let local = self.local_path(vmm, disk);
-        if let Some((size, sha256, verified_remotely)) = copy::is_complete(&local) {
-            return CopyState::Complete { size: size as i64, sha256, verified_remotely };
+        if let Some(m) = copy::is_complete(&local) {
+            return CopyState::Complete {
+                size: m.size as i64,
+                sha256: m.sha256,
+                verified_remotely: m.verified,
+                epoch: m.epoch,
+            };
         }
         let present = copy::bytes_present(&local);
         let total = Self::disk_of(vmm, disk).map(|d| d.capacity_bytes).unwrap_or(0);
@@ -591,6 +596,7 @@ impl DiskStore for EsxiSource {
         let plan = CopyPlan {
             chunk_size: self.store.chunk_size,
             streams: self.store.streams,
+            epoch: vmm.status.as_ref().map_or(0, |s| s.epoch),
             ..CopyPlan::new(source.extent_path.clone(), local)
         };
         let total = source.capacity_bytes.max(0) as u64;

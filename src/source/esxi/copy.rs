@@ -47,6 +47,9 @@ pub struct CopyPlan {
     pub streams: usize,
     /// Ask the host for its own sha256 of the extent.
     pub remote_digest: bool,
+    /// The migration's power-off epoch the copy is made in: written into
+    /// its marker, and a partial copy of another epoch is never resumed.
+    pub epoch: i32,
 }
 
 impl CopyPlan {
@@ -57,6 +60,7 @@ impl CopyPlan {
             chunk_size: 16 * BLOCK,
             streams: 4,
             remote_digest: true,
+            epoch: 0,
         }
     }
 }
@@ -113,6 +117,8 @@ struct Sidecar {
     size: u64,
     chunk_size: u64,
     done: BTreeSet<u64>,
+    #[serde(default)]
+    epoch: i32,
 }
 
 fn sidecar_path(local: &Path) -> PathBuf {
@@ -138,14 +144,41 @@ pub(crate) fn bytes_present(local: &Path) -> u64 {
     read_sidecar(local).map(|s| (s.done.len() as u64 * s.chunk_size).min(s.size)).unwrap_or(0)
 }
 
-/// A finished copy, as its marker records it: (size, sha256, verified by the host).
-pub(crate) fn is_complete(local: &Path) -> Option<(u64, String, bool)> {
-    let marker = std::fs::read_to_string(local.with_extension("sha256")).ok()?;
-    let mut parts = marker.split_whitespace();
-    let size = parts.next()?.parse().ok()?;
-    let sha = parts.next()?.to_owned();
-    let verified = parts.next() == Some("verified");
-    local.exists().then_some((size, sha, verified))
+/// What a finished copy's marker says: `<size> <sha256> verified|local
+/// epoch=<n>` (a marker written before epochs were recorded is epoch 0).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct CopyMarker {
+    pub size: u64,
+    pub sha256: String,
+    /// The host computed the same digest itself.
+    pub verified: bool,
+    /// The power-off epoch the copy was made in.
+    pub epoch: i32,
+}
+
+impl CopyMarker {
+    pub(crate) fn parse(text: &str) -> Option<CopyMarker> {
+        let mut parts = text.split_whitespace();
+        let size = parts.next()?.parse().ok()?;
+        let sha256 = parts.next()?.to_owned();
+        let verified = parts.next() == Some("verified");
+        let epoch = match parts.next() {
+            Some(token) => token.strip_prefix("epoch=")?.parse().ok()?,
+            None => 0,
+        };
+        Some(CopyMarker { size, sha256, verified, epoch })
+    }
+
+    pub(crate) fn line(&self) -> String {
+        let how = if self.verified { "verified" } else { "local" };
+        format!("{} {} {how} epoch={}\n", self.size, self.sha256, self.epoch)
+    }
+}
+
+/// A finished copy, as its marker records it.
+pub(crate) fn is_complete(local: &Path) -> Option<CopyMarker> {
+    let marker = CopyMarker::parse(&std::fs::read_to_string(local.with_extension("sha256")).ok()?)?;
+    local.exists().then_some(marker)
 }
 
 /// Removes a copy and its bookkeeping. "Not found" is success.
@@ -240,6 +273,7 @@ pub async fn copy_disk(
             if s.identity == identity
                 && s.size == size
                 && s.chunk_size == chunk_size
+                && s.epoch == plan.epoch
                 && plan.local_path.exists() =>
         {
             s
@@ -253,6 +287,7 @@ pub async fn copy_disk(
                 size,
                 chunk_size,
                 done: BTreeSet::new(),
+                epoch: plan.epoch,
             }
         }
     };
@@ -410,8 +445,9 @@ pub async fn copy_disk(
     {
         return Err(CopyError::ChecksumMismatch { remote: remote.clone(), local: local_sha });
     }
-    let how = if remote_sha.is_some() { "verified" } else { "local" };
-    std::fs::write(plan.local_path.with_extension("sha256"), format!("{size} {local_sha} {how}\n"))?;
+    let marker =
+        CopyMarker { size, sha256: local_sha.clone(), verified: remote_sha.is_some(), epoch: plan.epoch };
+    std::fs::write(plan.local_path.with_extension("sha256"), marker.line())?;
     Ok(CopyResult {
         size,
         sha256: local_sha,

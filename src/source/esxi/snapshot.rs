@@ -219,15 +219,11 @@ fn assembled_marker(local: &Path) -> PathBuf {
     local.with_extension("assembled")
 }
 
-fn read_assembled(local: &Path) -> Option<(u64, String, bool)> {
-    let text = std::fs::read_to_string(assembled_marker(local)).ok()?;
-    let mut parts = text.split_whitespace();
-    let size = parts.next()?.parse().ok()?;
-    let sha = parts.next()?.to_owned();
-    let verified = parts.next() == Some("verified");
+fn read_assembled(local: &Path) -> Option<copy::CopyMarker> {
+    let assembled = copy::CopyMarker::parse(&std::fs::read_to_string(assembled_marker(local)).ok()?)?;
     // Done only once the copy in place is the assembled disk.
-    let (copy_size, copy_sha, _) = copy::is_complete(local)?;
-    (copy_size == size && copy_sha == sha).then_some((size, sha, verified))
+    let copy = copy::is_complete(local)?;
+    (copy == assembled).then_some(assembled)
 }
 
 impl EsxiSource {
@@ -238,9 +234,12 @@ impl EsxiSource {
             return state;
         }
         match read_assembled(&self.local_path(vmm, disk)) {
-            Some((size, sha256, verified_remotely)) => {
-                CopyState::Complete { size: size as i64, sha256, verified_remotely }
-            }
+            Some(m) => CopyState::Complete {
+                size: m.size as i64,
+                sha256: m.sha256,
+                verified_remotely: m.verified,
+                epoch: m.epoch,
+            },
             None => CopyState::Absent,
         }
     }
@@ -261,7 +260,7 @@ impl EsxiSource {
         if read_assembled(&local).is_some() {
             return Ok(());
         }
-        let Some((_, _, base_verified)) = copy::is_complete(&local) else {
+        let Some(copy::CopyMarker { verified: base_verified, .. }) = copy::is_complete(&local) else {
             return Err(Failure::retryable(
                 Reason::AcquiredCopyMissing,
                 format!("disk {disk}: no complete copy of its base to assemble on"),
@@ -310,9 +309,11 @@ impl EsxiSource {
         let capacity = base.capacity_bytes;
         let session = self.session(vmm).await?;
         let (chunk_size, streams) = (self.store.chunk_size, self.store.streams);
+        let epoch = vmm.status.as_ref().map_or(0, |s| s.epoch);
         self.spawn_copy(vmm, key, 0, move |progress| async move {
             let strides = (chunk_size, streams);
-            copy_and_assemble(session, &local, capacity, &levels, strides, base_verified, progress).await
+            copy_and_assemble(session, &local, capacity, &levels, strides, (base_verified, epoch), progress)
+                .await
         });
         Ok(())
     }
@@ -326,14 +327,15 @@ async fn copy_and_assemble(
     capacity: u64,
     levels: &[(DeltaKind, String, PathBuf)],
     (chunk_size, streams): (u64, usize),
-    base_verified: bool,
+    (base_verified, epoch): (bool, i32),
     progress: Arc<AtomicU64>,
 ) -> Result<CopyResult, CopyError> {
     let mut verified = base_verified;
     let mut bytes_read = 0;
     let mut copied = Vec::new();
     for (kind, remote, delta_local) in levels {
-        let plan = CopyPlan { chunk_size, streams, ..CopyPlan::new(remote.clone(), delta_local.clone()) };
+        let plan =
+            CopyPlan { chunk_size, streams, epoch, ..CopyPlan::new(remote.clone(), delta_local.clone()) };
         let done = copy::copy_disk(session.clone(), &plan, progress.clone()).await?;
         verified &= done.verified_remotely;
         bytes_read += done.bytes_read;
@@ -350,9 +352,9 @@ async fn copy_and_assemble(
         .await
         .map_err(|e| CopyError::Io(std::io::Error::other(e.to_string())))?;
     let sha = copy::sha256_file(local)?;
-    let how = if verified { "verified" } else { "local" };
-    std::fs::write(local.with_extension("sha256"), format!("{capacity} {sha} {how}\n"))?;
-    std::fs::write(assembled_marker(local), format!("{capacity} {sha} {how}\n"))?;
+    let marker = copy::CopyMarker { size: capacity, sha256: sha.clone(), verified, epoch };
+    std::fs::write(local.with_extension("sha256"), marker.line())?;
+    std::fs::write(assembled_marker(local), marker.line())?;
     let _ = std::fs::remove_dir_all(&work);
     for (_, delta) in &copied {
         let _ = copy::discard(delta);
