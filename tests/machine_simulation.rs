@@ -128,6 +128,14 @@ fn scenario(seed: u64) -> Scenario {
         let phases = [Phase::Preparing, Phase::Converting, Phase::Importing, Phase::CreatingVm];
         faults.person_powers_on_in = Some(phases[rng.below(4) as usize]);
         expect = Expect::HumanThenCompleted(Reason::SourcePoweredOnAgain);
+    } else if mode != MigrationMode::Rehearsal
+        && expect == Expect::Completed
+        && policy != PowerOffPolicy::RequireAlreadyOff
+        && rng.chance(0.15)
+    {
+        // A backup tool snapshots the source while the cutover is prepared.
+        faults.backup_snapshot_before_cutover = true;
+        expect = Expect::HumanThenCompleted(Reason::SourceChangedSinceDiscovery);
     }
     faults.guest_writes = mode != MigrationMode::Cold;
     // A rehearsal never asks the guest to shut down: nobody is asked about it.
@@ -211,8 +219,11 @@ fn run_schedule(seed: u64, rt: &tokio::runtime::Runtime, totals: &mut Totals) ->
             && !vmm.annotations().contains_key(RETRY_ANNOTATION)
         {
             let why = status.errors.last().map(|e| e.reason.clone()).unwrap_or_default();
+            // A snapshot taken before the cutover stops it at the comparison
+            // before the power-off, or at validation when a retry came first.
+            let backup = sc.faults.backup_snapshot_before_cutover && why == Reason::ValidationBlocked;
             match &sc.expect {
-                Expect::HumanThenCompleted(expected) if why == *expected => {}
+                Expect::HumanThenCompleted(expected) if why == *expected || backup => {}
                 _ => {
                     return Err(format!(
                         "unexpected ManualInterventionRequired ({why}); expected {:?}",
@@ -222,7 +233,7 @@ fn run_schedule(seed: u64, rt: &tokio::runtime::Runtime, totals: &mut Totals) ->
             }
             seen_human.push(why);
             world.human_fixes();
-            world.person_powers_off();
+            world.person_powers_off(rng.chance(0.5));
             vmm.metadata
                 .annotations
                 .get_or_insert_with(Default::default)
@@ -395,7 +406,17 @@ fn run_schedule(seed: u64, rt: &tokio::runtime::Runtime, totals: &mut Totals) ->
     let outcome = format!("{:?} {}", sc.mode, status.phase);
     *totals.outcomes.entry(outcome).or_default() += 1;
     if !(status.phase.is_terminal() && status.timestamps.cleaned_up.is_some()) {
-        return Err(format!("did not finish in {MAX_STEPS} steps; stuck in {}", status.phase));
+        let last: Vec<String> = status
+            .errors
+            .iter()
+            .rev()
+            .take(3)
+            .map(|e| format!("{} {}: {}", e.phase, e.reason, e.message))
+            .collect();
+        return Err(format!(
+            "did not finish in {MAX_STEPS} steps; stuck in {} (last errors: {last:?})",
+            status.phase
+        ));
     }
     if world.source_sha() != world.recorded_source_sha() {
         return Err("a source disk was written".into());
@@ -421,8 +442,11 @@ fn run_schedule(seed: u64, rt: &tokio::runtime::Runtime, totals: &mut Totals) ->
                 let last = status.errors.last().map(|e| format!("{}: {}", e.reason, e.message));
                 return Err(format!("ended {} ({last:?}), expected Completed", status.phase));
             }
+            let backup_seen = sc.faults.backup_snapshot_before_cutover
+                && seen_human.iter().any(|r| *r == Reason::ValidationBlocked);
             if let Expect::HumanThenCompleted(reason) = &sc.expect
                 && !seen_human.iter().any(|r| r == reason)
+                && !backup_seen
             {
                 return Err(format!("never asked a human about {reason}"));
             }
@@ -463,7 +487,9 @@ fn run_schedule(seed: u64, rt: &tokio::runtime::Runtime, totals: &mut Totals) ->
                 return Ok(());
             }
             let by_us = if sc.policy == PowerOffPolicy::RequireAlreadyOff { 0 } else { 1 };
-            let expected_off = by_us + world.ledger().person_power_ons;
+            let ledger = world.ledger();
+            // Once, and once more for each time a person powered it on and left it on.
+            let expected_off = by_us + ledger.person_power_ons - ledger.person_power_offs;
             let transitions = world.ledger().power_off_transitions - initial_off_transitions;
             if transitions != expected_off {
                 return Err(format!(

@@ -115,7 +115,7 @@ pub(crate) async fn observe(adapters: &Adapters, vmm: &VirtualMachineMigration) 
             let bases_copied = copies.iter().all(|c| matches!(c, CopyState::Complete { .. }));
             let inventory = (vmm.spec.mode.may_power_off()
                 && status.timestamps.source_powered_off.is_none()
-                && (!warm || bases_copied))
+                && (!warm || status.snapshot.is_none() || bases_copied))
                 .then(|| bounded("ESXi discovery", ssh_timeout(vmm) * 4, adapters.esxi.discover(vmm)));
             let inventory = match inventory {
                 Some(read) => Some(read.await),
@@ -264,8 +264,9 @@ fn fenced(action: &Action) -> bool {
 
 /// Asked right before the first action of a step that cannot be undone or
 /// destroys something (a power action, discarding copies, cleaning staging,
-/// deleting volumes), with the status the step will record: it writes that
-/// status ahead, with the resourceVersion the step read, and lets the step
+/// deleting volumes), with the recorded status plus the power actions the
+/// step asks for: it writes that status ahead, with the resourceVersion the
+/// step read (unchanged, the write only proves the read fresh), and lets the step
 /// act only if the write succeeded, the migration is not being deleted and
 /// this process still holds the lease. A stale read (409), a deleted
 /// migration or a stale leader acts on nothing.
@@ -449,7 +450,21 @@ pub async fn step(
     let mut fence_passed = false;
     for action in &decision.actions {
         if fenced(action) && !fence_passed {
-            if let Err(failure) = input.fence.write_ahead(&decision.status).await {
+            // Ahead goes what is recorded plus the power actions this
+            // decision asks for, nothing else: the rest is recorded after
+            // the actions, as always (a crash in between repeats them).
+            let mut ahead = crate::api::VirtualMachineMigrationStatus {
+                power_actions: decision.status.power_actions.clone(),
+                ..status.clone()
+            };
+            // So is the decision to remove the migration's snapshot: found
+            // gone after a crash, it is then known to be this removal.
+            if decision.actions.contains(&Action::RemoveSnapshot)
+                && let Some(record) = ahead.snapshot.as_mut()
+            {
+                record.removing.get_or_insert_with(|| machine::api_time(input.now));
+            }
+            if let Err(failure) = input.fence.write_ahead(&ahead).await {
                 tracing::warn!(?action, reason = %failure.reason, "not performed: {}", failure.message);
                 return None;
             }

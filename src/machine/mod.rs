@@ -484,13 +484,21 @@ pub(crate) fn decide(input: Input<'_>) -> Decision {
     };
     // After Preparing the source is looked at again until the destination
     // starts: a source on again ends the epoch before anything starts.
-    if let Some(Ok(seen)) = &input.source
-        && matches!(phase, Phase::Converting | Phase::Importing | Phase::CreatingVm)
-        && *seen != SourcePowerState::PoweredOff
+    if matches!(phase, Phase::Converting | Phase::Importing | Phase::CreatingVm)
         && ctx.status.timestamps.source_powered_off.is_some()
     {
-        end_epoch(&mut ctx, *seen);
-        return ctx.into_decision();
+        match &input.source {
+            Some(Ok(seen)) if *seen != SourcePowerState::PoweredOff => {
+                end_epoch(&mut ctx, *seen);
+                return ctx.into_decision();
+            }
+            // Not seen off: nothing is built on copies that may be stale.
+            Some(Err(failure)) if phase != Phase::CreatingVm => {
+                ctx.fail(phase, failure.clone());
+                return ctx.into_decision();
+            }
+            _ => {}
+        }
     }
     match phase {
         Phase::Pending => {

@@ -214,7 +214,14 @@ pub(super) fn source_unchanged(ctx: &mut Ctx<'_>, facts: &PreparingFacts) -> boo
                 Reason::SourceChangedSinceDiscovery.as_str(),
                 message.clone(),
             );
-            // A retry discovers the source again (and validates what it finds).
+            // What was copied from the old source goes, and a warm migration's
+            // snapshot with it: the retry starts from a new discovery (and
+            // validates what it finds).
+            if ctx.status.snapshot.as_ref().is_some_and(|s| s.removed.is_none()) {
+                ctx.actions.extend((0..facts.copies.len()).map(|disk| Action::DiscardDiskCopy { disk }));
+                ctx.drop_snapshot("the source changed since discovery");
+            }
+            ctx.status.snapshot = None;
             ctx.fail(Phase::Discovering, Failure::needs_human(Reason::SourceChangedSinceDiscovery, message));
             false
         }
@@ -237,7 +244,7 @@ pub(super) fn source_unchanged(ctx: &mut Ctx<'_>, facts: &PreparingFacts) -> boo
 
 /// What differs between discovery's inventory and one read now, in words.
 /// `own_snapshot`: the migration's own snapshot is on the source (warm),
-/// which adds one snapshot and points the disks at its deltas.
+/// which points the disks at its deltas.
 pub(crate) fn inventory_changes(
     before: &SourceInventory,
     now: &SourceInventory,
@@ -256,9 +263,9 @@ pub(crate) fn inventory_changes(
     if before.vmx_path != now.vmx_path {
         differs(".vmx", &before.vmx_path, &now.vmx_path);
     }
-    let snapshots = now.snapshots - i32::from(own_snapshot);
-    if before.snapshots != snapshots {
-        differs("snapshots (not vmmigrate's)", &before.snapshots, &snapshots);
+    // Discovery does not count the migration's own snapshot.
+    if before.snapshots != now.snapshots {
+        differs("snapshots (not vmmigrate's)", &before.snapshots, &now.snapshots);
     }
     if before.disks.len() != now.disks.len() {
         differs("disk count", &before.disks.len(), &now.disks.len());

@@ -239,6 +239,19 @@ pub(super) fn snapshot_taken(ctx: &mut Ctx<'_>, facts: &PreparingFacts, name: &s
             ctx.wait(Duration::ZERO);
             return false;
         }
+        // Gone after a warm migration decided to remove it while the VM
+        // runs (a rehearsal removes it so once its copies are done): the
+        // migration was starting over (a crash came between the removal and
+        // its record); its copies went first. A new one is taken.
+        (Some(record), None)
+            if record.removing.is_some()
+                && ctx.spec.mode == crate::api::MigrationMode::Warm
+                && facts.power != SourcePowerState::PoweredOff =>
+        {
+            ctx.status.snapshot = None;
+            ctx.wait(Duration::ZERO);
+            return false;
+        }
         // Gone after vmmigrate decided to remove it: its own removal (a crash
         // came between the removal and its record).
         (Some(record), None) if record.removing.is_some() => {}

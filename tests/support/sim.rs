@@ -101,6 +101,9 @@ pub struct FaultPlan {
     /// copies completed); the guest writes while it runs, and the person
     /// powers it off again once vmmigrate saw it on and stopped.
     pub person_powers_on_in: Option<vmmigrate::api::Phase>,
+    /// A backup tool takes a snapshot of the source between its discovery
+    /// and the cutover (while the migration prepares, before any power-off).
+    pub backup_snapshot_before_cutover: bool,
 }
 
 #[derive(Debug, Default)]
@@ -170,6 +173,8 @@ pub struct Ledger {
     pub snapshots_removed: u32,
     /// Times a person powered the source on (outside vmmigrate).
     pub person_power_ons: u32,
+    /// Times a person powered the source off (outside vmmigrate).
+    pub person_power_offs: u32,
     /// Power actions recorded in a status written ahead, not yet asked.
     pub written_ahead: Vec<(vmmigrate::api::PowerActionKind, String)>,
     pub violations: Vec<String>,
@@ -354,6 +359,15 @@ impl SimWorld {
     /// it off; the guest writes at the start of every disk while it runs.
     pub fn person_acts(&self, status: &vmmigrate::api::VirtualMachineMigrationStatus) {
         let mut w = self.lock();
+        if w.faults.backup_snapshot_before_cutover
+            && status.phase == vmmigrate::api::Phase::Preparing
+            && status.timestamps.source_powered_off.is_none()
+            && !w.person_done
+        {
+            w.person_done = true;
+            w.faults.snapshot = true;
+            return;
+        }
         if w.person_done
             || w.faults.person_powers_on_in != Some(status.phase)
             || w.power != SourcePowerState::PoweredOff
@@ -370,13 +384,18 @@ impl SimWorld {
         }
     }
 
-    /// A person powers the source off again after vmmigrate stopped for it.
-    pub fn person_powers_off(&self) {
+    /// After vmmigrate stopped for the source running again, the person
+    /// powers it off themselves, or leaves it on for vmmigrate to power off
+    /// again (`by_hand`).
+    pub fn person_powers_off(&self, by_hand: bool) {
         let mut w = self.lock();
         if w.person_running {
             w.person_running = false;
-            w.power = SourcePowerState::PoweredOff;
-            w.went_off();
+            if by_hand {
+                w.power = SourcePowerState::PoweredOff;
+                w.ledger.person_power_offs += 1;
+                w.went_off();
+            }
         }
     }
 
@@ -485,6 +504,12 @@ impl World {
     /// A power call: it must have been written ahead (a record in a status
     /// the controller wrote before it asked, not used by an earlier call).
     fn asked_for(&mut self, kind: vmmigrate::api::PowerActionKind, vmm: &VirtualMachineMigration) {
+        if self.faults.snapshot {
+            // Discovery saw none (validation refuses them): it came since.
+            self.ledger
+                .violations
+                .push(format!("{kind:?} asked while a snapshot not seen at discovery is on the source"));
+        }
         let recorded =
             vmm.status.as_ref().and_then(|s| s.power_actions.iter().rev().find(|r| r.action == kind));
         let key = recorded.map(|r| (r.action, format!("{}@{}", r.epoch, r.recorded.0)));
@@ -550,6 +575,7 @@ impl EsxiHost for SimWorld {
             cores_per_socket: 2,
             memory_mib: 2048,
             power_state: w.power,
+            // As the real adapter counts them: not the migration's own.
             snapshots: i32::from(w.faults.snapshot),
             pending_question: None,
             disks,

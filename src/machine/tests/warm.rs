@@ -22,8 +22,8 @@ fn facts(
         copies,
         snapshot: snapshot.map(str::to_owned),
         deltas,
-        // Discovery's inventory, with the migration's own snapshot on it.
-        inventory: Some(Ok(SourceInventory { snapshots: i32::from(snapshot.is_some()), ..inventory() })),
+        // Discovery's inventory (which does not count the migration's own snapshot).
+        inventory: Some(Ok(inventory())),
     }))
 }
 
