@@ -12,6 +12,7 @@ const NAME: &str = "web-01";
 mod gates;
 mod rehearsal;
 mod warm;
+mod world;
 
 fn spec() -> VirtualMachineMigrationSpec {
     serde_json::from_value(serde_json::json!({
