@@ -191,6 +191,8 @@ struct Totals {
     crashes_after: BTreeMap<String, usize>,
     /// Rehearsals whose spec.mode was edited mid-run.
     mode_edits: usize,
+    /// Steps the fence refused.
+    refusals: usize,
 }
 
 fn run_schedule(seed: u64, rt: &tokio::runtime::Runtime, totals: &mut Totals) -> Result<(), String> {
@@ -251,7 +253,16 @@ fn run_schedule(seed: u64, rt: &tokio::runtime::Runtime, totals: &mut Totals) ->
         world.person_acts(&status);
         totals.steps += 1;
         let crash_rate = sc.crash_rate;
-        let fence = SimFence { world: world.clone(), written: std::sync::Mutex::new(None) };
+        // Now and then the fence refuses (a stale read, a deletion, a lost
+        // lease): the step must then do nothing irreversible or destructive.
+        let refuse = rng.chance(0.03);
+        world.set_fence_closed(false);
+        let fence = SimFence {
+            world: world.clone(),
+            written: Default::default(),
+            refuse,
+            refused: Default::default(),
+        };
         let mut crash_rng = SplitMix(rng.next_u64());
         let input = StepInput {
             now,
@@ -278,6 +289,14 @@ fn run_schedule(seed: u64, rt: &tokio::runtime::Runtime, totals: &mut Totals) ->
             *totals.crashes_after.entry(kind).or_default() += 1;
         }
         let ahead = fence.written.lock().expect("fence").take();
+        if step.is_none() && fence.refused.load(std::sync::atomic::Ordering::SeqCst) {
+            // Refused, not crashed: nothing was recorded; look again.
+            totals.refusals += 1;
+            world.set_fence_closed(false);
+            now += SignedDuration::from_secs(1);
+            world.advance(1);
+            continue;
+        }
         let Some(step) = step else {
             // The controller died: in-memory work is lost, and only what it
             // wrote ahead was recorded.
@@ -526,6 +545,8 @@ fn run_schedule(seed: u64, rt: &tokio::runtime::Runtime, totals: &mut Totals) ->
 struct SimFence {
     world: std::sync::Arc<SimWorld>,
     written: std::sync::Mutex<Option<vmmigrate::api::VirtualMachineMigrationStatus>>,
+    refuse: bool,
+    refused: std::sync::atomic::AtomicBool,
 }
 
 #[async_trait::async_trait]
@@ -534,6 +555,11 @@ impl engine::Fence for SimFence {
         &self,
         status: &vmmigrate::api::VirtualMachineMigrationStatus,
     ) -> Result<(), vmmigrate::machine::Failure> {
+        if self.refuse {
+            self.refused.store(true, std::sync::atomic::Ordering::SeqCst);
+            self.world.set_fence_closed(true);
+            return Err(vmmigrate::machine::Failure::retryable(Reason::LostLease, "the fence refused"));
+        }
         self.world.written_ahead(&status.power_actions);
         *self.written.lock().expect("fence") = Some(status.clone());
         Ok(())
@@ -566,11 +592,12 @@ fn thousands_of_fault_and_crash_schedules_keep_every_invariant() {
     // Written straight to stderr so the summary shows in CI logs (libtest captures println!).
     let _ = writeln!(
         std::io::stderr(),
-        "machine simulation: {} schedules, {} reconciles, {} crashes ({:?} right after an action), {} failed actions, {} human retries; outcomes {:?}; {} failing",
+        "machine simulation: {} schedules, {} reconciles, {} crashes ({:?} right after an action), {} refused by the fence, {} failed actions, {} human retries; outcomes {:?}; {} failing",
         totals.schedules,
         totals.steps,
         totals.crashes,
         totals.crashes_after,
+        totals.refusals,
         totals.action_failures,
         totals.human_retries,
         totals.outcomes,

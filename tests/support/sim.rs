@@ -208,6 +208,9 @@ struct World {
     person_running: bool,
     /// sha256 of each disk when the source last went off.
     at_power_off: Vec<String>,
+    /// The controller's fence refused this step (a stale read, a deleted
+    /// migration, a lost lease): nothing irreversible or destructive may follow.
+    fence_closed: bool,
 }
 
 /// Where staged artifacts are written for the real staging server to serve
@@ -282,6 +285,7 @@ impl SimWorld {
                 asked: Vec::new(),
                 person_running: false,
                 at_power_off: Vec::new(),
+                fence_closed: false,
             }),
         })
     }
@@ -410,6 +414,11 @@ impl SimWorld {
         }
     }
 
+    /// Whether the controller's fence refused the current step.
+    pub fn set_fence_closed(&self, closed: bool) {
+        self.lock().fence_closed = closed;
+    }
+
     /// sha256 of each disk when the source last went off.
     pub fn at_power_off(&self) -> Vec<String> {
         self.lock().at_power_off.clone()
@@ -493,6 +502,13 @@ impl World {
         self.source_sha[disk] = sha_hex(&self.source_disks[disk]);
         if let Some(snapshot) = self.snapshot.as_mut() {
             snapshot.dirty[disk].insert(at);
+        }
+    }
+
+    /// An irreversible or destructive call: never after the fence refused.
+    fn behind_fence(&mut self, what: &str) {
+        if self.fence_closed {
+            self.ledger.violations.push(format!("{what} performed after the fence refused the step"));
         }
     }
 
@@ -612,6 +628,7 @@ impl EsxiHost for SimWorld {
         call!(self, "power.shutdown");
         let mut w = self.lock();
         w.ledger.shutdown_requests += 1;
+        w.behind_fence("power.shutdown");
         w.asked_for(vmmigrate::api::PowerActionKind::Shutdown, vmm);
         if w.faults.tools_not_running {
             return Err(Failure::needs_human(
@@ -632,6 +649,7 @@ impl EsxiHost for SimWorld {
         call!(self, "power.off");
         let mut w = self.lock();
         w.ledger.hard_power_offs += 1;
+        w.behind_fence("power.off");
         w.asked_for(vmmigrate::api::PowerActionKind::PowerOff, vmm);
         if w.power == SourcePowerState::PoweredOn {
             w.power = SourcePowerState::PoweredOff;
@@ -833,6 +851,7 @@ impl DiskStore for SimWorld {
     async fn discard_copy(&self, _vmm: &VirtualMachineMigration, disk: usize) -> Result<(), Failure> {
         call!(self, "discard copy");
         let mut w = self.lock();
+        w.behind_fence("discarding a copy");
         if let Some(copy) = w.copies.get_mut(disk) {
             *copy = LocalCopy::default();
         }
@@ -845,6 +864,7 @@ impl DiskStore for SimWorld {
     async fn remove_all(&self, _vmm: &VirtualMachineMigration) -> Result<(), Failure> {
         call!(self, "remove copies");
         let mut w = self.lock();
+        w.behind_fence("removing the copies");
         for copy in &mut w.copies {
             *copy = LocalCopy::default();
         }
@@ -1189,6 +1209,7 @@ impl Cluster for SimWorld {
     async fn delete_destination(&self, _vmm: &VirtualMachineMigration) -> Result<(), Failure> {
         call!(self, "delete destination");
         let mut w = self.lock();
+        w.behind_fence("deleting the destination");
         let disks: Vec<usize> = w.dvs.keys().copied().collect();
         for disk in disks {
             w.dvs.remove(&disk);
