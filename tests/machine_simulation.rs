@@ -127,6 +127,7 @@ fn scenario(seed: u64) -> Scenario {
     {
         let phases = [Phase::Preparing, Phase::Converting, Phase::Importing, Phase::CreatingVm];
         faults.person_powers_on_in = Some(phases[rng.below(4) as usize]);
+        faults.zombie_copy = 0.5;
         expect = Expect::HumanThenCompleted(Reason::SourcePoweredOnAgain);
     } else if mode != MigrationMode::Rehearsal
         && expect == Expect::Completed

@@ -224,6 +224,9 @@ pub struct SnapshotRecord {
     /// removed (the host or its credentials were gone): what stays, and why.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub left_on_source: Option<String>,
+    /// The epoch it was taken in: the base copies read from it carry it.
+    #[serde(default, skip_serializing_if = "is_zero_i32")]
+    pub epoch: i32,
 }
 
 /// One entry in the phase timeline.

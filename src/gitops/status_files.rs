@@ -638,6 +638,7 @@ mod tests {
             removing: Some(t("2025-03-01T10:05:00Z")),
             removed: Some(t("2025-03-01T10:05:00Z")),
             left_on_source: None,
+            epoch: 0,
         });
         status.validation_results = vec![crate::api::ValidationResult {
             name: "agent".into(),

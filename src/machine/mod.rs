@@ -714,7 +714,7 @@ fn preparing(ctx: &mut Ctx<'_>, observed: Observed, input: &Gating) {
     }
     // Observed off: copy every disk (in this epoch).
     let total = facts.copies.len();
-    let Some((done, progress)) = tally_copies(ctx, &facts.copies, true) else { return };
+    let Some((done, progress)) = tally_copies(ctx, &facts.copies) else { return };
     if done == total && total > 0 {
         ctx.status.disks = recorded_disks(ctx, &facts.copies);
         ctx.condition(
@@ -739,13 +739,13 @@ fn preparing(ctx: &mut Ctx<'_>, observed: Observed, input: &Gating) {
 /// Each disk's copy: starts or resumes what is missing and sums the
 /// progress; `(disks complete, progress)`, or `None` once a failed copy was
 /// recorded as the phase's failure.
-/// `in_epoch`: the copies must be of the current power-off epoch (cold);
-/// a copy of another is stale and is discarded, to be copied again.
-fn tally_copies(ctx: &mut Ctx<'_>, copies: &[CopyState], in_epoch: bool) -> Option<(usize, Progress)> {
+/// A copy of another epoch than the current one (or its snapshot's) is
+/// stale: discarded, to be copied again.
+fn tally_copies(ctx: &mut Ctx<'_>, copies: &[CopyState]) -> Option<(usize, Progress)> {
     let mut done = 0;
     let mut progress = Progress::default();
     for (disk, copy) in copies.iter().enumerate() {
-        if in_epoch && stale(ctx, copy) {
+        if stale(ctx, copy) {
             ctx.actions.push(Action::DiscardDiskCopy { disk });
             ctx.event(
                 EventType::Warning,

@@ -148,10 +148,13 @@ fn ask(ctx: &mut Ctx<'_>, kind: PowerActionKind) {
 /// ends. Every copy made in it, and every artifact and volume made from
 /// them, holds disks the source has moved past: all of it goes (a running
 /// destination is never touched: it is only started while the source is
-/// off). The power-off is forgotten, and a person is asked; the next
-/// power-off is a new epoch and everything is copied again.
+/// off). The power-off is forgotten, a new epoch begins, and a person is
+/// asked; the next power-off opens one more and everything is copied again.
 pub(super) fn end_epoch(ctx: &mut Ctx<'_>, seen: SourcePowerState) {
     let epoch = ctx.status.epoch;
+    // A new epoch begins: whatever a task of the old one still writes
+    // (another process's, a worker's) carries the old number and is stale.
+    ctx.status.epoch += 1;
     ctx.actions.push(Action::CleanupStaging);
     if ctx.status.phase >= Phase::Importing && ctx.status.phase.is_active() {
         ctx.actions.push(Action::DeleteDestination);
@@ -186,9 +189,11 @@ pub(super) fn end_epoch(ctx: &mut Ctx<'_>, seen: SourcePowerState) {
     ctx.fail(Phase::Preparing, powered_on_again());
 }
 
-/// A complete copy made in another epoch than the current one: stale.
+/// A complete copy made in another epoch than the current one (or, for a
+/// base copied from the migration's snapshot, than the snapshot's): stale.
 pub(super) fn stale(ctx: &Ctx<'_>, copy: &CopyState) -> bool {
-    matches!(copy, CopyState::Complete { epoch, .. } if *epoch != ctx.status.epoch)
+    let snapshot = ctx.status.snapshot.as_ref().map(|s| s.epoch);
+    matches!(copy, CopyState::Complete { epoch, .. } if *epoch != ctx.status.epoch && Some(*epoch) != snapshot)
 }
 
 /// At the cutover the source is read again: a source that is not what

@@ -43,7 +43,7 @@ pub(super) fn preparing(ctx: &mut Ctx<'_>, facts: &PreparingFacts) {
         let how = "its disks are copied; the VM keeps running";
         return finish_from_snapshot(ctx, facts, &name, &facts.copies, how, summary);
     }
-    let Some((done, progress)) = tally_copies(ctx, &facts.copies, false) else { return };
+    let Some((done, progress)) = tally_copies(ctx, &facts.copies) else { return };
     set_progress(ctx, progress);
     ctx.condition(
         condition::DISK_ACQUIRED,

@@ -57,7 +57,7 @@ pub(super) fn preparing(ctx: &mut Ctx<'_>, facts: &PreparingFacts, input: &Gatin
     // as the snapshot keeps them frozen. (Once the deltas are applied, a
     // base copy reads complete: it is the assembled disk.)
     let total = facts.copies.len();
-    let Some((done, progress)) = tally_copies(ctx, &facts.copies, false) else { return };
+    let Some((done, progress)) = tally_copies(ctx, &facts.copies) else { return };
     if done < total {
         set_progress(ctx, progress);
         ctx.condition(
@@ -223,6 +223,7 @@ pub(super) fn snapshot_taken(ctx: &mut Ctx<'_>, facts: &PreparingFacts, name: &s
                 removing: None,
                 removed: None,
                 left_on_source: None,
+                epoch: ctx.status.epoch,
             });
             let how = if facts.tools_running { "quiesced, " } else { "" };
             ctx.event(

@@ -42,6 +42,7 @@ use vmmigrate::destination::cluster::{
 };
 use vmmigrate::metrics::Metrics;
 
+mod interference;
 mod rehearsal;
 mod warm;
 mod worker_pods;
@@ -555,10 +556,29 @@ impl Migration {
     }
 
     /// The safety properties every migration must end with.
-    fn assert_source_off_and_untouched(&self) {
+    async fn assert_source_off_and_untouched(&self) {
         assert_eq!(self.emu.vm_power(self.vmid), "off");
         assert_eq!(self.emu.power_off_transitions(self.vmid), 1, "powered off exactly once");
         assert_eq!(self.source_sha256_now(), self.source_sha256_at_start(), "the source disks were written");
+        self.assert_power_calls_recorded().await;
+    }
+
+    /// Every power call the host saw (counted at the host, each call, not
+    /// each change) is one of `status.powerActions`, in order, and the
+    /// other way round.
+    async fn assert_power_calls_recorded(&self) {
+        let status = self.get().await.status.unwrap_or_default();
+        let recorded: Vec<String> = status
+            .power_actions
+            .iter()
+            .map(|r| match r.action {
+                vmmigrate::api::PowerActionKind::PowerOff => "off".to_owned(),
+                vmmigrate::api::PowerActionKind::Shutdown => "shutdown".to_owned(),
+            })
+            .collect();
+        let calls: Vec<String> =
+            self.emu.power_calls(self.vmid).into_iter().filter(|op| op != "on").collect();
+        assert_eq!(calls, recorded, "power calls at the host vs status.powerActions");
     }
 }
 
@@ -774,7 +794,7 @@ async fn two_disk_efi_vm_with_two_nics_migrates_to_completed_with_checksums_end_
 
     // Nothing staged or copied is left; the source is off and untouched.
     assert_eq!(m.leftovers(&uid), Vec::<PathBuf>::new());
-    m.assert_source_off_and_untouched();
+    m.assert_source_off_and_untouched().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -821,7 +841,7 @@ async fn an_efi_guest_with_two_disks_boots_on_real_kubevirt_from_the_copied_byte
     let iface = &guest.interfaces[0];
     assert!(iface["infoSource"].as_str().unwrap_or("").contains("guest-agent"), "{iface}");
     assert_eq!(iface["mac"], "00:0c:29:aa:bb:09", "the guest sees the source's MAC");
-    m.assert_source_off_and_untouched();
+    m.assert_source_off_and_untouched().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -868,7 +888,7 @@ async fn controller_killed_during_converting_and_importing_completes_with_one_jo
     // are the source's.
     assert!(status.disks.iter().all(|d| d.artifact_format.as_deref() == Some("qcow2")));
     assert_eq!(m.imported_sha256(2).await, m.source_sha256_at_start());
-    m.assert_source_off_and_untouched();
+    m.assert_source_off_and_untouched().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -925,7 +945,7 @@ async fn a_byte_flipped_in_a_staged_artifact_is_caught_retried_and_never_importe
     // Never imported: the only successful imports carry the source's bytes.
     assert_eq!(m.imported_sha256(2).await, m.source_sha256_at_start());
     assert_eq!(m.leftovers(&uid), Vec::<PathBuf>::new());
-    m.assert_source_off_and_untouched();
+    m.assert_source_off_and_untouched().await;
 }
 
 /// The controller's reconcile count (ok and error) from its metrics.
@@ -1054,7 +1074,7 @@ async fn a_bios_guest_boots_from_the_copied_bytes_on_real_kubevirt_and_its_own_p
     let iface = &guest.interfaces[0];
     assert!(iface["infoSource"].as_str().unwrap_or("").contains("guest-agent"), "{iface}");
     assert_eq!(iface["mac"], "00:0c:29:aa:bb:08", "the guest sees the source's MAC");
-    m.assert_source_off_and_untouched();
+    m.assert_source_off_and_untouched().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -1076,7 +1096,7 @@ async fn a_secure_boot_guest_boots_on_real_kubevirt_with_secure_boot_and_smm_thr
     assert!(guest.console.contains("vmmigrate-guest: booted firmware efi"), "console:\n{}", guest.console);
     assert!(guest.console.contains("vmmigrate-guest: secureboot on"), "console:\n{}", guest.console);
     assert!(guest.page.contains("secureboot: on"), "{}", guest.page);
-    m.assert_source_off_and_untouched();
+    m.assert_source_off_and_untouched().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -1206,7 +1226,7 @@ async fn with_a_cdi_that_cannot_check_checksums_each_import_is_read_back_and_com
     let seen = m.jobs_seen.lock().unwrap().clone();
     assert!(seen.len() >= 2, "a verify Job per disk: {seen:?}");
     assert_eq!(m.imported_sha256(2).await, source);
-    m.assert_source_off_and_untouched();
+    m.assert_source_off_and_untouched().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -1263,7 +1283,7 @@ async fn an_importer_refused_by_the_staging_server_restarts_in_cdi_until_the_con
     assert!(given_up.message.contains("401"), "the importer's own words: {}", given_up.message);
     assert!(m.staging.stats().unauthorized.load(Ordering::Relaxed) >= 3, "the staging server refused them");
     assert_eq!(m.imported_sha256(2).await, m.source_sha256_at_start());
-    m.assert_source_off_and_untouched();
+    m.assert_source_off_and_untouched().await;
 }
 
 /// Stands where the staging Service would during a rollout of the
@@ -1394,7 +1414,7 @@ async fn a_staging_server_unavailable_for_a_while_restarts_the_importers_and_the
     let served = m.staging.stats().bytes_served.load(Ordering::Relaxed);
     assert_eq!(served, total, "each artifact imported once");
     assert_eq!(m.imported_sha256(2).await, m.source_sha256_at_start());
-    m.assert_source_off_and_untouched();
+    m.assert_source_off_and_untouched().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -1429,7 +1449,7 @@ async fn an_import_whose_importer_never_starts_is_given_up_after_the_stall_timeo
     let status = vmm.status.unwrap();
     assert!(status.errors.iter().all(|e| e.reason == "ImportStalled"), "{:#?}", status.errors);
     assert_eq!(m.imported_sha256(2).await, m.source_sha256_at_start());
-    m.assert_source_off_and_untouched();
+    m.assert_source_off_and_untouched().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -1468,5 +1488,5 @@ async fn bytes_served_under_another_checksum_fail_in_cdis_own_check_and_the_copy
     // Only the copy's bytes were ever imported into the volumes that stay.
     assert_eq!(m.imported_sha256(2).await, m.source_sha256_at_start());
     assert_eq!(m.leftovers(&uid), Vec::<PathBuf>::new());
-    m.assert_source_off_and_untouched();
+    m.assert_source_off_and_untouched().await;
 }

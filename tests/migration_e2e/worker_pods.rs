@@ -182,7 +182,7 @@ async fn a_worker_pod_killed_mid_copy_resumes_in_a_new_pod_from_its_recorded_chu
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    m.assert_source_off_and_untouched();
+    m.assert_source_off_and_untouched().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

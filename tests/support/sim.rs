@@ -104,6 +104,10 @@ pub struct FaultPlan {
     /// A backup tool takes a snapshot of the source between its discovery
     /// and the cutover (while the migration prepares, before any power-off).
     pub backup_snapshot_before_cutover: bool,
+    /// Probability that removing every copy leaves a copy task of another
+    /// process running (a stale replica's, a worker pod's): it finishes
+    /// later, in the epoch it was started in.
+    pub zombie_copy: f64,
 }
 
 #[derive(Debug, Default)]
@@ -865,7 +869,15 @@ impl DiskStore for SimWorld {
         call!(self, "remove copies");
         let mut w = self.lock();
         w.behind_fence("removing the copies");
+        let zombie = w.faults.zombie_copy;
+        // (While the source runs again: the epoch ending under those tasks.)
+        let zombies = w.rng.chance(zombie) && w.power == SourcePowerState::PoweredOn;
         for copy in &mut w.copies {
+            if zombies && !copy.data.is_empty() {
+                // Another process's task goes on writing this copy.
+                copy.running = true;
+                continue;
+            }
             *copy = LocalCopy::default();
         }
         for artifact in &mut w.artifacts {

@@ -43,11 +43,11 @@ fn a_rehearsal_copies_from_its_snapshot_while_the_vm_runs_and_removes_it_once_co
 
     // Copied: no cutover, no power-off, the snapshot goes at once: the
     // decision recorded first, then the removal.
-    let d = run.step(facts(PoweredOn, vec![complete_copy()], Some("9")), t(3));
+    let d = run.step(facts(PoweredOn, vec![base_copy()], Some("9")), t(3));
     assert!(d.actions.is_empty(), "{:?}", d.actions);
     assert!(d.status.snapshot.as_ref().unwrap().removing.is_some());
     assert_eq!(d.requeue, Some(Duration::ZERO));
-    let d = run.step(facts(PoweredOn, vec![complete_copy()], Some("9")), t(3));
+    let d = run.step(facts(PoweredOn, vec![base_copy()], Some("9")), t(3));
     assert_eq!(d.actions, vec![Action::RemoveSnapshot]);
     assert_eq!(d.status.phase, Phase::Converting);
     assert!(d.status.snapshot.as_ref().unwrap().removed.is_some(), "the removal is logged");
@@ -81,7 +81,7 @@ fn a_rehearsal_never_asks_for_a_power_action_whatever_the_source_does() {
                 copies = vec![if i < 2 {
                     CopyState::InProgress { bytes_done: 1, bytes_total: 2 }
                 } else {
-                    complete_copy()
+                    base_copy()
                 }];
             }
             assert_eq!(run.status.phase, Phase::Converting, "{power:?} {policy:?}: no cutover gate holds it");
@@ -98,14 +98,13 @@ fn a_rehearsal_never_asks_for_a_power_action_whatever_the_source_does() {
 fn a_disk_read_again_after_the_removal_is_copied_with_every_other_from_a_new_snapshot() {
     let mut run = rehearsal_run(Phase::Preparing);
     run.step(facts(SourcePowerState::PoweredOn, vec![CopyState::Absent, CopyState::Absent], None), t(0));
-    let both = vec![complete_copy(), complete_copy()];
+    let both = vec![base_copy(), base_copy()];
     run.step(facts(SourcePowerState::PoweredOn, both.clone(), Some("9")), t(1));
     let d = run.step(facts(SourcePowerState::PoweredOn, both, Some("9")), t(1));
     assert_eq!(d.status.phase, Phase::Converting);
     // Converting found disk 1's copy corrupt, discarded it and came back.
     run.status.phase = Phase::Preparing;
-    let d =
-        run.step(facts(SourcePowerState::PoweredOn, vec![complete_copy(), CopyState::Absent], None), t(2));
+    let d = run.step(facts(SourcePowerState::PoweredOn, vec![base_copy(), CopyState::Absent], None), t(2));
     assert_eq!(d.actions, vec![Action::DiscardDiskCopy { disk: 0 }, Action::DiscardDiskCopy { disk: 1 }]);
     assert!(d.status.snapshot.is_none());
     let d =
@@ -117,9 +116,9 @@ fn a_disk_read_again_after_the_removal_is_copied_with_every_other_from_a_new_sna
 fn a_crash_after_the_removal_goes_on_without_calling_the_snapshot_foreign() {
     let mut run = rehearsal_run(Phase::Preparing);
     run.step(facts(SourcePowerState::PoweredOn, vec![CopyState::Absent], None), t(0));
-    run.step(facts(SourcePowerState::PoweredOn, vec![complete_copy()], Some("9")), t(4));
+    run.step(facts(SourcePowerState::PoweredOn, vec![base_copy()], Some("9")), t(4));
     // The removal ran, its status write did not: the decision was recorded before.
-    let d = run.decide_at(facts(SourcePowerState::PoweredOn, vec![complete_copy()], None), t(5));
+    let d = run.decide_at(facts(SourcePowerState::PoweredOn, vec![base_copy()], None), t(5));
     assert!(d.actions.is_empty(), "{:?}", d.actions);
     assert_eq!(d.status.phase, Phase::Converting);
 }
@@ -130,7 +129,7 @@ fn a_snapshot_removed_by_someone_else_as_the_last_copy_ends_is_not_taken_for_its
     run.step(facts(SourcePowerState::PoweredOn, vec![CopyState::Absent], None), t(0));
     run.step(facts(SourcePowerState::PoweredOn, vec![CopyState::Absent], Some("9")), t(1));
     // The copy read while the host consolidated the snapshot into that very file.
-    let d = run.step(facts(SourcePowerState::PoweredOn, vec![complete_copy()], None), t(5));
+    let d = run.step(facts(SourcePowerState::PoweredOn, vec![base_copy()], None), t(5));
     assert_eq!(d.status.phase, Phase::ManualInterventionRequired);
     assert_eq!(d.status.errors.last().unwrap().reason, Reason::SnapshotFailed);
     assert_eq!(d.actions, vec![Action::DiscardDiskCopy { disk: 0 }], "the copy does not vouch for anything");
@@ -235,4 +234,9 @@ fn snapshots_of_its_own_independent_and_raw_mapped_disks_are_refused_in_every_mo
             assert!(d.actions.is_empty(), "{mode:?} {reason}: nothing done to the source: {:?}", d.actions);
         }
     }
+}
+
+/// A base copied from the migration's snapshot, before any power-off (epoch 0).
+fn base_copy() -> CopyState {
+    CopyState::Complete { size: 1 << 20, sha256: "ab".repeat(32), verified_remotely: true, epoch: 0 }
 }

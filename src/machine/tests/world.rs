@@ -58,14 +58,20 @@ fn a_source_powered_on_after_the_power_off_ends_the_epoch_and_discards_every_cop
     assert_eq!(d.actions, vec![Action::CleanupStaging], "every copy of the epoch goes");
     assert_eq!(d.status.timestamps.source_powered_off, None, "the power-off is forgotten");
     assert!(d.status.disks.is_empty());
-    assert_eq!(d.status.epoch, 1, "the next power-off opens epoch 2");
+    assert_eq!(d.status.epoch, 2, "a new epoch begins: what the old one still writes is stale");
     // The person powers it off and retries: through the queue, a new epoch, everything copied again.
     let d = run.decide_full(Observed::Nothing, t(10), true);
     assert_eq!(d.status.phase, Phase::Validated);
     run.status = d.status;
     run.status.phase = Phase::Preparing;
-    let d = run.step(preparing(SourcePowerState::PoweredOff, vec![CopyState::Absent]), t(11));
-    assert_eq!(d.status.epoch, 2);
+    let d = run.step(preparing(SourcePowerState::PoweredOff, vec![complete_copy()]), t(11));
+    assert_eq!(d.status.epoch, 3, "the next power-off opens one more");
+    assert_eq!(
+        d.actions,
+        vec![Action::DiscardDiskCopy { disk: 0 }],
+        "a copy the old epoch finished is stale"
+    );
+    let d = run.step(preparing(SourcePowerState::PoweredOff, vec![CopyState::Absent]), t(12));
     assert_eq!(d.actions, vec![Action::StartDiskCopy { disk: 0 }]);
 }
 

@@ -355,6 +355,29 @@ impl EsxiEmulator {
         calls
     }
 
+    /// The power actions asked of `vmid` through vim-cmd, in order
+    /// (`power.off`, `power.shutdown`, `power.on`): every call counts,
+    /// whether or not it changed the power state.
+    pub fn power_calls(&self, vmid: &str) -> Vec<String> {
+        self.vimcmd_invocations()
+            .into_iter()
+            .filter(|argv| argv.get(1).map(String::as_str) == Some(vmid))
+            .filter_map(|argv| argv.first()?.strip_prefix("vmsvc/power.").map(str::to_owned))
+            .filter(|op| op != "getstate")
+            .collect()
+    }
+
+    /// Runs `vim-cmd` with `args` on the host over SSH, as a person at the
+    /// host's shell (or a backup tool) would; returns what it printed.
+    pub fn vim_cmd_by_hand(&self, args: &[&str]) -> anyhow::Result<String> {
+        let quoted: Vec<String> = args.iter().map(|a| format!("'{}'", a.replace('\'', "'\\''"))).collect();
+        let mut cmd = self.ssh_command();
+        cmd.arg(format!("vim-cmd {}", quoted.join(" ")));
+        let out = cmd.output()?;
+        anyhow::ensure!(out.status.success(), "vim-cmd {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    }
+
     /// Every read of a disk extent through `dd` or `cat`, in order.
     pub fn disk_reads(&self) -> Vec<DiskRead> {
         let text = fs::read_to_string(self.root.join("var/log/esxi-emu/reads.log")).unwrap_or_default();

@@ -1,0 +1,101 @@
+//! What people and tools around a migration do to its source, against the
+//! real parts: the ESXi emulator (a real sshd, vim-cmd over SSH), the real
+//! controller and real CDI. A person powers the source on again after its
+//! copies completed and writes to its disks; a backup tool snapshots it
+//! while its cutover waits for an approval.
+
+use super::*;
+
+/// Writes `len` bytes of a new pattern at the start of every disk of `vmid`,
+/// as the guest of a running VM would.
+fn guest_writes_at_start(emu: &EsxiEmulator, vmid: &str, len: usize) {
+    use std::os::unix::fs::FileExt;
+    for (i, (_, path, _, size)) in emu.disk_files(vmid).iter().enumerate() {
+        let n = len.min(*size as usize);
+        let data: Vec<u8> = (0..n).map(|b| (b as u8).wrapping_mul(7).wrapping_add(i as u8 + 1)).collect();
+        let file = std::fs::OpenOptions::new().write(true).open(path).expect("the disk file");
+        file.write_all_at(&data, 0).expect("the guest writes");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_source_powered_on_by_a_person_after_its_copies_completed_is_copied_again_from_its_disks_at_the_last_power_off()
+ {
+    let m = Migration::new("e2e-poweron").await;
+    // The imports wait: the migration is caught after its copies completed.
+    m.hold_importer_pods().await;
+    m.create(|body| {
+        body["spec"]["validation"] = json!({ "checks": [{ "name": "agent", "guestAgent": {} }] })
+    })
+    .await;
+    let vmm = m.wait_for("Importing", |v| phase_of(v) == Phase::Importing).await;
+    let uid = vmm.uid().unwrap();
+    let first = vmm.status.clone().unwrap();
+    assert_eq!(first.epoch, 1);
+    let at_start = m.source_sha256_at_start();
+
+    // A person powers the VM on at the host; its guest writes 4 MiB at the
+    // start of both disks.
+    m.emu.vim_cmd_by_hand(&["vmsvc/power.on", m.vmid]).expect("power.on");
+    guest_writes_at_start(&m.emu, m.vmid, 4 << 20);
+    let stopped =
+        m.wait_until_stopped(|v| phase_of(v) == Phase::ManualInterventionRequired).await.status.unwrap();
+    assert_eq!(stopped.errors.last().unwrap().reason, "SourcePoweredOnAgain", "{:#?}", stopped.errors);
+    assert!(stopped.timestamps.source_powered_off.is_none(), "the power-off is forgotten");
+    assert!(stopped.disks.is_empty(), "the copies' evidence is gone with them");
+    assert_eq!(m.leftovers(&uid), Vec::<PathBuf>::new(), "every copy and artifact of the epoch is discarded");
+    let deadline = Instant::now() + WAIT;
+    while !m.list(&data_volume_resource()).await.is_empty() {
+        assert!(Instant::now() < deadline, "the DataVolumes made from the stale copies are never deleted");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(
+        m.list(&virtual_machine_resource()).await.is_empty(),
+        "no destination VM beside the running source"
+    );
+
+    // The person powers it off again and retries: a new epoch, copied again.
+    m.emu.set_power(m.vmid, false);
+    let at_last_power_off = m.source_sha256_now();
+    assert_ne!(at_last_power_off, at_start, "the guest's writes changed the disks");
+    let retry = json!({"metadata": {"annotations": {vmmigrate::api::RETRY_ANNOTATION: "true"}}});
+    m.api.patch(m.vm, &kube::api::PatchParams::default(), &kube::api::Patch::Merge(&retry)).await.unwrap();
+    m.release_importer_pods().await;
+    let done = m.wait_completed().await.status.unwrap();
+    assert_eq!(done.epoch, 3, "the run ended epoch 1 (2), the second power-off opened 3");
+    let recorded: Vec<String> = done.disks.iter().map(|d| d.source_sha256.clone().unwrap()).collect();
+    assert_eq!(recorded, at_last_power_off, "recorded: the disks at the last power-off");
+    assert!(done.disks.iter().all(|d| d.epoch == 3), "copied in the new epoch");
+    assert_eq!(m.imported_sha256(2).await, at_last_power_off, "imported: the disks at the last power-off");
+    assert_eq!(m.source_sha256_now(), at_last_power_off, "vmmigrate never wrote the source");
+    m.assert_power_calls_recorded().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_snapshot_taken_by_a_backup_tool_while_the_cutover_waits_for_approval_stops_it_before_any_power_action()
+ {
+    let m = Migration::new("e2e-backup").await;
+    m.create(|body| {
+        body["spec"]["cutover"] = json!({ "mode": "Approval" });
+    })
+    .await;
+    m.wait_for("waiting for the approval", |v| {
+        v.status.as_ref().and_then(|s| s.waiting.as_ref()).is_some_and(|w| w.reason == "WaitingForApproval")
+    })
+    .await;
+    // The nightly backup: a snapshot of the source, over SSH like any tool.
+    m.emu
+        .vim_cmd_by_hand(&["vmsvc/snapshot.create", m.vmid, "backup-nightly", "", "0", "0"])
+        .expect("snapshot");
+    let approve = json!({"metadata": {"annotations": {vmmigrate::api::APPROVE_CUTOVER_ANNOTATION: "true"}}});
+    m.api.patch(m.vm, &kube::api::PatchParams::default(), &kube::api::Patch::Merge(&approve)).await.unwrap();
+    let status =
+        m.wait_until_stopped(|v| phase_of(v) == Phase::ManualInterventionRequired).await.status.unwrap();
+    let error = status.errors.last().unwrap();
+    assert_eq!(error.reason, "SourceChangedSinceDiscovery", "{:#?}", status.errors);
+    assert!(error.message.contains("snapshots"), "{}", error.message);
+    assert!(m.emu.power_calls(m.vmid).is_empty(), "nothing was asked of the source's power");
+    assert!(status.power_actions.is_empty());
+    assert_eq!(m.emu.vm_power(m.vmid), "on", "the source still runs");
+    assert_eq!(m.source_sha256_now(), m.source_sha256_at_start());
+}
