@@ -156,3 +156,51 @@ async fn kubevirt_simulator_reports_macs_ip_and_agent_and_can_fail_scheduling() 
         other => panic!("the controller does not see an unschedulable VMI: {other:?}"),
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kubevirt_simulator_keeps_a_vmi_pending_until_its_data_volumes_succeed_as_virt_controller_does() {
+    let client = KubeEnv::shared().client().await;
+    let ns = test_namespace(&client, "sim-dvwait").await;
+    let _sims = kubevirt_sim::start(client.clone(), &ns);
+    let vms: Api<DynamicObject> = Api::namespaced_with(client.clone(), &ns, &virtual_machine_resource());
+    let vmis: Api<DynamicObject> =
+        Api::namespaced_with(client.clone(), &ns, &virtual_machine_instance_resource());
+    // The VM names a DataVolume that has not been imported (here: not even made).
+    let vm: DynamicObject = serde_json::from_value(json!({
+        "apiVersion": "kubevirt.io/v1", "kind": "VirtualMachine",
+        "metadata": {"name": "web-02", "namespace": ns},
+        "spec": {
+            "runStrategy": "Always",
+            "template": {
+                "metadata": {"labels": {"kubevirt.io/domain": "web-02"}},
+                "spec": {
+                    "domain": {"devices": {"disks": [{"name": "disk-0", "disk": {"bus": "virtio"}}]}},
+                    "volumes": [{"name": "disk-0", "dataVolume": {"name": "web-02-disk-0"}}],
+                }
+            }
+        }
+    }))
+    .unwrap();
+    vms.create(&PostParams::default(), &vm).await.unwrap();
+    let vmi = wait_for("a VMI waiting for its volumes", async || {
+        vmis.get_opt("web-02").await.ok().flatten().filter(|v| !v.data["status"]["phase"].is_null())
+    })
+    .await;
+    assert_eq!(vmi.data["status"]["phase"], "Pending", "never scheduled before its DataVolumes: {vmi:?}");
+    let ready = condition(&vmi.data, "DataVolumesReady");
+    assert_eq!((ready["status"].as_str(), ready["reason"].as_str()), (Some("False"), Some("NotReady")));
+    let vm = wait_for("the VM Provisioning", async || {
+        vms.get_opt("web-02")
+            .await
+            .ok()
+            .flatten()
+            .filter(|v| v.data["status"]["printableStatus"] == "Provisioning")
+    })
+    .await;
+    assert_eq!(vm.data["status"]["ready"], false);
+    // A controller asking for the start sees it as KubeVirt would show it.
+    let mut migration = migration(&ns);
+    migration.spec.destination.name = Some("web-02".into());
+    let facts = KubeCluster::new(client.clone(), &ns).starting(&migration).await.expect("starting");
+    assert!(matches!(facts.vmi, VmiState::Waiting { .. }), "{:?}", facts.vmi);
+}

@@ -10,7 +10,11 @@
 //! interface per template interface (name, MAC, the IP on the first, with
 //! `infoSource: domain, guest-agent` as virt-handler merges them) and, while
 //! the guest agent is "connected", `AgentConnected` and `guestOSInfo`; it
-//! deletes the VMI when the VM is Halted. An unschedulable VMI looks like
+//! deletes the VMI when the VM is Halted. As virt-controller does, a VMI
+//! whose `dataVolume` volumes are not all `Succeeded` stays `Pending` with
+//! `DataVolumesReady=False` (its VM `Provisioning`) and is scheduled only
+//! once they are: a controller that starts a VM before its imports end sees
+//! what it would see on real KubeVirt. An unschedulable VMI looks like
 //! KubeVirt shows one: phase `Scheduling` with `PodScheduled=False`, reason
 //! `Unschedulable`.
 //!
@@ -42,6 +46,35 @@ fn virtual_machine_resource() -> kube::api::ApiResource {
 }
 fn virtual_machine_instance_resource() -> kube::api::ApiResource {
     resource("kubevirt.io", "v1", "VirtualMachineInstance", "virtualmachineinstances")
+}
+fn data_volume_resource() -> kube::api::ApiResource {
+    resource("cdi.kubevirt.io", "v1beta1", "DataVolume", "datavolumes")
+}
+
+/// Whether every `dataVolume` volume of the VMI spec `spec` has succeeded
+/// (virt-controller's `DataVolumesReady`).
+async fn data_volumes_ready(dvs: &Api<DynamicObject>, spec: &Value) -> bool {
+    let names: Vec<&str> = spec["volumes"]
+        .as_array()
+        .map(|vs| vs.iter().filter_map(|v| v["dataVolume"]["name"].as_str()).collect())
+        .unwrap_or_default();
+    for name in names {
+        match dvs.get_opt(name).await {
+            Ok(Some(dv)) if dv.data["status"]["phase"] == "Succeeded" => {}
+            _ => return false,
+        }
+    }
+    true
+}
+
+fn waiting_for_volumes() -> Value {
+    json!({
+        "phase": "Pending",
+        "conditions": [{
+            "type": "DataVolumesReady", "status": "False", "reason": "NotReady",
+            "message": "Not all of the VMI's DVs are ready", "lastProbeTime": null, "lastTransitionTime": now(),
+        }],
+    })
 }
 
 const POLL: Duration = Duration::from_millis(100);
@@ -129,11 +162,12 @@ async fn kubevirt_loop(client: Client, namespace: String, control: Arc<SimContro
     let vms: Api<DynamicObject> =
         Api::namespaced_with(client.clone(), &namespace, &virtual_machine_resource());
     let vmis: Api<DynamicObject> =
-        Api::namespaced_with(client, &namespace, &virtual_machine_instance_resource());
+        Api::namespaced_with(client.clone(), &namespace, &virtual_machine_instance_resource());
+    let dvs: Api<DynamicObject> = Api::namespaced_with(client, &namespace, &data_volume_resource());
     loop {
         if let Ok(list) = vms.list(&ListParams::default()).await {
             for vm in list {
-                sync_vm(&vms, &vmis, &vm, &control.kubevirt).await;
+                sync_vm(&vms, &vmis, &dvs, &vm, &control.kubevirt).await;
             }
         }
         tokio::time::sleep(POLL).await;
@@ -143,6 +177,7 @@ async fn kubevirt_loop(client: Client, namespace: String, control: Arc<SimContro
 async fn sync_vm(
     vms: &Api<DynamicObject>,
     vmis: &Api<DynamicObject>,
+    dvs: &Api<DynamicObject>,
     vm: &DynamicObject,
     kv: &KubeVirtControl,
 ) {
@@ -172,6 +207,11 @@ async fn sync_vm(
             if let Err(e) = vmis.create(&PostParams::default(), &obj).await {
                 // Seen again next poll; a test that waits says what was wrong.
                 eprintln!("kubevirt simulator: creating VMI {name}: {e}");
+                return;
+            }
+            if !data_volumes_ready(dvs, &vm.data["spec"]["template"]["spec"]).await {
+                set_status(vmis, &name, waiting_for_volumes()).await;
+                set_vm_status(vms, vm, "Provisioning", false).await;
                 return;
             }
             let unschedulable = kv
@@ -204,6 +244,11 @@ async fn sync_vm(
                 cs.iter().any(|c| c["type"] == "PodScheduled" && c["reason"] == "Unschedulable")
             });
             match status["phase"].as_str() {
+                // Its volumes became ready: the launcher pod is scheduled.
+                Some("Pending") if data_volumes_ready(dvs, &vmi.data["spec"]).await => {
+                    set_status(vmis, &name, json!({"phase": "Scheduling"})).await;
+                    set_vm_status(vms, vm, "Starting", false).await;
+                }
                 Some("Scheduling") if !unschedulable => {
                     set_status(vmis, &name, running_status(&vmi, kv)).await;
                     set_vm_status(vms, vm, "Running", true).await;
