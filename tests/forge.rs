@@ -77,6 +77,7 @@ async fn a_human_comment_quoting_the_marker_is_not_edited() {
         assert_eq!(comments.len(), 2, "{dialect:?}: {comments:#?}");
         let alice = comments.iter().find(|c| c.id == human).unwrap();
         assert_eq!((alice.body.as_str(), alice.edits), (quote.as_str(), 0), "{dialect:?}");
+        assert_eq!(alice.refused_edits, 0, "{dialect:?}: the client tried to edit a human's comment");
         let bot = comments.iter().find(|c| c.id == ours).unwrap();
         assert_eq!((bot.author.as_str(), bot.body.clone()), (BOT_LOGIN, plan("second")));
         // The login is asked once per client.

@@ -697,6 +697,7 @@ async fn one_pull_requests_failed_comment_does_not_stop_the_others_and_plans_sho
     let comments = forge.comments(41);
     let mallory = comments.iter().find(|c| c.id == planted).unwrap();
     assert_eq!((mallory.edits, mallory.body.as_str()), (0, "<!-- vmmigrate:plan --> all good, merge it"));
+    assert_eq!(mallory.refused_edits, 0, "the client tried to edit another author's comment");
     assert!(comments.iter().any(|c| c.author == BOT_LOGIN && c.body.contains(&b2)));
 
     // Another team's migration of the same name (created with kubectl) is not shown to the PR.

@@ -631,14 +631,15 @@ async fn candidates_racing_for_a_new_lease_elect_exactly_one() {
     }
 }
 
-/// `name{labels} value` of a Prometheus scrape of `127.0.0.1:port`, 0 when absent.
+/// `name{labels} value` of a Prometheus scrape of `127.0.0.1:port`; `None`
+/// when the server does not answer or the series is absent (an absent gauge
+/// is not a 0).
 async fn scrape(port: u16, series: &str) -> Option<f64> {
     use tokio::io::AsyncWriteExt;
     let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port)).await.ok()?;
     stream.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n").await.ok()?;
     let reply = crate::support::read_answer(&mut stream, std::time::Duration::from_secs(10)).await?;
-    let value = reply.lines().find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok());
-    Some(value.unwrap_or(0.0))
+    reply.lines().find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
 }
 
 /// A `vmmigrate run --leader-elect` process, killed when dropped.
@@ -674,6 +675,7 @@ impl RunProcess {
     }
 
     async fn fetches(&self) -> f64 {
+        // A labelled counter shows only once it was first counted: absent is none yet.
         scrape(self.metrics_port, r#"vmmigrate_git_fetch_total{result="ok"}"#).await.unwrap_or(0.0)
     }
 }

@@ -18,8 +18,10 @@
 //!   status descriptions over 140 characters and unknown states get 422.
 //!
 //! Differences on purpose: comment authors are whatever the test seeds
-//! (created comments belong to [`BOT_LOGIN`]), any user may edit any comment
-//! (so a test proves the client chose not to), and a 401 body echoes the
+//! (created comments belong to [`BOT_LOGIN`]); an edit of another author's
+//! comment is refused with 403, as both forges answer, and counted
+//! ([`FakeComment::refused_edits`]) so that a test proves the client never
+//! tried; and a 401 body echoes the
 //! credential it was offered, as a careless proxy might, so clients'
 //! redaction of the token is exercised. Real Gitea does not paginate an
 //! issue's comments (it sends all of them); this one does, which is the
@@ -93,6 +95,8 @@ pub struct FakeComment {
     pub body: String,
     /// How many times a PATCH changed it.
     pub edits: u32,
+    /// How many PATCHes of it were refused (403: not its author).
+    pub refused_edits: u32,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -180,7 +184,14 @@ impl FakeForge {
         let mut state = self.lock();
         let id = state.next_comment_id;
         state.next_comment_id += 1;
-        state.comments.push(FakeComment { id, issue, author: author.into(), body: body.into(), edits: 0 });
+        state.comments.push(FakeComment {
+            id,
+            issue,
+            author: author.into(),
+            body: body.into(),
+            edits: 0,
+            refused_edits: 0,
+        });
         id
     }
 
@@ -423,7 +434,8 @@ fn handle(request: Request, addr: SocketAddr, state: &Mutex<State>) -> Response 
             };
             let id = state.next_comment_id;
             state.next_comment_id += 1;
-            let comment = FakeComment { id, issue, author: BOT_LOGIN.into(), body, edits: 0 };
+            let comment =
+                FakeComment { id, issue, author: BOT_LOGIN.into(), body, edits: 0, refused_edits: 0 };
             let answer = comment_json(&comment);
             state.comments.push(comment);
             Response::json(201, answer)
@@ -438,6 +450,7 @@ fn handle(request: Request, addr: SocketAddr, state: &Mutex<State>) -> Response 
                 Some(comment) if refused.contains(&comment.issue) => Response::message(502, "Bad Gateway"),
                 // As GitHub and Gitea answer: only its author edits a comment.
                 Some(comment) if comment.author != BOT_LOGIN => {
+                    comment.refused_edits += 1;
                     Response::message(403, "Resource not accessible by integration")
                 }
                 Some(comment) => {
