@@ -359,3 +359,38 @@ async fn deleting_a_migration_mid_way_runs_cleanup_and_removes_the_finalizer() {
     assert!(!leftovers, "copied and staged data removed");
     assert_eq!(h.world.source_sha(), h.world.recorded_source_sha(), "the source was not touched");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deleted_warm_migration_whose_host_cannot_be_reached_lets_go_and_says_which_snapshot_it_left() {
+    let h = Harness::new("e2e-leftsnap", FaultPlan { hold_copies: true, ..FaultPlan::default() }).await;
+    h.create(|m| m["spec"]["mode"] = json!("Warm")).await;
+    h.wait_for("the snapshot taken and the bases copying", |v| {
+        v.status.as_ref().and_then(|s| s.snapshot.as_ref()).is_some_and(|s| s.id.is_some())
+    })
+    .await;
+    // The namespace is being deleted: the ESXi Secret went first.
+    h.world.lose_credentials();
+    h.api.delete("web-01", &DeleteParams::default()).await.unwrap();
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while h.api.get_opt("web-01").await.unwrap().is_some() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the finalizer held the migration (and its namespace)"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(h.world.snapshot_left().as_deref(), Some("vmmigrate-web-01"), "it could not be removed");
+    let events: Api<k8s_openapi::api::events::v1::Event> = Api::namespaced(h.client.clone(), &h.ns);
+    let deadline = tokio::time::Instant::now() + WAIT;
+    let note = loop {
+        let list = events.list(&ListParams::default()).await.unwrap();
+        if let Some(e) = list.items.iter().find(|e| e.reason.as_deref() == Some("SnapshotLeftOnSource")) {
+            break e.note.clone().unwrap_or_default();
+        }
+        assert!(tokio::time::Instant::now() < deadline, "no SnapshotLeftOnSource Event");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    for what in ["vmmigrate-web-01", "esxi01", "vmid 7"] {
+        assert!(note.contains(what), "the Event names {what}: {note}");
+    }
+}

@@ -110,6 +110,14 @@ pub struct FaultPlan {
     pub zombie_copy: f64,
 }
 
+impl SimWorld {
+    /// The ESXi credentials are gone for good (the namespace's deletion
+    /// took the Secret): every call to the host fails and needs a person.
+    pub fn lose_credentials(&self) {
+        self.lock().credentials_gone = true;
+    }
+}
+
 #[derive(Debug, Default)]
 struct LocalCopy {
     data: Vec<u8>,
@@ -215,6 +223,8 @@ struct World {
     /// The controller's fence refused this step (a stale read, a deleted
     /// migration, a lost lease): nothing irreversible or destructive may follow.
     fence_closed: bool,
+    /// The host cannot be reached for good (see `lose_credentials`).
+    credentials_gone: bool,
 }
 
 /// Where staged artifacts are written for the real staging server to serve
@@ -290,6 +300,7 @@ impl SimWorld {
                 person_running: false,
                 at_power_off: Vec::new(),
                 fence_closed: false,
+                credentials_gone: false,
             }),
         })
     }
@@ -698,6 +709,12 @@ impl EsxiHost for SimWorld {
     async fn remove_snapshot(&self, _vmm: &VirtualMachineMigration, name: &str) -> Result<(), Failure> {
         call!(self, "snapshot.remove");
         let mut w = self.lock();
+        if w.credentials_gone {
+            return Err(Failure::needs_human(
+                Reason::CredentialsSecretMissing,
+                "secret \"esxi-credentials\" not found",
+            ));
+        }
         if w.snapshot.as_ref().is_some_and(|s| s.name == name) {
             // Consolidated: the disks keep what the guest wrote since.
             w.snapshot = None;
