@@ -892,7 +892,8 @@ async fn controller_killed_during_converting_and_importing_completes_with_one_jo
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_byte_flipped_in_a_staged_artifact_is_caught_retried_and_never_imported() {
+async fn a_byte_flipped_in_a_staged_artifact_is_caught_retried_and_only_the_source_bytes_end_in_the_volumes()
+{
     let m = Migration::new("e2e-flip").await;
     m.hold_importer_pods().await;
     m.create(|body| {

@@ -48,7 +48,12 @@ async fn warm_migration_of_a_changing_vm(format: DeltaFormat, delta_suffix: &str
     assert!(status.disks.iter().all(|d| d.source_verified_remotely == Some(true)));
     assert_eq!(m.imported_sha256(2).await, now, "the imported bytes");
 
-    // After the power-off only the deltas traveled.
+    // After the power-off only the deltas traveled: no base extent was read again.
+    let after: Vec<String> = m.emu.disk_reads_after_power_off(m.vmid).into_iter().map(|r| r.path).collect();
+    assert!(
+        !after.is_empty() && after.iter().all(|p| p.ends_with(delta_suffix)),
+        "read after the power-off: {after:?}"
+    );
     let reads = m.emu.disk_reads();
     let delta_bytes: u64 = reads.iter().filter(|r| r.path.ends_with(delta_suffix)).map(|r| r.delivered).sum();
     let total: u64 = m.emu.disk_files(m.vmid).iter().map(|d| d.3).sum();

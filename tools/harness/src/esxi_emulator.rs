@@ -381,6 +381,20 @@ impl EsxiEmulator {
     /// Every read of a disk extent through `dd` or `cat`, in order.
     pub fn disk_reads(&self) -> Vec<DiskRead> {
         let text = fs::read_to_string(self.root.join("var/log/esxi-emu/reads.log")).unwrap_or_default();
+        Self::parse_reads(&text)
+    }
+
+    /// The reads of disk extents logged after `vmid`'s last power-off
+    /// through vim-cmd (`power.off`, or a completed `power.shutdown`).
+    pub fn disk_reads_after_power_off(&self, vmid: &str) -> Vec<DiskRead> {
+        let text = fs::read_to_string(self.root.join("var/log/esxi-emu/reads.log")).unwrap_or_default();
+        let marker = format!("power-off\t{vmid}");
+        let lines: Vec<&str> = text.lines().collect();
+        let after = lines.iter().rposition(|l| *l == marker).map_or(0, |i| i + 1);
+        Self::parse_reads(&lines[after..].join("\n"))
+    }
+
+    fn parse_reads(text: &str) -> Vec<DiskRead> {
         text.lines()
             .filter_map(|line| {
                 let f: Vec<&str> = line.split('\t').collect();
