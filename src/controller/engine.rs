@@ -240,8 +240,10 @@ async fn observe_source(
     vmm: &VirtualMachineMigration,
 ) -> Option<Result<crate::api::SourcePowerState, Failure>> {
     let status = vmm.status.as_ref()?;
+    // In Starting only until the destination was asked to run (then it is the user's VM).
+    let starting = status.phase == Phase::Starting && status.timestamps.start_requested.is_none();
     let watched =
-        matches!(status.phase, Phase::Converting | Phase::Importing | Phase::CreatingVm | Phase::Starting);
+        matches!(status.phase, Phase::Converting | Phase::Importing | Phase::CreatingVm) || starting;
     if !watched || !vmm.spec.mode.may_power_off() || status.timestamps.source_powered_off.is_none() {
         return None;
     }

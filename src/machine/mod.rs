@@ -1061,7 +1061,8 @@ fn starting(ctx: &mut Ctx<'_>, observed: Observed, source: Option<&Result<Source
     };
     // The destination starts only while the source is seen off; once asked
     // to run it is the user's VM and never stopped by vmmigrate.
-    if !facts.run_strategy_set && !source_seen_off(ctx, Phase::Starting, source) {
+    let asked = ctx.status.timestamps.start_requested.is_some();
+    if !facts.run_strategy_set && !asked && !source_seen_off(ctx, Phase::Starting, source) {
         return;
     }
     if ctx.status.timestamps.start_requested.is_none() {
