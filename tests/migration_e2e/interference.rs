@@ -61,6 +61,7 @@ async fn a_source_powered_on_by_a_person_after_its_copies_completed_is_copied_ag
     let retry = json!({"metadata": {"annotations": {vmmigrate::api::RETRY_ANNOTATION: "true"}}});
     m.api.patch(m.vm, &kube::api::PatchParams::default(), &kube::api::Patch::Merge(&retry)).await.unwrap();
     m.release_importer_pods().await;
+    m.wait_until_stopped(|v| phase_of(v) != Phase::ManualInterventionRequired).await;
     let done = m.wait_completed().await.status.unwrap();
     assert_eq!(done.epoch, 3, "the run ended epoch 1 (2), the second power-off opened 3");
     let recorded: Vec<String> = done.disks.iter().map(|d| d.source_sha256.clone().unwrap()).collect();
