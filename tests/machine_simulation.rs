@@ -49,6 +49,8 @@ struct Scenario {
     on_failure: CleanupAction,
     crash_rate: f64,
     expect: Expect,
+    /// Each reconcile runs on a replica whose clock runs up to 15 minutes ahead.
+    clock_ahead: bool,
 }
 
 fn scenario(seed: u64) -> Scenario {
@@ -73,12 +75,20 @@ fn scenario(seed: u64) -> Scenario {
     ];
     let mut policy = policies[rng.below(3) as usize];
     let mut retry_limit = 60;
+    let mut clock_ahead = rng.chance(0.2);
     let mut expect = Expect::Completed;
     match rng.below(10) {
-        0 => {
+        0 if rng.chance(0.5) => {
             faults.guest_ignores_shutdown = true;
             policy = PowerOffPolicy::GracefulOnly;
             expect = Expect::HumanThenCompleted(Reason::GuestShutdownTimeout);
+        }
+        0 => {
+            // The guest ignores the shutdown and the policy forces after the
+            // timeout, while replicas whose clocks run ahead take turns.
+            faults.guest_ignores_shutdown = true;
+            policy = PowerOffPolicy::GracefulThenForce;
+            clock_ahead = true;
         }
         1 => {
             faults.tools_not_running = true;
@@ -152,7 +162,17 @@ fn scenario(seed: u64) -> Scenario {
     // once they left Validated: the recorded mode must win.
     let mode_edited_to = (mode == MigrationMode::Rehearsal && rng.chance(0.5))
         .then(|| if rng.chance(0.5) { MigrationMode::Cold } else { MigrationMode::Warm });
-    Scenario { mode, mode_edited_to, faults, policy, retry_limit, on_failure, crash_rate, expect }
+    Scenario {
+        mode,
+        mode_edited_to,
+        faults,
+        policy,
+        retry_limit,
+        on_failure,
+        crash_rate,
+        expect,
+        clock_ahead,
+    }
 }
 
 fn migration(s: &Scenario) -> VirtualMachineMigration {
@@ -212,6 +232,10 @@ fn run_schedule(seed: u64, rt: &tokio::runtime::Runtime, totals: &mut Totals) ->
     let mut powered_off_at = None;
     let mut left_pending = false;
     let mut seen_human = Vec::new();
+    // When the last guest shutdown was asked, and when each recorded
+    // request was first seen, on the true clock.
+    let mut shutdown_asked_at: Option<Timestamp> = None;
+    let mut shutdown_seen: BTreeMap<String, Timestamp> = BTreeMap::new();
 
     for _ in 0..MAX_STEPS {
         let status = vmm.status.clone().unwrap_or_default();
@@ -265,14 +289,21 @@ fn run_schedule(seed: u64, rt: &tokio::runtime::Runtime, totals: &mut Totals) ->
             refused: Default::default(),
         };
         let mut crash_rng = SplitMix(rng.next_u64());
+        // A replica whose clock runs ahead stamps and judges by its clock,
+        // but measures how long it has seen a shutdown request on its own.
+        let skew = if sc.clock_ahead { rng.below(900) as i64 } else { 0 };
+        let seen_for = status.timestamps.shutdown_requested.as_ref().map(|t| {
+            let first = *shutdown_seen.entry(t.0.to_string()).or_insert(now);
+            Duration::from_secs(now.duration_since(first).as_secs().max(0) as u64)
+        });
         let input = StepInput {
-            now,
+            now: now + SignedDuration::from_secs(skew),
             jitter: rng.unit(),
             retry_requested: vmm.annotations().get(RETRY_ANNOTATION).is_some_and(|v| v == "true"),
             destinations: &DestinationRules::default(),
             cutover_approved: false,
             fleet: Default::default(),
-            shutdown_seen_for: None,
+            shutdown_seen_for: seen_for,
             orphan_hold: false,
             fence: &fence,
         };
@@ -340,6 +371,22 @@ fn run_schedule(seed: u64, rt: &tokio::runtime::Runtime, totals: &mut Totals) ->
             }
             if *action == Action::PowerOffHard && sc.policy == PowerOffPolicy::GracefulOnly {
                 return Err("hard power-off under GracefulOnly".into());
+            }
+            // The guest keeps its whole shutdown window, whatever the clocks say.
+            if *action == Action::PowerOffHard
+                && let Some(asked) = shutdown_asked_at
+                && status.timestamps.shutdown_requested.is_some()
+            {
+                let waited = now.duration_since(asked).as_secs();
+                let timeout = i64::from(vmm.spec.strategy.timeouts.shutdown_seconds);
+                if waited < timeout {
+                    return Err(format!(
+                        "forced {waited} s after the shutdown request, before the {timeout} s timeout"
+                    ));
+                }
+            }
+            if *action == Action::RequestGuestShutdown {
+                shutdown_asked_at = Some(now);
             }
         }
         if step.performed.contains(&Action::RemoveRetryAnnotation) {
