@@ -228,6 +228,7 @@ async fn approval_mode_never_powers_off_before_the_approval_annotation_and_recor
     assert!(status.timestamps.cutover_approved.is_some());
     assert!(entered_ts(&status.history, Phase::Preparing) >= status.timestamps.cutover_approved.unwrap().0);
     assert_eq!(sim.power_offs().values().copied().collect::<Vec<_>>(), vec![1]);
+    assert_eq!(sim.unapproved_power_actions(), 0, "every power action carried the approval");
     assert_eq!(sim.reads().len(), 2, "both disks read once");
 }
 

@@ -275,7 +275,8 @@ fn a_killed_test_process_leaves_no_cluster_behind() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_conversion_job_runs_the_release_image_as_non_root_and_reports_why_it_failed() {
+async fn a_conversion_job_of_the_release_image_fails_on_a_missing_input_and_says_why_in_its_termination_message()
+ {
     let env = KubeEnv::shared();
     let image = tokio::task::block_in_place(|| env.controller_image()).expect("release image");
     let client = env.client().await;

@@ -49,6 +49,8 @@ struct State {
     reads: Vec<Read>,
     /// Migrations (by name) whose discovery a person must fix.
     broken: Vec<String>,
+    /// Power actions of approval-mode migrations asked without the approval.
+    unapproved_power_actions: u32,
 }
 
 /// The fleet. Cloned `Arc`s fill every adapter slot.
@@ -88,6 +90,11 @@ impl FleetSim {
     }
 
     /// How often each VM was powered off.
+    /// Power actions asked for a migration in approval mode without its approval.
+    pub fn unapproved_power_actions(&self) -> u32 {
+        self.lock().unapproved_power_actions
+    }
+
     pub fn power_offs(&self) -> HashMap<String, u32> {
         self.lock().vms.iter().map(|(k, v)| (k.clone(), v.power_offs)).collect()
     }
@@ -193,6 +200,16 @@ impl EsxiHost for FleetSim {
 
     async fn request_shutdown(&self, vmm: &VirtualMachineMigration) -> Result<(), Failure> {
         let mut state = self.lock();
+        // A power action of an approval migration carries its approval (the
+        // annotation or spec.cutover.approved) in the object it is asked for.
+        let approval = vmm.spec.cutover.mode == vmmigrate::api::CutoverMode::Approval;
+        let approved = vmm.spec.cutover.approved
+            || vmm.metadata.annotations.as_ref().is_some_and(|a| {
+                a.get(vmmigrate::api::APPROVE_CUTOVER_ANNOTATION).is_some_and(|v| v == "true")
+            });
+        if approval && !approved {
+            state.unapproved_power_actions += 1;
+        }
         let vm = state.vms.entry(key(vmm)).or_default();
         if !vm.powered_off {
             vm.powered_off = true;
