@@ -394,3 +394,39 @@ async fn a_deleted_warm_migration_whose_host_cannot_be_reached_lets_go_and_says_
         assert!(note.contains(what), "the Event names {what}: {note}");
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_orphaned_migration_holds_before_its_power_off_until_a_person_confirms_it() {
+    let h = Harness::new("e2e-orphan", FaultPlan::default()).await;
+    // Its manifest left Git before it was reconciled (as gitops marks it).
+    h.create(|m| {
+        m["metadata"]["annotations"] = json!({vmmigrate::api::ORPHANED_ANNOTATION: "true"});
+    })
+    .await;
+    let held = h
+        .wait_for("held before the cutover", |v| {
+            v.status
+                .as_ref()
+                .and_then(|s| s.waiting.as_ref())
+                .is_some_and(|w| w.reason == "OrphanNotConfirmed")
+        })
+        .await;
+    assert_eq!(phase_of(&held), Phase::Validated);
+    let ledger = h.world.ledger();
+    assert_eq!(ledger.shutdown_requests + ledger.hard_power_offs, 0, "nothing asked of the source's power");
+    assert!(held.status.unwrap().power_actions.is_empty());
+    // A person confirms: the cutover goes on.
+    let confirm = json!({"metadata": {"annotations": {vmmigrate::api::CONFIRM_ORPHAN_ANNOTATION: "true"}}});
+    h.api.patch("web-01", &PatchParams::default(), &Patch::Merge(&confirm)).await.unwrap();
+    let off = h
+        .wait_for("the power-off", |v| {
+            v.status.as_ref().is_some_and(|s| s.timestamps.source_powered_off.is_some())
+        })
+        .await;
+    let ledger = h.world.ledger();
+    assert_eq!(
+        (ledger.shutdown_requests + ledger.hard_power_offs) as usize,
+        off.status.unwrap().power_actions.len(),
+        "every power call recorded"
+    );
+}

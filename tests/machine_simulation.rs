@@ -219,6 +219,7 @@ struct Totals {
 fn run_schedule(seed: u64, rt: &tokio::runtime::Runtime, totals: &mut Totals) -> Result<(), String> {
     let sc = scenario(seed);
     let world = SimWorld::new(seed, sc.faults.clone());
+    world.track_write_ahead();
     if sc.policy == PowerOffPolicy::RequireAlreadyOff {
         // RequireAlreadyOff is only chosen for a VM a human already shut down.
         world.human_shuts_down();

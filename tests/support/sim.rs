@@ -111,6 +111,12 @@ pub struct FaultPlan {
 }
 
 impl SimWorld {
+    /// Power calls must find their record written ahead through
+    /// [`SimWorld::written_ahead`] (the simulation's own fence).
+    pub fn track_write_ahead(&self) {
+        self.lock().tracks_write_ahead = true;
+    }
+
     /// The ESXi credentials are gone for good (the namespace's deletion
     /// took the Secret): every call to the host fails and needs a person.
     pub fn lose_credentials(&self) {
@@ -225,6 +231,9 @@ struct World {
     fence_closed: bool,
     /// The host cannot be reached for good (see `lose_credentials`).
     credentials_gone: bool,
+    /// Whether the driver writes ahead through `written_ahead` (the
+    /// simulation's fence); the real controller's fence writes to the API server.
+    tracks_write_ahead: bool,
 }
 
 /// Where staged artifacts are written for the real staging server to serve
@@ -301,6 +310,7 @@ impl SimWorld {
                 at_power_off: Vec::new(),
                 fence_closed: false,
                 credentials_gone: false,
+                tracks_write_ahead: false,
             }),
         })
     }
@@ -544,6 +554,9 @@ impl World {
         let recorded =
             vmm.status.as_ref().and_then(|s| s.power_actions.iter().rev().find(|r| r.action == kind));
         let key = recorded.map(|r| (r.action, format!("{}@{}", r.epoch, r.recorded.0)));
+        if !self.tracks_write_ahead {
+            return;
+        }
         match key {
             Some(key) if self.ledger.written_ahead.contains(&key) => {
                 self.ledger.written_ahead.retain(|k| *k != key);
