@@ -174,6 +174,18 @@ impl Staging for Counting {
 
 #[async_trait]
 impl Cluster for Counting {
+    async fn cdi_verifies_checksum(&self) -> Result<bool, Failure> {
+        self.tick();
+        self.inner.cluster.cdi_verifies_checksum().await
+    }
+    async fn import_check(
+        &self,
+        vmm: &Vmm,
+        disk: usize,
+    ) -> Result<Option<vmmigrate::machine::VolumeCheck>, Failure> {
+        self.tick();
+        self.inner.cluster.import_check(vmm, disk).await
+    }
     async fn preflight(&self, vmm: &Vmm) -> Result<PreflightFacts, Failure> {
         self.tick();
         self.inner.cluster.preflight(vmm).await

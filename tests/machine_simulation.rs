@@ -149,6 +149,7 @@ fn scenario(seed: u64) -> Scenario {
         expect = Expect::HumanThenCompleted(Reason::SourceChangedSinceDiscovery);
     }
     faults.guest_writes = mode != MigrationMode::Cold;
+    faults.cdi_without_checksum = rng.chance(0.3);
     // A rehearsal never asks the guest to shut down: nobody is asked about it.
     if mode == MigrationMode::Rehearsal
         && matches!(
@@ -531,6 +532,14 @@ fn run_schedule(seed: u64, rt: &tokio::runtime::Runtime, totals: &mut Totals) ->
                 }
                 if disk.artifact_sha256 != disk.source_sha256 {
                     return Err(format!("disk {i}: raw artifact checksum differs from the source's"));
+                }
+                // The bytes the volume holds, as the world imported them.
+                if world.imported_sha().get(i).cloned().flatten().as_deref() != Some(source[i].as_str()) {
+                    return Err(format!(
+                        "disk {i}: imported {:?}, the source {}",
+                        world.imported_sha().get(i),
+                        source[i]
+                    ));
                 }
                 if disk.data_volume_name.as_deref() != Some(format!("{destination}-disk-{i}").as_str()) {
                     return Err(format!("disk {i}: DataVolume name {:?}", disk.data_volume_name));

@@ -193,20 +193,17 @@ pub trait Cluster: Send + Sync {
         Ok(())
     }
     /// Whether the installed DataVolume definition has
-    /// `spec.source.http.checksum` (CDI v1.65 and later check it).
-    async fn cdi_verifies_checksum(&self) -> Result<bool, Failure> {
-        Ok(true)
-    }
+    /// `spec.source.http.checksum` (CDI v1.65 and later check it). No
+    /// default: every implementation (the simulations included) says.
+    async fn cdi_verifies_checksum(&self) -> Result<bool, Failure>;
     /// For a succeeded DataVolume: `None` when CDI checked its checksum (the
     /// stored DataVolume kept the field), else the state of the Job that
-    /// reads the volume back.
+    /// reads the volume back. No default, as above.
     async fn import_check(
         &self,
-        _vmm: &VirtualMachineMigration,
-        _disk: usize,
-    ) -> Result<Option<crate::machine::VolumeCheck>, Failure> {
-        Ok(None)
-    }
+        vmm: &VirtualMachineMigration,
+        disk: usize,
+    ) -> Result<Option<crate::machine::VolumeCheck>, Failure>;
     async fn start_volume_check(&self, _vmm: &VirtualMachineMigration, _disk: usize) -> Result<(), Failure> {
         Ok(())
     }

@@ -326,6 +326,18 @@ impl Staging for FleetSim {
 
 #[async_trait]
 impl Cluster for FleetSim {
+    /// The fleet's CDI checks checksums itself (the read-back path is the
+    /// machine simulation's); imports are instant and hold the copies' bytes.
+    async fn cdi_verifies_checksum(&self) -> Result<bool, Failure> {
+        Ok(true)
+    }
+    async fn import_check(
+        &self,
+        _vmm: &VirtualMachineMigration,
+        _disk: usize,
+    ) -> Result<Option<vmmigrate::machine::VolumeCheck>, Failure> {
+        Ok(None)
+    }
     async fn preflight(&self, _vmm: &VirtualMachineMigration) -> Result<PreflightFacts, Failure> {
         Ok(PreflightFacts {
             storage_class_exists: true,

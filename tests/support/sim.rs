@@ -108,6 +108,9 @@ pub struct FaultPlan {
     /// process running (a stale replica's, a worker pod's): it finishes
     /// later, in the epoch it was started in.
     pub zombie_copy: f64,
+    /// The installed CDI has no `spec.source.http.checksum`: each import is
+    /// read back by a verify Job and compared.
+    pub cdi_without_checksum: bool,
 }
 
 impl SimWorld {
@@ -165,6 +168,12 @@ struct SimDv {
     ticks: u32,
     failed: Option<Failure>,
     owned: bool,
+    /// sha256 of the bytes it imported: the artifact staged when it was made.
+    bytes: String,
+    /// `spec.source.http.checksum`, which a CDI that knows the field checks.
+    checksum: Option<String>,
+    /// The verify Job reading the volume back: ticks left, when started.
+    verify: Option<u32>,
 }
 
 #[derive(Debug)]
@@ -474,6 +483,12 @@ impl SimWorld {
     /// The name of a snapshot the source still has.
     pub fn snapshot_left(&self) -> Option<String> {
         self.lock().snapshot.as_ref().map(|s| s.name.clone())
+    }
+
+    /// sha256 of the bytes each disk's DataVolume imported (`None`: no DataVolume).
+    pub fn imported_sha(&self) -> Vec<Option<String>> {
+        let w = self.lock();
+        (0..w.source_disks.len()).map(|d| w.dvs.get(&d).map(|dv| dv.bytes.clone())).collect()
     }
 
     /// (DataVolumes present, VM present, VM still owned, anything staged or copied).
@@ -1084,11 +1099,18 @@ impl Cluster for SimWorld {
         let mut w = self.lock();
         let evict = w.faults.evict_importer;
         let evicted = w.rng.chance(evict);
+        let cdi_without_checksum = w.faults.cdi_without_checksum;
         let Some(dv) = w.dvs.get_mut(&disk) else { return Ok(DataVolumeState::Absent) };
         if let Some(failure) = &dv.failed {
             return Ok(DataVolumeState::Failed(failure.clone()));
         }
         if dv.ticks == 0 {
+            // A CDI that knows `checksum` fails a download that does not match it.
+            if !cdi_without_checksum && dv.checksum.as_ref().is_some_and(|c| *c != dv.bytes) {
+                let failure = Failure::retryable(Reason::ImportChecksumMismatch, "checksum mismatch");
+                dv.failed = Some(failure.clone());
+                return Ok(DataVolumeState::Failed(failure));
+            }
             return Ok(DataVolumeState::Succeeded);
         }
         if evicted {
@@ -1130,7 +1152,10 @@ impl Cluster for SimWorld {
                 .violations
                 .push(format!("DataVolume for disk {disk} created before its artifact was staged"));
         }
-        w.dvs.insert(disk, SimDv { ticks: 2, failed: None, owned: true });
+        let bytes = w.staged.get(&disk).cloned().unwrap_or_default();
+        let checksum =
+            vmm.status.as_ref().and_then(|s| s.disks.get(disk)).and_then(|d| d.artifact_sha256.clone());
+        w.dvs.insert(disk, SimDv { ticks: 2, failed: None, owned: true, bytes, checksum, verify: None });
         *w.ledger.dv_creates.entry(disk).or_default() += 1;
         let lost = w.faults.lost_response;
         if w.rng.chance(lost) {
@@ -1246,6 +1271,50 @@ impl Cluster for SimWorld {
             }
             _ => Err(Failure::retryable(Reason::NotFound, "the VM is gone")),
         }
+    }
+
+    async fn cdi_verifies_checksum(&self) -> Result<bool, Failure> {
+        call!(self, "read the DataVolume definition");
+        Ok(!self.lock().faults.cdi_without_checksum)
+    }
+
+    async fn import_check(
+        &self,
+        _vmm: &VirtualMachineMigration,
+        disk: usize,
+    ) -> Result<Option<vmmigrate::machine::VolumeCheck>, Failure> {
+        use vmmigrate::machine::VolumeCheck;
+        call!(self, "read the verify Job");
+        let mut w = self.lock();
+        let without = w.faults.cdi_without_checksum;
+        let Some(dv) = w.dvs.get_mut(&disk) else { return Ok(Some(VolumeCheck::Absent)) };
+        if !without && dv.checksum.is_some() {
+            return Ok(None);
+        }
+        Ok(Some(match dv.verify {
+            None => VolumeCheck::Absent,
+            Some(0) => VolumeCheck::Matches { sha256: dv.bytes.clone() },
+            Some(left) => {
+                dv.verify = Some(left - 1);
+                VolumeCheck::Running
+            }
+        }))
+    }
+
+    async fn start_volume_check(&self, _vmm: &VirtualMachineMigration, disk: usize) -> Result<(), Failure> {
+        call!(self, "create the verify Job");
+        if let Some(dv) = self.lock().dvs.get_mut(&disk) {
+            dv.verify.get_or_insert(2);
+        }
+        Ok(())
+    }
+
+    async fn delete_volume_check(&self, _vmm: &VirtualMachineMigration, disk: usize) -> Result<(), Failure> {
+        call!(self, "delete the verify Job");
+        if let Some(dv) = self.lock().dvs.get_mut(&disk) {
+            dv.verify = None;
+        }
+        Ok(())
     }
 
     async fn delete_destination(&self, _vmm: &VirtualMachineMigration) -> Result<(), Failure> {
