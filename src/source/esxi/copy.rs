@@ -127,6 +127,58 @@ fn sidecar_path(local: &Path) -> PathBuf {
     local.with_file_name(name)
 }
 
+/// `<copy>.lock`: locked (`flock`) by the one copy writing the file and its
+/// sidecar, in whichever process: two controller replicas share the work
+/// directory, and an aborted copy's writer may still be finishing. Never
+/// removed by [`discard`] (a new file of that name would be a second lock).
+fn lock_path(local: &Path) -> PathBuf {
+    let mut name = local.file_name().map(|n| n.to_os_string()).unwrap_or_default();
+    name.push(".lock");
+    local.with_file_name(name)
+}
+
+/// How often a copy waiting for another copy of its file looks again.
+const LOCK_POLL: std::time::Duration = std::time::Duration::from_millis(500);
+
+/// Takes the lock of the copy at `local`, waiting (without a thread) while
+/// another copy of the same file holds it; `true` when it had to wait. The
+/// lock goes with the last clone of the file, or with the process. On a file
+/// system without locks the copy goes on unlocked, as before locks.
+pub(crate) async fn lock_copy(local: &Path) -> Result<(File, bool), CopyError> {
+    let file = std::fs::OpenOptions::new().create(true).truncate(false).write(true).open(lock_path(local))?;
+    let mut waited = false;
+    loop {
+        match file.try_lock() {
+            Ok(()) => return Ok((file, waited)),
+            Err(std::fs::TryLockError::WouldBlock) => {
+                if !waited {
+                    tracing::info!(path = %local.display(), "another copy of this file is running; waiting for it to end");
+                }
+                waited = true;
+                tokio::time::sleep(LOCK_POLL).await;
+            }
+            Err(std::fs::TryLockError::Error(e)) => {
+                tracing::warn!(path = %local.display(), error = %e, "cannot lock the copy; copying without the lock");
+                return Ok((file, waited));
+            }
+        }
+    }
+}
+
+/// Aborts the tasks it holds when dropped: a copy that is aborted
+/// (discarded, its migration removed, the store dropped) stops its readers
+/// and the host's hash with it; a dropped `JoinHandle` would only detach
+/// them, reading on and writing the file and its sidecar.
+struct AbortOnDrop(Vec<tokio::task::AbortHandle>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        for task in &self.0 {
+            task.abort();
+        }
+    }
+}
+
 fn read_sidecar(local: &Path) -> Option<Sidecar> {
     let text = std::fs::read_to_string(sidecar_path(local)).ok()?;
     serde_json::from_str(&text).ok()
@@ -264,10 +316,26 @@ pub async fn copy_disk(
     progress: Arc<AtomicU64>,
 ) -> Result<CopyResult, CopyError> {
     let chunk_size = (plan.chunk_size / BLOCK).max(1) * BLOCK;
-    let (size, identity) = source_identity(&session, &plan.source_path).await?;
     if let Some(parent) = plan.local_path.parent() {
         std::fs::create_dir_all(parent)?;
     }
+    // One copy of a file at a time, whatever started it: held until this
+    // returns and the writer thread (the last to touch the file) has ended.
+    let (lock, waited) = lock_copy(&plan.local_path).await?;
+    let lock = Arc::new(lock);
+    if waited
+        && let Some(done) = is_complete(&plan.local_path)
+        && done.epoch == plan.epoch
+    {
+        // The copy waited for finished it: not read again.
+        return Ok(CopyResult {
+            size: done.size,
+            sha256: done.sha256,
+            verified_remotely: done.verified,
+            bytes_read: 0,
+        });
+    }
+    let (size, identity) = source_identity(&session, &plan.source_path).await?;
     let sidecar = match read_sidecar(&plan.local_path) {
         Some(s)
             if s.identity == identity
@@ -346,7 +414,9 @@ pub async fn copy_disk(
     let local = plan.local_path.clone();
     let writer_progress = progress.clone();
     let mut writer_sidecar = sidecar.clone();
+    let writer_lock = lock.clone();
     let writer = std::thread::spawn(move || -> std::io::Result<()> {
+        let _lock = writer_lock;
         while let Some(msg) = write_rx.blocking_recv() {
             match msg {
                 WriterMsg::Data { offset, bytes } => {
@@ -369,10 +439,13 @@ pub async fn copy_disk(
     });
 
     let copy_started = std::time::Instant::now();
+    let mut spawned = AbortOnDrop(Vec::new());
     let remote = if plan.remote_digest {
         let session = session.clone();
         let path = plan.source_path.clone();
-        Some(tokio::spawn(async move { remote_sha256(&session, &path).await }))
+        let task = tokio::spawn(async move { remote_sha256(&session, &path).await });
+        spawned.0.push(task.abort_handle());
+        Some(task)
     } else {
         None
     };
@@ -388,13 +461,15 @@ pub async fn copy_disk(
         let tx = write_tx.clone();
         let path = plan.source_path.clone();
         let bytes_read = bytes_read.clone();
-        readers.push(tokio::spawn(async move {
+        let reader = tokio::spawn(async move {
             loop {
                 let next = queue.lock().ok().and_then(|mut q| q.next());
                 let Some((first, count)) = next else { return Ok::<(), CopyError>(()) };
                 read_run(&session, &path, first, count, chunk_size, size, &tx, &bytes_read).await?;
             }
-        }));
+        });
+        spawned.0.push(reader.abort_handle());
+        readers.push(reader);
     }
     drop(write_tx);
     let mut first_error = None;
@@ -563,7 +638,33 @@ pub fn sha256_file(path: &Path) -> std::io::Result<String> {
 
 #[cfg(test)]
 mod tests {
-    use super::plan_runs;
+    use super::{lock_copy, plan_runs};
+    use std::time::Duration;
+
+    /// Two copies of one file (two processes on the shared work directory,
+    /// or a new copy while an aborted one's writer finishes) never write it
+    /// at once: the second waits until the first lets go.
+    #[tokio::test]
+    async fn a_second_copy_of_a_file_waits_for_the_first_to_let_go() {
+        let dir = tempfile::tempdir().unwrap();
+        let local = dir.path().join("disk-0.raw");
+        let (first, waited) = lock_copy(&local).await.unwrap();
+        assert!(!waited);
+        let second = tokio::spawn({
+            let local = local.clone();
+            async move { lock_copy(&local).await.map(|(_, waited)| waited) }
+        });
+        tokio::time::sleep(Duration::from_millis(1200)).await;
+        assert!(!second.is_finished(), "the second copy waits while the first holds the file");
+        drop(first);
+        let waited = tokio::time::timeout(Duration::from_secs(5), second).await.unwrap().unwrap().unwrap();
+        assert!(waited, "and goes on once it is let go");
+        super::discard(&local).unwrap();
+        assert!(
+            dir.path().join("disk-0.raw.lock").exists(),
+            "a discard leaves the lock file to whoever holds it"
+        );
+    }
 
     #[test]
     fn runs_group_consecutive_chunks_and_split_for_every_stream() {

@@ -252,10 +252,10 @@ impl EsxiSource {
         disk: usize,
     ) -> Result<(), Failure> {
         let uid = vmm.metadata.uid.clone().unwrap_or_default();
-        let key = (delta_key_uid(&uid), disk);
-        if self.copies.lock().map(|c| c.contains_key(&key)).unwrap_or(false) {
+        // Reserved before the first `.await` (the chains, the session), as a copy's start.
+        let Some(reservation) = self.reserve((delta_key_uid(&uid), disk)) else {
             return Ok(());
-        }
+        };
         let local = self.local_path(vmm, disk);
         if read_assembled(&local).is_some() {
             return Ok(());
@@ -310,7 +310,7 @@ impl EsxiSource {
         let session = self.session(vmm).await?;
         let (chunk_size, streams) = (self.store.chunk_size, self.store.streams);
         let epoch = vmm.status.as_ref().map_or(0, |s| s.epoch);
-        self.spawn_copy(vmm, key, 0, move |progress| async move {
+        self.spawn_copy(vmm, reservation, 0, move |progress| async move {
             let strides = (chunk_size, streams);
             copy_and_assemble(session, &local, capacity, &levels, strides, (base_verified, epoch), progress)
                 .await
