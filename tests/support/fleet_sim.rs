@@ -237,7 +237,8 @@ impl DiskStore for FleetSim {
                 size: 1 << 20,
                 sha256: Self::sha(vmm, disk),
                 verified_remotely: true,
-                epoch: 0,
+                // Nothing powers a fleet VM on again: every copy is of the current epoch.
+                epoch: vmm.status.as_ref().map_or(0, |s| s.epoch),
             },
             Some(started) => {
                 let done = (started.elapsed().as_secs_f64() / self.copy_time.as_secs_f64() * (1 << 20) as f64)
