@@ -35,8 +35,8 @@ mutant "a source on again ends the epoch in Preparing (old: stop for a person, c
 mutant "an ended epoch begins a new one (no bump in end_epoch)" src/machine/power.rs "    ctx.status.epoch += 1;
     ctx.actions.push(Action::CleanupStaging);" "    ctx.actions.push(Action::CleanupStaging);"
 mutant "the source is read after Preparing (observe_source returns None)" src/controller/engine.rs "    let status = vmm.status.as_ref()?;
-    let watched" "    let status = vmm.status.as_ref().filter(|_| false)?;
-    let watched"
+    // In Starting only" "    let status = vmm.status.as_ref().filter(|_| false)?;
+    // In Starting only"
 mutant "the inventory is compared at the cutover (source_unchanged always true)" src/machine/power.rs "    let Some(recorded) = ctx.status.source_inventory.clone() else { return true };" "    let Some(recorded) = ctx.status.source_inventory.clone().filter(|_| false) else { return true };"
 mutant "power actions are written ahead (no fence call)" src/controller/engine.rs "    let mut fence_passed = false;" "    let mut fence_passed = true;"
 mutant "a refusing fence stops the step (refusal ignored)" src/controller/engine.rs "                tracing::warn!(?action, reason = %failure.reason, \"not performed: {}\", failure.message);
