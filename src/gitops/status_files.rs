@@ -122,6 +122,10 @@ fn annotation<'a>(migration: &'a VirtualMachineMigration, key: &str) -> Option<&
     migration.metadata.annotations.as_ref()?.get(key).map(String::as_str)
 }
 
+fn is_zero(n: &i32) -> bool {
+    *n == 0
+}
+
 #[derive(Serialize)]
 #[serde(rename_all = "camelCase")]
 struct StatusFile<'a> {
@@ -145,6 +149,13 @@ struct StatusFile<'a> {
     /// it was created and removed.
     #[serde(skip_serializing_if = "Option::is_none")]
     snapshot: Option<&'a crate::api::SnapshotRecord>,
+    /// The power-off epoch (how many power-offs were recorded, and ended).
+    #[serde(skip_serializing_if = "is_zero")]
+    epoch: i32,
+    /// Every power action asked of the source, each recorded before it was
+    /// asked: the audit trail of the one irreversible action.
+    #[serde(skip_serializing_if = "<[_]>::is_empty")]
+    power_actions: &'a [crate::api::PowerActionRecord],
     #[serde(rename = "sourceVM")]
     source_vm: SourceVmView<'a>,
     #[serde(rename = "destinationVM", skip_serializing_if = "Option::is_none")]
@@ -272,6 +283,8 @@ fn status_yaml(row: &Row<'_>) -> String {
         mode: Some(status.mode.unwrap_or(row.migration.spec.mode))
             .filter(|m| *m != crate::api::MigrationMode::Cold),
         snapshot: status.snapshot.as_ref(),
+        epoch: status.epoch,
+        power_actions: &status.power_actions,
         source_vm: row.source_vm(),
         destination_vm: status.destination_vm.as_ref(),
         conditions: conditions
@@ -675,6 +688,29 @@ mod tests {
         assert!(md.contains("| apps/old-01 (orphaned) |"), "{md}");
         assert!(md.contains("| apps/old-02 (orphaned) |"), "{md}");
         assert!(md.contains("| apps/web-01 |"), "{md}");
+    }
+
+    #[test]
+    fn every_power_action_and_the_epoch_are_in_the_status_file() {
+        let mut m = migration("apps", "web-01", Phase::Converting);
+        let status = m.status.as_mut().unwrap();
+        status.epoch = 1;
+        status.power_actions = vec![crate::api::PowerActionRecord {
+            action: crate::api::PowerActionKind::Shutdown,
+            epoch: 0,
+            vmid: "7".into(),
+            bios_uuid: "421b".into(),
+            recorded: t("2025-03-01T10:02:00Z"),
+        }];
+        let files = status_files(&input(vec![m]));
+        let file = &files["apps/web-01.yaml"];
+        assert!(file.contains("\nepoch: 1\n"), "{file}");
+        assert!(
+            file.contains("powerActions:\n- action: Shutdown\n  epoch: 0\n  vmid: '7'\n  biosUuid: 421b\n  recorded: 2025-03-01T10:02:00Z\n"),
+            "{file}"
+        );
+        let quiet = status_files(&input(vec![migration("apps", "web-02", Phase::Discovering)]));
+        assert!(!quiet["apps/web-02.yaml"].contains("powerActions"), "nothing to say, nothing said");
     }
 
     #[test]
