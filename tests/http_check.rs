@@ -200,7 +200,7 @@ async fn the_endpoint_port_is_the_slice_port_named_like_the_service_port() {
 /// EndpointSlices aims the check elsewhere (another namespace's server, the
 /// API server): it is never contacted, and the check says why.
 #[tokio::test]
-async fn a_service_that_points_away_from_the_migrated_vm_is_never_contacted() {
+async fn a_service_that_points_away_from_the_migrated_vm_is_not_checked_and_the_check_says_why() {
     let client = KubeEnv::shared().client().await;
     let ns = test_namespace(&client, "http-elsewhere").await;
     let guest = Netns::new().expect("the VM's namespace");
