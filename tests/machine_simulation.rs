@@ -51,6 +51,8 @@ struct Scenario {
     expect: Expect,
     /// Each reconcile runs on a replica whose clock runs up to 15 minutes ahead.
     clock_ahead: bool,
+    /// A person may delete the migration at any checkpoint.
+    deleted_at_random: bool,
 }
 
 fn scenario(seed: u64) -> Scenario {
@@ -173,6 +175,7 @@ fn scenario(seed: u64) -> Scenario {
         crash_rate,
         expect,
         clock_ahead,
+        deleted_at_random: rng.chance(0.25),
     }
 }
 
@@ -215,6 +218,8 @@ struct Totals {
     mode_edits: usize,
     /// Steps the fence refused.
     refusals: usize,
+    /// Schedules ended by a deletion at a random checkpoint.
+    deletions: usize,
 }
 
 fn run_schedule(seed: u64, rt: &tokio::runtime::Runtime, totals: &mut Totals) -> Result<(), String> {
@@ -466,6 +471,12 @@ fn run_schedule(seed: u64, rt: &tokio::runtime::Runtime, totals: &mut Totals) ->
 
         // Record (one status write), then let time pass as the requeue asks.
         vmm.status = Some(next);
+        // Now and then a person deletes the migration at this checkpoint:
+        // the finalizer's work, and the schedule ends.
+        if sc.deleted_at_random && rng.chance(0.02) {
+            totals.deletions += 1;
+            return deleted(&vmm, &adapters, &world, rt, &sc);
+        }
         let wait = step.decision.requeue.unwrap_or(Duration::from_secs(60)).max(Duration::from_secs(1));
         now += SignedDuration::from_millis(wait.as_millis() as i64);
         world.advance(wait.as_secs());
@@ -598,6 +609,50 @@ fn run_schedule(seed: u64, rt: &tokio::runtime::Runtime, totals: &mut Totals) ->
     Ok(())
 }
 
+/// A deletion at the checkpoint the migration is at: the finalizer's actions
+/// run (retried as the controller's backoff would), and then nothing of the
+/// migration is left that should go, nothing that is not its own is gone,
+/// and the source's power was not touched.
+fn deleted(
+    vmm: &VirtualMachineMigration,
+    adapters: &vmmigrate::ports::Adapters,
+    world: &std::sync::Arc<SimWorld>,
+    rt: &tokio::runtime::Runtime,
+    sc: &Scenario,
+) -> Result<(), String> {
+    let before = world.ledger();
+    let foreign = world.foreign_vm_present();
+    let actions = engine::cleanup_actions(vmm);
+    for action in &actions {
+        let mut tries = 0;
+        while let Err(failure) = rt.block_on(engine::perform_cleanup(adapters, vmm, action)) {
+            tries += 1;
+            if tries > 50 {
+                return Err(format!("the finalizer's {action:?} never succeeded: {failure}"));
+            }
+        }
+    }
+    let after = world.ledger();
+    if after.shutdown_requests + after.hard_power_offs != before.shutdown_requests + before.hard_power_offs {
+        return Err("the finalizer asked something of the source's power".into());
+    }
+    if foreign && !world.foreign_vm_present() {
+        return Err("the finalizer deleted a VM that was not the migration's".into());
+    }
+    if let Some(name) = world.snapshot_left() {
+        return Err(format!("snapshot {name} left on the source by a deleted migration"));
+    }
+    let (dvs, vm, _, leftovers) = world.destination_summary();
+    // (A copy task of another process may still write: not this world's to judge.)
+    if actions.contains(&Action::CleanupStaging) && leftovers && sc.faults.zombie_copy == 0.0 {
+        return Err("copied or staged data left by a deleted migration".into());
+    }
+    if actions.contains(&Action::DeleteDestination) && (dvs > 0 || vm) {
+        return Err(format!("a deleted migration left {dvs} DataVolume(s), VM {vm}"));
+    }
+    Ok(())
+}
+
 /// The simulation's fence: the status a step writes ahead is recorded (a
 /// crash after it keeps it), and the world learns which power actions it holds.
 struct SimFence {
@@ -650,12 +705,13 @@ fn thousands_of_fault_and_crash_schedules_keep_every_invariant() {
     // Written straight to stderr so the summary shows in CI logs (libtest captures println!).
     let _ = writeln!(
         std::io::stderr(),
-        "machine simulation: {} schedules, {} reconciles, {} crashes ({:?} right after an action), {} refused by the fence, {} failed actions, {} human retries; outcomes {:?}; {} failing",
+        "machine simulation: {} schedules, {} reconciles, {} crashes ({:?} right after an action), {} refused by the fence, {} deleted midway, {} failed actions, {} human retries; outcomes {:?}; {} failing",
         totals.schedules,
         totals.steps,
         totals.crashes,
         totals.crashes_after,
         totals.refusals,
+        totals.deletions,
         totals.action_failures,
         totals.human_retries,
         totals.outcomes,

@@ -99,6 +99,9 @@ pub(crate) const MAX_POWER_ACTIONS: usize = 16;
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct PowerActionRecord {
+    /// 1 for the migration's first power action, one more for each after
+    /// (kept when older records are dropped from the list).
+    pub seq: i32,
     /// `PowerOff` (`power.off`) or `Shutdown` (`power.shutdown`).
     pub action: PowerActionKind,
     /// The epoch it belongs to (the power-off it leads to is the next one).

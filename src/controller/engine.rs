@@ -370,6 +370,24 @@ pub(crate) async fn perform(
     }
 }
 
+/// What the finalizer does when a migration is deleted, in order (never
+/// anything to the source's power): the migration's pinned mode decides.
+pub fn cleanup_actions(vmm: &VirtualMachineMigration) -> Vec<Action> {
+    let pinned = vmm.pinned();
+    let vmm = pinned.as_ref().unwrap_or(vmm);
+    machine::cleanup_on_delete(&vmm.spec, &vmm.status.clone().unwrap_or_default())
+}
+
+/// Performs one of [`cleanup_actions`] (the simulation deletes migrations
+/// at any checkpoint through it, as the finalizer does).
+pub async fn perform_cleanup(
+    adapters: &Adapters,
+    vmm: &VirtualMachineMigration,
+    action: &Action,
+) -> Result<(), Failure> {
+    perform(adapters, vmm, action).await
+}
+
 /// Inputs of one reconcile besides the adapters and the object.
 pub struct StepInput<'a> {
     pub now: Timestamp,

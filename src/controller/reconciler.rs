@@ -604,7 +604,7 @@ async fn cleanup(vmm: &VirtualMachineMigration, ctx: &Context) -> Result<Action,
     let pinned = vmm.pinned();
     let vmm = pinned.as_ref().unwrap_or(vmm);
     let status = vmm.status.clone().unwrap_or_default();
-    let actions = machine::cleanup_on_delete(&vmm.spec, &status);
+    let actions = engine::cleanup_actions(vmm);
     tracing::info!(phase = %status.phase, ?actions, "migration deleted; cleaning up");
     let mut left = Vec::new();
     for action in &actions {

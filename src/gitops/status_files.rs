@@ -696,6 +696,7 @@ mod tests {
         let status = m.status.as_mut().unwrap();
         status.epoch = 1;
         status.power_actions = vec![crate::api::PowerActionRecord {
+            seq: 1,
             action: crate::api::PowerActionKind::Shutdown,
             epoch: 0,
             vmid: "7".into(),
@@ -706,7 +707,7 @@ mod tests {
         let file = &files["apps/web-01.yaml"];
         assert!(file.contains("\nepoch: 1\n"), "{file}");
         assert!(
-            file.contains("powerActions:\n- action: Shutdown\n  epoch: 0\n  vmid: '7'\n  biosUuid: 421b\n  recorded: 2025-03-01T10:02:00Z\n"),
+            file.contains("powerActions:\n- seq: 1\n  action: Shutdown\n  epoch: 0\n  vmid: '7'\n  biosUuid: 421b\n  recorded: 2025-03-01T10:02:00Z\n"),
             "{file}"
         );
         let quiet = status_files(&input(vec![migration("apps", "web-02", Phase::Discovering)]));

@@ -595,8 +595,10 @@ pub(crate) fn cleanup_on_delete(
     status: &VirtualMachineMigrationStatus,
 ) -> Vec<Action> {
     let mut actions = Vec::new();
-    // A snapshot this migration took never outlives it.
-    if status.snapshot.as_ref().is_some_and(|s| s.removed.is_none()) {
+    // A snapshot this migration took never outlives it: also one it took
+    // whose record was lost with a crash (removed by its name, never another's).
+    let took = spec.mode.takes_snapshot() && status.mode.is_some() && status.snapshot.is_none();
+    if status.snapshot.as_ref().is_some_and(|s| s.removed.is_none()) || took {
         actions.push(Action::RemoveSnapshot);
     }
     if spec.cleanup.staging == CleanupAction::Delete || status.phase != Phase::Completed {

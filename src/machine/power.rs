@@ -129,7 +129,9 @@ pub(super) fn power_down(ctx: &mut Ctx<'_>, facts: &PreparingFacts) {
 /// host, so no power action happens that the status does not show.
 fn ask(ctx: &mut Ctx<'_>, kind: PowerActionKind) {
     let inventory = ctx.status.source_inventory.clone().unwrap_or_default();
+    let seq = ctx.status.power_actions.last().map_or(0, |r| r.seq) + 1;
     ctx.status.power_actions.push(PowerActionRecord {
+        seq,
         action: kind,
         epoch: ctx.status.epoch,
         vmid: inventory.vmid,

@@ -441,7 +441,7 @@ impl SimWorld {
     pub fn written_ahead(&self, records: &[vmmigrate::api::PowerActionRecord]) {
         let mut w = self.lock();
         for r in records {
-            let key = (r.action, format!("{}@{}", r.epoch, r.recorded.0));
+            let key = (r.action, format!("#{}", r.seq));
             if !w.ledger.written_ahead.contains(&key) && !w.asked.contains(&key) {
                 w.ledger.written_ahead.push(key);
             }
@@ -483,6 +483,12 @@ impl SimWorld {
     /// The name of a snapshot the source still has.
     pub fn snapshot_left(&self) -> Option<String> {
         self.lock().snapshot.as_ref().map(|s| s.name.clone())
+    }
+
+    /// Whether a VM of the destination's name that is not the migration's
+    /// is still there.
+    pub fn foreign_vm_present(&self) -> bool {
+        self.lock().vm.as_ref().is_some_and(|vm| !vm.ours)
     }
 
     /// sha256 of the bytes each disk's DataVolume imported (`None`: no DataVolume).
@@ -568,7 +574,7 @@ impl World {
         }
         let recorded =
             vmm.status.as_ref().and_then(|s| s.power_actions.iter().rev().find(|r| r.action == kind));
-        let key = recorded.map(|r| (r.action, format!("{}@{}", r.epoch, r.recorded.0)));
+        let key = recorded.map(|r| (r.action, format!("#{}", r.seq)));
         if !self.tracks_write_ahead {
             return;
         }
@@ -580,7 +586,12 @@ impl World {
             _ => self
                 .ledger
                 .violations
-                .push(format!("{kind:?} asked of the host without a record written ahead")),
+                .push(format!(
+                    "{kind:?} asked of the host without a record written ahead (records {:?}, written ahead {:?}, asked {:?})",
+                    vmm.status.as_ref().map(|s| s.power_actions.iter().map(|r| format!("{:?}@{}@{}", r.action, r.epoch, r.recorded.0)).collect::<Vec<_>>()),
+                    self.ledger.written_ahead,
+                    self.asked
+                )),
         }
     }
 }

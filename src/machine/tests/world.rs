@@ -191,6 +191,7 @@ fn every_power_action_is_recorded_with_the_vm_it_addresses_in_the_decision_that_
     assert_eq!(d.actions, vec![Action::PowerOffHard]);
     assert_eq!(d.status.power_actions.len(), 2, "one record per power action");
     assert_eq!(d.status.power_actions[1].action, PowerActionKind::PowerOff);
+    assert_eq!((d.status.power_actions[0].seq, d.status.power_actions[1].seq), (1, 2));
 }
 
 #[test]
