@@ -409,7 +409,8 @@ pub struct StepInput<'a> {
 
 /// One reconcile. `interrupt` is asked at every checkpoint and returns true to
 /// stop there as if the process died (the simulation's crash); production
-/// passes `|_| false`. Returns `None` when interrupted: nothing is recorded.
+/// passes `|_| false`. Returns `None` when interrupted, or when the fence
+/// refused the step's first irreversible or destructive action: nothing is recorded.
 pub async fn step(
     adapters: &Adapters,
     vmm: &VirtualMachineMigration,
