@@ -12,7 +12,7 @@
 //!
 //! Every schedule asserts the invariants of DESIGN §8. A failure prints its
 //! seed; replay it with
-//!   VMMIGRATE_SIM_SEED=<seed> cargo test --test machine_simulation
+//!   VMMIGRATE_SIM_SEED=<seed> cargo test --test integration machine_simulation
 //! Run more schedules with VMMIGRATE_SIM_SCHEDULES=<n> (default 2000).
 
 use crate::support::sim::{self, FaultPlan, SimWorld, SplitMix};
@@ -719,7 +719,7 @@ fn thousands_of_fault_and_crash_schedules_keep_every_invariant() {
     );
     assert!(
         failures.is_empty(),
-        "{} of {} schedules broke an invariant (replay: VMMIGRATE_SIM_SEED=<seed> cargo test --test machine_simulation):\n{}",
+        "{} of {} schedules broke an invariant (replay: VMMIGRATE_SIM_SEED=<seed> cargo test --test integration machine_simulation):\n{}",
         failures.len(),
         seeds.len(),
         failures.iter().take(20).cloned().collect::<Vec<_>>().join("\n")
