@@ -780,14 +780,7 @@ mod tests {
             }
         });
         let work = tempfile::tempdir().unwrap();
-        let credentials = Credentials { username: "root".into(), secret: Secret::Password("pw".into()) };
-        let store = StoreConfig {
-            root: work.path().to_path_buf(),
-            streams: 1,
-            chunk_size: copy::DEFAULT_CHUNK_SIZE,
-            metrics: Arc::new(Metrics::new()),
-        };
-        let source = Arc::new(EsxiSource::new(CredentialSource::Fixed(credentials), store));
+        let source = Arc::new(source_in(work.path()));
         let vmm = vmm(port);
         let first = tokio::spawn({
             let (source, vmm) = (source.clone(), vmm.clone());
@@ -818,18 +811,23 @@ mod tests {
         host.abort();
     }
 
-    /// A discard while a start waits for its session wins: the start spawns nothing.
-    #[tokio::test]
-    async fn a_start_whose_reservation_was_discarded_spawns_nothing() {
-        let work = tempfile::tempdir().unwrap();
+    /// A store in `root` with a password that no host checks.
+    fn source_in(root: &std::path::Path) -> EsxiSource {
         let credentials = Credentials { username: "root".into(), secret: Secret::Password("pw".into()) };
         let store = StoreConfig {
-            root: work.path().to_path_buf(),
+            root: root.to_path_buf(),
             streams: 1,
             chunk_size: copy::DEFAULT_CHUNK_SIZE,
             metrics: Arc::new(Metrics::new()),
         };
-        let source = EsxiSource::new(CredentialSource::Fixed(credentials), store);
+        EsxiSource::new(CredentialSource::Fixed(credentials), store)
+    }
+
+    /// A discard while a start waits for its session wins: the start spawns nothing.
+    #[tokio::test]
+    async fn a_start_whose_reservation_was_discarded_spawns_nothing() {
+        let work = tempfile::tempdir().unwrap();
+        let source = source_in(work.path());
         let vmm = vmm(22);
         let key = EsxiSource::task_key(&vmm, 0);
         let reservation = source.reserve(key.clone()).expect("a free key");
