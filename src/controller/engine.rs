@@ -277,16 +277,6 @@ pub trait Fence: Send + Sync {
     async fn write_ahead(&self, status: &crate::api::VirtualMachineMigrationStatus) -> Result<(), Failure>;
 }
 
-/// No fence: every step may act (tests of the machine alone).
-pub struct Unfenced;
-
-#[async_trait::async_trait]
-impl Fence for Unfenced {
-    async fn write_ahead(&self, _status: &crate::api::VirtualMachineMigrationStatus) -> Result<(), Failure> {
-        Ok(())
-    }
-}
-
 /// Performs one action. Annotation removal is done by the caller (it needs the API).
 pub(crate) async fn perform(
     adapters: &Adapters,
