@@ -3,9 +3,12 @@
 //! plan comment per pull request edited in place, never a human's comment,
 //! commit statuses, pagination, and errors that never carry the token.
 
-use crate::support::fake_forge::{BOT_LOGIN, Dialect, FakeForge, FakePr, OWNER, REPO, TOKEN};
+use crate::support::fake_forge::{
+    BOT_LOGIN, Dialect, FakeForge, FakePr, LimitForm, OWNER, REPO, RateLimit, TOKEN,
+};
 use std::io::Write;
 use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
 use vmmigrate::gitops::forge::{CommitState, Forge, GitHub, Gitea};
 use vmmigrate::gitops::plan::{PLAN_MARKER, PlanInput, STATUS_CONTEXT, commit_state};
 
@@ -216,6 +219,75 @@ async fn pull_requests_and_changed_files_are_read_across_pages() {
 
         assert_eq!(forge.changed_files(201).await.expect("changed files"), files, "{dialect:?}");
     }
+}
+
+/// Calls `attempt` every 25 ms until it succeeds (at most 30 s); returns the refusals seen.
+async fn until_ok<T>(
+    mut attempt: impl AsyncFnMut() -> Result<T, vmmigrate::gitops::forge::ForgeError>,
+) -> (T, Vec<String>) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut refusals = Vec::new();
+    loop {
+        match attempt().await {
+            Ok(v) => return (v, refusals),
+            Err(e) => {
+                assert_eq!((e.reason(), e.retryable()), ("ForgeRateLimited", true), "{e}");
+                refusals.push(e.message);
+            }
+        }
+        assert!(Instant::now() < deadline, "still refused after 30 s: {refusals:#?}");
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+}
+
+#[tokio::test]
+async fn a_rate_limited_forge_gets_no_call_inside_its_retry_after_and_the_status_lands_once() {
+    captured_logs();
+    let cases = [
+        (Dialect::GitHub, LimitForm::RetryAfter),
+        (Dialect::GitHub, LimitForm::GitHubReset),
+        (Dialect::Gitea, LimitForm::RetryAfter),
+    ];
+    let runs = cases.map(|(dialect, form)| async move {
+        let fake = FakeForge::start().await;
+        fake.add_pr(FakePr::open(7, SHA));
+        let forge = client(&fake, dialect);
+        // Two limited answers in a row, from the status write on: the retry
+        // after the first wait meets the second.
+        fake.rate_limit(RateLimit {
+            from: "POST /repos/acme/vm-migrations/statuses/".into(),
+            calls: 2,
+            wait: Duration::from_secs(1),
+            form,
+        });
+        let started = Instant::now();
+        let ((), refusals) = until_ok(async || {
+            forge.set_commit_status(SHA, STATUS_CONTEXT, CommitState::Success, "ok", None).await
+        })
+        .await;
+        let took = started.elapsed();
+
+        let answers = fake.limit_answers();
+        let inside = fake.calls_inside_retry_after();
+        eprintln!(
+            "{dialect:?} {form:?}: {} rate-limited answers, {} calls refused locally, forge calls inside Retry-After {}, status after {:.1} s",
+            answers.len(),
+            refusals.len().saturating_sub(answers.len()),
+            inside.len(),
+            took.as_secs_f64()
+        );
+        assert_eq!(answers.len(), 2, "{dialect:?} {form:?}");
+        assert!(inside.is_empty(), "{dialect:?} {form:?}: calls inside Retry-After: {inside:#?}");
+        assert_eq!(fake.statuses(SHA).len(), 1, "{dialect:?} {form:?}: the status lands once");
+        assert!(took >= Duration::from_secs(2), "{dialect:?} {form:?}: two waits of a second, {took:?}");
+        assert!(
+            refusals.iter().any(|r| r.contains("not sent: the forge's rate limit")),
+            "{dialect:?} {form:?}: {refusals:#?}"
+        );
+        // Once the limit passed, the next call goes out at once.
+        forge.pull_request(7).await.expect("after the limit");
+    });
+    futures::future::join_all(runs).await;
 }
 
 /// Collects everything `tracing` writes while a test runs.

@@ -5,7 +5,9 @@
 //! fake forge of
 //! tests/support for pull requests.
 
-use crate::support::fake_forge::{BOT_LOGIN, Dialect, FakeForge, FakePr, OWNER, REPO, TOKEN};
+use crate::support::fake_forge::{
+    BOT_LOGIN, Dialect, FakeForge, FakePr, LimitForm, OWNER, REPO, RateLimit, TOKEN,
+};
 use crate::support::sim::{FaultPlan, SimWorld};
 use crate::support::{KubeEnv, ensure_storage_class, kubevirt_sim, phase_of, test_namespace};
 use kube::api::{Api, PostParams};
@@ -716,6 +718,57 @@ async fn one_pull_requests_failed_comment_does_not_stop_the_others_and_plans_sho
     assert!(comment.contains("is not managed from this repository"), "{comment}");
     assert!(!comment.contains("payroll-secret-vm"), "the live spec leaked: {comment}");
     assert_eq!(forge.statuses(&c).last().unwrap().state, "failure");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rate_limited_forge_gets_no_call_inside_retry_after_and_the_plan_comment_and_status_land_once() {
+    let client = KubeEnv::shared().client().await;
+    let ns = test_namespace(&client, "gitops-429").await;
+    let remote = Remote::new();
+    let cache = tempfile::tempdir().unwrap();
+    let forge = FakeForge::start().await;
+    let gitops = Gitops::new(client.clone(), planning_options(&remote, cache.path(), &ns, &forge)).unwrap();
+    assert!(matches!(gitops.sync().await.unwrap(), SyncOutcome::Applied { .. }));
+    let path = "migrations/web-01.yaml";
+    let head = remote.push("add-web", &[(path, &manifest(&ns, "web-01", "web 01"))], "Add web-01");
+    forge.add_pr(FakePr { head_ref: "add-web".into(), ..FakePr::open(1, &head) }.with_files(&[path]));
+    // The comment is posted, then the status write is limited, and so is
+    // the first call of the round after the wait.
+    forge.rate_limit(RateLimit {
+        from: "POST /repos/acme/vm-migrations/statuses/".into(),
+        calls: 2,
+        wait: Duration::from_secs(1),
+        form: LimitForm::RetryAfter,
+    });
+
+    let started = Instant::now();
+    let mut rounds = 0;
+    wait_for("the plan's commit status", async || {
+        rounds += 1;
+        // A round the limit stops is logged and tried again on the next one.
+        let _ = gitops.plan_pull_requests().await;
+        forge.statuses(&head).last().cloned()
+    })
+    .await;
+    let inside = forge.calls_inside_retry_after();
+    let comments = forge.comments(1);
+    eprintln!(
+        "forge rate limit (2 × Retry-After: 1): {rounds} planning rounds, {} rate-limited answers, forge calls inside Retry-After {}, \
+         plan comments {}, statuses {}, plan landed after {:.1} s",
+        forge.limit_answers().len(),
+        inside.len(),
+        comments.len(),
+        forge.statuses(&head).len(),
+        started.elapsed().as_secs_f64()
+    );
+    assert_eq!(forge.limit_answers().len(), 2);
+    assert!(inside.is_empty(), "forge calls inside Retry-After: {inside:#?}");
+    assert_eq!(comments.len(), 1, "one plan comment, no duplicate: {comments:#?}");
+    assert!(comments[0].author == BOT_LOGIN && comments[0].body.contains(&head), "{comments:#?}");
+    let statuses = forge.statuses(&head);
+    assert_eq!(statuses.len(), 1, "{statuses:#?}");
+    assert_eq!((statuses[0].context.as_str(), statuses[0].state.as_str()), ("vmmigrate/plan", "success"));
+    assert_eq!(gitops.plan_pull_requests().await.unwrap(), 0, "planned: not planned again");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

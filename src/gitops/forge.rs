@@ -7,6 +7,13 @@
 //! any error text a server or proxy might echo it in. Pagination links are
 //! followed only while they stay under the configured API base, so the token
 //! is never sent to another host.
+//!
+//! A rate limit is honoured: after an answer that says when to come back
+//! (`Retry-After`, or GitHub's `x-ratelimit-remaining: 0` with
+//! `x-ratelimit-reset`), the client sends nothing to the forge until then and
+//! refuses every call locally with a rate-limit error; the callers' next round
+//! (the next poll) does the work. An absurd wait is cut to
+//! [`MAX_RATE_LIMIT_WAIT`] and the cut is logged.
 
 use async_trait::async_trait;
 use reqwest::header::{ACCEPT, AUTHORIZATION, HeaderMap, HeaderName, HeaderValue, LINK};
@@ -14,7 +21,8 @@ use reqwest::{Client, Method};
 use serde::Deserialize;
 use serde_json::{Value, json};
 use std::fmt;
-use std::time::Duration;
+use std::sync::Mutex;
+use std::time::{Duration, Instant, SystemTime};
 use tokio::sync::OnceCell;
 
 /// Every request, connect to last byte.
@@ -30,6 +38,12 @@ const EXCERPT_CHARS: usize = 200;
 /// GitHub rejects longer commit status descriptions.
 const STATUS_DESCRIPTION_CHARS: usize = 140;
 const USER_AGENT: &str = "vmmigrate";
+/// The longest a rate limit keeps us quiet, whatever the forge asks: a
+/// misconfigured proxy's `Retry-After: 86400` must not silence plans for a day.
+pub const MAX_RATE_LIMIT_WAIT: Duration = Duration::from_secs(15 * 60);
+/// How long to wait after a rate-limit answer that does not say (GitHub's
+/// documentation: "wait for at least one minute").
+const DEFAULT_RATE_LIMIT_WAIT: Duration = Duration::from_secs(60);
 const REDACTED: &str = "[redacted]";
 
 /// A pull request as vmmigrate needs it.
@@ -72,7 +86,9 @@ impl CommitState {
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[error("{message}")]
 pub struct ForgeError {
-    /// `None` when no answer came (connection, timeout) or the call was refused locally.
+    /// `None` when no answer came (connection, timeout) or the call was
+    /// refused locally; `Some(429)` also for a call not sent because the
+    /// forge's last rate limit has not passed yet.
     pub status: Option<u16>,
     pub message: String,
 }
@@ -265,6 +281,8 @@ struct Rest {
     token: String,
     /// The token's login, given or asked once.
     login: OnceCell<String>,
+    /// No call before this instant: the forge's last rate limit.
+    quiet_until: Mutex<Option<Instant>>,
 }
 
 impl fmt::Debug for Rest {
@@ -393,6 +411,7 @@ impl Rest {
             repo: repo.to_owned(),
             token: token.to_owned(),
             login: OnceCell::new(),
+            quiet_until: Mutex::new(None),
         })
     }
 
@@ -417,6 +436,15 @@ impl Rest {
         body: Option<&Value>,
     ) -> Result<(HeaderMap, Value), ForgeError> {
         let what = self.describe(&method, url);
+        if let Some(left) = self.quiet_for(Instant::now()) {
+            return Err(ForgeError::new(
+                Some(429),
+                format!(
+                    "{what}: not sent: the forge's rate limit asks for no calls for another {} s",
+                    left.as_secs_f64().ceil()
+                ),
+            ));
+        }
         let mut request = self.http.request(method, url);
         if let Some(body) = body {
             request = request.json(body);
@@ -426,6 +454,11 @@ impl Rest {
         let headers = response.headers().clone();
         let text = response.text().await.map_err(|e| ForgeError::transport(&what, &e, &self.token))?;
         tracing::debug!(request = %what, status, "forge call");
+        let limited =
+            (status == 403 || status == 429) && excerpt(&text).to_ascii_lowercase().contains("rate limit");
+        if let Some(wait) = rate_limit_wait(status, limited, &headers, SystemTime::now()) {
+            self.keep_quiet(&what, wait);
+        }
         if !(200..300).contains(&status) {
             return Err(ForgeError::http(&what, status, &text, &self.token));
         }
@@ -435,6 +468,34 @@ impl Rest {
         let value =
             serde_json::from_str(&text).map_err(|e| ForgeError::decode(&what, status, e, &self.token))?;
         Ok((headers, value))
+    }
+
+    /// How much longer the last rate limit keeps us quiet at `now`.
+    fn quiet_for(&self, now: Instant) -> Option<Duration> {
+        let until = *self.quiet_until.lock().unwrap_or_else(|p| p.into_inner());
+        until.and_then(|until| until.checked_duration_since(now)).filter(|left| !left.is_zero())
+    }
+
+    /// Sends nothing for `wait` from now (never shortening a longer wait already set).
+    fn keep_quiet(&self, what: &str, wait: RateLimitWait) {
+        let until = Instant::now() + wait.wait;
+        let mut quiet = self.quiet_until.lock().unwrap_or_else(|p| p.into_inner());
+        if quiet.is_none_or(|current| current < until) {
+            *quiet = Some(until);
+        }
+        match wait.asked {
+            Some(asked) => tracing::warn!(
+                request = %what,
+                asked_seconds = asked.as_secs(),
+                wait_seconds = wait.wait.as_secs(),
+                "forge rate limit: it asked for a wait longer than the cap; no forge calls until the cap passes"
+            ),
+            None => tracing::warn!(
+                request = %what,
+                wait_seconds = wait.wait.as_secs_f64(),
+                "forge rate limit: no forge calls until it passes"
+            ),
+        }
     }
 
     async fn get_as<T: for<'de> Deserialize<'de>>(&self, url: &str) -> Result<T, ForgeError> {
@@ -631,6 +692,58 @@ impl Rest {
         self.send(Method::POST, &self.repo_url(&format!("/statuses/{sha}")), Some(&status)).await?;
         Ok(())
     }
+}
+
+/// How long a forge answer asks us to stay away.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct RateLimitWait {
+    /// At most [`MAX_RATE_LIMIT_WAIT`].
+    wait: Duration,
+    /// What the forge asked for, when it was more than the cap.
+    asked: Option<Duration>,
+}
+
+/// The wait an answer asks for: `Retry-After` (seconds or an HTTP date) on a
+/// 429, a rate-limit 403 or a 503; GitHub's `x-ratelimit-reset` (epoch
+/// seconds) once `x-ratelimit-remaining` is 0, whatever the status (the last
+/// allowed call is answered 200); [`DEFAULT_RATE_LIMIT_WAIT`] for a 429 or a
+/// rate-limit 403 that says nothing. `None`: no rate limit. `now` is the clock
+/// the reset is read against.
+fn rate_limit_wait(
+    status: u16,
+    rate_limit_body: bool,
+    headers: &HeaderMap,
+    now: SystemTime,
+) -> Option<RateLimitWait> {
+    let header = |name: &str| headers.get(name).and_then(|v| v.to_str().ok()).map(str::trim);
+    let limited = status == 429 || (status == 403 && rate_limit_body);
+    let retry_after = header("retry-after").filter(|_| limited || status == 503).and_then(|value| {
+        if let Ok(seconds) = value.parse::<u64>() {
+            return Some(Duration::from_secs(seconds));
+        }
+        let at = jiff::fmt::rfc2822::DateTimeParser::new().parse_timestamp(value).ok()?;
+        Some(SystemTime::from(at).duration_since(now).unwrap_or_default())
+    });
+    let reset = (header("x-ratelimit-remaining") == Some("0"))
+        .then(|| header("x-ratelimit-reset")?.parse::<u64>().ok())
+        .flatten()
+        .map(|epoch| {
+            (SystemTime::UNIX_EPOCH + Duration::from_secs(epoch)).duration_since(now).unwrap_or_default()
+        });
+    let wait = match (retry_after, reset) {
+        (Some(a), Some(b)) => a.max(b),
+        (Some(a), None) | (None, Some(a)) => a,
+        (None, None) if limited => DEFAULT_RATE_LIMIT_WAIT,
+        (None, None) => return None,
+    };
+    if wait.is_zero() {
+        return None;
+    }
+    Some(if wait > MAX_RATE_LIMIT_WAIT {
+        RateLimitWait { wait: MAX_RATE_LIMIT_WAIT, asked: Some(wait) }
+    } else {
+        RateLimitWait { wait, asked: None }
+    })
 }
 
 /// The bot's own marker comment: among the comments carrying the marker, the
@@ -852,6 +965,65 @@ mod tests {
             assert!(GitHub::new(GITHUB_API, bad, "repo", "t").is_err(), "{bad:?}");
         }
         assert!(GitHub::new(GITHUB_API, "acme-corp", "vm.migrations_1", "t").is_ok());
+    }
+
+    fn headers(pairs: &[(&'static str, &str)]) -> HeaderMap {
+        let mut map = HeaderMap::new();
+        for (name, value) in pairs {
+            map.insert(*name, HeaderValue::from_str(value).unwrap());
+        }
+        map
+    }
+
+    #[test]
+    fn retry_after_and_github_reset_set_the_wait_and_an_absurd_one_is_cut_to_fifteen_minutes() {
+        let now = SystemTime::UNIX_EPOCH + Duration::from_secs(1_750_000_000);
+        let wait = |status, body, pairs: &[(&'static str, &str)]| {
+            rate_limit_wait(status, body, &headers(pairs), now)
+        };
+        let secs = |s| Some(RateLimitWait { wait: Duration::from_secs(s), asked: None });
+
+        assert_eq!(wait(429, false, &[("retry-after", "2")]), secs(2));
+        assert_eq!(wait(429, false, &[("retry-after", "Sun, 15 Jun 2025 15:06:50 GMT")]), secs(10));
+        assert_eq!(wait(503, false, &[("retry-after", "7")]), secs(7));
+        assert_eq!(
+            wait(403, true, &[("x-ratelimit-remaining", "0"), ("x-ratelimit-reset", "1750000030")]),
+            secs(30)
+        );
+        // The last allowed call is answered 200 with nothing remaining: quiet until the reset.
+        assert_eq!(
+            wait(200, false, &[("x-ratelimit-remaining", "0"), ("x-ratelimit-reset", "1750000005")]),
+            secs(5)
+        );
+        assert_eq!(
+            wait(200, false, &[("x-ratelimit-remaining", "12"), ("x-ratelimit-reset", "1750000005")]),
+            None
+        );
+        assert_eq!(wait(429, false, &[]), secs(60), "a 429 that does not say waits a minute");
+        assert_eq!(wait(403, false, &[("retry-after", "5")]), None, "a plain 403 is no rate limit");
+        assert_eq!(wait(500, false, &[("retry-after", "5")]), None);
+
+        let absurd = wait(429, false, &[("retry-after", "86400")]).unwrap();
+        assert_eq!(
+            absurd,
+            RateLimitWait { wait: MAX_RATE_LIMIT_WAIT, asked: Some(Duration::from_secs(86400)) }
+        );
+        assert_eq!(MAX_RATE_LIMIT_WAIT, Duration::from_secs(900));
+    }
+
+    #[test]
+    fn a_call_inside_the_wait_is_refused_without_being_sent() {
+        let rest = Rest::new(Dialect::GitHub, GITHUB_API, "acme", "infra", "t").unwrap();
+        let now = Instant::now();
+        assert_eq!(rest.quiet_for(now), None);
+        rest.keep_quiet("GET /", RateLimitWait { wait: Duration::from_secs(30), asked: None });
+        assert!(rest.quiet_for(now).is_some_and(|left| left > Duration::from_secs(29)));
+        rest.keep_quiet("GET /", RateLimitWait { wait: Duration::from_secs(1), asked: None });
+        assert!(
+            rest.quiet_for(now).is_some_and(|left| left > Duration::from_secs(29)),
+            "a shorter wait does not cut a longer one"
+        );
+        assert_eq!(rest.quiet_for(now + Duration::from_secs(31)), None);
     }
 
     #[test]

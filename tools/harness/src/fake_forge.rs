@@ -26,11 +26,20 @@
 //! redaction of the token is exercised. Real Gitea does not paginate an
 //! issue's comments (it sends all of them); this one does, which is the
 //! harder case for a client.
+//!
+//! Rate limits ([`FakeForge::rate_limit`]) are answered as the real ones
+//! are: 429 with `Retry-After: <seconds>` (both forges, and GitHub's
+//! secondary limit), or GitHub's primary limit, 403 "API rate limit
+//! exceeded" with `x-ratelimit-remaining: 0` and `x-ratelimit-reset: <epoch
+//! seconds>`. Every call is recorded with the instant it arrived, so
+//! [`FakeForge::calls_inside_retry_after`] tells, from the fake's own record,
+//! which calls came while a rate limit it answered was still running.
 
 use serde_json::{Value, json};
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant, SystemTime};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
@@ -121,6 +130,38 @@ pub struct Call {
     pub authorized: bool,
     /// Request headers (lower-case names) without `Authorization`.
     pub headers: BTreeMap<String, String>,
+    /// When the request arrived (its head and body read).
+    pub at: Instant,
+}
+
+/// How a rate-limited answer says when to come back.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LimitForm {
+    /// 429 with `Retry-After: <seconds>`.
+    RetryAfter,
+    /// GitHub's primary limit: 403 "API rate limit exceeded" with
+    /// `x-ratelimit-remaining: 0` and `x-ratelimit-reset: <epoch seconds>`.
+    GitHubReset,
+}
+
+/// A run of rate-limited answers.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RateLimit {
+    /// The run starts with the first call whose `METHOD path` (as in
+    /// [`Call`]) starts with this; empty: with the next call.
+    pub from: String,
+    /// How many calls in a row it answers, the one that starts it included.
+    pub calls: usize,
+    /// What each answer asks for; whole seconds (both headers count in seconds).
+    pub wait: Duration,
+    pub form: LimitForm,
+}
+
+/// A rate-limited answer: when it was given and until when it asked for quiet.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LimitAnswer {
+    pub at: Instant,
+    pub until: Instant,
 }
 
 #[derive(Default)]
@@ -134,6 +175,9 @@ struct State {
     refused_issues: std::collections::BTreeSet<u64>,
     /// `GET /user` answers 403, as GitHub does for app installation tokens.
     user_hidden: bool,
+    /// The rate limit armed, and whether its first call has come.
+    limit: Option<(RateLimit, bool)>,
+    limit_answers: Vec<LimitAnswer>,
 }
 
 /// The running server; stops when dropped.
@@ -220,6 +264,32 @@ impl FakeForge {
 
     pub fn calls(&self) -> Vec<Call> {
         self.lock().calls.clone()
+    }
+
+    /// Arms a run of rate-limited answers (replacing one still armed).
+    pub fn rate_limit(&self, limit: RateLimit) {
+        assert!(
+            limit.calls > 0 && limit.wait.subsec_nanos() == 0,
+            "whole seconds, at least one call: {limit:?}"
+        );
+        self.lock().limit = Some((limit, false));
+    }
+
+    /// The rate-limited answers given so far.
+    pub fn limit_answers(&self) -> Vec<LimitAnswer> {
+        self.lock().limit_answers.clone()
+    }
+
+    /// Calls that arrived after a rate-limited answer and before the time it
+    /// asked the client to wait for.
+    pub fn calls_inside_retry_after(&self) -> Vec<Call> {
+        let state = self.lock();
+        state
+            .calls
+            .iter()
+            .filter(|c| state.limit_answers.iter().any(|a| a.at < c.at && c.at < a.until))
+            .cloned()
+            .collect()
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
@@ -334,6 +404,8 @@ fn reason(status: u16) -> &'static str {
         404 => "Not Found",
         405 => "Method Not Allowed",
         422 => "Unprocessable Entity",
+        429 => "Too Many Requests",
+        502 => "Bad Gateway",
         _ => "Internal Server Error",
     }
 }
@@ -353,7 +425,9 @@ fn handle(request: Request, addr: SocketAddr, state: &Mutex<State>) -> Response 
     headers.remove("authorization");
     let query_text = request.query.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join("&");
     let recorded = if query_text.is_empty() { path.clone() } else { format!("{path}?{query_text}") };
+    let at = Instant::now();
     let mut state = state.lock().expect("fake forge state");
+    let call = format!("{} {recorded}", request.method);
     state.calls.push(Call {
         dialect,
         method: request.method.clone(),
@@ -361,6 +435,7 @@ fn handle(request: Request, addr: SocketAddr, state: &Mutex<State>) -> Response 
         has_auth: offered.is_some(),
         authorized,
         headers,
+        at,
     });
 
     if !authorized {
@@ -372,6 +447,9 @@ fn handle(request: Request, addr: SocketAddr, state: &Mutex<State>) -> Response 
             403,
             "Request forbidden by administrative rules. Please make sure your request has a User-Agent header",
         );
+    }
+    if let Some(limited) = rate_limited(&mut state, &call, at) {
+        return limited;
     }
 
     let segments: Vec<&str> = path.trim_matches('/').split('/').collect();
@@ -494,6 +572,44 @@ fn handle(request: Request, addr: SocketAddr, state: &Mutex<State>) -> Response 
         }
         _ => Response::message(404, "Not Found"),
     }
+}
+
+/// The rate-limited answer to `call` when the armed limit covers it; records it.
+fn rate_limited(state: &mut State, call: &str, at: Instant) -> Option<Response> {
+    let (limit, started) = state.limit.as_mut()?;
+    if !*started && !call.starts_with(&limit.from) {
+        return None;
+    }
+    *started = true;
+    limit.calls -= 1;
+    let (wait, form) = (limit.wait, limit.form);
+    if limit.calls == 0 {
+        state.limit = None;
+    }
+    let response = match form {
+        LimitForm::RetryAfter => {
+            state.limit_answers.push(LimitAnswer { at, until: at + wait });
+            let mut response = Response::message(429, "Too Many Requests");
+            response.headers.push(("Retry-After".into(), wait.as_secs().to_string()));
+            response
+        }
+        LimitForm::GitHubReset => {
+            // Epoch seconds: the reset is the first whole second at least `wait` away.
+            let now = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).expect("after 1970");
+            let reset = (now + wait).as_secs() + u64::from((now + wait).subsec_nanos() > 0);
+            let until = at + (Duration::from_secs(reset) - now);
+            state.limit_answers.push(LimitAnswer { at, until });
+            let mut response = Response::message(
+                403,
+                "API rate limit exceeded for user ID 1. If you reach out to GitHub Support for help, please include the request ID.",
+            );
+            response.headers.push(("x-ratelimit-limit".into(), "5000".into()));
+            response.headers.push(("x-ratelimit-remaining".into(), "0".into()));
+            response.headers.push(("x-ratelimit-reset".into(), reset.to_string()));
+            response
+        }
+    };
+    Some(response)
 }
 
 fn query<'a>(request: &'a Request, key: &str) -> Option<&'a str> {
