@@ -771,6 +771,100 @@ async fn a_rate_limited_forge_gets_no_call_inside_retry_after_and_the_plan_comme
     assert_eq!(gitops.plan_pull_requests().await.unwrap(), 0, "planned: not planned again");
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn main_force_pushed_to_an_older_commit_orphans_what_left_holds_what_runs_and_keeps_the_status_branch()
+{
+    use kube::api::{Patch, PatchParams};
+    let client = KubeEnv::shared().client().await;
+    let ns = test_namespace(&client, "gitops-rewind").await;
+    let remote = Remote::new();
+    let cache = tempfile::tempdir().unwrap();
+    let gitops = service::start(client.clone(), options(&remote, cache.path(), &ns), Arc::default())
+        .await
+        .expect("gitops");
+    let api: Api<VirtualMachineMigration> = Api::namespaced(client.clone(), &ns);
+    let applied_at = async |name: &str, commit: &str| {
+        let commit = commit.to_owned();
+        wait_for(&format!("{name} applied at {commit}"), async || {
+            api.get_opt(name)
+                .await
+                .unwrap()
+                .filter(|m| m.annotations().get("migration.platform.example/git-commit") == Some(&commit))
+        })
+        .await
+    };
+
+    // A: web-01, cold. B: web-01 made warm while it is still Pending, and db-02 added.
+    let a = remote.push("main", &[("migrations/web-01.yaml", &manifest(&ns, "web-01", "web 01"))], "web-01");
+    applied_at("web-01", &a).await;
+    let warm = manifest(&ns, "web-01", "web 01").replace("\nspec:\n", "\nspec:\n  mode: Warm\n");
+    let b = remote.push(
+        "main",
+        &[("migrations/web-01.yaml", &warm), ("migrations/db-02.yaml", &manifest(&ns, "db-02", "db 02"))],
+        "web-01 warm, db-02",
+    );
+    let web = applied_at("web-01", &b).await;
+    assert_eq!(web.spec.mode, vmmigrate::api::MigrationMode::Warm);
+    applied_at("db-02", &b).await;
+    // web-01 runs: past Validated (the controller's status, written here by hand).
+    let importing = json!({ "status": { "phase": "Importing" } });
+    api.patch_status("web-01", &PatchParams::default(), &Patch::Merge(&importing)).await.unwrap();
+    let status_file = format!("migration-status:{ns}/web-01.yaml");
+    wait_for("web-01 Importing on the status branch", async || {
+        remote.show(&status_file).filter(|s| s.contains("phase: Importing"))
+    })
+    .await;
+    wait_for("db-02 on the status branch", async || {
+        remote.show(&format!("migration-status:{ns}/db-02.yaml"))
+    })
+    .await;
+    let status_before = git(&remote.bare(), &["rev-parse", "migration-status"]);
+
+    // Someone force-pushes main back to A.
+    git(&remote.work(), &["push", "-q", "--force", "origin", &format!("{a}:refs/heads/main")]);
+    assert_eq!(git(&remote.bare(), &["rev-parse", "main"]), a);
+
+    let web = applied_at("web-01", &a).await;
+    assert_eq!(
+        web.spec.mode,
+        vmmigrate::api::MigrationMode::Warm,
+        "the running migration keeps the mode it runs in"
+    );
+    assert_eq!(phase_of(&web), Phase::Importing);
+    let db = wait_for("db-02 marked orphaned", async || {
+        api.get_opt("db-02")
+            .await
+            .unwrap()
+            .filter(|m| m.annotations().contains_key("migration.platform.example/orphaned"))
+    })
+    .await;
+    assert_eq!(db.annotations()["migration.platform.example/orphaned"], "true");
+    assert!(db.metadata.deletion_timestamp.is_none(), "a migration whose manifest left is never deleted");
+    let status_md = wait_for("db-02 orphaned in STATUS.md", async || {
+        remote.show("migration-status:STATUS.md").filter(|s| s.contains("db-02 (orphaned)"))
+    })
+    .await;
+    gitops.stop().await;
+
+    // The status branch moved on from where it was, never back.
+    git(&remote.bare(), &["merge-base", "--is-ancestor", &status_before, "migration-status"]);
+    let log = git(&remote.bare(), &["log", "-1", "--format=%B", "migration-status"]);
+    assert!(log.contains(&format!("Vmmigrate-Source-Commit: {a}")), "{log}");
+    assert!(status_md.contains("web-01") && status_md.contains("Importing"), "{status_md}");
+    let reflog = git(&remote.bare(), &["reflog", "show", "--format=%H", "refs/heads/migration-status"]);
+    let entries: Vec<&str> = reflog.lines().collect();
+    for pair in entries.windows(2) {
+        git(&remote.bare(), &["merge-base", "--is-ancestor", pair[1], pair[0]]);
+    }
+    eprintln!(
+        "main rewound from {} to {}: web-01 kept mode Warm in Importing, db-02 orphaned (not deleted), \
+         status branch {} commits, all fast-forwards",
+        &b[..8],
+        &a[..8],
+        entries.len()
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_local_work_tree_is_applied_on_every_file_change_through_notify() {
     let client = KubeEnv::shared().client().await;
