@@ -553,6 +553,157 @@ async fn a_private_https_repository_is_fetched_and_its_status_pushed_with_the_to
     assert!(!seen.iter().any(|s| s.target.contains(TOKEN_VALUE)));
 }
 
+/// The value of one sample line of a Prometheus text page, 0 when absent.
+fn sample(page: &str, name: &str) -> u64 {
+    page.lines().find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok()).unwrap_or(0)
+}
+
+/// `GET /metrics` of a child process on loopback.
+async fn metrics_page(port: u16) -> Option<String> {
+    use tokio::io::AsyncWriteExt;
+    let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port)).await.ok()?;
+    stream.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").await.ok()?;
+    crate::support::read_answer(&mut stream, Duration::from_secs(5)).await
+}
+
+/// The real process against the real git HTTPS server, which goes down
+/// (connections refused) while a commit waits on it and a migration's
+/// status changes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn while_the_git_remote_is_down_nothing_is_applied_the_outage_is_reported_and_status_catches_up_when_it_is_back()
+ {
+    use crate::support::git_http::GitHttp;
+    use kube::api::{Patch, PatchParams};
+    const TOKEN_VALUE: &str = "t0ken-of-a-remote-that-goes-down";
+    const FETCH_ERRORS: &str = r#"vmmigrate_git_fetch_total{result="error"}"#;
+    const PUSH_ERRORS: &str = r#"vmmigrate_git_push_total{result="error"}"#;
+    let env = KubeEnv::shared();
+    let client = env.client().await;
+    let ns = test_namespace(&client, "gitops-down").await;
+    let remote = Remote::new();
+    remote.push("main", &[("migrations/web-01.yaml", &manifest(&ns, "web-01", "web 01"))], "Add web-01");
+    let server = GitHttp::start(remote.dir.path(), "x-access-token", TOKEN_VALUE).await;
+    let url = server.url("remote.git");
+    let cache = tempfile::tempdir().unwrap();
+    let log_path = cache.path().join("vmmigrate.log");
+    let metrics_port = crate::support::free_port();
+    struct Kill(std::process::Child);
+    impl Drop for Kill {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let _running = Kill(
+        std::process::Command::new(env!("CARGO_BIN_EXE_vmmigrate"))
+            .args(["gitops", "--repo", &url, "--branch", "main", "--poll-seconds", "1"])
+            .args(["--manifest-namespace", &ns, "--status-window-seconds", "1"])
+            .args(["--metrics-listen", &format!("127.0.0.1:{metrics_port}")])
+            .arg("--cache-dir")
+            .arg(cache.path().join("git"))
+            .env("VMMIGRATE_GIT_TOKEN", TOKEN_VALUE)
+            .env("SSL_CERT_FILE", server.ca_file())
+            .env("GIT_SSL_CAINFO", server.ca_file())
+            .env("KUBECONFIG", env.kubeconfig_path())
+            .env("RUST_LOG", "warn")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::fs::File::create(&log_path).unwrap())
+            .spawn()
+            .expect("vmmigrate gitops"),
+    );
+    let api: Api<VirtualMachineMigration> = Api::namespaced(client.clone(), &ns);
+    wait_for("the CR", async || api.get_opt("web-01").await.unwrap()).await;
+    wait_for("web-01 on the status branch", async || {
+        remote.show(&format!("migration-status:{ns}/web-01.yaml"))
+    })
+    .await;
+
+    // Outage 1: web-01 moves on (the controller's status, by hand) while
+    // the status writer cannot push; nothing else changes, so only the
+    // writer's retry can bring it to the branch.
+    let failures = async |what: &str, fetches: u64, pushes: u64| {
+        let before = metrics_page(metrics_port).await.unwrap_or_default();
+        let page = wait_for(what, async || {
+            let page = metrics_page(metrics_port).await?;
+            (sample(&page, FETCH_ERRORS) >= sample(&before, FETCH_ERRORS) + fetches
+                && sample(&page, PUSH_ERRORS) >= sample(&before, PUSH_ERRORS) + pushes)
+                .then_some(page)
+        })
+        .await;
+        (
+            sample(&page, FETCH_ERRORS) - sample(&before, FETCH_ERRORS),
+            sample(&page, PUSH_ERRORS) - sample(&before, PUSH_ERRORS),
+        )
+    };
+    server.go_down();
+    let importing = json!({ "status": { "phase": "Importing" } });
+    api.patch_status("web-01", &PatchParams::default(), &Patch::Merge(&importing)).await.unwrap();
+    let first = failures("three failed fetches and a failed status push", 3, 1).await;
+    server.come_back().await;
+    let back = Instant::now();
+    wait_for("Importing on the status branch", async || {
+        remote.show(&format!("migration-status:{ns}/web-01.yaml")).filter(|s| s.contains("phase: Importing"))
+    })
+    .await;
+    let status_after = back.elapsed();
+
+    // Outage 2: the remote holds a commit of two new migrations it cannot serve.
+    server.go_down();
+    let commit = remote.push(
+        "main",
+        &[
+            ("migrations/db-02.yaml", &manifest(&ns, "db-02", "db 02")),
+            ("migrations/db-03.yaml", &manifest(&ns, "db-03", "db 03")),
+        ],
+        "Add db-02 and db-03",
+    );
+    let second = failures("three more failed fetches", 3, 0).await;
+    for name in ["db-02", "db-03"] {
+        assert!(api.get_opt(name).await.unwrap().is_none(), "{name} applied from an unreachable remote");
+    }
+    let log = std::fs::read_to_string(&log_path).unwrap();
+    let reported: Vec<&str> = log.lines().filter(|l| l.contains(&url)).collect();
+    let fetch_line =
+        reported.iter().find(|l| l.contains("sync failed") && l.contains(&format!("fetching from {url}: ")));
+    let push_line = reported
+        .iter()
+        .find(|l| l.contains("status publish failed") && l.contains(&format!("git fetch {url} failed")));
+    assert!(fetch_line.is_some(), "no fetch failure naming {url}:\n{log}");
+    assert!(push_line.is_some(), "no push failure naming {url}:\n{log}");
+    server.come_back().await;
+    let back = Instant::now();
+    for name in ["db-02", "db-03"] {
+        let applied = wait_for(name, async || api.get_opt(name).await.unwrap()).await;
+        assert_eq!(applied.annotations()["migration.platform.example/git-commit"], commit);
+    }
+    let applied_after = back.elapsed();
+    wait_for("db-03 on the status branch", async || {
+        remote.show(&format!("migration-status:{ns}/db-03.yaml")).filter(|s| s.contains(&commit))
+    })
+    .await;
+
+    let log = std::fs::read_to_string(&log_path).unwrap();
+    let basic = base64::Engine::encode(
+        &base64::engine::general_purpose::STANDARD,
+        format!("x-access-token:{TOKEN_VALUE}"),
+    );
+    assert!(!log.contains(TOKEN_VALUE) && !log.contains(&basic), "credentials in the log:\n{log}");
+    let reflog = git(&remote.bare(), &["reflog", "show", "--format=%H", "refs/heads/migration-status"]);
+    let entries: Vec<&str> = reflog.lines().collect();
+    for pair in entries.windows(2) {
+        git(&remote.bare(), &["merge-base", "--is-ancestor", pair[1], pair[0]]);
+    }
+    eprintln!(
+        "git remote down twice: (failed fetches, failed status pushes) {first:?} and {second:?}; status of outage 1 \
+         on the branch {:.1} s after it was back; outage 2's commit applied whole {:.1} s after; nothing applied \
+         while down; logged:\n  {}\n  {}",
+        status_after.as_secs_f64(),
+        applied_after.as_secs_f64(),
+        fetch_line.unwrap(),
+        push_line.unwrap(),
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_plan_that_discovers_a_vm_another_migration_claims_fails_naming_that_migration() {
     use vmmigrate::ports::EsxiHost;

@@ -113,6 +113,10 @@ impl TrackedRepo {
     /// Fetches every branch (pull-request heads are branches too) and returns
     /// the tracked branch's tip.
     pub(crate) fn fetch(&self) -> Result<String, GitError> {
+        // Errors name the remote (an outage must say which one); the URL
+        // carries no credentials (refused at start-up).
+        let connecting = format!("connecting to {}", self.config.url);
+        let fetching = format!("fetching from {}", self.config.url);
         let repo = self.open()?;
         let remote = repo
             .remote_at(self.config.url.as_str())
@@ -125,7 +129,7 @@ impl TrackedRepo {
             )
             .map_err(|e| err("refspec", e))?;
         let mut connection =
-            remote.connect(gix::remote::Direction::Fetch).map_err(|e| err("connecting", e))?;
+            remote.connect(gix::remote::Direction::Fetch).map_err(|e| err(&connecting, e))?;
         if let RepoAuth::Token(token) = &self.config.auth {
             let token = token.clone();
             connection = connection.with_credentials(move |action| match action {
@@ -147,12 +151,12 @@ impl TrackedRepo {
             let watchdog = scope.spawn(|| self.watch_fetch(&pack_dir, &done, &interrupt));
             let received = connection
                 .prepare_fetch(gix::progress::Discard, Default::default())
-                .map_err(|e| err("fetching", e))
+                .map_err(|e| err(&fetching, e))
                 .and_then(|prepared| {
                     prepared
                         .receive(gix::progress::Discard, &interrupt)
                         .map(|_| ())
-                        .map_err(|e| err("fetching", e))
+                        .map_err(|e| err(&fetching, e))
                 });
             done.store(true, Ordering::SeqCst);
             (received, watchdog.join().ok().flatten())
@@ -161,14 +165,14 @@ impl TrackedRepo {
         // point where gix looks at the flag) stands: its refs have moved.
         match received.as_ref().err().and(stopped) {
             Some(Stop::Size) => Err(err(
-                "fetching",
+                &fetching,
                 format!(
                     "the remote sent more than {} bytes, the most one fetch may bring (--max-fetch-bytes); nothing of it was kept",
                     self.config.max_fetch_bytes
                 ),
             )),
             Some(Stop::Time) => Err(err(
-                "fetching",
+                &fetching,
                 format!(
                     "the fetch took longer than {} s (--fetch-timeout); nothing of it was kept",
                     self.config.fetch_timeout.as_secs()

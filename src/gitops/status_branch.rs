@@ -347,7 +347,8 @@ impl StatusWriter {
                 self.git(&["update-ref", "-d", SCRATCH_REF], None, None)?;
                 return Ok(None);
             }
-            return Err(self.failed("fetch", &out));
+            // Named with the remote: an outage must say which one (ssh's own message does not).
+            return Err(self.failed(&format!("fetch {}", redact_url(&self.cfg.remote_url)), &out));
         }
         let out = self.git(
             &["rev-parse", &format!("{SCRATCH_REF}^{{commit}}"), &format!("{SCRATCH_REF}^{{tree}}")],
@@ -451,7 +452,7 @@ impl StatusWriter {
                 branch: self.cfg.target.branch().to_string(),
                 message: self.redact(summary),
             }),
-            None => Err(self.failed("push", &out)),
+            None => Err(self.failed(&format!("push {}", redact_url(&self.cfg.remote_url)), &out)),
         }
     }
 

@@ -6,6 +6,10 @@
 //! password it was given, and records what it saw. One request per
 //! connection (`Connection: close`); request bodies by `Content-Length` or
 //! chunked (git uses both), gzip left to http-backend as CGI allows.
+//!
+//! [`GitHttp::go_down`] closes the listening socket, so the remote is
+//! unreachable as a forge that is down is (connections refused);
+//! [`GitHttp::come_back`] listens again on the same address.
 
 use base64::Engine as _;
 use std::collections::BTreeMap;
@@ -29,13 +33,25 @@ pub struct Seen {
 pub struct GitHttp {
     addr: SocketAddr,
     seen: Arc<Mutex<Vec<Seen>>>,
-    task: tokio::task::JoinHandle<()>,
+    site: Arc<Site>,
+    /// The accept loop; `None` while the server is down.
+    task: Mutex<Option<tokio::task::JoinHandle<()>>>,
     ca: tempfile::NamedTempFile,
+}
+
+/// What every connection is served with.
+struct Site {
+    acceptor: tokio_rustls::TlsAcceptor,
+    root: PathBuf,
+    user: String,
+    expected: String,
 }
 
 impl Drop for GitHttp {
     fn drop(&mut self) {
-        self.task.abort();
+        if let Some(task) = self.task.get_mut().map(Option::take).unwrap_or_default() {
+            task.abort();
+        }
     }
 }
 
@@ -48,24 +64,32 @@ impl GitHttp {
         let mut ca = tempfile::NamedTempFile::new().expect("CA file");
         std::io::Write::write_all(&mut ca, ca_pem.as_bytes()).expect("writing the CA");
         let pair = base64::engine::general_purpose::STANDARD.encode(format!("{user}:{password}"));
-        let expected = Arc::new(format!("Basic {pair}"));
-        let seen = Arc::new(Mutex::new(Vec::new()));
-        let (root, user) = (Arc::new(root.to_path_buf()), Arc::new(user.to_owned()));
-        let shared = seen.clone();
-        let task = tokio::spawn(async move {
-            while let Ok((stream, _)) = listener.accept().await {
-                let (root, user, expected, seen) =
-                    (root.clone(), user.clone(), expected.clone(), shared.clone());
-                let acceptor = acceptor.clone();
-                tokio::spawn(async move {
-                    // A broken connection is the client's problem; the test sees it there.
-                    if let Ok(stream) = acceptor.accept(stream).await {
-                        let _ = serve(stream, &root, &user, &expected, &seen).await;
-                    }
-                });
-            }
+        let site = Arc::new(Site {
+            acceptor,
+            root: root.to_path_buf(),
+            user: user.to_owned(),
+            expected: format!("Basic {pair}"),
         });
-        GitHttp { addr, seen, task, ca }
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let task = accept_loop(listener, site.clone(), seen.clone());
+        GitHttp { addr, seen, site, task: Mutex::new(Some(task)), ca }
+    }
+
+    /// Closes the listening socket: from now on connections are refused
+    /// (ones already accepted finish).
+    pub fn go_down(&self) {
+        if let Some(task) = self.task.lock().expect("git HTTP task").take() {
+            task.abort();
+        }
+    }
+
+    /// Listens again on the same address.
+    pub async fn come_back(&self) {
+        let listener = TcpListener::bind(self.addr).await.expect("listen again on the git HTTP address");
+        let task = accept_loop(listener, self.site.clone(), self.seen.clone());
+        if let Some(old) = self.task.lock().expect("git HTTP task").replace(task) {
+            old.abort();
+        }
     }
 
     /// `https://127.0.0.1:<port>/<repo>`.
@@ -83,7 +107,24 @@ impl GitHttp {
     }
 }
 
-/// A TLS acceptor for `host` and the PEM of the CA that signed its certificate.
+fn accept_loop(
+    listener: TcpListener,
+    site: Arc<Site>,
+    seen: Arc<Mutex<Vec<Seen>>>,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            let (site, seen) = (site.clone(), seen.clone());
+            tokio::spawn(async move {
+                // A broken connection is the client's problem; the test sees it there.
+                if let Ok(stream) = site.acceptor.accept(stream).await {
+                    let _ = serve(stream, &site.root, &site.user, &site.expected, &seen).await;
+                }
+            });
+        }
+    })
+}
+
 async fn serve<S: AsyncRead + AsyncWrite + Unpin>(
     stream: S,
     root: &PathBuf,
