@@ -1012,7 +1012,7 @@ mod tests {
     }
 
     #[test]
-    fn a_call_inside_the_wait_is_refused_without_being_sent() {
+    fn the_quiet_time_ends_when_its_wait_does_and_a_shorter_wait_does_not_cut_it() {
         let rest = Rest::new(Dialect::GitHub, GITHUB_API, "acme", "infra", "t").unwrap();
         let now = Instant::now();
         assert_eq!(rest.quiet_for(now), None);
