@@ -1,7 +1,9 @@
 //! The GitHub and Gitea clients against the fake forge of
 //! tests/support/fake_forge.rs (a real HTTP server speaking both APIs): one
 //! plan comment per pull request edited in place, never a human's comment,
-//! commit statuses, pagination, and errors that never carry the token.
+//! commit statuses, pagination, rate limits honoured (no call inside a
+//! `Retry-After`, by the fake's own clock), and errors that never carry the
+//! token.
 
 use crate::support::fake_forge::{
     BOT_LOGIN, Dialect, FakeForge, FakePr, LimitForm, OWNER, REPO, RateLimit, TOKEN,
