@@ -98,6 +98,7 @@ reasons! {
     SourceChanged,
     SourceUnreadable,
     LocalDiskError,
+    WorkDirectoryFull,
     CopyTaskPanicked,
     // Conversion and staging
     VirtualSizeMismatch,
@@ -143,11 +144,19 @@ reasons! {
 }
 
 impl Reason {
+    /// Whether a failure for this reason is waited out without spending the
+    /// retry budget: the transport's (`is_transport`), and a full work
+    /// directory, which frees up when a person (or another migration's
+    /// cleanup) makes room; the step resumes where it stopped.
+    pub fn is_waited_out(self) -> bool {
+        self.is_transport() || self == Reason::WorkDirectoryFull
+    }
+
     /// A failure of the path to something that answered before (an API
     /// server in a brownout, a connection lost mid-copy, a call that timed
     /// out), not of the migration: it never spends the retry budget, however
-    /// long it lasts. A host that cannot be reached at all (SSH connect or
-    /// handshake) does spend it: a person may have named the wrong one.
+    /// long it lasts. A host that cannot be reached (`is_host_reach`) spends it
+    /// until the migration has reached it once.
     pub fn is_transport(self) -> bool {
         matches!(
             self,
@@ -158,6 +167,15 @@ impl Reason {
                 | Reason::Conflict
                 | Reason::KubeAPIError
         )
+    }
+
+    /// A failure to reach the ESXi host over SSH (connect, handshake,
+    /// session, timeout). It spends the retry budget in discovery, and is
+    /// waited out in the phases after it:
+    /// the host answered before, so it is a restart, a reboot or a path
+    /// that went away, not a wrong name.
+    pub fn is_host_reach(self) -> bool {
+        matches!(self, Reason::SSHConnectFailed | Reason::SSHTimeout | Reason::SSHError)
     }
 }
 

@@ -127,8 +127,8 @@ impl ConvertError {
             ConvertError::Qemu(QemuError::NotInstalled) => {
                 Failure::needs_human(Reason::QemuImgNotInstalled, message)
             }
-            ConvertError::Qemu(_) => Failure::retryable(Reason::QemuImgFailed, message),
-            ConvertError::Io(_) => Failure::retryable(Reason::ConversionIoError, message),
+            ConvertError::Qemu(_) => Failure::local_write(Reason::QemuImgFailed, message),
+            ConvertError::Io(_) => Failure::local_write(Reason::ConversionIoError, message),
         }
     }
 }

@@ -72,7 +72,7 @@ fn uid_of(vmm: &VirtualMachineMigration) -> String {
 }
 
 fn io_failure(what: &str, err: std::io::Error) -> Failure {
-    Failure::retryable(Reason::WorkDirError, format!("{what}: {err}"))
+    Failure::local_write(Reason::WorkDirError, format!("{what}: {err}"))
 }
 
 impl ArtifactStore {
@@ -216,7 +216,7 @@ impl ArtifactStore {
                 Some(line) => line,
                 None => failed.message.unwrap_or_else(|| failed.reason.unwrap_or_default()),
             };
-            return Some(ArtifactState::Failed(Failure::retryable(
+            return Some(ArtifactState::Failed(Failure::local_write(
                 Reason::ConversionJobFailed,
                 format!("Job {name}: {said}"),
             )));

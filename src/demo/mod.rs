@@ -102,7 +102,7 @@ struct LocalParts {
 /// namespace standing in for db-02's application, or, with `--cluster`, the
 /// real guest's own web server once it has booted.
 enum GuestWeb {
-    Netns(Netns),
+    Netns(Box<Netns>),
     Guest,
 }
 
@@ -307,7 +307,7 @@ fn start_local_parts(cluster: bool) -> anyhow::Result<LocalParts> {
     let guest_web = web
         .map_err(|_| anyhow::anyhow!("the network namespace panicked"))?
         .context("starting the guest's web server")?;
-    Ok(LocalParts { kube, esxi, guest_web: GuestWeb::Netns(guest_web), subject: DB_02 })
+    Ok(LocalParts { kube, esxi, guest_web: GuestWeb::Netns(Box::new(guest_web)), subject: DB_02 })
 }
 
 /// `--cluster`: the one-node cluster with real KubeVirt first (the ESXi

@@ -351,9 +351,12 @@ impl<'a> Ctx<'a> {
                 // an earlier phase, so a loop between phases stays bounded.
                 let mut attempt = self.status.retry.as_ref().map_or(1, |r| r.attempt + 1);
                 // The path to something failing (API server, SSH, a
-                // timeout) is waited out with the longest backoff; it never
-                // spends the budget.
-                if failure.reason.is_transport() {
+                // timeout) or a full work directory is waited out with the
+                // longest backoff; it never spends the budget. So is a host
+                // that answered at discovery and cannot be reached now
+                // (discovery itself always spends it: a wrong name).
+                let reached_before = self.status.source_inventory.is_some() && phase != Phase::Discovering;
+                if failure.reason.is_waited_out() || (failure.reason.is_host_reach() && reached_before) {
                     attempt = attempt.min(self.spec.strategy.retry_limit);
                 }
                 if attempt > self.spec.strategy.retry_limit {

@@ -33,6 +33,29 @@ impl Failure {
     pub fn terminal(reason: Reason, message: impl Into<String>) -> Failure {
         Failure { class: FailureClass::Terminal, reason, message: message.into() }
     }
+    /// A failed local write (a copy, a conversion, the work directory): a
+    /// full file system is `WorkDirectoryFull`, waited out until there is
+    /// room again; anything else is `reason`. Both are retryable, and what
+    /// was written so far is kept.
+    pub fn local_write(reason: Reason, message: impl Into<String>) -> Failure {
+        let message = message.into();
+        if reports_full_file_system(&message) {
+            let message = format!(
+                "the work directory's file system is full ({message}); the step resumes when there is room"
+            );
+            Failure::retryable(Reason::WorkDirectoryFull, message)
+        } else {
+            Failure::retryable(reason, message)
+        }
+    }
+}
+
+/// Whether an error text is ENOSPC's or EDQUOT's, as the kernel words them
+/// (through `std::io::Error`, qemu-img's stderr or a Job's last line).
+fn reports_full_file_system(message: &str) -> bool {
+    ["No space left on device", "os error 28", "Disk quota exceeded", "os error 122"]
+        .iter()
+        .any(|said| message.contains(said))
 }
 
 impl std::fmt::Display for Failure {

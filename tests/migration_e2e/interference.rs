@@ -100,3 +100,76 @@ async fn a_snapshot_taken_by_a_backup_tool_while_the_cutover_waits_for_approval_
     assert_eq!(m.emu.vm_power(m.vmid), "on", "the source still runs");
     assert_eq!(m.source_sha256_now(), m.source_sha256_at_start());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_source_powered_on_by_a_person_mid_copy_stops_the_copy_and_the_retry_copies_its_disks_at_the_last_power_off()
+ {
+    let m = Migration::new("e2e-poweron-copy").await;
+    m.emu.set_read_rate(Some(4 << 20));
+    m.create(|_| {}).await;
+    // Copying (the host has served 4 MiB since the power-off).
+    let deadline = Instant::now() + WAIT;
+    while m.emu.disk_reads_after_power_off(m.vmid).iter().map(|r| r.delivered).sum::<u64>() < 4 << 20 {
+        assert!(Instant::now() < deadline, "the copy never started");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let uid = m.get().await.uid().unwrap();
+    m.emu.vim_cmd_by_hand(&["vmsvc/power.on", m.vmid]).expect("power.on");
+    guest_writes_at_start(&m.emu, m.vmid, 4 << 20);
+    let stopped =
+        m.wait_until_stopped(|v| phase_of(v) == Phase::ManualInterventionRequired).await.status.unwrap();
+    assert_eq!(stopped.errors.last().unwrap().reason, "SourcePoweredOnAgain", "{:#?}", stopped.errors);
+    assert!(stopped.timestamps.source_powered_off.is_none(), "the power-off is forgotten");
+    // Nothing of the copy made while the guest ran is kept.
+    let deadline = Instant::now() + WAIT;
+    while !m.leftovers(&uid).is_empty() {
+        assert!(Instant::now() < deadline, "copies of the ended epoch kept: {:?}", m.leftovers(&uid));
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(m.list(&data_volume_resource()).await.is_empty(), "nothing imported from a running source");
+
+    m.emu.set_power(m.vmid, false);
+    m.emu.set_read_rate(None);
+    let at_last_power_off = m.source_sha256_now();
+    assert_ne!(at_last_power_off, m.source_sha256_at_start(), "the guest's writes changed the disks");
+    let retry = json!({"metadata": {"annotations": {vmmigrate::api::RETRY_ANNOTATION: "true"}}});
+    m.api.patch(m.vm, &kube::api::PatchParams::default(), &kube::api::Patch::Merge(&retry)).await.unwrap();
+    m.wait_until_stopped(|v| phase_of(v) != Phase::ManualInterventionRequired).await;
+    let done = m.wait_completed().await.status.unwrap();
+    let recorded: Vec<String> = done.disks.iter().map(|d| d.source_sha256.clone().unwrap()).collect();
+    assert_eq!(recorded, at_last_power_off, "recorded: the disks at the last power-off");
+    assert_eq!(m.imported_sha256(2).await, at_last_power_off, "imported: the disks at the last power-off");
+    assert_eq!(m.source_sha256_now(), at_last_power_off, "vmmigrate never wrote the source");
+    m.assert_power_calls_recorded().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_snapshot_taken_by_a_backup_tool_while_the_cutover_waits_for_its_window_stops_it_before_any_power_action()
+ {
+    let m = Migration::new("e2e-backup-window").await;
+    // The window opens 20 s from now (UTC wall clock, to the second).
+    let opens = jiff::Timestamp::now() + jiff::SignedDuration::from_secs(20);
+    let local = |t: jiff::Timestamp| t.strftime("%Y-%m-%dT%H:%M:%S").to_string();
+    let window = json!({
+        "start": local(opens),
+        "end": local(opens + jiff::SignedDuration::from_secs(3600)),
+        "timeZone": "UTC",
+    });
+    m.create(|body| body["spec"]["cutover"] = json!({ "mode": "Window", "window": window })).await;
+    m.wait_for("waiting for the window", |v| {
+        v.status.as_ref().and_then(|s| s.waiting.as_ref()).is_some_and(|w| w.reason == "WaitingForWindow")
+    })
+    .await;
+    m.emu
+        .vim_cmd_by_hand(&["vmsvc/snapshot.create", m.vmid, "backup-nightly", "", "0", "0"])
+        .expect("snapshot");
+    assert!(jiff::Timestamp::now() < opens, "the snapshot is taken before the window opens");
+    let status =
+        m.wait_until_stopped(|v| phase_of(v) == Phase::ManualInterventionRequired).await.status.unwrap();
+    let error = status.errors.last().unwrap();
+    assert_eq!(error.reason, "SourceChangedSinceDiscovery", "{:#?}", status.errors);
+    assert!(error.message.contains("snapshots"), "{}", error.message);
+    assert!(m.emu.power_calls(m.vmid).is_empty(), "nothing was asked of the source's power");
+    assert!(status.power_actions.is_empty());
+    assert_eq!(m.emu.vm_power(m.vmid), "on", "the source still runs");
+}

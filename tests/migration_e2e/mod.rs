@@ -42,6 +42,7 @@ use vmmigrate::destination::cluster::{
 };
 use vmmigrate::metrics::Metrics;
 
+mod faults;
 mod interference;
 mod rehearsal;
 mod warm;
@@ -62,13 +63,16 @@ struct Migration {
     kubevirt: Kubevirt,
     api: Api<VirtualMachineMigration>,
     emu: EsxiEmulator,
-    work: tempfile::TempDir,
+    work: WorkDir,
     opts: ControllerOptions,
     staging: StagingServer,
     _sims: Option<kubevirt_sim::Simulators>,
     /// Every conversion Job ever created in the namespace, by uid.
     jobs_seen: Arc<std::sync::Mutex<std::collections::HashSet<String>>>,
     job_watch: tokio::task::JoinHandle<()>,
+    /// Every DataVolume ever created in the namespace, by uid.
+    dvs_seen: Arc<std::sync::Mutex<std::collections::HashSet<String>>>,
+    dv_watch: tokio::task::JoinHandle<()>,
     _netns: Option<Netns>,
     _cdi_definition: Option<tokio::sync::RwLockReadGuard<'static, ()>>,
     /// What the adapters and the staging server record into (one registry
@@ -114,22 +118,79 @@ enum Cdi {
     RealWithoutChecksum,
 }
 
+/// The controller's work directory: a temporary one, or the test's.
+struct WorkDir {
+    _own: Option<tempfile::TempDir>,
+    path: PathBuf,
+}
+
+impl WorkDir {
+    fn new(given: Option<PathBuf>) -> WorkDir {
+        match given {
+            Some(path) => WorkDir { _own: None, path },
+            None => {
+                let own = tempfile::tempdir().expect("work dir");
+                WorkDir { path: own.path().to_path_buf(), _own: Some(own) }
+            }
+        }
+    }
+
+    fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+/// How a [`Migration`] is set up: every choice, each with its usual value.
+#[derive(Clone)]
+struct Setup {
+    cdi: Cdi,
+    /// Importer pods reach the staging server through an
+    /// [`UnavailableFront`], which answers 503 until the test opens it.
+    front: bool,
+    kubevirt: Kubevirt,
+    /// The source VM's name and vmid on the emulated host.
+    vm: (&'static str, &'static str),
+    data_plane: DataPlane,
+    snapshot_format: crate::support::vmdk_delta::DeltaFormat,
+    /// On the cluster whose control plane the fault tests break
+    /// (`KubeEnv::shared_faults`), instead of the shared one.
+    fault_cluster: bool,
+    /// The controller's work directory, when the test gives one (a small
+    /// file system that fills, say).
+    work_dir: Option<PathBuf>,
+}
+
+impl Default for Setup {
+    fn default() -> Setup {
+        Setup {
+            cdi: Cdi::Real,
+            front: false,
+            kubevirt: Kubevirt::Simulated,
+            vm: ("db-02", "2"),
+            data_plane: DataPlane::Process,
+            snapshot_format: crate::support::vmdk_delta::DeltaFormat::SeSparse,
+            fault_cluster: false,
+            work_dir: None,
+        }
+    }
+}
+
 impl Migration {
     async fn new(prefix: &str) -> Migration {
-        Migration::with(prefix, Cdi::Real).await
+        Migration::start(prefix, Setup::default()).await
     }
 
     async fn with(prefix: &str, cdi: Cdi) -> Migration {
-        Migration::with_front(prefix, cdi, false).await
+        Migration::start(prefix, Setup { cdi, ..Default::default() }).await
     }
 
     async fn with_front(prefix: &str, cdi: Cdi, front: bool) -> Migration {
-        Migration::start(prefix, cdi, front, Kubevirt::Simulated, ("db-02", "2"), DataPlane::Process).await
+        Migration::start(prefix, Setup { cdi, front, ..Default::default() }).await
     }
 
     /// db-02 with its data plane in worker pods (`--data-plane pods`).
     async fn with_worker_pods(prefix: &str) -> Migration {
-        Migration::start(prefix, Cdi::Real, false, Kubevirt::Simulated, ("db-02", "2"), DataPlane::Pods).await
+        Migration::start(prefix, Setup { data_plane: DataPlane::Pods, ..Default::default() }).await
     }
 
     /// VM 12 `pair` (two disks, 24 + 8 MiB, powered on with Tools), for
@@ -140,9 +201,8 @@ impl Migration {
 
     /// [`Self::pair`] with snapshots in `format` (vmfsSparse: VMFS5).
     async fn pair_with(prefix: &str, format: crate::support::vmdk_delta::DeltaFormat) -> Migration {
-        let vm = ("pair", "12");
-        Migration::start_with(prefix, Cdi::Real, false, Kubevirt::Simulated, vm, DataPlane::Process, format)
-            .await
+        let setup = Setup { vm: ("pair", "12"), snapshot_format: format, ..Default::default() };
+        Migration::start(prefix, setup).await
     }
 
     /// The real guest `vm` of the emulator's `GUEST_VMS`, on real KubeVirt.
@@ -152,40 +212,30 @@ impl Migration {
             .find(|(_, name)| *name == vm)
             .copied()
             .unwrap_or_else(|| panic!("{vm} is not a guest VM of the emulator"));
-        Migration::start(prefix, Cdi::Real, false, Kubevirt::Real, (vm, vmid), DataPlane::Process).await
+        Migration::start(prefix, Setup { kubevirt: Kubevirt::Real, vm: (vm, vmid), ..Default::default() })
+            .await
     }
 
-    /// With `front`, importer pods reach the staging server through an
-    /// [`UnavailableFront`], which answers 503 until the test opens it.
-    async fn start(
-        prefix: &str,
-        cdi: Cdi,
-        front: bool,
-        kubevirt: Kubevirt,
-        vm: (&'static str, &'static str),
-        data_plane: DataPlane,
-    ) -> Migration {
-        let format = crate::support::vmdk_delta::DeltaFormat::SeSparse;
-        Migration::start_with(prefix, cdi, front, kubevirt, vm, data_plane, format).await
-    }
-
-    async fn start_with(
-        prefix: &str,
-        cdi: Cdi,
-        front: bool,
-        kubevirt: Kubevirt,
-        (vm, vmid): (&'static str, &'static str),
-        data_plane: DataPlane,
-        snapshot_format: crate::support::vmdk_delta::DeltaFormat,
-    ) -> Migration {
+    async fn start(prefix: &str, setup: Setup) -> Migration {
+        let Setup {
+            cdi,
+            front,
+            kubevirt,
+            vm: (vm, vmid),
+            data_plane,
+            snapshot_format,
+            fault_cluster,
+            work_dir,
+        } = setup;
         let env = match kubevirt {
+            Kubevirt::Simulated if fault_cluster => tokio::task::block_in_place(KubeEnv::shared_faults),
             Kubevirt::Simulated => tokio::task::block_in_place(KubeEnv::shared),
             Kubevirt::Real => tokio::task::block_in_place(KubeEnv::shared_kubevirt),
         };
         // The conversion Jobs' image; built and imported on first use.
         let image = tokio::task::block_in_place(|| env.controller_image()).expect("the release image");
         // The no-checksum test changes CDI on the shared cluster only.
-        let cdi_definition = if cdi == Cdi::Real && kubevirt == Kubevirt::Simulated {
+        let cdi_definition = if cdi == Cdi::Real && kubevirt == Kubevirt::Simulated && !fault_cluster {
             Some(CDI_DEFINITION.read().await)
         } else {
             None
@@ -232,7 +282,7 @@ impl Migration {
             }
         };
 
-        let work = tempfile::tempdir().expect("work dir");
+        let work = WorkDir::new(work_dir);
         let front = if front {
             let listener = tokio::net::TcpListener::bind((node_ip, 0)).await.expect("front listener");
             Some(listener)
@@ -278,6 +328,8 @@ impl Migration {
         });
         work_volume(&client, &ns, work.path()).await;
         let (jobs_seen, job_watch) = watch_uids(Api::<Job>::namespaced(client.clone(), &ns));
+        let (dvs_seen, dv_watch) =
+            watch_uids(Api::<DynamicObject>::namespaced_with(client.clone(), &ns, &data_volume_resource()));
         let api = Api::namespaced(client.clone(), &ns);
         let mut m = Migration {
             client,
@@ -293,6 +345,8 @@ impl Migration {
             _sims: sims,
             jobs_seen,
             job_watch,
+            dvs_seen,
+            dv_watch,
             _netns: netns,
             _cdi_definition: cdi_definition,
             metrics,
@@ -585,6 +639,7 @@ impl Migration {
 impl Drop for Migration {
     fn drop(&mut self) {
         self.job_watch.abort();
+        self.dv_watch.abort();
     }
 }
 

@@ -6,7 +6,8 @@ pub mod fleet_sim;
 pub mod sim;
 
 pub use vmmigrate_harness::{
-    KubeEnv, esxi_emulator, esxi_snapshots, fake_forge, git_http, kubevirt_sim, netns, setup, vmdk_delta,
+    KubeEnv, esxi_emulator, esxi_snapshots, fake_forge, fault_proxy, full_fs, git_http, kube_env,
+    kubevirt_sim, netns, setup, vmdk_delta,
 };
 
 /// A namespace unique to one test, created in the cluster.

@@ -226,6 +226,54 @@ fn an_api_brownout_after_the_power_off_never_spends_the_budget() {
 }
 
 #[test]
+fn a_host_that_answered_at_discovery_and_cannot_be_reached_now_is_waited_out() {
+    let lost = || Failure::retryable(Reason::SSHError, "SSH protocol error: Disconnected");
+    let mut run = Run::at(Phase::Converting);
+    run.spec.strategy.retry_limit = 1;
+    assert!(run.status.source_inventory.is_some(), "discovered");
+    let mut now = 0;
+    for _ in 0..10 {
+        let d = run.step(Observed::Converting(Ok(vec![ArtifactState::Failed(lost())])), t(now));
+        assert_eq!(d.status.phase, Phase::Retryable, "{:?}", d.status.errors.last());
+        now += 10_000;
+        run.step(Observed::Nothing, t(now));
+    }
+    // Never reached: a wrong name or address spends the budget.
+    let mut run = Run::at(Phase::Discovering);
+    run.spec.strategy.retry_limit = 1;
+    run.status.source_inventory = None;
+    let refused = || Observed::Discovery(Err(Failure::retryable(Reason::SSHConnectFailed, "refused")));
+    run.step(refused(), t(0));
+    run.step(Observed::Nothing, t(10_000));
+    let d = run.step(refused(), t(20_000));
+    assert_ne!(d.status.phase, Phase::Retryable, "the budget is spent before discovery");
+}
+
+#[test]
+fn a_full_work_directory_is_waited_out_without_spending_the_budget_or_losing_the_copy() {
+    let mut run = Run::at(Phase::Converting);
+    run.spec.strategy.retry_limit = 2;
+    // What qemu-img prints when its output's file system fills.
+    let full = Failure::local_write(
+        Reason::QemuImgFailed,
+        "qemu-img: error while writing at byte 8388608: No space left on device",
+    );
+    assert_eq!(full.reason, Reason::WorkDirectoryFull);
+    let mut now = 0;
+    for _ in 0..20 {
+        let d = run.step(Observed::Converting(Ok(vec![ArtifactState::Failed(full.clone())])), t(now));
+        assert_eq!(d.status.phase, Phase::Retryable, "{:?}", d.status.errors.last());
+        assert!(d.status.retry.as_ref().unwrap().attempt <= 2, "the budget is not spent");
+        assert!(!d.actions.iter().any(|a| matches!(a, Action::DiscardDiskCopy { .. })), "{:?}", d.actions);
+        now += 10_000;
+        run.step(Observed::Nothing, t(now));
+    }
+    // Any other local write failure still spends it.
+    let other = Failure::local_write(Reason::QemuImgFailed, "qemu-img: Could not open: Permission denied");
+    assert_eq!(other.reason, Reason::QemuImgFailed);
+}
+
+#[test]
 fn after_the_power_off_an_exhausted_budget_waits_for_a_person_and_keeps_every_copy() {
     let mut run = Run::at(Phase::Importing);
     run.spec.strategy.retry_limit = 0;

@@ -105,7 +105,7 @@ impl CopyError {
                 (Failure::retryable(Reason::ChecksumMismatch, message), true)
             }
             CopyError::Stat(_) => (Failure::retryable(Reason::SourceUnreadable, message), false),
-            CopyError::Io(_) => (Failure::retryable(Reason::LocalDiskError, message), false),
+            CopyError::Io(_) => (Failure::local_write(Reason::LocalDiskError, message), false),
         }
     }
 }
@@ -254,6 +254,11 @@ pub(crate) async fn source_identity(session: &Session, path: &str) -> Result<(u6
     let size = line.split_whitespace().next().and_then(|s| s.parse().ok());
     match (out.exit_status, size) {
         (Some(0), Some(size)) => Ok((size, line.to_owned())),
+        // The session ended without stat's exit status: the connection's
+        // failure, not the source's.
+        (None, _) => Err(CopyError::Ssh(SshError::Protocol(format!(
+            "the connection ended before stat of {path} reported its exit status"
+        )))),
         _ => Err(CopyError::Stat(format!("{}: {}", path, out.text().trim()))),
     }
 }

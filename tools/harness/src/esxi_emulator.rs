@@ -177,6 +177,13 @@ impl Drop for GuestWriter {
 struct SshdState {
     generation: u32,
     refuse: bool,
+    /// sshd's `MaxStartups` (unauthenticated connections it keeps before
+    /// dropping new ones); 50 unless a test lowers it.
+    max_startups: Option<u32>,
+    /// Set for one restart: kill every session's sshd with the listener.
+    drop_sessions: bool,
+    /// The listener's pid.
+    pid: u32,
     name: String,
     fingerprint: String,
     host_public: String,
@@ -249,6 +256,9 @@ impl EsxiEmulator {
             sshd: Mutex::new(SshdState {
                 generation: 0,
                 refuse: false,
+                max_startups: None,
+                drop_sessions: false,
+                pid: 0,
                 name: String::new(),
                 fingerprint: String::new(),
                 host_public: String::new(),
@@ -442,6 +452,36 @@ impl EsxiEmulator {
         self.restart_sshd(|state| state.refuse = refuse)
     }
 
+    /// Restarts sshd the way a host's `services.sh restart` does: the
+    /// listener and every session's sshd are killed (each open connection
+    /// ends mid-stream), and a new listener starts with the same key.
+    pub fn restart_sshd_dropping_sessions(&self) -> anyhow::Result<()> {
+        self.restart_sshd(|state| state.drop_sessions = true)
+    }
+
+    /// Restarts sshd (its sessions with it) with `MaxStartups n` (or the
+    /// default back): beyond `n` connections that have not logged in yet,
+    /// sshd drops new ones before its banner ("past MaxStartups"), as a
+    /// host hammered by other tools does.
+    pub fn set_max_startups(&self, n: Option<u32>) -> anyhow::Result<()> {
+        self.restart_sshd(|state| {
+            state.max_startups = n;
+            state.drop_sessions = true;
+        })
+    }
+
+    /// How many connections sshd dropped for `MaxStartups` so far (its log).
+    pub fn dropped_for_max_startups(&self) -> usize {
+        let log = std::fs::read_dir(self.janitor.dir())
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter(|e| e.file_name().to_string_lossy().starts_with("sshd-"))
+            .map(|e| std::fs::read_to_string(e.path()).unwrap_or_default())
+            .collect::<String>();
+        log.matches("past MaxStartups").count() + log.matches("exceeded MaxStartups").count()
+    }
+
     pub fn set_shutdown_hangs(&self, hang: bool) {
         self.put_state("shutdown_hangs", if hang { "1" } else { "0" });
     }
@@ -563,6 +603,10 @@ impl EsxiEmulator {
     fn restart_sshd(&self, change: impl FnOnce(&mut SshdState)) -> anyhow::Result<()> {
         let mut state = self.sshd.lock().expect("sshd lock");
         change(&mut state);
+        if std::mem::take(&mut state.drop_sessions) && state.pid != 0 {
+            // Each connection's sshd is a child of the listener.
+            let _ = Command::new("pkill").args(["-KILL", "-P", &state.pid.to_string()]).status();
+        }
         if !state.name.is_empty() {
             self.janitor.stop(&state.name)?;
         }
@@ -585,6 +629,7 @@ impl EsxiEmulator {
             .replace("@AUTHORIZED_KEYS@", &self.dir.join("authorized_keys").display().to_string())
             .replace("@USER@", ESXI_USER)
             .replace("@ROOT@", &self.root.display().to_string())
+            .replace("@MAX_STARTUPS@", &state.max_startups.unwrap_or(50).to_string())
             .replace("@EXTRA@", if state.refuse { "DenyUsers *" } else { "" });
         let config_path = self.dir.join(format!("sshd_config.{}", state.generation));
         fs::write(&config_path, config)?;
@@ -593,6 +638,7 @@ impl EsxiEmulator {
             &state.name,
             Command::new("/usr/sbin/sshd").arg("-D").arg("-e").arg("-f").arg(&config_path),
         )?;
+        state.pid = pid;
         // For the chroot cleanup: session processes of this listener.
         let mut pids =
             fs::OpenOptions::new().create(true).append(true).open(self.root.join(".emulator/sshd.pids"))?;

@@ -49,6 +49,8 @@ pub struct KubeEnv {
     cdi: std::sync::Mutex<Option<Result<(), String>>>,
     /// Whether real KubeVirt was installed (`kubevirt()`), or why it could not be.
     kubevirt: std::sync::Mutex<Option<Result<(), String>>>,
+    /// etcd's client port (plain HTTP on loopback); `None` when borrowed.
+    etcd_port: Option<u16>,
     // Dropped in this order: processes (janitor), then the node's network,
     // cgroups and mounts (its guard).
     _janitor: Option<Janitor>,
@@ -57,6 +59,30 @@ pub struct KubeEnv {
 
 static SHARED: OnceLock<KubeEnv> = OnceLock::new();
 static SHARED_KUBEVIRT: OnceLock<KubeEnv> = OnceLock::new();
+static SHARED_FAULTS: OnceLock<KubeEnv> = OnceLock::new();
+
+/// A control-plane process a fault test stops and starts again.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Component {
+    Etcd,
+    ApiServer,
+    /// The node's kubelet: its pods keep running while it is stopped.
+    Kubelet,
+    /// The node's containerd: its containers keep running (their shims
+    /// hold them) while it is stopped.
+    Containerd,
+}
+
+impl Component {
+    fn process(self) -> &'static str {
+        match self {
+            Component::Etcd => "etcd",
+            Component::ApiServer => "kube-apiserver",
+            Component::Kubelet => "kubelet",
+            Component::Containerd => "containerd",
+        }
+    }
+}
 
 impl KubeEnv {
     /// The one-node cluster of this test binary with real CDI (`cdi()`),
@@ -87,6 +113,150 @@ impl KubeEnv {
             }
             env
         })
+    }
+
+    /// The third one-node cluster of this test binary, with real CDI: the
+    /// one whose control plane the fault tests stop, restart and compact
+    /// (`stop`, `start_again`, `compact_etcd`). No other test uses it, so a
+    /// fault there is felt by the test that made it alone; those tests take
+    /// turns (each holds [`KubeEnv::fault_turn`]).
+    pub fn shared_faults() -> &'static KubeEnv {
+        SHARED_FAULTS.get_or_init(|| {
+            let env = start_blocking(Shape::Node);
+            if env.node.is_some() {
+                env.cdi().unwrap_or_else(|e| panic!("cannot install CDI: {e:#}"));
+            }
+            env
+        })
+    }
+
+    /// The turn of one fault test on [`KubeEnv::shared_faults`]: held for
+    /// the test, so that no two tests break the same control plane at once.
+    pub async fn fault_turn() -> tokio::sync::MutexGuard<'static, ()> {
+        static TURN: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+        TURN.lock().await
+    }
+
+    /// Stops a control-plane process (SIGTERM, as systemd or the kubelet
+    /// stops a static pod) and waits until it is gone. Clients see refused
+    /// connections until [`KubeEnv::start_again`].
+    pub fn stop(&self, component: Component) -> anyhow::Result<()> {
+        let janitor = self.owned_janitor()?;
+        match component {
+            Component::Etcd | Component::ApiServer => janitor.stop(component.process()),
+            // Started through nsenter, which does not pass signals on.
+            Component::Kubelet | Component::Containerd => janitor.stop_with_children(component.process()),
+        }
+    }
+
+    /// Kills a control-plane process with SIGKILL (a crash, or the
+    /// machine under it gone): no graceful shutdown, open connections end
+    /// at once. [`KubeEnv::start_again`] brings it back.
+    pub fn kill(&self, component: Component) -> anyhow::Result<()> {
+        let janitor = self.owned_janitor()?;
+        if matches!(component, Component::Kubelet | Component::Containerd) {
+            let pid = janitor.pid_of(component.process());
+            if let Some(pid) = pid {
+                let _ = Command::new("pkill").args(["-KILL", "-P", &pid.to_string()]).status();
+            }
+        }
+        janitor.kill(component.process())
+    }
+
+    /// Waits until every Deployment of the cluster (CDI's, the
+    /// provisioner's) is Available again after a fault: the next test
+    /// starts on a settled cluster, not on the last one's aftermath.
+    pub fn wait_settled(&self) -> anyhow::Result<()> {
+        self.kubectl(&["wait", "--for=condition=Available", "deployment", "--all", "-A", "--timeout=300s"])
+            .map(|_| ())
+    }
+
+    /// Starts a stopped control-plane process again, with its own flags and
+    /// data directory, and waits until it serves (etcd `/health`, the API
+    /// server `/readyz`).
+    pub fn start_again(&self, component: Component) -> anyhow::Result<()> {
+        let janitor = self.owned_janitor()?;
+        janitor.start_again(component.process())?;
+        match component {
+            Component::Etcd => {
+                let port = self.etcd_port.ok_or_else(|| anyhow::anyhow!("no etcd here"))?;
+                wait_until(Duration::from_secs(60), "etcd /health", || {
+                    janitor.check_alive()?;
+                    Ok(crate::process::http_get_plain(port, "/health")
+                        .is_ok_and(|body| body.contains("\"health\":\"true\"")))
+                })
+            }
+            Component::ApiServer => {
+                let kubeconfig = self.kubeconfig.clone();
+                std::thread::scope(|scope| {
+                    scope.spawn(|| runtime().block_on(wait_ready(&kubeconfig, janitor))).join()
+                })
+                .map_err(|_| anyhow::anyhow!("waiting for the API server panicked"))?
+            }
+            Component::Kubelet => self.wait_node_ready(),
+            Component::Containerd => self.node()?.wait_containerd(janitor),
+        }?;
+        // etcd alone: the API server may be down too (started next).
+        if component != Component::Etcd {
+            self.wait_settled()?;
+        }
+        Ok(())
+    }
+
+    /// Power cut and boot of the node: every process of the node (its
+    /// daemons, the containerd shims, every container of every pod) is
+    /// killed at once with SIGKILL, then containerd, the kubelet and
+    /// kube-proxy start again as a boot starts them. The node's disks (the
+    /// kubelet's and containerd's directories, the PersistentVolumes) stay;
+    /// the kubelet finds its pods' sandboxes dead and makes them again.
+    pub fn power_cycle_node(&self) -> anyhow::Result<()> {
+        let janitor = self.owned_janitor()?;
+        let node = self.node()?;
+        for pid in node.processes() {
+            let _ = Command::new("kill").args(["-KILL", &pid.to_string()]).status();
+        }
+        // nsenter, their parents on the host, end with them; reaped here.
+        for daemon in ["kube-proxy", "kubelet", "containerd"] {
+            janitor.kill(daemon)?;
+        }
+        janitor.start_again("containerd")?;
+        node.wait_containerd(janitor)?;
+        janitor.start_again("kubelet")?;
+        janitor.start_again("kube-proxy")?;
+        self.wait_node_ready()?;
+        self.wait_settled()
+    }
+
+    fn node(&self) -> anyhow::Result<&Node> {
+        self.node.as_ref().ok_or_else(|| anyhow::anyhow!("this cluster has no node"))
+    }
+
+    fn wait_node_ready(&self) -> anyhow::Result<()> {
+        let bin = self.bin.as_ref().ok_or_else(|| anyhow::anyhow!("a borrowed cluster"))?;
+        self.node()?.wait_ready(self.owned_janitor()?, &self.kubeconfig, bin)
+    }
+
+    /// Compacts etcd's history up to its current revision (what the API
+    /// server does every five minutes, brought forward): every watch or
+    /// list from an older resourceVersion is then answered 410 Gone.
+    /// Returns the revision compacted to.
+    pub fn compact_etcd(&self) -> anyhow::Result<u64> {
+        let port = self.etcd_port.ok_or_else(|| anyhow::anyhow!("no etcd here"))?;
+        // etcd's JSON gateway: keys are base64; "AA==" is the key "\0".
+        let range = crate::process::http_post_plain(port, "/v3/kv/range", r#"{"key":"AA=="}"#)?;
+        let range: serde_json::Value = serde_json::from_str(&range)?;
+        let revision: u64 = range["header"]["revision"]
+            .as_str()
+            .and_then(|r| r.parse().ok())
+            .ok_or_else(|| anyhow::anyhow!("etcd's range answer has no revision: {range}"))?;
+        let body = format!(r#"{{"revision":"{revision}","physical":true}}"#);
+        let answer = crate::process::http_post_plain(port, "/v3/kv/compaction", &body)?;
+        anyhow::ensure!(answer.contains("header"), "etcd refused the compaction: {answer}");
+        Ok(revision)
+    }
+
+    fn owned_janitor(&self) -> anyhow::Result<&Janitor> {
+        self._janitor.as_ref().ok_or_else(|| anyhow::anyhow!("a borrowed cluster's processes are not ours"))
     }
 
     /// A cluster of its own, stopped when dropped (for tests of the harness).
@@ -196,6 +366,7 @@ impl KubeEnv {
                 imported: Default::default(),
                 cdi: Default::default(),
                 kubevirt: Default::default(),
+                etcd_port: None,
                 _janitor: None,
                 _net: None,
             });
@@ -379,6 +550,7 @@ impl KubeEnv {
             imported: Default::default(),
             cdi: Default::default(),
             kubevirt: Default::default(),
+            etcd_port: Some(etcd_port),
             _janitor: Some(janitor),
             _net: net,
         })

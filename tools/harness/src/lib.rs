@@ -2,7 +2,8 @@
 //! holds nothing only tests use: the real Kubernetes control plane
 //! with its one node (`kube_env`, `node`), the ESXi emulator (a real `sshd`,
 //! `esxi_emulator`), the CDI/KubeVirt simulators, a fake forge, network
-//! namespaces, and the process janitor that makes sure nothing outlives a
+//! namespaces, faults (`fault_proxy`, `full_fs`, control-plane restarts in
+//! `kube_env`), and the process janitor that makes sure nothing outlives a
 //! test or the demo.
 //!
 //! `setup` prepares a fresh machine on first use: the Debian packages these
@@ -14,6 +15,8 @@ pub mod deploy;
 pub mod esxi_emulator;
 pub mod esxi_snapshots;
 pub mod fake_forge;
+pub mod fault_proxy;
+pub mod full_fs;
 pub mod git_daemon;
 pub mod git_http;
 pub mod kube_env;

@@ -308,10 +308,7 @@ pub fn start(
     let config = node.dir.join("containerd.toml");
     std::fs::write(&config, containerd_config(&node.dir, &node.containerd_sock))?;
     janitor.spawn("containerd", node.command("containerd").arg("--config").arg(&config))?;
-    wait_until(Duration::from_secs(30), "containerd", || {
-        janitor.check_alive()?;
-        Ok(node.ctr(&["version"]).is_ok())
-    })?;
+    node.wait_containerd(janitor)?;
     let images = crate::setup::node_images()?;
     for entry in std::fs::read_dir(&images)? {
         let path = entry?.path();
@@ -389,6 +386,11 @@ pub fn start(
 }
 
 impl Node {
+    /// The pid of the process holding the node's mount and PID namespaces.
+    pub fn holder(&self) -> u32 {
+        self.holder
+    }
+
     /// A command run inside the node's network and mount namespaces.
     pub fn command(&self, program: impl AsRef<std::ffi::OsStr>) -> Command {
         let mut cmd = Command::new("nsenter");
@@ -495,7 +497,15 @@ impl Node {
         Ok(String::from_utf8_lossy(&out.stdout).into_owned())
     }
 
-    fn wait_ready(&self, janitor: &Janitor, kubeconfig: &Path, bin: &Path) -> anyhow::Result<()> {
+    /// Waits until containerd answers on its socket.
+    pub(crate) fn wait_containerd(&self, janitor: &Janitor) -> anyhow::Result<()> {
+        wait_until(Duration::from_secs(30), "containerd", || {
+            janitor.check_alive()?;
+            Ok(self.ctr(&["version"]).is_ok())
+        })
+    }
+
+    pub(crate) fn wait_ready(&self, janitor: &Janitor, kubeconfig: &Path, bin: &Path) -> anyhow::Result<()> {
         wait_until(Duration::from_secs(120), "node Ready", || {
             janitor.check_alive()?;
             let out = Node::kubectl(

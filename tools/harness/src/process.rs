@@ -19,6 +19,44 @@ pub struct Janitor {
     pipe: Mutex<Option<ChildStdin>>,
     janitor: Mutex<Child>,
     children: Mutex<Vec<(String, Child)>>,
+    /// How each named process was started, so that a stopped one can be
+    /// started again the same way ([`Janitor::start_again`]).
+    specs: Mutex<std::collections::HashMap<String, Spec>>,
+}
+
+/// What [`Command`] held: its program, arguments, environment and directory.
+#[derive(Clone)]
+struct Spec {
+    program: std::ffi::OsString,
+    args: Vec<std::ffi::OsString>,
+    envs: Vec<(std::ffi::OsString, Option<std::ffi::OsString>)>,
+    dir: Option<PathBuf>,
+}
+
+impl Spec {
+    fn of(cmd: &Command) -> Spec {
+        Spec {
+            program: cmd.get_program().to_owned(),
+            args: cmd.get_args().map(ToOwned::to_owned).collect(),
+            envs: cmd.get_envs().map(|(k, v)| (k.to_owned(), v.map(ToOwned::to_owned))).collect(),
+            dir: cmd.get_current_dir().map(Path::to_path_buf),
+        }
+    }
+
+    fn command(&self) -> Command {
+        let mut cmd = Command::new(&self.program);
+        cmd.args(&self.args);
+        for (key, value) in &self.envs {
+            match value {
+                Some(value) => cmd.env(key, value),
+                None => cmd.env_remove(key),
+            };
+        }
+        if let Some(dir) = &self.dir {
+            cmd.current_dir(dir);
+        }
+        cmd
+    }
 }
 
 /// The janitor's shell: `sh -c JANITOR_SCRIPT janitor <dir> <keep>`; it
@@ -59,6 +97,7 @@ impl Janitor {
             pipe: Mutex::new(pipe),
             janitor: Mutex::new(janitor),
             children: Mutex::new(Vec::new()),
+            specs: Mutex::new(Default::default()),
         })
     }
 
@@ -68,7 +107,9 @@ impl Janitor {
 
     /// Starts `cmd` with its output in `<dir>/<name>.log` and records its pid.
     pub fn spawn(&self, name: &str, cmd: &mut Command) -> anyhow::Result<u32> {
-        let log = std::fs::File::create(self.log_path(name))?;
+        self.specs.lock().expect("specs lock").insert(name.to_owned(), Spec::of(cmd));
+        // Appended: a process started again keeps its earlier log above.
+        let log = std::fs::OpenOptions::new().create(true).append(true).open(self.log_path(name))?;
         let child = cmd
             .stdin(Stdio::null())
             .stdout(log.try_clone()?)
@@ -115,6 +156,49 @@ impl Janitor {
             let (_, mut child) = children.remove(pos);
             // The kill binary sends TERM (std only offers KILL), so servers shut down cleanly.
             let _ = Command::new("kill").arg("-TERM").arg(child.id().to_string()).status();
+            child.wait()?;
+        }
+        Ok(())
+    }
+}
+
+impl Janitor {
+    /// Starts a process stopped by [`Janitor::stop`] again, exactly as it
+    /// was first started (same program, arguments, environment, log).
+    pub fn start_again(&self, name: &str) -> anyhow::Result<u32> {
+        let spec = self.specs.lock().expect("specs lock").get(name).cloned();
+        let spec = spec.ok_or_else(|| anyhow::anyhow!("{name} was never started here"))?;
+        anyhow::ensure!(
+            !self.children.lock().expect("children lock").iter().any(|(n, _)| n == name),
+            "{name} still runs"
+        );
+        self.spawn(name, &mut spec.command())
+    }
+
+    /// The pid of a running process by name.
+    pub fn pid_of(&self, name: &str) -> Option<u32> {
+        self.children.lock().expect("children lock").iter().find(|(n, _)| n == name).map(|(_, c)| c.id())
+    }
+
+    /// Stops one process and its direct children by name (SIGTERM to the
+    /// children first): for a daemon started through `nsenter`, which
+    /// forks it and does not pass signals on.
+    pub fn stop_with_children(&self, name: &str) -> anyhow::Result<()> {
+        let pid =
+            self.children.lock().expect("children lock").iter().find(|(n, _)| n == name).map(|(_, c)| c.id());
+        if let Some(pid) = pid {
+            let _ = Command::new("pkill").args(["-TERM", "-P", &pid.to_string()]).status();
+        }
+        self.stop(name)
+    }
+
+    /// Stops one process by name with SIGKILL, as a crash or a power cut
+    /// would, and waits for it.
+    pub fn kill(&self, name: &str) -> anyhow::Result<()> {
+        let mut children = self.children.lock().expect("children lock");
+        if let Some(pos) = children.iter().position(|(n, _)| n == name) {
+            let (_, mut child) = children.remove(pos);
+            let _ = child.kill();
             child.wait()?;
         }
         Ok(())
@@ -186,7 +270,20 @@ pub fn http_get_plain(port: u16, path: &str) -> std::io::Result<String> {
     Ok(response.split_once("\r\n\r\n").map(|(_, body)| body.to_owned()).unwrap_or_default())
 }
 
-/// A process's resident set size (0 when it is gone).
+/// A plain-HTTP POST of a JSON body on loopback, returning the body.
+pub fn http_post_plain(port: u16, path: &str, body: &str) -> std::io::Result<String> {
+    let mut stream = TcpStream::connect(("127.0.0.1", port))?;
+    stream.set_read_timeout(Some(Duration::from_secs(10)))?;
+    let request = format!(
+        "POST {path} HTTP/1.0\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    stream.write_all(request.as_bytes())?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response)?;
+    Ok(response.split_once("\r\n\r\n").map(|(_, body)| body.to_owned()).unwrap_or_default())
+}
+
 /// The processes a janitor started in `dir` that still run (their recorded
 /// start time matches: a pid reused by another process is not ours).
 pub fn recorded_pids(dir: &Path) -> Vec<u32> {
@@ -211,6 +308,7 @@ pub fn start_time(pid: u32) -> Option<u64> {
     rest.split_whitespace().nth(19)?.parse().ok()
 }
 
+/// A process's resident set size (0 when it is gone).
 pub fn rss_bytes(pid: u32) -> u64 {
     status_kib(pid, "VmRSS") * 1024
 }
