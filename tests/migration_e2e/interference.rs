@@ -1,8 +1,9 @@
 //! What people and tools around a migration do to its source, against the
 //! real parts: the ESXi emulator (a real sshd, vim-cmd over SSH), the real
-//! controller and real CDI. A person powers the source on again after its
-//! copies completed and writes to its disks; a backup tool snapshots it
-//! while its cutover waits for an approval.
+//! controller and real CDI. A person powers the source on again in the
+//! middle of its copy, or after its copies completed, and writes to its
+//! disks; a backup tool snapshots it while its cutover waits for an
+//! approval, or for its window.
 
 use super::*;
 
@@ -105,14 +106,9 @@ async fn a_snapshot_taken_by_a_backup_tool_while_the_cutover_waits_for_approval_
 async fn a_source_powered_on_by_a_person_mid_copy_stops_the_copy_and_the_retry_copies_its_disks_at_the_last_power_off()
  {
     let m = Migration::new("e2e-poweron-copy").await;
-    m.emu.set_read_rate(Some(4 << 20));
+    m.emu.set_read_rate(Some(SLOW_READS));
     m.create(|_| {}).await;
-    // Copying (the host has served 4 MiB since the power-off).
-    let deadline = Instant::now() + WAIT;
-    while m.emu.disk_reads_after_power_off(m.vmid).iter().map(|r| r.delivered).sum::<u64>() < 4 << 20 {
-        assert!(Instant::now() < deadline, "the copy never started");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    m.wait_copying(4 << 20).await;
     let uid = m.get().await.uid().unwrap();
     m.emu.vim_cmd_by_hand(&["vmsvc/power.on", m.vmid]).expect("power.on");
     guest_writes_at_start(&m.emu, m.vmid, 4 << 20);

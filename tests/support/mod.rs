@@ -3,11 +3,12 @@
 //! simulation of every port (`sim`), and the manifests they start from.
 
 pub mod fleet_sim;
+pub mod migration;
 pub mod sim;
 
 pub use vmmigrate_harness::{
-    KubeEnv, esxi_emulator, esxi_snapshots, fake_forge, fault_proxy, full_fs, git_http, kube_env,
-    kubevirt_sim, netns, setup, vmdk_delta,
+    KubeEnv, esxi_emulator, esxi_snapshots, fake_forge, fault_proxy, full_fs, git_http, kubevirt_sim, netns,
+    setup, vmdk_delta,
 };
 
 /// A namespace unique to one test, created in the cluster.
@@ -93,6 +94,12 @@ pub fn sim_migration_json(ns: &str) -> serde_json::Value {
 /// exclusively by the one that changes CDI's DataVolume definition for the
 /// whole cluster (`migration_e2e`'s CDI without `checksum`).
 pub static CDI_DEFINITION: tokio::sync::RwLock<()> = tokio::sync::RwLock::const_new(());
+
+/// Real KubeVirt's virt-api on the cluster for real KubeVirt: every test
+/// with a real guest reads it (`migration_e2e::Migration`); the test that
+/// takes virt-api down holds it for writing, so no other guest test meets
+/// its outage.
+pub static VIRT_API: tokio::sync::RwLock<()> = tokio::sync::RwLock::const_new(());
 
 /// The simulated world's artifacts, staged as files and served to real CDI's
 /// importer pods by the real staging server (HTTPS, per-artifact

@@ -59,7 +59,6 @@ pub struct KubeEnv {
 
 static SHARED: OnceLock<KubeEnv> = OnceLock::new();
 static SHARED_KUBEVIRT: OnceLock<KubeEnv> = OnceLock::new();
-static SHARED_FAULTS: OnceLock<KubeEnv> = OnceLock::new();
 
 /// A control-plane process a fault test stops and starts again.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -115,23 +114,8 @@ impl KubeEnv {
         })
     }
 
-    /// The third one-node cluster of this test binary, with real CDI: the
-    /// one whose control plane the fault tests stop, restart and compact
-    /// (`stop`, `start_again`, `compact_etcd`). No other test uses it, so a
-    /// fault there is felt by the test that made it alone; those tests take
-    /// turns (each holds [`KubeEnv::fault_turn`]).
-    pub fn shared_faults() -> &'static KubeEnv {
-        SHARED_FAULTS.get_or_init(|| {
-            let env = start_blocking(Shape::Node);
-            if env.node.is_some() {
-                env.cdi().unwrap_or_else(|e| panic!("cannot install CDI: {e:#}"));
-            }
-            env
-        })
-    }
-
-    /// The turn of one fault test on [`KubeEnv::shared_faults`]: held for
-    /// the test, so that no two tests break the same control plane at once.
+    /// The turn of one fault test on the cluster it breaks: held for the
+    /// test, so that no two tests break the same control plane at once.
     pub async fn fault_turn() -> tokio::sync::MutexGuard<'static, ()> {
         static TURN: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
         TURN.lock().await
