@@ -9,7 +9,8 @@
 //! [`SmallFs::share_with`] mounts the same device at the same path inside
 //! the node too, and both mounts are one file system (the kernel keeps one
 //! superblock per block device), so a hostPath volume of the directory is
-//! this file system inside pods as well.
+//! this file system inside pods as well. (Where a shared mount above the
+//! directory propagates the host's mount into the node, it is there already.)
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -47,7 +48,12 @@ impl SmallFs {
     /// namespace (see the module's documentation).
     pub fn share_with(&self, node: &crate::node::Node) -> anyhow::Result<()> {
         let path = self.path().to_string_lossy().into_owned();
-        node.run(&["mount", &self.device, &path])?;
+        // Already there when the host's mount reached the node (a shared
+        // mount above it propagates into the node's slave namespace).
+        let there = node.run(&["findmnt", "-n", "-o", "SOURCE", "--mountpoint", &path]).unwrap_or_default();
+        if there.lines().all(|source| source.trim() != self.device) {
+            node.run(&["mount", &self.device, &path])?;
+        }
         *self.node_holder.lock().expect("holder lock") = Some(node.holder());
         Ok(())
     }
