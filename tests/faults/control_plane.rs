@@ -29,6 +29,27 @@ impl Migration {
     }
 }
 
+/// This test's turn, the cluster, and db-02's migration caught mid-import:
+/// real importer pods running and failing against the closed staging front
+/// (`Migration::front`), which the test opens when it wants the imports to
+/// go through.
+async fn mid_import(prefix: &str) -> (tokio::sync::MutexGuard<'static, ()>, &'static KubeEnv, Migration) {
+    let turn = KubeEnv::fault_turn().await;
+    let env = tokio::task::block_in_place(KubeEnv::shared);
+    let m = Migration::start(prefix, Setup { front: true, ..Default::default() }).await;
+    m.create(|_| {}).await;
+    m.wait_importers_refused(2).await;
+    (turn, env, m)
+}
+
+/// The fault lasts `length`, counted from now.
+async fn outage(length: Duration) {
+    let started = Instant::now();
+    while started.elapsed() < length {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_api_server_stopped_for_a_minute_mid_copy_leaves_the_copy_running_and_the_migration_completes() {
     let _turn = KubeEnv::fault_turn().await;
@@ -41,10 +62,7 @@ async fn the_api_server_stopped_for_a_minute_mid_copy_leaves_the_copy_running_an
     m.wait_copying(2 << 20).await;
     let served_at_stop = m.emu.bytes_served();
     tokio::task::block_in_place(|| env.kill(Component::ApiServer)).expect("stop the API server");
-    let outage = Instant::now();
-    while outage.elapsed() < Duration::from_secs(60) {
-        tokio::time::sleep(Duration::from_secs(1)).await;
-    }
+    outage(Duration::from_secs(60)).await;
     let served_in_outage = m.emu.bytes_served() - served_at_stop;
     m.emu.set_read_rate(None);
     tokio::task::block_in_place(|| env.start_again(Component::ApiServer)).expect("start the API server");
@@ -54,20 +72,12 @@ async fn the_api_server_stopped_for_a_minute_mid_copy_leaves_the_copy_running_an
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_api_server_stopped_for_five_minutes_mid_import_is_waited_out_and_imports_once() {
-    let _turn = KubeEnv::fault_turn().await;
-    let env = tokio::task::block_in_place(KubeEnv::shared);
-    let m = Migration::start("e2e-api-import", Setup { front: true, ..Default::default() }).await;
-    m.create(|_| {}).await;
-    // Real importer pods run and fail against the closed front, again and again.
-    m.wait_importers_refused(2).await;
+    let (_turn, env, m) = mid_import("e2e-api-import").await;
     tokio::task::block_in_place(|| env.kill(Component::ApiServer)).expect("stop the API server");
-    let outage = Instant::now();
     // The staging server opens while the API server is down: the kubelet
     // restarts the importers, which download without the API server.
     m.front.as_ref().unwrap().open();
-    while outage.elapsed() < Duration::from_secs(300) {
-        tokio::time::sleep(Duration::from_secs(1)).await;
-    }
+    outage(Duration::from_secs(300)).await;
     tokio::task::block_in_place(|| env.start_again(Component::ApiServer)).expect("start the API server");
     m.assert_survived().await;
 }
@@ -122,29 +132,18 @@ async fn etcd_compacted_and_the_control_plane_restarted_mid_copy_answers_old_wat
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_kubelet_stopped_mid_import_and_started_again_leaves_one_import_per_disk() {
-    let _turn = KubeEnv::fault_turn().await;
-    let env = tokio::task::block_in_place(KubeEnv::shared);
-    let m = Migration::start("e2e-kubelet", Setup { front: true, ..Default::default() }).await;
-    m.create(|_| {}).await;
-    m.wait_importers_refused(2).await;
+    let (_turn, env, m) = mid_import("e2e-kubelet").await;
     tokio::task::block_in_place(|| env.stop(Component::Kubelet)).expect("stop the kubelet");
     // The staging server opens while nobody on the node watches its pods.
     m.front.as_ref().unwrap().open();
-    let outage = Instant::now();
-    while outage.elapsed() < Duration::from_secs(20) {
-        tokio::time::sleep(Duration::from_secs(1)).await;
-    }
+    outage(Duration::from_secs(20)).await;
     tokio::task::block_in_place(|| env.start_again(Component::Kubelet)).expect("start the kubelet");
     m.assert_survived().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_node_power_cycled_with_importer_pods_running_imports_once_per_disk() {
-    let _turn = KubeEnv::fault_turn().await;
-    let env = tokio::task::block_in_place(KubeEnv::shared);
-    let m = Migration::start("e2e-reboot-import", Setup { front: true, ..Default::default() }).await;
-    m.create(|_| {}).await;
-    m.wait_importers_refused(2).await;
+    let (_turn, env, m) = mid_import("e2e-reboot-import").await;
     tokio::task::block_in_place(|| env.power_cycle_node()).expect("power-cycle the node");
     m.front.as_ref().unwrap().open();
     m.assert_survived().await;
@@ -166,11 +165,7 @@ async fn a_node_power_cycled_mid_copy_by_worker_pods_ends_in_the_same_bytes() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn cdi_redeployed_mid_import_imports_once_per_disk() {
-    let _turn = KubeEnv::fault_turn().await;
-    let env = tokio::task::block_in_place(KubeEnv::shared);
-    let m = Migration::start("e2e-cdi-redeploy", Setup { front: true, ..Default::default() }).await;
-    m.create(|_| {}).await;
-    m.wait_importers_refused(2).await;
+    let (_turn, env, m) = mid_import("e2e-cdi-redeploy").await;
     // A new rollout of CDI's operator, and every pod of CDI replaced (its
     // controller, API server and upload proxy elect and start anew).
     tokio::task::block_in_place(|| {

@@ -96,16 +96,20 @@ async fn a_connection_blackholed_mid_copy_times_out_and_the_copy_resumes_once_th
     assert!(proxy.stalled_ms() > 0);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_work_directory_that_fills_mid_copy_keeps_what_it_copied_waits_for_room_and_reads_nothing_twice() {
+/// db-02's migration whose work directory is a 256 MiB file system of its
+/// own, on the host and in the node (for the conversion Jobs).
+async fn on_a_small_file_system(prefix: &str) -> (SmallFs, Migration) {
     let fs = SmallFs::new(256).expect("a small file system");
     let env = tokio::task::block_in_place(KubeEnv::shared);
     fs.share_with(env.node.as_ref().expect("the shared cluster has a node")).expect("shared with the node");
-    let m = Migration::start(
-        "e2e-enospc",
-        Setup { work_dir: Some(fs.path().to_path_buf()), ..Default::default() },
-    )
-    .await;
+    let setup = Setup { work_dir: Some(fs.path().to_path_buf()), ..Default::default() };
+    let m = Migration::start(prefix, setup).await;
+    (fs, m)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_work_directory_that_fills_mid_copy_keeps_what_it_copied_waits_for_room_and_reads_nothing_twice() {
+    let (fs, m) = on_a_small_file_system("e2e-enospc").await;
     // Room for 20 of the disks' 48 MiB.
     fs.fill_leaving(20 << 20).expect("fill");
     m.create(|body| body["spec"]["strategy"]["retryLimit"] = json!(1)).await;
@@ -142,14 +146,7 @@ async fn a_work_directory_that_fills_mid_copy_keeps_what_it_copied_waits_for_roo
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_work_directory_that_fills_mid_conversion_waits_for_room_and_converts_again() {
-    let fs = SmallFs::new(256).expect("a small file system");
-    let env = tokio::task::block_in_place(KubeEnv::shared);
-    fs.share_with(env.node.as_ref().expect("the shared cluster has a node")).expect("shared with the node");
-    let m = Migration::start(
-        "e2e-enospc-conv",
-        Setup { work_dir: Some(fs.path().to_path_buf()), ..Default::default() },
-    )
-    .await;
+    let (fs, m) = on_a_small_file_system("e2e-enospc-conv").await;
     // The conversion Jobs wait for their work volume's claim (`work_volume`).
     m.create(|body| {
         body["spec"]["conversion"] = json!({"format": "qcow2", "runner": "job"});

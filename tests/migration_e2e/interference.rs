@@ -19,6 +19,66 @@ fn guest_writes_at_start(emu: &EsxiEmulator, vmid: &str, len: usize) {
     }
 }
 
+/// A person powers the VM on at the host, and its guest writes 4 MiB at
+/// the start of both disks: the migration stops for a person
+/// (`SourcePoweredOnAgain`) and forgets its power-off. Returns that status.
+async fn a_person_powers_it_on_and_the_guest_writes(
+    m: &Migration,
+) -> vmmigrate::api::VirtualMachineMigrationStatus {
+    m.emu.vim_cmd_by_hand(&["vmsvc/power.on", m.vmid]).expect("power.on");
+    guest_writes_at_start(&m.emu, m.vmid, 4 << 20);
+    let stopped =
+        m.wait_until_stopped(|v| phase_of(v) == Phase::ManualInterventionRequired).await.status.unwrap();
+    assert_eq!(stopped.errors.last().unwrap().reason, "SourcePoweredOnAgain", "{:#?}", stopped.errors);
+    assert!(stopped.timestamps.source_powered_off.is_none(), "the power-off is forgotten");
+    stopped
+}
+
+/// A person's retry after powering the source off again: the migration
+/// completes with the disks as they were at that last power-off, recorded
+/// and imported, the source never written and every power call recorded.
+/// Returns the final status.
+async fn retry_completes_with_the_disks_at_the_last_power_off(
+    m: &Migration,
+    at_last_power_off: &[String],
+) -> vmmigrate::api::VirtualMachineMigrationStatus {
+    let retry = json!({"metadata": {"annotations": {vmmigrate::api::RETRY_ANNOTATION: "true"}}});
+    m.api.patch(m.vm, &kube::api::PatchParams::default(), &kube::api::Patch::Merge(&retry)).await.unwrap();
+    m.wait_until_stopped(|v| phase_of(v) != Phase::ManualInterventionRequired).await;
+    let done = m.wait_completed().await.status.unwrap();
+    let recorded: Vec<String> = done.disks.iter().map(|d| d.source_sha256.clone().unwrap()).collect();
+    assert_eq!(recorded, at_last_power_off, "recorded: the disks at the last power-off");
+    assert_eq!(m.imported_sha256(2).await, at_last_power_off, "imported: the disks at the last power-off");
+    assert_eq!(m.source_sha256_now(), at_last_power_off, "vmmigrate never wrote the source");
+    m.assert_power_calls_recorded().await;
+    done
+}
+
+/// Waits until the cutover waits for `reason`, then takes the nightly
+/// backup's snapshot of the source, over SSH like any tool.
+async fn backup_snapshot_while_waiting(m: &Migration, reason: &str) {
+    m.wait_for(reason, |v| {
+        v.status.as_ref().and_then(|s| s.waiting.as_ref()).is_some_and(|w| w.reason == reason)
+    })
+    .await;
+    m.emu
+        .vim_cmd_by_hand(&["vmsvc/snapshot.create", m.vmid, "backup-nightly", "", "0", "0"])
+        .expect("snapshot");
+}
+
+/// After a backup tool's snapshot, the cutover stopped before any power
+/// action, naming the change, with the source running as it was.
+async fn stopped_before_any_power_action_for_the_snapshot(m: &Migration) {
+    let status =
+        m.wait_until_stopped(|v| phase_of(v) == Phase::ManualInterventionRequired).await.status.unwrap();
+    let error = status.errors.last().unwrap();
+    assert_eq!(error.reason, "SourceChangedSinceDiscovery", "{:#?}", status.errors);
+    assert!(error.message.contains("snapshots"), "{}", error.message);
+    assert!(m.emu.power_calls(m.vmid).is_empty(), "nothing was asked of the source's power");
+    assert!(status.power_actions.is_empty());
+    assert_eq!(m.emu.vm_power(m.vmid), "on", "the source still runs");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_source_powered_on_by_a_person_after_its_copies_completed_is_copied_again_from_its_disks_at_the_last_power_off()
  {
@@ -35,14 +95,7 @@ async fn a_source_powered_on_by_a_person_after_its_copies_completed_is_copied_ag
     assert_eq!(first.epoch, 1);
     let at_start = m.source_sha256_at_start();
 
-    // A person powers the VM on at the host; its guest writes 4 MiB at the
-    // start of both disks.
-    m.emu.vim_cmd_by_hand(&["vmsvc/power.on", m.vmid]).expect("power.on");
-    guest_writes_at_start(&m.emu, m.vmid, 4 << 20);
-    let stopped =
-        m.wait_until_stopped(|v| phase_of(v) == Phase::ManualInterventionRequired).await.status.unwrap();
-    assert_eq!(stopped.errors.last().unwrap().reason, "SourcePoweredOnAgain", "{:#?}", stopped.errors);
-    assert!(stopped.timestamps.source_powered_off.is_none(), "the power-off is forgotten");
+    let stopped = a_person_powers_it_on_and_the_guest_writes(&m).await;
     assert!(stopped.disks.is_empty(), "the copies' evidence is gone with them");
     assert_eq!(m.leftovers(&uid), Vec::<PathBuf>::new(), "every copy and artifact of the epoch is discarded");
     let deadline = Instant::now() + WAIT;
@@ -59,18 +112,10 @@ async fn a_source_powered_on_by_a_person_after_its_copies_completed_is_copied_ag
     m.emu.set_power(m.vmid, false);
     let at_last_power_off = m.source_sha256_now();
     assert_ne!(at_last_power_off, at_start, "the guest's writes changed the disks");
-    let retry = json!({"metadata": {"annotations": {vmmigrate::api::RETRY_ANNOTATION: "true"}}});
-    m.api.patch(m.vm, &kube::api::PatchParams::default(), &kube::api::Patch::Merge(&retry)).await.unwrap();
     m.release_importer_pods().await;
-    m.wait_until_stopped(|v| phase_of(v) != Phase::ManualInterventionRequired).await;
-    let done = m.wait_completed().await.status.unwrap();
+    let done = retry_completes_with_the_disks_at_the_last_power_off(&m, &at_last_power_off).await;
     assert_eq!(done.epoch, 3, "the run ended epoch 1 (2), the second power-off opened 3");
-    let recorded: Vec<String> = done.disks.iter().map(|d| d.source_sha256.clone().unwrap()).collect();
-    assert_eq!(recorded, at_last_power_off, "recorded: the disks at the last power-off");
     assert!(done.disks.iter().all(|d| d.epoch == 3), "copied in the new epoch");
-    assert_eq!(m.imported_sha256(2).await, at_last_power_off, "imported: the disks at the last power-off");
-    assert_eq!(m.source_sha256_now(), at_last_power_off, "vmmigrate never wrote the source");
-    m.assert_power_calls_recorded().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -81,24 +126,10 @@ async fn a_snapshot_taken_by_a_backup_tool_while_the_cutover_waits_for_approval_
         body["spec"]["cutover"] = json!({ "mode": "Approval" });
     })
     .await;
-    m.wait_for("waiting for the approval", |v| {
-        v.status.as_ref().and_then(|s| s.waiting.as_ref()).is_some_and(|w| w.reason == "WaitingForApproval")
-    })
-    .await;
-    // The nightly backup: a snapshot of the source, over SSH like any tool.
-    m.emu
-        .vim_cmd_by_hand(&["vmsvc/snapshot.create", m.vmid, "backup-nightly", "", "0", "0"])
-        .expect("snapshot");
+    backup_snapshot_while_waiting(&m, "WaitingForApproval").await;
     let approve = json!({"metadata": {"annotations": {vmmigrate::api::APPROVE_CUTOVER_ANNOTATION: "true"}}});
     m.api.patch(m.vm, &kube::api::PatchParams::default(), &kube::api::Patch::Merge(&approve)).await.unwrap();
-    let status =
-        m.wait_until_stopped(|v| phase_of(v) == Phase::ManualInterventionRequired).await.status.unwrap();
-    let error = status.errors.last().unwrap();
-    assert_eq!(error.reason, "SourceChangedSinceDiscovery", "{:#?}", status.errors);
-    assert!(error.message.contains("snapshots"), "{}", error.message);
-    assert!(m.emu.power_calls(m.vmid).is_empty(), "nothing was asked of the source's power");
-    assert!(status.power_actions.is_empty());
-    assert_eq!(m.emu.vm_power(m.vmid), "on", "the source still runs");
+    stopped_before_any_power_action_for_the_snapshot(&m).await;
     assert_eq!(m.source_sha256_now(), m.source_sha256_at_start());
 }
 
@@ -110,12 +141,7 @@ async fn a_source_powered_on_by_a_person_mid_copy_stops_the_copy_and_the_retry_c
     m.create(|_| {}).await;
     m.wait_copying(4 << 20).await;
     let uid = m.get().await.uid().unwrap();
-    m.emu.vim_cmd_by_hand(&["vmsvc/power.on", m.vmid]).expect("power.on");
-    guest_writes_at_start(&m.emu, m.vmid, 4 << 20);
-    let stopped =
-        m.wait_until_stopped(|v| phase_of(v) == Phase::ManualInterventionRequired).await.status.unwrap();
-    assert_eq!(stopped.errors.last().unwrap().reason, "SourcePoweredOnAgain", "{:#?}", stopped.errors);
-    assert!(stopped.timestamps.source_powered_off.is_none(), "the power-off is forgotten");
+    a_person_powers_it_on_and_the_guest_writes(&m).await;
     // Nothing of the copy made while the guest ran is kept.
     let deadline = Instant::now() + WAIT;
     while !m.leftovers(&uid).is_empty() {
@@ -128,15 +154,7 @@ async fn a_source_powered_on_by_a_person_mid_copy_stops_the_copy_and_the_retry_c
     m.emu.set_read_rate(None);
     let at_last_power_off = m.source_sha256_now();
     assert_ne!(at_last_power_off, m.source_sha256_at_start(), "the guest's writes changed the disks");
-    let retry = json!({"metadata": {"annotations": {vmmigrate::api::RETRY_ANNOTATION: "true"}}});
-    m.api.patch(m.vm, &kube::api::PatchParams::default(), &kube::api::Patch::Merge(&retry)).await.unwrap();
-    m.wait_until_stopped(|v| phase_of(v) != Phase::ManualInterventionRequired).await;
-    let done = m.wait_completed().await.status.unwrap();
-    let recorded: Vec<String> = done.disks.iter().map(|d| d.source_sha256.clone().unwrap()).collect();
-    assert_eq!(recorded, at_last_power_off, "recorded: the disks at the last power-off");
-    assert_eq!(m.imported_sha256(2).await, at_last_power_off, "imported: the disks at the last power-off");
-    assert_eq!(m.source_sha256_now(), at_last_power_off, "vmmigrate never wrote the source");
-    m.assert_power_calls_recorded().await;
+    retry_completes_with_the_disks_at_the_last_power_off(&m, &at_last_power_off).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -152,20 +170,7 @@ async fn a_snapshot_taken_by_a_backup_tool_while_the_cutover_waits_for_its_windo
         "timeZone": "UTC",
     });
     m.create(|body| body["spec"]["cutover"] = json!({ "mode": "Window", "window": window })).await;
-    m.wait_for("waiting for the window", |v| {
-        v.status.as_ref().and_then(|s| s.waiting.as_ref()).is_some_and(|w| w.reason == "WaitingForWindow")
-    })
-    .await;
-    m.emu
-        .vim_cmd_by_hand(&["vmsvc/snapshot.create", m.vmid, "backup-nightly", "", "0", "0"])
-        .expect("snapshot");
+    backup_snapshot_while_waiting(&m, "WaitingForWindow").await;
     assert!(jiff::Timestamp::now() < opens, "the snapshot is taken before the window opens");
-    let status =
-        m.wait_until_stopped(|v| phase_of(v) == Phase::ManualInterventionRequired).await.status.unwrap();
-    let error = status.errors.last().unwrap();
-    assert_eq!(error.reason, "SourceChangedSinceDiscovery", "{:#?}", status.errors);
-    assert!(error.message.contains("snapshots"), "{}", error.message);
-    assert!(m.emu.power_calls(m.vmid).is_empty(), "nothing was asked of the source's power");
-    assert!(status.power_actions.is_empty());
-    assert_eq!(m.emu.vm_power(m.vmid), "on", "the source still runs");
+    stopped_before_any_power_action_for_the_snapshot(&m).await;
 }
