@@ -5,8 +5,9 @@
 //! here (YAML → JSON value → Lua source), so nothing but the interpreter is
 //! needed.
 //!
-//! The interpreter is `lua5.4` (CI installs the Debian package, see `.ci/run`);
-//! when it is missing these tests fail rather than skip. Argo CD itself runs
+//! The interpreter is `lua5.4`, one of the harness's Debian packages
+//! (`setup::packages`, installed on first use when the tests run as root);
+//! when it cannot be had these tests fail rather than skip. Argo CD itself runs
 //! gopher-lua, a Lua 5.1; the script keeps to what both accept.
 
 use serde::Deserialize;
@@ -125,6 +126,7 @@ fn assess(obj: &Value) -> Health {
     let dir = tempfile::tempdir().unwrap();
     let driver_path = dir.path().join("driver.lua");
     std::fs::write(&driver_path, driver).unwrap();
+    crate::support::setup::packages().expect("the harness's Debian packages (lua5.4 among them)");
     let output = match Command::new(LUA).arg(&driver_path).output() {
         Ok(output) => output,
         Err(e) if e.kind() == ErrorKind::NotFound => panic!(

@@ -236,6 +236,12 @@ async fn controller_killed_at_the_start_of_every_phase_still_completes_without_d
         true
     }));
     h.kill_and_restart_controller().await;
+    // Every DataVolume and VirtualMachine ever created, however short-lived
+    // (a watch sees each).
+    let dvs = Api::<DynamicObject>::namespaced_with(h.client.clone(), &h.ns, &data_volume_resource());
+    let vms = Api::<DynamicObject>::namespaced_with(h.client.clone(), &h.ns, &virtual_machine_resource());
+    let (dvs_ever, dv_watch) = crate::support::migration::watch_uids(dvs);
+    let (vms_ever, vm_watch) = crate::support::migration::watch_uids(vms);
     h.create(|_| {}).await;
     let mut dv_uids = std::collections::BTreeMap::new();
     let deadline = tokio::time::Instant::now() + WAIT;
@@ -265,10 +271,14 @@ async fn controller_killed_at_the_start_of_every_phase_still_completes_without_d
     }
     assert_eq!(h.count(&data_volume_resource()).await.len(), 2);
     assert_eq!(h.count(&virtual_machine_resource()).await.len(), 1);
-    assert!(h.world.ledger().power_off_transitions <= 1);
+    assert_eq!(dvs_ever.lock().unwrap().len(), 2, "one DataVolume per disk, ever");
+    assert_eq!(vms_ever.lock().unwrap().len(), 1, "one VirtualMachine, ever");
+    dv_watch.abort();
+    vm_watch.abort();
+    assert_eq!(h.world.ledger().power_off_transitions, 1, "powered off once");
     let status = h.get().await.status.unwrap();
-    let source = h.world.source_sha();
-    assert_eq!(status.disks[0].source_sha256.as_deref(), Some(source[0].as_str()));
+    let recorded: Vec<String> = status.disks.iter().map(|d| d.source_sha256.clone().unwrap()).collect();
+    assert_eq!(recorded, h.world.source_sha(), "every disk recorded as the source is");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -613,7 +613,7 @@ async fn base_applies_and_leaves_the_installed_crd_unchanged() {
 }
 
 #[tokio::test]
-async fn service_account_may_make_every_call_the_controller_makes() {
+async fn service_account_may_make_each_call_on_the_hand_kept_list_of_the_controllers_calls() {
     let client = KubeEnv::shared().client().await;
     let _shared = CLUSTER_RBAC.read().await;
     install_base(&client).await;

@@ -66,7 +66,8 @@ fn assert_snapshot_logged_and_removed(status: &vmmigrate::api::VirtualMachineMig
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_rehearsal_of_a_changing_vm_imports_the_moment_of_its_snapshot_and_never_touches_the_power() {
+async fn a_rehearsal_of_a_changing_vm_imports_the_bytes_the_host_hashed_under_its_snapshot_and_never_touches_the_power()
+ {
     let m = Migration::pair("e2e-rehearsal").await;
     let vmx_before = vmx_of(&m);
     let writer = m.emu.start_guest_writes(m.vmid, GuestWrites { blocks_per_second: 500, seed: 5 });
@@ -85,8 +86,9 @@ async fn a_rehearsal_of_a_changing_vm_imports_the_moment_of_its_snapshot_and_nev
     assert_eq!(String::from_utf8_lossy(&listed.stdout), "Get Snapshot:\n", "no snapshot left");
     assert_eq!(vmx_of(&m), vmx_before, "the .vmx is as it was");
 
-    // The copy: the disks at the snapshot's moment, checked by the host and
-    // by CDI; the guest went on writing after it.
+    // The copy: what the host's own sha256 read under the snapshot (the
+    // frozen base), checked again by CDI; neither the disks at the start nor
+    // now: the guest wrote before the snapshot and after it.
     let recorded: Vec<String> = status.disks.iter().map(|d| d.source_sha256.clone().unwrap()).collect();
     assert!(status.disks.iter().all(|d| d.source_verified_remotely == Some(true)));
     let now = m.source_sha256_now();
