@@ -155,8 +155,8 @@ impl Reason {
     /// A failure of the path to something that answered before (an API
     /// server in a brownout, a connection lost mid-copy, a call that timed
     /// out), not of the migration: it never spends the retry budget, however
-    /// long it lasts. A host that cannot be reached (`is_host_reach`) spends it
-    /// until the migration has reached it once.
+    /// long it lasts. A host that cannot be reached (`is_host_reach`) spends
+    /// it in discovery only.
     pub fn is_transport(self) -> bool {
         matches!(
             self,
@@ -171,9 +171,8 @@ impl Reason {
 
     /// A failure to reach the ESXi host over SSH (connect, handshake,
     /// session, timeout). It spends the retry budget in discovery, and is
-    /// waited out in the phases after it:
-    /// the host answered before, so it is a restart, a reboot or a path
-    /// that went away, not a wrong name.
+    /// waited out in the phases after it: the host answered before, so it
+    /// is a restart, a reboot or a path that went away, not a wrong name.
     pub fn is_host_reach(self) -> bool {
         matches!(self, Reason::SSHConnectFailed | Reason::SSHTimeout | Reason::SSHError)
     }
