@@ -43,6 +43,9 @@ use tracing::Instrument;
 pub const FINALIZER: &str = "migration.platform.example/cleanup";
 /// Longest per-object backoff after reconcile errors.
 pub(crate) const MAX_ERROR_BACKOFF: Duration = Duration::from_secs(300);
+/// Longest backoff while the API server (or the path to it) fails: the
+/// migration resumes within this of its return, whatever the outage lasted.
+pub(crate) const MAX_TRANSPORT_BACKOFF: Duration = Duration::from_secs(30);
 
 /// Asked at every checkpoint of a reconcile with the phase it started in;
 /// returning true abandons the reconcile there, as if the process died.
@@ -698,15 +701,17 @@ fn error_policy(obj: Arc<DynamicObject>, err: &Error, ctx: Arc<Context>) -> Acti
             *n
         })
         .unwrap_or(1);
-    let delay = error_backoff(attempts, ctx.jitter());
+    let delay = error_backoff(attempts, ctx.jitter(), err.reason());
     tracing::warn!(migration = %key(&obj), reason = %err.reason(), attempts, ?delay, "reconcile error: {err}");
     Action::requeue(ctx.cap(delay))
 }
 
 /// Per-object backoff after reconcile errors: 2^attempts seconds with equal
-/// jitter, capped at `MAX_ERROR_BACKOFF`.
-pub(crate) fn error_backoff(attempts: u32, jitter: f64) -> Duration {
-    let base = Duration::from_secs(1u64 << attempts.min(9)).min(MAX_ERROR_BACKOFF);
+/// jitter, capped at `MAX_ERROR_BACKOFF`, or at `MAX_TRANSPORT_BACKOFF` when
+/// the API server could not be reached or answered an error.
+pub(crate) fn error_backoff(attempts: u32, jitter: f64, reason: Reason) -> Duration {
+    let cap = if reason.is_transport() { MAX_TRANSPORT_BACKOFF } else { MAX_ERROR_BACKOFF };
+    let base = Duration::from_secs(1u64 << attempts.min(9)).min(cap);
     base.mul_f64(0.5 + jitter.clamp(0.0, 1.0) / 2.0)
 }
 
@@ -716,10 +721,21 @@ mod tests {
 
     #[test]
     fn error_backoff_grows_exponentially_and_is_capped() {
-        assert_eq!(error_backoff(1, 1.0), Duration::from_secs(2));
-        assert_eq!(error_backoff(3, 1.0), Duration::from_secs(8));
-        assert_eq!(error_backoff(3, 0.0), Duration::from_secs(4));
-        assert_eq!(error_backoff(30, 1.0), MAX_ERROR_BACKOFF);
+        let step = Reason::SSHAuthenticationFailed;
+        assert_eq!(error_backoff(1, 1.0, step), Duration::from_secs(2));
+        assert_eq!(error_backoff(3, 1.0, step), Duration::from_secs(8));
+        assert_eq!(error_backoff(3, 0.0, step), Duration::from_secs(4));
+        assert_eq!(error_backoff(30, 1.0, step), MAX_ERROR_BACKOFF);
+    }
+
+    #[test]
+    fn after_an_api_outage_of_any_length_a_migration_is_tried_again_within_thirty_seconds() {
+        for reason in [Reason::APIUnavailable, Reason::KubeAPIError, Reason::Timeout, Reason::ConnectionLost]
+        {
+            assert_eq!(error_backoff(3, 1.0, reason), Duration::from_secs(8), "{reason}: grows as any error");
+            assert_eq!(error_backoff(30, 1.0, reason), MAX_TRANSPORT_BACKOFF, "{reason}");
+        }
+        assert_eq!(MAX_TRANSPORT_BACKOFF, Duration::from_secs(30));
     }
 
     /// RFC 7386's apply, as the API server does it.

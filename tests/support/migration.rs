@@ -464,9 +464,19 @@ impl Migration {
     pub(crate) async fn wait_for(
         &self,
         what: &str,
+        done: impl FnMut(&VirtualMachineMigration) -> bool,
+    ) -> VirtualMachineMigration {
+        self.wait_for_within(what, WAIT, done).await
+    }
+
+    /// [`Self::wait_for`] with `limit` instead of `WAIT`.
+    pub(crate) async fn wait_for_within(
+        &self,
+        what: &str,
+        limit: Duration,
         mut done: impl FnMut(&VirtualMachineMigration) -> bool,
     ) -> VirtualMachineMigration {
-        let deadline = Instant::now() + WAIT;
+        let deadline = Instant::now() + limit;
         loop {
             let vmm = self.get().await;
             if done(&vmm) {
@@ -478,7 +488,13 @@ impl Migration {
                 "{what}: the migration stopped in {phase}: {:#?}",
                 vmm.status
             );
-            assert!(Instant::now() < deadline, "{what}: still {phase} after {WAIT:?}: {:#?}", vmm.status);
+            if Instant::now() >= deadline {
+                panic!(
+                    "{what}: still {phase} after {limit:?}: {:#?}\n{}",
+                    vmm.status,
+                    self.namespace_report().await
+                );
+            }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }
@@ -496,15 +512,111 @@ impl Migration {
             if done(&vmm) {
                 return vmm;
             }
-            assert!(
-                Instant::now() < deadline,
-                "still {} after {:?}: {:#?}",
-                phase_of(&vmm),
-                WAIT * 3,
-                vmm.status
-            );
+            if Instant::now() >= deadline {
+                panic!(
+                    "still {} after {:?}: {:#?}\n{}",
+                    phase_of(&vmm),
+                    WAIT * 3,
+                    vmm.status,
+                    self.namespace_report().await
+                );
+            }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
+    }
+
+    /// What the namespace holds, for a failed wait's message: each
+    /// DataVolume's phase and progress, each pod's phase and containers
+    /// (restarts, state), and the Events in the order they were last seen.
+    pub(crate) async fn namespace_report(&self) -> String {
+        use k8s_openapi::api::core::v1::{Event, Pod};
+        let mut out = format!("namespace {}:\n", self.ns);
+        let dvs: Api<DynamicObject> =
+            Api::namespaced_with(self.client.clone(), &self.ns, &data_volume_resource());
+        match dvs.list(&ListParams::default()).await {
+            Ok(list) => {
+                for dv in list.items {
+                    let status = dv.data.get("status").cloned().unwrap_or(Value::Null);
+                    out += &format!(
+                        "  DataVolume {}: phase {} progress {} restarts {} conditions {}\n",
+                        dv.name_any(),
+                        status["phase"],
+                        status["progress"],
+                        status["restartCount"],
+                        status["conditions"]
+                    );
+                }
+            }
+            Err(e) => out += &format!("  DataVolumes: {e}\n"),
+        }
+        let pods: Api<Pod> = Api::namespaced(self.client.clone(), &self.ns);
+        match pods.list(&ListParams::default()).await {
+            Ok(list) => {
+                for pod in list.items {
+                    let status = pod.status.clone().unwrap_or_default();
+                    let containers: Vec<String> = status
+                        .container_statuses
+                        .unwrap_or_default()
+                        .iter()
+                        .map(|c| format!("{} restarts {} state {:?}", c.name, c.restart_count, c.state))
+                        .collect();
+                    out += &format!(
+                        "  Pod {}: phase {:?} containers {containers:?}\n",
+                        pod.name_any(),
+                        status.phase
+                    );
+                }
+            }
+            Err(e) => out += &format!("  Pods: {e}\n"),
+        }
+        // The cluster's own pods that restarted or are not ready: a CDI or
+        // KubeVirt controller in back-off explains a migration that waits.
+        let everywhere: Api<Pod> = Api::all(self.client.clone());
+        if let Ok(list) = everywhere.list(&ListParams::default()).await {
+            for pod in list.items.iter().filter(|p| p.namespace().as_deref() != Some(self.ns.as_str())) {
+                let status = pod.status.clone().unwrap_or_default();
+                let troubled: Vec<String> = status
+                    .container_statuses
+                    .unwrap_or_default()
+                    .iter()
+                    .filter(|c| c.restart_count > 0 || !c.ready)
+                    .map(|c| {
+                        format!(
+                            "{} restarts {} ready {} state {:?}",
+                            c.name, c.restart_count, c.ready, c.state
+                        )
+                    })
+                    .collect();
+                if !troubled.is_empty() {
+                    out += &format!(
+                        "  Pod {}/{}: {troubled:?}\n",
+                        pod.namespace().unwrap_or_default(),
+                        pod.name_any()
+                    );
+                }
+            }
+        }
+        let events: Api<Event> = Api::namespaced(self.client.clone(), &self.ns);
+        match events.list(&ListParams::default()).await {
+            Ok(list) => {
+                let mut items = list.items;
+                items.sort_by_key(|e| e.last_timestamp.clone().map(|t| t.0));
+                for e in items {
+                    out += &format!(
+                        "  Event {:?} {} {}/{}: {} x{} {}\n",
+                        e.last_timestamp.map(|t| t.0),
+                        e.involved_object.kind.unwrap_or_default(),
+                        e.involved_object.name.unwrap_or_default(),
+                        e.reason.unwrap_or_default(),
+                        e.type_.unwrap_or_default(),
+                        e.count.unwrap_or(1),
+                        e.message.unwrap_or_default()
+                    );
+                }
+            }
+            Err(e) => out += &format!("  Events: {e}\n"),
+        }
+        out
     }
 
     /// What the real guest shows: its serial console (KubeVirt's
@@ -549,7 +661,12 @@ impl Migration {
     }
 
     pub(crate) async fn wait_completed(&self) -> VirtualMachineMigration {
-        self.wait_for("Completed", |v| {
+        self.wait_completed_within(WAIT).await
+    }
+
+    /// [`Self::wait_completed`] with `limit` instead of `WAIT`.
+    pub(crate) async fn wait_completed_within(&self, limit: Duration) -> VirtualMachineMigration {
+        self.wait_for_within("Completed", limit, |v| {
             phase_of(v) == Phase::Completed
                 && v.status.as_ref().is_some_and(|s| s.timestamps.cleaned_up.is_some())
         })
@@ -842,7 +959,15 @@ impl Migration {
 
     /// What every fault case must end with.
     pub(crate) async fn assert_survived(&self) -> vmmigrate::api::VirtualMachineMigrationStatus {
-        let done = self.wait_completed().await.status.unwrap();
+        self.assert_survived_within(WAIT).await
+    }
+
+    /// [`Self::assert_survived`], the migration given `limit` to complete.
+    pub(crate) async fn assert_survived_within(
+        &self,
+        limit: Duration,
+    ) -> vmmigrate::api::VirtualMachineMigrationStatus {
+        let done = self.wait_completed_within(limit).await.status.unwrap();
         self.assert_source_off_and_untouched().await;
         let at_power_off = self.source_sha256_at_start();
         let recorded: Vec<String> = done.disks.iter().map(|d| d.source_sha256.clone().unwrap()).collect();
