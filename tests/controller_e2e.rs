@@ -403,6 +403,22 @@ async fn a_deleted_warm_migration_whose_host_cannot_be_reached_lets_go_and_says_
     for what in ["vmmigrate-web-01", "esxi01", "vmid 7"] {
         assert!(note.contains(what), "the Event names {what}: {note}");
     }
+    // The record for Git outlives the migration, in the controller's
+    // namespace (here the test's): one, naming what stayed where.
+    let records: Api<k8s_openapi::api::core::v1::ConfigMap> = Api::namespaced(h.client.clone(), &h.ns);
+    let listed = records
+        .list(&ListParams::default().labels(&format!("{}=true", vmmigrate::api::LEFT_ON_SOURCE_LABEL)))
+        .await
+        .unwrap();
+    let left: Vec<_> =
+        listed.items.iter().filter_map(vmmigrate::api::LeftOnSource::from_config_map).collect();
+    assert_eq!(left.len(), 1, "{left:?}");
+    let left = &left[0];
+    assert_eq!(
+        (left.migration.as_str(), left.snapshot.as_str(), left.vmid.as_str()),
+        ("web-01", "vmmigrate-web-01", "7")
+    );
+    assert!(left.host.contains("esxi01") && !left.reason.is_empty() && !left.recorded.is_empty(), "{left:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

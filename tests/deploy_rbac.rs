@@ -107,6 +107,10 @@ const CALLS: &[Call] = &[
     ("create", "coordination.k8s.io", "leases", "", SYSTEM),
     ("update", "coordination.k8s.io", "leases", "", SYSTEM),
     ("delete", "coordination.k8s.io", "leases", "", SYSTEM),
+    // What deleted migrations left on their sources: created by the
+    // finalizer (`create` below), watched by the gitops side for the status branch.
+    ("list", "", "configmaps", "", SYSTEM),
+    ("watch", "", "configmaps", "", SYSTEM),
     // ESXi credentials of migrations in the namespace the base configures.
     ("get", "", "secrets", "", SYSTEM),
     // The import Secret and CA ConfigMap beside each DataVolume.
@@ -134,7 +138,9 @@ const FORBIDDEN: &[Call] = &[
     ("patch", "", "secrets", "", ANY),
     ("delete", "", "secrets", "", ANY),
     ("create", "", "configmaps", "", ANY),
-    ("list", "", "configmaps", "", SYSTEM),
+    // Records of what was left on sources are read in its own namespace only.
+    ("list", "", "configmaps", "", ANY),
+    ("watch", "", "configmaps", "", ANY),
     ("delete", "", "namespaces", "", ""),
     ("create", "rbac.authorization.k8s.io", "clusterrolebindings", "", ""),
     ("create", "rbac.authorization.k8s.io", "rolebindings", "", SYSTEM),

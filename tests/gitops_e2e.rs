@@ -103,6 +103,17 @@ impl Remote {
         git(&work, &["rev-parse", "HEAD"])
     }
 
+    /// Removes `path` from main, commits, pushes; returns the commit.
+    fn remove(&self, path: &str, message: &str) -> String {
+        let work = self.work();
+        git(&work, &["fetch", "-q", "origin"]);
+        git(&work, &["checkout", "-q", "-B", "main", "origin/main"]);
+        git(&work, &["rm", "-q", path]);
+        git(&work, &["commit", "-q", "-m", message]);
+        git(&work, &["push", "-q", "origin", "HEAD:refs/heads/main"]);
+        git(&work, &["rev-parse", "HEAD"])
+    }
+
     fn show(&self, rev_path: &str) -> Option<String> {
         let out =
             Command::new("git").arg("--git-dir").arg(self.bare()).args(["show", rev_path]).output().unwrap();
@@ -174,6 +185,7 @@ fn options(remote: &Remote, cache: &Path, ns: &str) -> GitopsOptions {
         status_branch: "migration-status".into(),
         status_dir: None,
         no_status: false,
+        system_namespace: ns.to_owned(),
         status_window_seconds: 2,
         webhook_listen: None,
         github_webhook_secret: None,
@@ -209,7 +221,12 @@ impl Drop for SimController {
 }
 
 async fn start_controller(client: &Client, ns: &str) -> SimController {
-    let world = SimWorld::new(11, FaultPlan::default());
+    start_controller_on(client, ns, SimWorld::new(11, FaultPlan::default())).await
+}
+
+/// [`start_controller`] on `world`; the controller's own namespace (source
+/// claims, records of what was left on sources) is `ns` too.
+async fn start_controller_on(client: &Client, ns: &str, world: Arc<SimWorld>) -> SimController {
     let staging = crate::support::publish_sim_staging(&world).await;
     let sims = kubevirt_sim::start(client.clone(), ns);
     let adapters = crate::support::sim_adapters(client, &world, ns);
@@ -551,6 +568,79 @@ async fn a_private_https_repository_is_fetched_and_its_status_pushed_with_the_to
     let annotations = serde_json::to_string(created.annotations()).unwrap();
     assert!(annotations.contains(&url) && !annotations.contains(TOKEN_VALUE), "{annotations}");
     assert!(!seen.iter().any(|s| s.target.contains(TOKEN_VALUE)));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_snapshot_a_deleted_migration_left_on_its_host_stays_on_the_status_branch_until_its_record_is_cleared()
+ {
+    use k8s_openapi::api::core::v1::ConfigMap;
+    use kube::api::{DeleteParams, ListParams};
+    let client = KubeEnv::shared().client().await;
+    ensure_storage_class(&client).await;
+    let ns = test_namespace(&client, "gitops-left").await;
+    let remote = Remote::new();
+    let cache = tempfile::tempdir().unwrap();
+    let world = SimWorld::new(11, FaultPlan { hold_copies: true, ..FaultPlan::default() });
+    let _controller = start_controller_on(&client, &ns, world.clone()).await;
+    let gitops =
+        service::start(client.clone(), options(&remote, cache.path(), &ns), Arc::new(Metrics::new()))
+            .await
+            .expect("gitops");
+    let warm = manifest(&ns, "web-01", "web 01").replace("\nspec:\n", "\nspec:\n  mode: Warm\n");
+    remote.push("main", &[("migrations/web-01.yaml", &warm)], "Migrate web-01 warm");
+    let api: Api<VirtualMachineMigration> = Api::namespaced(client.clone(), &ns);
+    wait_for("the snapshot taken", async || {
+        let v = api.get_opt("web-01").await.unwrap()?;
+        v.status.as_ref()?.snapshot.as_ref()?.id.as_ref().map(|_| ())
+    })
+    .await;
+    // The manifest leaves Git, and the namespace's deletion takes the ESXi
+    // Secret before the migration: its snapshot cannot be removed.
+    remote.remove("migrations/web-01.yaml", "Drop web-01");
+    wait_for("the migration marked orphaned", async || {
+        let v = api.get("web-01").await.unwrap();
+        v.annotations().contains_key(vmmigrate::api::ORPHANED_ANNOTATION).then_some(())
+    })
+    .await;
+    world.lose_credentials();
+    api.delete("web-01", &DeleteParams::default()).await.unwrap();
+    wait_for("the finalizer to let go", async || {
+        api.get_opt("web-01").await.unwrap().is_none().then_some(())
+    })
+    .await;
+    assert_eq!(world.snapshot_left().as_deref(), Some("vmmigrate-web-01"));
+
+    // Git says what stayed where, after the migration's own file went.
+    let left = wait_for("left-on-source.yaml on the status branch", async || {
+        remote
+            .show("migration-status:left-on-source.yaml")
+            .filter(|_| remote.show(&format!("migration-status:{ns}/web-01.yaml")).is_none())
+    })
+    .await;
+    let value: serde_yaml::Value = serde_yaml::from_str(&left).unwrap();
+    let record = &value["leftOnSource"][0];
+    assert_eq!(record["namespace"], ns.as_str());
+    assert_eq!(record["migration"], "web-01");
+    assert_eq!(record["snapshot"], "vmmigrate-web-01");
+    assert_eq!(record["host"], "esxi01.example.internal");
+    assert!(record["vmid"].as_str().is_some_and(|v| !v.is_empty()), "{left}");
+    let status_md = remote.show("migration-status:STATUS.md").unwrap();
+    assert!(
+        status_md.contains("## Left on source hosts") && status_md.contains("vmmigrate-web-01"),
+        "{status_md}"
+    );
+
+    // A person removed the snapshot by hand and deletes the record: the file goes.
+    let records: Api<ConfigMap> = Api::namespaced(client.clone(), &ns);
+    let label = format!("{}=true", vmmigrate::api::LEFT_ON_SOURCE_LABEL);
+    records.delete_collection(&DeleteParams::default(), &ListParams::default().labels(&label)).await.unwrap();
+    wait_for("left-on-source.yaml removed", async || {
+        remote.show("migration-status:left-on-source.yaml").is_none().then_some(())
+    })
+    .await;
+    let status_md = remote.show("migration-status:STATUS.md").unwrap();
+    assert!(!status_md.contains("Left on source"), "{status_md}");
+    gitops.stop().await;
 }
 
 /// The value of one sample line of a Prometheus text page, 0 when absent.

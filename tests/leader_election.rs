@@ -174,6 +174,10 @@ impl Staging for Counting {
 
 #[async_trait]
 impl Cluster for Counting {
+    async fn record_left_on_source(&self, left: &vmmigrate::api::LeftOnSource) -> Result<(), Failure> {
+        self.tick();
+        self.inner.cluster.record_left_on_source(left).await
+    }
     async fn cdi_verifies_checksum(&self) -> Result<bool, Failure> {
         self.tick();
         self.inner.cluster.cdi_verifies_checksum().await

@@ -441,6 +441,7 @@ fn status_md_lists_every_migration_with_phase_and_progress() {
         ],
         source_commit: SOURCE.to_string(),
         orphaned: vec![("db".into(), "pg-01".into())],
+        left_on_source: vec![],
     };
     let rendered = status_files(&input);
     env.writer().publish(&rendered, SOURCE).unwrap();

@@ -2,11 +2,13 @@
 //! spec, status, phases and condition names. Types only; no behaviour beyond
 //! generating the CRD.
 
+mod left_on_source;
 mod phase;
 mod reason;
 mod spec;
 mod status;
 
+pub use left_on_source::{LABEL as LEFT_ON_SOURCE_LABEL, LeftOnSource};
 pub use phase::Phase;
 pub use reason::Reason;
 pub use spec::*;

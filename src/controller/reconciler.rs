@@ -621,6 +621,14 @@ async fn cleanup(vmm: &VirtualMachineMigration, ctx: &Context) -> Result<Action,
                     && failure.class != machine::FailureClass::Retryable =>
             {
                 left.push(snapshot_left(vmm, &failure));
+                // Kept where neither the migration's deletion nor its
+                // namespace's reaches, before letting go (a failure here is
+                // retried): the gitops side writes it to Git.
+                ctx.adapters
+                    .cluster
+                    .record_left_on_source(&left_record(vmm, &failure))
+                    .await
+                    .map_err(Error::Step)?;
             }
             Err(failure) => return Err(Error::Step(failure)),
         }
@@ -689,6 +697,22 @@ fn snapshot_left(vmm: &VirtualMachineMigration, failure: &Failure) -> String {
         vmm.spec.source.host,
         failure
     )
+}
+
+/// The record of a snapshot left on the source, for the controller's namespace and Git.
+fn left_record(vmm: &VirtualMachineMigration, failure: &Failure) -> crate::api::LeftOnSource {
+    let vm = vmm.status.as_ref().and_then(|s| s.source_inventory.as_ref());
+    crate::api::LeftOnSource {
+        namespace: vmm.namespace().unwrap_or_default(),
+        migration: vmm.name_any(),
+        uid: vmm.uid().unwrap_or_default(),
+        host: vmm.spec.source.host.clone(),
+        vm: vm.map(|i| i.name.clone()).unwrap_or_default(),
+        vmid: vm.map(|i| i.vmid.clone()).unwrap_or_default(),
+        snapshot: crate::api::snapshot_name(&vmm.name_any()),
+        reason: failure.reason.as_str().to_owned(),
+        recorded: machine::api_time(Timestamp::now()).0.to_string(),
+    }
 }
 
 fn error_policy(obj: Arc<DynamicObject>, err: &Error, ctx: Arc<Context>) -> Action {

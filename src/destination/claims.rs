@@ -10,10 +10,11 @@
 //! exists (deleted without its finalizer running) is taken over; the
 //! finalizer releases it.
 
-use crate::api::{SourceInventory, SourceSpec, VirtualMachineMigration};
+use crate::api::{LeftOnSource, SourceInventory, SourceSpec, VirtualMachineMigration};
 use crate::machine::Failure;
 use crate::ports::kube_errors::{classify, is_not_found};
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
+use k8s_openapi::api::core::v1::ConfigMap;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::api::{Api, DeleteParams, PostParams, Preconditions};
 use kube::{Client, ResourceExt};
@@ -158,6 +159,25 @@ impl SourceClaims {
             // Someone took it over meanwhile: it is no longer ours to remove.
             Err(kube::Error::Api(s)) if s.code == 409 => Ok(()),
             Err(e) => Err(classify("releasing a source claim", e)),
+        }
+    }
+
+    /// Keeps what a deleted migration left on its source in this namespace
+    /// (a ConfigMap per migration uid, [`LeftOnSource`]): it outlives the
+    /// migration and its namespace, and the gitops side writes it to Git.
+    /// Recording the same migration again is success.
+    pub async fn record_left(&self, left: &LeftOnSource) -> Result<(), Failure> {
+        let api: Api<ConfigMap> = Api::namespaced(self.client.clone(), &self.namespace);
+        match api.create(&PostParams::default(), &left.to_config_map(&self.namespace)).await {
+            Ok(_) => Ok(()),
+            Err(kube::Error::Api(s)) if s.code == 409 => Ok(()),
+            Err(e) => Err(classify(
+                &format!(
+                    "recording what was left on the source in namespace {} (the controller's own)",
+                    self.namespace
+                ),
+                e,
+            )),
         }
     }
 

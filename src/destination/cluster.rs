@@ -7,7 +7,7 @@ use super::render;
 use super::verify::{self, VerifySettings};
 use crate::api::Reason;
 use crate::api::labels::MIGRATION_UID as LABEL_MIGRATION_UID;
-use crate::api::{CheckKindRef, ValidationCheck, VirtualMachineMigration};
+use crate::api::{CheckKindRef, LeftOnSource, ValidationCheck, VirtualMachineMigration};
 use crate::machine::{
     CheckResult, DataVolumeState, DestinationOccupancy, Failure, PreflightFacts, StartingFacts, VmState,
     VmiState, VolumeCheck, data_volume_name, destination_name,
@@ -342,6 +342,10 @@ impl Cluster for KubeCluster {
 
     async fn release_source(&self, vmm: &VirtualMachineMigration) -> Result<(), Failure> {
         self.claims.release(vmm).await
+    }
+
+    async fn record_left_on_source(&self, left: &LeftOnSource) -> Result<(), Failure> {
+        self.claims.record_left(left).await
     }
 
     async fn data_volume(

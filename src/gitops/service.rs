@@ -16,12 +16,13 @@ use super::status_branch::{Snapshot, StatusWriter, StatusWriterConfig, Target, r
 use super::status_files::{StatusInput, status_files};
 use super::webhook::{WebhookConfig, WebhookEvent, WebhookServer};
 use super::{LABEL_GITOPS, Provenance, RepoFile};
-use crate::api::{Phase, VirtualMachineMigration};
+use crate::api::{LEFT_ON_SOURCE_LABEL, LeftOnSource, Phase, VirtualMachineMigration};
 use crate::machine::tenancy::DestinationRules;
 use crate::metrics::Metrics;
 use crate::ports::EsxiHost;
 use anyhow::Context as _;
 use futures::{FutureExt as _, StreamExt as _};
+use k8s_openapi::api::core::v1::ConfigMap;
 use kube::api::Api;
 use kube::runtime::reflector::Store;
 use kube::{Client, ResourceExt};
@@ -71,6 +72,10 @@ pub struct GitopsOptions {
     /// Do not write status to Git.
     #[arg(long, env = "VMMIGRATE_NO_STATUS")]
     pub no_status: bool,
+    /// The controller's namespace: its records of what deleted migrations
+    /// left on their sources are written to the status files from there.
+    #[arg(long, env = "POD_NAMESPACE", default_value = "vmmigrate-system")]
+    pub system_namespace: String,
     /// At most one status commit per this many seconds.
     #[arg(long, env = "VMMIGRATE_STATUS_WINDOW_SECONDS", default_value_t = 10)]
     pub status_window_seconds: u64,
@@ -376,13 +381,23 @@ impl Gitops {
 
     /// The status files for `live` (the migrations vmmigrate applied, as the
     /// watch of [`watch_live`] holds them) at the last applied commit.
-    pub(crate) fn status_snapshot(&self, live: &Store<VirtualMachineMigration>) -> Option<Snapshot> {
+    pub(crate) fn status_snapshot(
+        &self,
+        live: &Store<VirtualMachineMigration>,
+        left: &Store<ConfigMap>,
+    ) -> Option<Snapshot> {
         let commit = self.last_applied()?;
         let mut migrations: Vec<VirtualMachineMigration> =
             live.state().iter().map(|m| (**m).clone()).collect();
         migrations.sort_by_key(|m| (m.namespace(), m.name_any()));
         let orphaned = self.state().orphaned.clone();
-        let files = status_files(&StatusInput { migrations, source_commit: commit.clone(), orphaned });
+        let left_on_source = left.state().iter().filter_map(|cm| LeftOnSource::from_config_map(cm)).collect();
+        let files = status_files(&StatusInput {
+            migrations,
+            source_commit: commit.clone(),
+            orphaned,
+            left_on_source,
+        });
         Some((files, commit))
     }
 
@@ -779,7 +794,7 @@ pub async fn start(
         Some(tokio::spawn(run_coalescing(writer, status_rx, Duration::from_secs(opts.status_window_seconds))))
     };
     // Status needs the live migrations: one watch, only when status is written.
-    let mut live = writer_task.as_ref().map(|_| watch_live(client.clone()));
+    let mut live = writer_task.as_ref().map(|_| watch_live(client.clone(), &opts.system_namespace));
     let (shutdown_tx, mut shutdown_rx) = tokio::sync::oneshot::channel::<()>();
     let looping = gitops.clone();
     let poll_every = Duration::from_secs(opts.poll_seconds.max(1));
@@ -816,7 +831,7 @@ pub async fn start(
                 }
                 _ = snapshot_every.tick(), if changed => {
                     if let Some(l) = live.as_ref().filter(|l| l.ready())
-                        && let Some(s) = looping.status_snapshot(&l.store)
+                        && let Some(s) = looping.status_snapshot(&l.store, &l.left)
                     {
                         changed = false;
                         if last.as_ref() != Some(&s) {
@@ -829,7 +844,7 @@ pub async fn start(
         }
         // One last snapshot, then closing the channel flushes it.
         if let Some(l) = live.as_ref().filter(|l| l.ready())
-            && let Some(s) = looping.status_snapshot(&l.store)
+            && let Some(s) = looping.status_snapshot(&l.store, &l.left)
             && last.as_ref() != Some(&s)
         {
             let _ = status_tx.send(Some(s));
@@ -847,6 +862,11 @@ pub async fn start(
 /// all namespaces) instead of a list every second.
 struct LiveMigrations {
     store: Store<VirtualMachineMigration>,
+    /// The controller's records of what deleted migrations left on their
+    /// sources (ConfigMaps labelled `LEFT_ON_SOURCE_LABEL` in its namespace).
+    /// Not waited for: until listed (or without the right to), none.
+    left: Store<ConfigMap>,
+    left_task: tokio::task::JoinHandle<()>,
     /// A message after the first full list and after every change since.
     changes: mpsc::Receiver<()>,
     task: tokio::task::JoinHandle<()>,
@@ -862,13 +882,31 @@ impl LiveMigrations {
 impl Drop for LiveMigrations {
     fn drop(&mut self) {
         self.task.abort();
+        self.left_task.abort();
     }
 }
 
-fn watch_live(client: Client) -> LiveMigrations {
+fn watch_live(client: Client, system_namespace: &str) -> LiveMigrations {
     use kube::runtime::{WatchStreamExt, reflector, watcher};
     let (store, writer) = reflector::store();
     let (tx, changes) = mpsc::channel(1);
+    let (left, left_writer) = reflector::store();
+    let left_api = Api::<ConfigMap>::namespaced(client.clone(), system_namespace);
+    let left_tx = tx.clone();
+    let left_task = tokio::spawn(async move {
+        let config = watcher::Config::default().labels(&format!("{LEFT_ON_SOURCE_LABEL}=true"));
+        let events = watcher(left_api, config).default_backoff().reflect(left_writer);
+        let mut events = std::pin::pin!(events);
+        while let Some(event) = events.next().await {
+            match event {
+                Ok(watcher::Event::Init | watcher::Event::InitApply(_)) => continue,
+                Ok(_) => {
+                    let _ = left_tx.try_send(());
+                }
+                Err(e) => tracing::warn!(error = %e, "watching the records of what was left on sources"),
+            }
+        }
+    });
     let api = Api::<VirtualMachineMigration>::all(client);
     let config = watcher::Config::default().labels(&format!("{LABEL_GITOPS}=true"));
     let task = tokio::spawn(async move {
@@ -891,7 +929,7 @@ fn watch_live(client: Client) -> LiveMigrations {
             }
         }
     });
-    LiveMigrations { store, changes, task }
+    LiveMigrations { store, left, left_task, changes, task }
 }
 
 /// The status files as `vmmigrate status` shows them from the status branch.

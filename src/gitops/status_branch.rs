@@ -19,7 +19,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use super::status_files::STATUS_MD;
+use super::status_files::{LEFT_ON_SOURCE_YAML, STATUS_MD};
 use crate::metrics::Metrics;
 
 /// Branch written by default; the bot owns it.
@@ -485,7 +485,7 @@ impl StatusWriter {
             if self.prefix.is_empty() { path } else { path.strip_prefix(&self.prefix)?.strip_prefix('/')? };
         let parts: Vec<&str> = rel.split('/').collect();
         let ours = match parts.as_slice() {
-            [file] => *file == STATUS_MD,
+            [file] => *file == STATUS_MD || *file == LEFT_ON_SOURCE_YAML,
             [_, file] => file.ends_with(".yaml"),
             _ => false,
         };
@@ -708,10 +708,10 @@ fn is_path_component(part: &str) -> bool {
         && part.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'))
 }
 
-/// `STATUS.md` or `<namespace>/<name>.yaml` with plain names.
+/// `STATUS.md`, `left-on-source.yaml` or `<namespace>/<name>.yaml` with plain names.
 fn is_status_path(path: &str) -> bool {
     match path.split('/').collect::<Vec<_>>().as_slice() {
-        [file] => *file == STATUS_MD,
+        [file] => *file == STATUS_MD || *file == LEFT_ON_SOURCE_YAML,
         [dir, file] => is_path_component(dir) && is_path_component(file) && file.ends_with(".yaml"),
         _ => false,
     }
@@ -801,8 +801,9 @@ mod tests {
     }
 
     #[test]
-    fn only_status_md_and_two_level_yaml_files_are_status_paths() {
+    fn only_status_md_left_on_source_and_two_level_yaml_files_are_status_paths() {
         assert!(is_status_path("STATUS.md"));
+        assert!(is_status_path("left-on-source.yaml"));
         assert!(is_status_path("apps/web-01.yaml"));
         for bad in [
             "README.md",
@@ -813,6 +814,7 @@ mod tests {
             "a/b/c.yaml",
             "-a/b.yaml",
             "apps/STATUS.md",
+            "other.yaml",
         ] {
             assert!(!is_status_path(bad), "{bad}");
         }
@@ -825,6 +827,7 @@ mod tests {
         let writer = StatusWriter::new(cfg);
         assert_eq!(writer.managed("status/STATUS.md"), Some("STATUS.md"));
         assert_eq!(writer.managed("status/apps/web.yaml"), Some("apps/web.yaml"));
+        assert_eq!(writer.managed("status/left-on-source.yaml"), Some("left-on-source.yaml"));
         assert_eq!(writer.managed("status/README.md"), None);
         assert_eq!(writer.managed("statusx/apps/web.yaml"), None);
         assert_eq!(writer.managed("migrations/apps/web.yaml"), None);

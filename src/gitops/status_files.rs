@@ -10,8 +10,8 @@
 
 use super::{ANNOTATION_COMMIT, ANNOTATION_ORPHANED, ANNOTATION_PATH};
 use crate::api::{
-    Condition, ConditionStatus, DestinationVm, MigrationError, Phase, PhaseTransition, Timestamps,
-    VirtualMachineMigration, VirtualMachineMigrationStatus,
+    Condition, ConditionStatus, DestinationVm, LeftOnSource, MigrationError, Phase, PhaseTransition,
+    Timestamps, VirtualMachineMigration, VirtualMachineMigrationStatus,
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use serde::Serialize;
@@ -20,6 +20,11 @@ use std::fmt::Write as _;
 
 /// Name of the overview file at the root of the status target.
 pub(crate) const STATUS_MD: &str = "STATUS.md";
+/// Name of the file of what deleted migrations left on their sources, at the
+/// root of the status target (written while there is any).
+pub(crate) const LEFT_ON_SOURCE_YAML: &str = "left-on-source.yaml";
+/// Records of [`LEFT_ON_SOURCE_YAML`] written at most (the oldest first go).
+pub(crate) const LEFT_ON_SOURCE_SHOWN: usize = 500;
 /// Newest errors copied into a migration's status file.
 pub(crate) const ERRORS_SHOWN: usize = 5;
 /// Characters of the last error shown in the `STATUS.md` table.
@@ -36,6 +41,9 @@ pub struct StatusInput {
     pub source_commit: String,
     /// `(namespace, name)` of live migrations whose manifest left Git.
     pub orphaned: Vec<(String, String)>,
+    /// What deleted migrations left on their sources (the controller's
+    /// records, `api::LeftOnSource`), until a person clears them.
+    pub left_on_source: Vec<LeftOnSource>,
 }
 
 /// Path of a migration's status file, relative to the status target.
@@ -55,8 +63,39 @@ pub fn status_files(input: &StatusInput) -> BTreeMap<String, String> {
     for row in &rows {
         files.insert(status_file_path(row.namespace, row.name), status_yaml(row));
     }
-    files.insert(STATUS_MD.to_string(), status_md(&rows, &input.source_commit));
+    let left = left_shown(&input.left_on_source);
+    if !left.is_empty() {
+        files.insert(LEFT_ON_SOURCE_YAML.to_string(), left_yaml(&left));
+    }
+    files.insert(STATUS_MD.to_string(), status_md(&rows, &input.source_commit, &left));
     files
+}
+
+/// The records shown: sorted (by migration, then uid), at most
+/// [`LEFT_ON_SOURCE_SHOWN`] of the newest.
+fn left_shown(records: &[LeftOnSource]) -> Vec<&LeftOnSource> {
+    let mut newest: Vec<&LeftOnSource> = records.iter().collect();
+    newest.sort_by(|a, b| b.recorded.cmp(&a.recorded).then_with(|| a.cmp(b)));
+    let mut seen = BTreeSet::new();
+    newest.retain(|l| seen.insert(l.uid.as_str()));
+    newest.truncate(LEFT_ON_SOURCE_SHOWN);
+    newest.sort();
+    newest
+}
+
+fn left_yaml(records: &[&LeftOnSource]) -> String {
+    #[derive(Serialize)]
+    #[serde(rename_all = "camelCase")]
+    struct LeftFile<'a> {
+        left_on_source: &'a [&'a LeftOnSource],
+    }
+    let mut out = String::from(
+        "# Written by vmmigrate: what deleted migrations left on their source hosts.\n\
+         # Remove each snapshot on its host, then delete its record:\n\
+         # kubectl -n <the controller's namespace> delete configmap vmm-left-<uid>\n",
+    );
+    out.push_str(&serde_yaml::to_string(&LeftFile { left_on_source: records }).unwrap_or_default());
+    out
 }
 
 /// One migration as the files see it.
@@ -392,7 +431,7 @@ pub(crate) fn mermaid_text(text: &str) -> String {
     if trimmed.is_empty() { "_".to_string() } else { trimmed.to_string() }
 }
 
-fn status_md(rows: &[Row<'_>], source_commit: &str) -> String {
+fn status_md(rows: &[Row<'_>], source_commit: &str, left: &[&LeftOnSource]) -> String {
     let mut md = String::new();
     md.push_str("# Migration status\n\n");
     let _ = writeln!(
@@ -405,6 +444,26 @@ fn status_md(rows: &[Row<'_>], source_commit: &str) -> String {
         if rows.len() == 1 { "" } else { "s" }
     );
     md.push_str("<!-- Written by vmmigrate from the migrations' live status; edits are overwritten. -->\n\n");
+    if !left.is_empty() {
+        let _ = writeln!(
+            md,
+            "## Left on source hosts\n\nDeleted migrations could not remove these snapshots; `{LEFT_ON_SOURCE_YAML}` says how to clear them.\n"
+        );
+        md.push_str("| Migration | Host | VM | Snapshot | Why | Recorded |\n|---|---|---|---|---|---|\n");
+        for l in left {
+            let _ = writeln!(
+                md,
+                "| {} | {} | {} | {} | {} | {} |",
+                markdown_cell(&format!("{}/{}", l.namespace, l.migration)),
+                markdown_cell(&l.host),
+                markdown_cell(&format!("{} (vmid {})", l.vm, l.vmid)),
+                markdown_cell(&l.snapshot),
+                markdown_cell(&l.reason),
+                markdown_cell(&l.recorded),
+            );
+        }
+        md.push('\n');
+    }
     if rows.is_empty() {
         md.push_str("No migrations.\n");
         return md;
@@ -543,7 +602,7 @@ mod tests {
     }
 
     fn input(migrations: Vec<VirtualMachineMigration>) -> StatusInput {
-        StatusInput { migrations, source_commit: "feedface".into(), orphaned: vec![] }
+        StatusInput { migrations, source_commit: "feedface".into(), orphaned: vec![], left_on_source: vec![] }
     }
 
     #[test]
@@ -636,6 +695,61 @@ mod tests {
             assert!(!text.contains("s3cr3t") && !text.contains("esxi-root-password"), "{text}");
             assert!(!text.contains("lastTransitionTime"), "{text}");
         }
+    }
+
+    fn left(uid: &str, recorded: &str) -> LeftOnSource {
+        LeftOnSource {
+            namespace: "apps".into(),
+            migration: format!("web-{uid}"),
+            uid: uid.into(),
+            host: "esxi01.example.net".into(),
+            vm: "web | <b>x</b>".into(),
+            vmid: "7".into(),
+            snapshot: format!("vmmigrate-web-{uid}"),
+            reason: "CredentialsNotFound".into(),
+            recorded: recorded.into(),
+        }
+    }
+
+    #[test]
+    fn what_deleted_migrations_left_on_sources_is_a_file_and_a_table_until_cleared() {
+        let mut state = input(vec![migration("apps", "db-01", Phase::Preparing)]);
+        state.left_on_source = vec![left("b2", "2026-12-06T10:00:00Z"), left("a1", "2026-12-06T09:00:00Z")];
+        let files = status_files(&state);
+        let value: serde_yaml::Value = serde_yaml::from_str(&files[LEFT_ON_SOURCE_YAML]).unwrap();
+        let records = value["leftOnSource"].as_sequence().unwrap();
+        assert_eq!(records.len(), 2);
+        assert_eq!(records[0]["uid"], "a1", "sorted by migration");
+        for key in ["namespace", "migration", "host", "vm", "vmid", "snapshot", "reason", "recorded"] {
+            assert!(records[1][key].as_str().is_some_and(|v| !v.is_empty()), "{key}");
+        }
+        assert_eq!(records[1]["snapshot"], "vmmigrate-web-b2");
+        let md = &files[STATUS_MD];
+        assert!(md.contains("## Left on source hosts"), "{md}");
+        assert!(md.contains("vmmigrate-web-a1") && md.contains("vmmigrate-web-b2"), "{md}");
+        assert!(!md.contains("<b>") && !md.contains("web | "), "cells are escaped: {md}");
+        // Cleared by a person: the file goes, the section too.
+        state.left_on_source.clear();
+        let files = status_files(&state);
+        assert!(!files.contains_key(LEFT_ON_SOURCE_YAML));
+        assert!(!files[STATUS_MD].contains("Left on source"));
+    }
+
+    #[test]
+    fn the_left_on_source_file_keeps_the_newest_records_up_to_its_limit() {
+        let mut state = input(vec![]);
+        state.left_on_source = (0..LEFT_ON_SOURCE_SHOWN + 20)
+            .map(|i| left(&format!("{i:04}"), &format!("2026-12-06T{:02}:{:02}:00Z", i / 60 % 24, i % 60)))
+            .collect();
+        // The same record twice (listed twice) counts once.
+        state.left_on_source.push(left("0519", "2026-12-06T08:39:00Z"));
+        let files = status_files(&state);
+        let value: serde_yaml::Value = serde_yaml::from_str(&files[LEFT_ON_SOURCE_YAML]).unwrap();
+        let uids: Vec<&str> =
+            value["leftOnSource"].as_sequence().unwrap().iter().map(|r| r["uid"].as_str().unwrap()).collect();
+        assert_eq!(uids.len(), LEFT_ON_SOURCE_SHOWN);
+        assert_eq!(uids[0], "0020", "the 20 oldest went");
+        assert_eq!(uids.last(), Some(&"0519"));
     }
 
     #[test]

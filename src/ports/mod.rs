@@ -10,7 +10,7 @@
 //! object as read from the API server; names they derive are deterministic
 //! (`machine::data_volume_name`, `machine::artifact_key`).
 
-use crate::api::{SourceInventory, SourcePowerState, ValidationCheck, VirtualMachineMigration};
+use crate::api::{LeftOnSource, SourceInventory, SourcePowerState, ValidationCheck, VirtualMachineMigration};
 use crate::machine::{
     ArtifactState, CheckResult, CopyState, DataVolumeState, Failure, PreflightFacts, StartingFacts, VmState,
 };
@@ -192,6 +192,10 @@ pub trait Cluster: Send + Sync {
     async fn release_source(&self, _vmm: &VirtualMachineMigration) -> Result<(), Failure> {
         Ok(())
     }
+    /// Records, in the controller's own namespace, what a deleted migration
+    /// left on its source: it outlives the migration and its namespace, and
+    /// the gitops side writes it to Git. Recording it again is success.
+    async fn record_left_on_source(&self, left: &LeftOnSource) -> Result<(), Failure>;
     /// Whether the installed DataVolume definition has
     /// `spec.source.http.checksum` (CDI v1.65 and later check it). No
     /// default: every implementation (the simulations included) says.

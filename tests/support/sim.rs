@@ -240,6 +240,8 @@ struct World {
     fence_closed: bool,
     /// The host cannot be reached for good (see `lose_credentials`).
     credentials_gone: bool,
+    /// What deleted migrations recorded as left on the source.
+    left_on_source: Vec<vmmigrate::api::LeftOnSource>,
     /// Whether the driver writes ahead through `written_ahead` (the
     /// simulation's fence); the real controller's fence writes to the API server.
     tracks_write_ahead: bool,
@@ -319,6 +321,7 @@ impl SimWorld {
                 at_power_off: Vec::new(),
                 fence_closed: false,
                 credentials_gone: false,
+                left_on_source: Vec::new(),
                 tracks_write_ahead: false,
             }),
         })
@@ -1340,6 +1343,15 @@ impl Cluster for SimWorld {
         if w.vm.as_ref().is_some_and(|vm| vm.ours) {
             w.vm = None;
             w.vmi_ticks = None;
+        }
+        Ok(())
+    }
+
+    async fn record_left_on_source(&self, left: &vmmigrate::api::LeftOnSource) -> Result<(), Failure> {
+        call!(self, "record left on source");
+        let mut w = self.lock();
+        if !w.left_on_source.iter().any(|l| l.uid == left.uid) {
+            w.left_on_source.push(left.clone());
         }
         Ok(())
     }
