@@ -66,7 +66,8 @@ async fn a_host_refusing_logins_past_max_startups_mid_copy_is_waited_out() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_connection_blackholed_mid_copy_times_out_and_the_copy_resumes_once_the_path_is_back() {
+async fn a_connection_blackholed_then_refused_mid_copy_times_out_is_waited_out_and_the_copy_resumes_once_the_path_is_back()
+ {
     let m = Migration::new("e2e-blackhole").await;
     let proxy = FaultProxy::start(([127, 0, 0, 1], m.emu.port).into()).expect("proxy");
     m.emu.set_read_rate(Some(SLOW_READS));
@@ -88,12 +89,27 @@ async fn a_connection_blackholed_mid_copy_times_out_and_the_copy_resumes_once_th
         assert!(Instant::now() < deadline, "a blackholed copy was never noticed: {:#?}", reasons(&status));
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    // The route comes back; the old connections are gone for good (reset).
+    // A firewall then rejects the path: the old connections are reset and
+    // every new one is refused, and the migration keeps trying.
     proxy.cut_all();
+    proxy.set_mode(Mode::Refuse);
+    let deadline = Instant::now() + WAIT;
+    while proxy.refused() < 2 {
+        let phase = phase_of(&m.get().await);
+        assert!(
+            !matches!(phase, Phase::Failed | Phase::ManualInterventionRequired),
+            "a refused path stops nothing: {phase}"
+        );
+        assert!(Instant::now() < deadline, "no new connection was tried while refused");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    // The route comes back.
+    let accepted_before = proxy.accepted();
     proxy.set_mode(Mode::Pass);
     m.emu.set_read_rate(None);
     m.assert_survived().await;
     assert!(proxy.stalled_ms() > 0);
+    assert!(proxy.accepted() > accepted_before, "the copy resumed through the path");
 }
 
 /// db-02's migration whose work directory is a 256 MiB file system of its

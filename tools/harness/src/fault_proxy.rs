@@ -68,10 +68,6 @@ impl FaultProxy {
         self.shared.mode.store(mode as u8, Ordering::SeqCst);
     }
 
-    pub fn mode(&self) -> Mode {
-        mode_of(&self.shared)
-    }
-
     /// Closes every open connection both ways, as a reset would.
     pub fn cut_all(&self) {
         let open = std::mem::take(&mut *self.shared.open.lock().expect("open lock"));
