@@ -106,6 +106,10 @@ impl EsxiHost for Counting {
         self.tick();
         self.inner.esxi.power(vmm).await
     }
+    async fn extent_stats(&self, vmm: &Vmm, paths: &[String]) -> Result<Vec<String>, Failure> {
+        self.tick();
+        self.inner.esxi.extent_stats(vmm, paths).await
+    }
     async fn request_shutdown(&self, vmm: &Vmm) -> Result<(), Failure> {
         self.tick();
         self.inner.esxi.request_shutdown(vmm).await

@@ -26,13 +26,11 @@ fn migration(uid: &str) -> vmmigrate::api::VirtualMachineMigration {
     .unwrap()
 }
 
-#[tokio::test]
-async fn the_worker_answers_only_its_controllers_token_for_its_own_migration_and_bounds_requests() {
-    let dir = tempfile::tempdir().unwrap();
-    let controller =
-        StagingAccess::load_or_create(&dir.path().join("ca"), "https://staging.example").unwrap();
+/// A worker for migration `uid-a` on a fresh claim, and its controller's CA.
+async fn start_worker(dir: &std::path::Path) -> (vmmigrate::worker::process::Running, StagingAccess) {
+    let controller = StagingAccess::load_or_create(&dir.join("ca"), "https://staging.example").unwrap();
     let identity = controller.worker_identity("uid-a", &[HOST.to_owned()]).unwrap();
-    let (identity_dir, credentials_dir) = (dir.path().join("identity"), dir.path().join("source"));
+    let (identity_dir, credentials_dir) = (dir.join("identity"), dir.join("source"));
     std::fs::create_dir_all(&identity_dir).unwrap();
     std::fs::create_dir_all(&credentials_dir).unwrap();
     for (file, text) in [
@@ -46,7 +44,7 @@ async fn the_worker_answers_only_its_controllers_token_for_its_own_migration_and
     std::fs::write(credentials_dir.join("password"), "secret").unwrap();
     let opts = WorkerOptions {
         uid: "uid-a".into(),
-        work_dir: dir.path().join("work"),
+        work_dir: dir.join("work"),
         identity_dir,
         credentials_dir,
         listen: "127.0.0.1:0".parse().unwrap(),
@@ -56,7 +54,13 @@ async fn the_worker_answers_only_its_controllers_token_for_its_own_migration_and
         conversions: 1,
     };
     let worker = start(&opts, Arc::new(Metrics::new())).await.expect("the worker starts");
+    (worker, controller)
+}
 
+#[tokio::test]
+async fn the_worker_answers_only_its_controllers_token_for_its_own_migration_and_bounds_requests() {
+    let dir = tempfile::tempdir().unwrap();
+    let (worker, controller) = start_worker(dir.path()).await;
     let _ = rustls::crypto::ring::default_provider().install_default();
     let client = reqwest::Client::builder()
         .use_preconfigured_tls(controller.client_tls().unwrap())
@@ -108,4 +112,60 @@ async fn the_worker_answers_only_its_controllers_token_for_its_own_migration_and
         .build()
         .unwrap();
     assert!(stranger.get(url(HEALTH_PATH)).send().await.is_err(), "a certificate of another CA was accepted");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_copy_start_whose_ssh_login_outlasts_the_controllers_call_is_not_cancelled_with_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let (worker, controller) = start_worker(dir.path()).await;
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    // An ESXi host that accepts the connection and then says nothing: the
+    // SSH login waits for its banner until the migration's SSH timeout.
+    let host = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = host.local_addr().unwrap().port();
+    let held = tokio::spawn(async move {
+        let mut open = Vec::new();
+        while let Ok((stream, _)) = host.accept().await {
+            open.push(stream);
+        }
+    });
+    let mut vmm = migration("uid-a");
+    vmm.spec.source.port = i32::from(port);
+    vmm.status = Some(serde_json::from_value(serde_json::json!({
+        "phase": "Preparing",
+        "sourceInventory": {
+            "vmid": "2", "name": "db-02", "vmxPath": "[ds1] db-02/db-02.vmx", "firmware": "bios",
+            "cpuSockets": 1, "coresPerSocket": 1, "memoryMiB": 512, "powerState": "PoweredOff",
+            "disks": [{ "index": 0, "device": "scsi0:0", "bus": "scsi", "descriptorPath": "/vmfs/volumes/ds1/db-02/db-02.vmdk",
+                        "extentPath": "/vmfs/volumes/ds1/db-02/db-02-flat.vmdk", "capacityBytes": 1048576 }],
+        },
+    }))
+    .unwrap());
+    let client = reqwest::Client::builder()
+        .use_preconfigured_tls(controller.client_tls().unwrap())
+        .resolve(HOST, worker.control_addr())
+        .no_proxy()
+        .build()
+        .unwrap();
+    let url = format!("https://{HOST}:{}{CALL_PATH}", worker.control_addr().port());
+    let token = controller.for_migration("uid-a").control_token();
+    let post = |call: Call, timeout: std::time::Duration| {
+        client
+            .post(&url)
+            .bearer_auth(&token)
+            .timeout(timeout)
+            .json(&Request { vmm: vmm.clone(), call })
+            .send()
+    };
+    // The controller's call gives up long before the login does.
+    let started = post(Call::StartCopy { disk: 0 }, std::time::Duration::from_secs(1)).await;
+    assert!(started.is_err_and(|e| e.is_timeout()), "the start answered before its login ended");
+    // The start goes on: its place is held, a read says the copy is under way.
+    let answer = post(Call::CopyState { disk: 0 }, std::time::Duration::from_secs(10)).await.unwrap();
+    let state: CopyState = serde_json::from_slice(&answer.bytes().await.unwrap()).unwrap();
+    assert!(
+        matches!(state, CopyState::InProgress { .. }),
+        "the start was cancelled with the call: {state:?}"
+    );
+    held.abort();
 }

@@ -34,6 +34,7 @@ reasons! {
     SourceNotPoweredOff,
     SourceSuspended,
     SourcePoweredOnAgain,
+    SourceDisksChanged,
     ToolsNotRunning,
     GuestShutdownTimeout,
     DestinationVMNotOwned,

@@ -445,6 +445,11 @@ pub struct DiskStatus {
     /// The power-off epoch the copy was made in.
     #[serde(default, skip_serializing_if = "is_zero_i32")]
     pub epoch: i32,
+    /// The extent as the host's `stat` described it (size and mtime) while
+    /// it was copied; a different answer before the destination starts
+    /// means the source ran unobserved, and the copy is stale.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub source_stat: Option<String>,
 }
 
 /// How an import is proven to hold the copied bytes.

@@ -233,21 +233,47 @@ pub(crate) async fn observe(adapters: &Adapters, vmm: &VirtualMachineMigration) 
     }
 }
 
+/// What [`observe_source`] read: the power, and the copied extents' stats.
+type SourceSeen =
+    (Option<Result<crate::api::SourcePowerState, Failure>>, Option<Result<Vec<(usize, String)>, Failure>>);
+
 /// The source's power after Preparing, until the destination is started:
 /// read for a migration that recorded its source off (never for a rehearsal).
-async fn observe_source(
-    adapters: &Adapters,
-    vmm: &VirtualMachineMigration,
-) -> Option<Result<crate::api::SourcePowerState, Failure>> {
-    let status = vmm.status.as_ref()?;
+/// Seen off, the extents of the disks whose copy recorded a stat are stated
+/// too: a source powered on and off between two looks wrote to them.
+async fn observe_source(adapters: &Adapters, vmm: &VirtualMachineMigration) -> SourceSeen {
+    let Some(status) = vmm.status.as_ref() else { return (None, None) };
     // In Starting only until the destination was asked to run (then it is the user's VM).
     let starting = status.phase == Phase::Starting && status.timestamps.start_requested.is_none();
     let watched =
         matches!(status.phase, Phase::Converting | Phase::Importing | Phase::CreatingVm) || starting;
     if !watched || !vmm.spec.mode.may_power_off() || status.timestamps.source_powered_off.is_none() {
-        return None;
+        return (None, None);
     }
-    Some(bounded("ESXi power state", ssh_timeout(vmm), adapters.esxi.power(vmm)).await.map(|p| p.state))
+    let power =
+        bounded("ESXi power state", ssh_timeout(vmm), adapters.esxi.power(vmm)).await.map(|p| p.state);
+    let copied: Vec<(usize, String)> = status
+        .disks
+        .iter()
+        .enumerate()
+        .filter(|(_, d)| d.source_stat.is_some())
+        .map(|(i, d)| (i, d.source_path.clone()))
+        .collect();
+    if !matches!(power, Ok(crate::api::SourcePowerState::PoweredOff)) || copied.is_empty() {
+        return (Some(power), None);
+    }
+    let paths: Vec<String> = copied.iter().map(|(_, path)| path.clone()).collect();
+    let stats = bounded("ESXi extent stat", ssh_timeout(vmm), adapters.esxi.extent_stats(vmm, &paths)).await;
+    let extents = stats.and_then(|stats| {
+        if stats.len() != copied.len() {
+            return Err(Failure::retryable(
+                Reason::SSHError,
+                format!("asked the stat of {} extent(s), got {}", copied.len(), stats.len()),
+            ));
+        }
+        Ok(copied.iter().map(|(disk, _)| *disk).zip(stats).collect())
+    });
+    (Some(power), Some(extents))
 }
 
 /// Whether an action cannot be undone or destroys something: it is
@@ -426,13 +452,14 @@ pub async fn step(
         now: input.now,
         jitter: input.jitter,
         source: None,
+        extents: None,
         shutdown_seen_for: input.shutdown_seen_for,
         orphan_hold: input.orphan_hold,
     };
     // Held at a gate after validating: nothing to look at until it opens.
     let held = status.phase == Phase::Validated && machine::held_at_gate(&make_input(Observed::Nothing));
     let mut observed = if held { Observed::Nothing } else { observe(adapters, vmm).await };
-    let source = if held { None } else { observe_source(adapters, vmm).await };
+    let (source, extents) = if held { (None, None) } else { observe_source(adapters, vmm).await };
     if let Observed::Preflight(Ok(facts)) = &mut observed {
         // The controller's own rule, whatever the adapter reported.
         facts.destination_refused =
@@ -441,7 +468,7 @@ pub async fn step(
     if interrupt(&Checkpoint::Observed) {
         return None;
     }
-    let mut decision = machine::decide(Input { source, ..make_input(observed) });
+    let mut decision = machine::decide(Input { source, extents, ..make_input(observed) });
     if let Some(asked) = changed_mode
         && decision.status.phase != status.phase
     {

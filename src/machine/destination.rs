@@ -6,16 +6,22 @@ use super::*;
 /// Before the destination is created or started the source must be seen
 /// off (and, past Preparing, it was: `decide` ended the epoch otherwise).
 /// `false` when the decision is made: the source could not be seen off.
-fn source_seen_off(
-    ctx: &mut Ctx<'_>,
-    phase: Phase,
-    source: Option<&Result<SourcePowerState, Failure>>,
-) -> bool {
+fn source_seen_off(ctx: &mut Ctx<'_>, phase: Phase, source: SeenSource<'_>) -> bool {
     if ctx.spec.mode == MigrationMode::Rehearsal {
         return true;
     }
-    let failure = match source {
-        Some(Ok(SourcePowerState::PoweredOff)) => return true,
+    let failure = match source.power {
+        Some(Ok(SourcePowerState::PoweredOff)) => match source.extents {
+            None => return true,
+            Some(Ok(extents)) => return extents_unchanged(ctx, extents),
+            Some(Err(failure)) => Failure::retryable(
+                failure.reason,
+                format!(
+                    "the source's disks could not be read, so the destination is not started: {}",
+                    failure.message
+                ),
+            ),
+        },
         Some(Ok(seen)) if ctx.status.timestamps.source_powered_off.is_some() => {
             end_epoch(ctx, *seen);
             return false;
@@ -40,11 +46,7 @@ fn source_seen_off(
     false
 }
 
-pub(super) fn creating_vm(
-    ctx: &mut Ctx<'_>,
-    observed: Observed,
-    source: Option<&Result<SourcePowerState, Failure>>,
-) {
+pub(super) fn creating_vm(ctx: &mut Ctx<'_>, observed: Observed, source: SeenSource<'_>) {
     let vm = match observed {
         Observed::CreatingVm(Ok(vm)) => vm,
         Observed::CreatingVm(Err(failure)) => return ctx.fail(Phase::CreatingVm, failure),
@@ -103,11 +105,7 @@ pub(super) fn creating_vm(
     }
 }
 
-pub(super) fn starting(
-    ctx: &mut Ctx<'_>,
-    observed: Observed,
-    source: Option<&Result<SourcePowerState, Failure>>,
-) {
+pub(super) fn starting(ctx: &mut Ctx<'_>, observed: Observed, source: SeenSource<'_>) {
     let facts = match observed {
         Observed::Starting(Ok(f)) => f,
         Observed::Starting(Err(failure)) => return ctx.fail(Phase::Starting, failure),

@@ -29,7 +29,9 @@ pub(crate) use gates::held_at_gate;
 use gates::{Gating, hold, validated};
 pub use importing::IMPORTER_RESTART_LIMIT;
 pub use observe::*;
-use power::{end_epoch, power_down, record_powered_off, source_unchanged, stale, suspended};
+use power::{
+    end_epoch, extents_unchanged, power_down, record_powered_off, source_unchanged, stale, suspended,
+};
 
 use crate::api::{
     CleanupAction, DiskFormat, DiskProgress, DiskStatus, ImportVerification, MAX_ERRORS, MAX_HISTORY,
@@ -82,6 +84,10 @@ pub(crate) struct Input<'a> {
     /// The source's power, read again after Preparing (Converting up to the
     /// start of the destination) once it was recorded off; `None` where not read.
     pub source: Option<Result<SourcePowerState, Failure>>,
+    /// The extents of the copied disks as the host's `stat` describes them
+    /// now (disk index, stat), read with `source` once it was seen off and
+    /// a copy recorded its extent's stat; `None` where not read.
+    pub extents: Option<Result<Vec<(usize, String)>, Failure>>,
     /// How long this process has seen the recorded `shutdownRequested`, on
     /// its own clock: durations that span replicas are measured locally
     /// (client-go's rule), so a replica whose clock runs ahead does not cut
@@ -476,6 +482,14 @@ impl<'a> Ctx<'a> {
     }
 }
 
+/// What was read of the source after Preparing: its power and, once off,
+/// its copied extents.
+#[derive(Clone, Copy)]
+pub(crate) struct SeenSource<'i> {
+    pub power: Option<&'i Result<SourcePowerState, Failure>>,
+    pub extents: Option<&'i Result<Vec<(usize, String)>, Failure>>,
+}
+
 /// The decision for one reconcile.
 pub(crate) fn decide(input: Input<'_>) -> Decision {
     let mut ctx = Ctx::new(&input);
@@ -504,6 +518,15 @@ pub(crate) fn decide(input: Input<'_>) -> Decision {
             }
             _ => {}
         }
+        // Seen off, but it may have run between two looks: its extents say.
+        match &input.extents {
+            Some(Ok(extents)) if !extents_unchanged(&mut ctx, extents) => return ctx.into_decision(),
+            Some(Err(failure)) if phase != Phase::CreatingVm => {
+                ctx.fail(phase, failure.clone());
+                return ctx.into_decision();
+            }
+            _ => {}
+        }
     }
     match phase {
         Phase::Pending => {
@@ -518,8 +541,14 @@ pub(crate) fn decide(input: Input<'_>) -> Decision {
         Phase::Preparing => preparing(&mut ctx, input.observed, &gating),
         Phase::Converting => converting(&mut ctx, input.observed),
         Phase::Importing => importing::importing(&mut ctx, input.observed),
-        Phase::CreatingVm => creating_vm(&mut ctx, input.observed, input.source.as_ref()),
-        Phase::Starting => starting(&mut ctx, input.observed, input.source.as_ref()),
+        Phase::CreatingVm => {
+            let seen = SeenSource { power: input.source.as_ref(), extents: input.extents.as_ref() };
+            creating_vm(&mut ctx, input.observed, seen)
+        }
+        Phase::Starting => {
+            let seen = SeenSource { power: input.source.as_ref(), extents: input.extents.as_ref() };
+            starting(&mut ctx, input.observed, seen)
+        }
         Phase::Validating => validating(&mut ctx, input.observed),
         Phase::Retryable => match ctx.status.retry.clone() {
             Some(retry) => {
@@ -811,11 +840,11 @@ fn recorded_disks(ctx: &Ctx<'_>, copies: &[CopyState]) -> Vec<DiskStatus> {
         .iter()
         .enumerate()
         .map(|(i, copy)| {
-            let (size, sha, remote, epoch) = match copy {
-                CopyState::Complete { size, sha256, verified_remotely, epoch } => {
-                    (*size, Some(sha256.clone()), Some(*verified_remotely), *epoch)
+            let (size, sha, remote, epoch, stat) = match copy {
+                CopyState::Complete { size, sha256, verified_remotely, epoch, source } => {
+                    (*size, Some(sha256.clone()), Some(*verified_remotely), *epoch, source.clone())
                 }
-                _ => (0, None, None, 0),
+                _ => (0, None, None, 0, None),
             };
             DiskStatus {
                 index: i as i32,
@@ -824,6 +853,7 @@ fn recorded_disks(ctx: &Ctx<'_>, copies: &[CopyState]) -> Vec<DiskStatus> {
                 source_sha256: sha,
                 source_verified_remotely: remote,
                 epoch,
+                source_stat: stat,
                 ..Default::default()
             }
         })

@@ -154,6 +154,12 @@ pub enum CopyState {
         verified_remotely: bool,
         #[serde(default)]
         epoch: i32,
+        /// What the host's `stat` said of the extent (size and mtime) when
+        /// the copy began and, unchanged, when it ended: the disk the copy
+        /// holds. `None` where the copy is not of the extent itself (a warm
+        /// migration's base and deltas).
+        #[serde(default)]
+        source: Option<String>,
     },
     /// The last copy failed; partial data may need removing (`discard`).
     Failed { failure: Failure, discard: bool },

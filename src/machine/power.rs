@@ -153,6 +153,39 @@ fn ask(ctx: &mut Ctx<'_>, kind: PowerActionKind) {
 /// off). The power-off is forgotten, a new epoch begins, and a person is
 /// asked; the next power-off opens one more and everything is copied again.
 pub(super) fn end_epoch(ctx: &mut Ctx<'_>, seen: SourcePowerState) {
+    end_epoch_because(ctx, "PoweredOnAgain", format!("the source VM was seen {seen:?}"), powered_on_again());
+}
+
+/// The extents of the copied disks, as the host's `stat` describes them
+/// now (`extents`: disk index and stat), compared with what each copy
+/// recorded: a disk whose extent changed after its copy was written by a
+/// source that ran while nobody looked (powered on and off between two
+/// reads of its power). The epoch ends as for a power-on seen; `false` then.
+pub(super) fn extents_unchanged(ctx: &mut Ctx<'_>, extents: &[(usize, String)]) -> bool {
+    let changed: Vec<String> = extents
+        .iter()
+        .filter_map(|(disk, now)| {
+            let copied = ctx.status.disks.get(*disk)?.source_stat.as_ref()?;
+            (copied != now).then(|| format!("disk {disk} ({copied} → {now})"))
+        })
+        .collect();
+    if changed.is_empty() {
+        return true;
+    }
+    let what = format!("the extent of {} changed after its copy (size:mtime)", changed.join(", "));
+    let failure = Failure::needs_human(
+        Reason::SourceDisksChanged,
+        format!(
+            "{what}: the source ran after vmmigrate recorded it off, unobserved; its disks may hold more. Power it off and retry"
+        ),
+    );
+    end_epoch_because(ctx, "DisksChanged", what, failure);
+    false
+}
+
+/// Ends the power-off epoch (see [`end_epoch`]): `why` is the condition's
+/// reason, `what` what was seen, `failure` what the person is told.
+fn end_epoch_because(ctx: &mut Ctx<'_>, why: &str, what: String, failure: Failure) {
     let epoch = ctx.status.epoch;
     // A new epoch begins: whatever a task of the old one still writes
     // (another process's, a worker's) carries the old number and is stale.
@@ -169,12 +202,7 @@ pub(super) fn end_epoch(ctx: &mut Ctx<'_>, seen: SourcePowerState) {
     ctx.status.timestamps.start_requested = None;
     ctx.status.disks.clear();
     ctx.status.destination_vm = None;
-    ctx.condition(
-        condition::SOURCE_POWERED_OFF,
-        false,
-        "PoweredOnAgain",
-        format!("the source VM is {seen:?} again"),
-    );
+    ctx.condition(condition::SOURCE_POWERED_OFF, false, why, what.clone());
     ctx.condition(
         condition::DISK_ACQUIRED,
         false,
@@ -185,10 +213,10 @@ pub(super) fn end_epoch(ctx: &mut Ctx<'_>, seen: SourcePowerState) {
         EventType::Warning,
         "EpochEnded",
         format!(
-            "the source VM was seen {seen:?} after power-off {epoch} was recorded: every copy, artifact and volume made since is discarded, and everything is copied again after the next power-off"
+            "{what} after power-off {epoch} was recorded: every copy, artifact and volume made since is discarded, and everything is copied again after the next power-off"
         ),
     );
-    ctx.fail(Phase::Preparing, powered_on_again());
+    ctx.fail(Phase::Preparing, failure);
 }
 
 /// A complete copy made in another epoch than the current one (or, for a

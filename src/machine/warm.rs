@@ -185,6 +185,11 @@ pub(super) fn finish_from_snapshot(
     }
     remove_snapshot(ctx, facts, name, how);
     ctx.status.disks = recorded_disks(ctx, disks);
+    // Removing the snapshot writes its delta into the extents: their stat
+    // says nothing of the copies from now on.
+    for disk in &mut ctx.status.disks {
+        disk.source_stat = None;
+    }
     ctx.condition(condition::DISK_ACQUIRED, true, "Copied", summary);
     ctx.advance(Phase::Converting);
 }

@@ -38,6 +38,15 @@ pub trait EsxiHost: Send + Sync {
     async fn request_shutdown(&self, vmm: &VirtualMachineMigration) -> Result<(), Failure>;
     /// `power.off`: hard power-off. "Already off" is success.
     async fn power_off(&self, vmm: &VirtualMachineMigration) -> Result<(), Failure>;
+    /// What the host's `stat` says of each extent in `paths` now (size and
+    /// mtime, the token a copy records in `CopyState::Complete::source`);
+    /// `"unreadable"` for one it cannot stat. No default: every
+    /// implementation says.
+    async fn extent_stats(
+        &self,
+        vmm: &VirtualMachineMigration,
+        paths: &[String],
+    ) -> Result<Vec<String>, Failure>;
     /// The id of the source's snapshot `name`, if it has one.
     async fn snapshot_id(
         &self,
@@ -60,6 +69,9 @@ pub trait EsxiHost: Send + Sync {
         Err(unsupported("snapshots of the source"))
     }
 }
+
+/// [`EsxiHost::extent_stats`] of an extent the host could not stat.
+pub const UNREADABLE_EXTENT: &str = "unreadable";
 
 /// What an adapter that cannot do `what` answers: a person must choose another way.
 fn unsupported(what: &str) -> Failure {

@@ -147,7 +147,11 @@ fn control_limits() -> Limits {
 }
 
 impl Worker {
-    async fn handle(&self, request: HttpRequest<Incoming>, budget: &Arc<Semaphore>) -> Response<Body> {
+    async fn handle(
+        self: &Arc<Self>,
+        request: HttpRequest<Incoming>,
+        budget: &Arc<Semaphore>,
+    ) -> Response<Body> {
         if request.uri().path() == HEALTH_PATH && request.method() == http::Method::GET {
             return server::text(StatusCode::OK, "ok\n");
         }
@@ -169,7 +173,16 @@ impl Worker {
         if request.vmm.metadata.uid.as_deref() != Some(self.uid.as_str()) {
             return server::text(StatusCode::FORBIDDEN, "this worker serves another migration\n");
         }
-        let answer = self.call(&request.vmm, &request.call).await;
+        // The call runs to its end even when the controller stops waiting
+        // (its call timed out, the connection closed): a start whose SSH
+        // login outlasts the controller's call still starts, and holds its
+        // place meanwhile, as the next read shows.
+        let worker = Arc::clone(self);
+        let answer = tokio::spawn(async move { worker.call(&request.vmm, &request.call).await })
+            .await
+            .unwrap_or_else(|e| {
+                serde_json::json!({ "Err": Failure::retryable(Reason::WorkerProtocolError, format!("the call ended: {e}")) })
+            });
         let mut response = Response::new(server::whole(answer.to_string()));
         response
             .headers_mut()

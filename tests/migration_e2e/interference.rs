@@ -119,6 +119,41 @@ async fn a_source_powered_on_by_a_person_after_its_copies_completed_is_copied_ag
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_source_powered_on_written_and_powered_off_between_two_looks_after_its_copies_completed_is_told_by_its_extents_and_copied_again()
+ {
+    let m = Migration::new("e2e-unseen").await;
+    m.hold_importer_pods().await;
+    m.create(|body| {
+        body["spec"]["validation"] = json!({ "checks": [{ "name": "agent", "guestAgent": {} }] })
+    })
+    .await;
+    let vmm = m.wait_for("Importing", |v| phase_of(v) == Phase::Importing).await;
+    let first = vmm.status.clone().unwrap();
+    assert!(first.disks.iter().all(|d| d.source_stat.is_some()), "each copy recorded its extent's stat");
+    let at_start = m.source_sha256_at_start();
+
+    // A person at the host's console: on, the guest writes, off, faster
+    // than any poll of its power (the host's state, not vim-cmd).
+    m.emu.set_power(m.vmid, true);
+    guest_writes_at_start(&m.emu, m.vmid, 4 << 20);
+    m.emu.set_power(m.vmid, false);
+    let at_last_power_off = m.source_sha256_now();
+    assert_ne!(at_last_power_off, at_start, "the guest's writes changed the disks");
+
+    let stopped =
+        m.wait_until_stopped(|v| phase_of(v) == Phase::ManualInterventionRequired).await.status.unwrap();
+    let error = stopped.errors.last().unwrap();
+    assert_eq!(error.reason, "SourceDisksChanged", "{:#?}", stopped.errors);
+    assert!(error.message.contains("disk 0") && error.message.contains("disk 1"), "{}", error.message);
+    assert!(stopped.timestamps.source_powered_off.is_none(), "the power-off is forgotten");
+    assert!(m.list(&virtual_machine_resource()).await.is_empty(), "no destination VM from the stale copies");
+
+    m.release_importer_pods().await;
+    let done = retry_completes_with_the_disks_at_the_last_power_off(&m, &at_last_power_off).await;
+    assert_eq!(done.epoch, 3, "the stat ended epoch 1 (2), the next power-off opened 3");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_snapshot_taken_by_a_backup_tool_while_the_cutover_waits_for_approval_stops_it_before_any_power_action()
  {
     let m = Migration::new("e2e-backup").await;

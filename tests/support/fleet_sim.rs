@@ -198,6 +198,15 @@ impl EsxiHost for FleetSim {
         Ok(PowerObservation { state: power, tools_running: true })
     }
 
+    /// Fleet copies record no extent stat (`source: None`): never asked.
+    async fn extent_stats(
+        &self,
+        _vmm: &VirtualMachineMigration,
+        paths: &[String],
+    ) -> Result<Vec<String>, Failure> {
+        Ok(vec![vmmigrate::ports::UNREADABLE_EXTENT.to_owned(); paths.len()])
+    }
+
     async fn request_shutdown(&self, vmm: &VirtualMachineMigration) -> Result<(), Failure> {
         let mut state = self.lock();
         // A power action of an approval migration carries its approval (the
@@ -239,6 +248,7 @@ impl DiskStore for FleetSim {
                 verified_remotely: true,
                 // Nothing powers a fleet VM on again: every copy is of the current epoch.
                 epoch: vmm.status.as_ref().map_or(0, |s| s.epoch),
+                source: None,
             },
             Some(started) => {
                 let done = (started.elapsed().as_secs_f64() / self.copy_time.as_secs_f64() * (1 << 20) as f64)

@@ -101,6 +101,11 @@ pub struct FaultPlan {
     /// copies completed); the guest writes while it runs, and the person
     /// powers it off again once vmmigrate saw it on and stopped.
     pub person_powers_on_in: Option<vmmigrate::api::Phase>,
+    /// Once the migration reaches this phase, a person powers the source
+    /// on, its guest writes, and the person powers it off again, all
+    /// between two of vmmigrate's looks: its power is never seen on, only
+    /// its extents' stat changes.
+    pub person_cycles_unseen_in: Option<vmmigrate::api::Phase>,
     /// A backup tool takes a snapshot of the source between its discovery
     /// and the cutover (while the migration prepares, before any power-off).
     pub backup_snapshot_before_cutover: bool,
@@ -142,6 +147,9 @@ struct LocalCopy {
     /// The power-off epoch the copy was started in (the migration's, as
     /// the controller passed it).
     epoch: i32,
+    /// The extent's stat when the copy began (the real copy stats it
+    /// before its first read and after its last).
+    stat_at_start: Option<String>,
 }
 
 /// A snapshot of the source: the base it froze, which copies read.
@@ -215,6 +223,9 @@ struct World {
     shutdown_ticks: Option<u32>,
     source_disks: Vec<Vec<u8>>,
     source_sha: Vec<String>,
+    /// Writes that landed on each disk's extent itself (not a snapshot's
+    /// delta): with the size, what the host's `stat` shows (its mtime).
+    extent_writes: Vec<u64>,
     copies: Vec<LocalCopy>,
     artifacts: Vec<Artifact>,
     staged: BTreeMap<usize, String>,
@@ -304,6 +315,7 @@ impl SimWorld {
                 shutdown_ticks: None,
                 source_disks: disks,
                 source_sha,
+                extent_writes: vec![0; n],
                 copies: (0..n).map(|_| LocalCopy::default()).collect(),
                 artifacts: (0..n).map(|_| Artifact::default()).collect(),
                 staged: BTreeMap::new(),
@@ -407,6 +419,20 @@ impl SimWorld {
         {
             w.person_done = true;
             w.faults.snapshot = true;
+            return;
+        }
+        if !w.person_done
+            && w.faults.person_cycles_unseen_in == Some(status.phase)
+            && w.power == SourcePowerState::PoweredOff
+            && status.timestamps.source_powered_off.is_some()
+        {
+            w.person_done = true;
+            w.ledger.person_power_ons += 1;
+            for disk in 0..w.source_disks.len() {
+                w.write_at(disk, 0);
+            }
+            w.ledger.person_power_offs += 1;
+            w.went_off();
             return;
         }
         if w.person_done
@@ -549,9 +575,17 @@ impl World {
     fn write_at(&mut self, disk: usize, at: usize) {
         self.source_disks[disk][at] = self.source_disks[disk][at].wrapping_add(1);
         self.source_sha[disk] = sha_hex(&self.source_disks[disk]);
-        if let Some(snapshot) = self.snapshot.as_mut() {
-            snapshot.dirty[disk].insert(at);
+        match self.snapshot.as_mut() {
+            Some(snapshot) => {
+                snapshot.dirty[disk].insert(at);
+            }
+            None => self.extent_writes[disk] += 1,
         }
+    }
+
+    /// What the host's `stat` shows of disk `disk`'s extent: size and mtime.
+    fn extent_stat(&self, disk: usize) -> String {
+        format!("{}:{}", self.source_disks[disk].len(), self.extent_writes[disk])
     }
 
     /// An irreversible or destructive call: never after the fence refused.
@@ -681,6 +715,23 @@ impl EsxiHost for SimWorld {
         Ok(PowerObservation { state: w.power, tools_running: !w.faults.tools_not_running })
     }
 
+    async fn extent_stats(
+        &self,
+        _vmm: &VirtualMachineMigration,
+        paths: &[String],
+    ) -> Result<Vec<String>, Failure> {
+        call!(self, "stat extents");
+        let w = self.lock();
+        Ok(paths
+            .iter()
+            .map(|path| {
+                (0..w.source_disks.len())
+                    .find(|i| *path == format!("/vmfs/volumes/ds1/web/web_{i}-flat.vmdk"))
+                    .map_or_else(|| vmmigrate::ports::UNREADABLE_EXTENT.to_owned(), |i| w.extent_stat(i))
+            })
+            .collect())
+    }
+
     async fn request_shutdown(&self, vmm: &VirtualMachineMigration) -> Result<(), Failure> {
         call!(self, "power.shutdown");
         let mut w = self.lock();
@@ -784,6 +835,7 @@ impl DiskStore for SimWorld {
             };
         }
         let source = w.readable(disk).to_vec();
+        let stat_now = w.extent_stat(disk);
         let World { copies, .. } = &mut *w;
         let Some(copy) = copies.get_mut(disk) else {
             return CopyState::Failed {
@@ -809,6 +861,15 @@ impl DiskStore for SimWorld {
             let start = copy.data.len();
             let end = (start + COPY_CHUNK).min(total);
             copy.data.extend_from_slice(&source[start..end]);
+            if copy.data.len() == total && copy.stat_at_start.as_ref().is_some_and(|s| *s != stat_now) {
+                // The extent was written while it was read (the real copy
+                // stats it again after its last read); what it read goes.
+                *copy = LocalCopy::default();
+                return CopyState::Failed {
+                    failure: Failure::retryable(Reason::SourceChanged, "the source changed during the copy"),
+                    discard: true,
+                };
+            }
             if copy.data.len() == total {
                 copy.running = false;
                 copy.host_sha = Some(sha_hex(&source));
@@ -842,7 +903,14 @@ impl DiskStore for SimWorld {
                 discard: true,
             };
         }
-        CopyState::Complete { size: total as i64, sha256: sha, verified_remotely: true, epoch: copy.epoch }
+        let source = if copy.assembled { None } else { copy.stat_at_start.clone() };
+        CopyState::Complete {
+            size: total as i64,
+            sha256: sha,
+            verified_remotely: true,
+            epoch: copy.epoch,
+            source,
+        }
     }
 
     async fn start_copy(&self, vmm: &VirtualMachineMigration, disk: usize) -> Result<(), Failure> {
@@ -853,9 +921,11 @@ impl DiskStore for SimWorld {
             w.ledger.violations.push(format!("disk {disk} copy started while the source was {power:?}"));
         }
         let epoch = vmm.status.as_ref().map_or(0, |s| s.epoch);
+        let stat = (disk < w.source_disks.len()).then(|| w.extent_stat(disk));
         if let Some(copy) = w.copies.get_mut(disk) {
             if !copy.running && copy.data.is_empty() {
                 copy.epoch = epoch;
+                copy.stat_at_start = stat;
             }
             copy.running = true;
         }
@@ -882,7 +952,13 @@ impl DiskStore for SimWorld {
             return CopyState::Absent;
         }
         let size = copy.data.len() as i64;
-        CopyState::Complete { size, sha256: sha_hex(&copy.data), verified_remotely: true, epoch: copy.epoch }
+        CopyState::Complete {
+            size,
+            sha256: sha_hex(&copy.data),
+            verified_remotely: true,
+            epoch: copy.epoch,
+            source: None,
+        }
     }
 
     async fn start_delta_copy(&self, vmm: &VirtualMachineMigration, disk: usize) -> Result<(), Failure> {

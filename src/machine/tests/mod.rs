@@ -70,6 +70,8 @@ struct Run {
     fleet: fleet::FleetGates,
     /// The source's power as read after Preparing (off unless a test says).
     source: Option<Result<SourcePowerState, Failure>>,
+    /// The copied extents' stats as read after Preparing (`None`: not read).
+    extents: Option<Result<Vec<(usize, String)>, Failure>>,
     orphan_hold: bool,
     shutdown_seen_for: Option<Duration>,
 }
@@ -83,6 +85,7 @@ impl Run {
             cutover_approved: false,
             fleet: fleet::FleetGates::default(),
             source: Some(Ok(SourcePowerState::PoweredOff)),
+            extents: None,
             orphan_hold: false,
             shutdown_seen_for: None,
         }
@@ -135,6 +138,7 @@ impl Run {
             now,
             jitter: 0.5,
             source: self.source.clone(),
+            extents: self.extents.clone(),
             shutdown_seen_for: self.shutdown_seen_for,
             orphan_hold: self.orphan_hold,
         }
@@ -167,7 +171,13 @@ fn preparing(power: SourcePowerState, copies: Vec<CopyState>) -> Observed {
 }
 
 fn complete_copy() -> CopyState {
-    CopyState::Complete { size: 1 << 20, sha256: "ab".repeat(32), verified_remotely: true, epoch: 1 }
+    CopyState::Complete {
+        size: 1 << 20,
+        sha256: "ab".repeat(32),
+        verified_remotely: true,
+        epoch: 1,
+        source: None,
+    }
 }
 
 /// A cutover window of two hours from `start`, in UTC.
@@ -1000,6 +1010,7 @@ fn action_failure_is_recorded_against_the_phase_that_asked_for_it() {
             now: t(0),
             jitter: 0.0,
             source: None,
+            extents: None,
             shutdown_seen_for: None,
             orphan_hold: false,
         },

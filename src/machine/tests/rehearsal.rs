@@ -238,5 +238,11 @@ fn snapshots_of_its_own_independent_and_raw_mapped_disks_are_refused_in_every_mo
 
 /// A base copied from the migration's snapshot, before any power-off (epoch 0).
 fn base_copy() -> CopyState {
-    CopyState::Complete { size: 1 << 20, sha256: "ab".repeat(32), verified_remotely: true, epoch: 0 }
+    CopyState::Complete {
+        size: 1 << 20,
+        sha256: "ab".repeat(32),
+        verified_remotely: true,
+        epoch: 0,
+        source: None,
+    }
 }

@@ -28,7 +28,13 @@ fn facts(
 }
 
 fn assembled() -> CopyState {
-    CopyState::Complete { size: 1 << 20, sha256: "cd".repeat(32), verified_remotely: true, epoch: 1 }
+    CopyState::Complete {
+        size: 1 << 20,
+        sha256: "cd".repeat(32),
+        verified_remotely: true,
+        epoch: 1,
+        source: None,
+    }
 }
 
 #[test]
@@ -183,5 +189,11 @@ fn a_source_already_off_is_copied_cold_and_a_snapshot_never_outlives_its_migrati
 
 /// A base copied from the migration's snapshot, before any power-off (epoch 0).
 fn base_copy() -> CopyState {
-    CopyState::Complete { size: 1 << 20, sha256: "ab".repeat(32), verified_remotely: true, epoch: 0 }
+    CopyState::Complete {
+        size: 1 << 20,
+        sha256: "ab".repeat(32),
+        verified_remotely: true,
+        epoch: 0,
+        source: None,
+    }
 }

@@ -8,7 +8,13 @@ use super::*;
 use crate::api::PowerActionKind;
 
 fn stale_copy() -> CopyState {
-    CopyState::Complete { size: 1 << 20, sha256: "ee".repeat(32), verified_remotely: true, epoch: 0 }
+    CopyState::Complete {
+        size: 1 << 20,
+        sha256: "ee".repeat(32),
+        verified_remotely: true,
+        epoch: 0,
+        source: None,
+    }
 }
 
 fn with_inventory(inventory: SourceInventory) -> Observed {
@@ -91,6 +97,59 @@ fn a_source_on_again_after_the_copies_completed_discards_them_and_the_volumes_be
             "{phase}: volumes imported from the stale copies go too"
         );
         assert_eq!(d.status.failed_phase, Some(Phase::Preparing), "a retry copies again");
+    }
+}
+
+/// A copied disk whose extent the host stated `1048576:100` when it was read.
+fn with_copied_stat(mut run: Run) -> Run {
+    run.status.disks[0].source_stat = Some("1048576:100".into());
+    run
+}
+
+#[test]
+fn a_source_run_unseen_after_its_copies_completed_is_told_by_its_extents_and_ends_the_epoch() {
+    for phase in [Phase::Converting, Phase::Importing, Phase::CreatingVm, Phase::Starting] {
+        let mut run = with_copied_stat(Run::at(phase));
+        // Seen off every time, but the extent was written since its copy.
+        run.extents = Some(Ok(vec![(0, "1048576:161".into())]));
+        let observed = match phase {
+            Phase::Starting => starting(false, VmiState::Absent),
+            Phase::CreatingVm => Observed::CreatingVm(Ok(VmState::Absent)),
+            _ => Observed::Nothing,
+        };
+        let d = run.decide_at(observed, t(0));
+        assert_eq!(d.status.phase, Phase::ManualInterventionRequired, "{phase}");
+        let error = d.status.errors.last().unwrap();
+        assert_eq!(error.reason, Reason::SourceDisksChanged, "{phase}");
+        assert!(error.message.contains("1048576:100 → 1048576:161"), "{phase}: {}", error.message);
+        assert_eq!(d.status.epoch, 2, "{phase}: a new epoch");
+        assert!(d.status.disks.is_empty() && d.status.timestamps.source_powered_off.is_none(), "{phase}");
+        assert!(d.actions.contains(&Action::CleanupStaging), "{phase}: {:?}", d.actions);
+        assert!(!d.actions.contains(&Action::CreateVm) && !d.actions.contains(&Action::SetRunStrategy));
+        assert_eq!(d.status.failed_phase, Some(Phase::Preparing), "{phase}: a retry copies again");
+    }
+}
+
+#[test]
+fn extents_as_they_were_copied_let_the_migration_go_on_and_unreadable_ones_start_nothing() {
+    let mut run = with_copied_stat(Run::at(Phase::CreatingVm));
+    run.extents = Some(Ok(vec![(0, "1048576:100".into())]));
+    let d = run.decide_at(Observed::CreatingVm(Ok(VmState::Absent)), t(0));
+    assert_eq!(d.actions, vec![Action::CreateVm]);
+    assert_eq!(d.status.epoch, 1);
+    let unreadable = Failure::retryable(Reason::SSHTimeout, "stat timed out");
+    for phase in [Phase::Importing, Phase::CreatingVm] {
+        let mut run = with_copied_stat(Run::at(phase));
+        run.extents = Some(Err(unreadable.clone()));
+        let observed = if phase == Phase::CreatingVm {
+            Observed::CreatingVm(Ok(VmState::Absent))
+        } else {
+            Observed::Nothing
+        };
+        let d = run.decide_at(observed, t(0));
+        assert_eq!(d.status.phase, Phase::Retryable, "{phase}");
+        assert!(!d.actions.contains(&Action::CreateVm), "{phase}: {:?}", d.actions);
+        assert_eq!(d.status.epoch, 1, "{phase}: nothing discarded for a stat not read");
     }
 }
 

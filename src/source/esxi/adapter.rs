@@ -9,7 +9,7 @@ use crate::api::{SourceDisk, SourceInventory, SourcePowerState, VirtualMachineMi
 use crate::machine::{CopyState, Failure};
 use crate::metrics::Metrics;
 use crate::ports::workdir::{copy_path, migration_copies_dir};
-use crate::ports::{DiskStore, EsxiHost, PowerObservation};
+use crate::ports::{DiskStore, EsxiHost, PowerObservation, UNREADABLE_EXTENT};
 use async_trait::async_trait;
 use k8s_openapi::api::core::v1::Secret as KubeSecret;
 use kube::api::Api;
@@ -577,6 +577,25 @@ impl EsxiHost for EsxiSource {
         Ok(PowerObservation { state, tools_running })
     }
 
+    async fn extent_stats(
+        &self,
+        vmm: &VirtualMachineMigration,
+        paths: &[String],
+    ) -> Result<Vec<String>, Failure> {
+        let session = self.session(vmm).await?;
+        let mut stats = Vec::with_capacity(paths.len());
+        for path in paths {
+            stats.push(match copy::source_identity(&session, path).await {
+                Ok((_, printed)) => copy::stat_token(&printed),
+                // The host answered and stat failed: the extent is gone or
+                // moved, which is a change too.
+                Err(CopyError::Stat(_)) => UNREADABLE_EXTENT.to_owned(),
+                Err(e) => return Err(e.failure().0),
+            });
+        }
+        Ok(stats)
+    }
+
     async fn request_shutdown(&self, vmm: &VirtualMachineMigration) -> Result<(), Failure> {
         let vmid = self.vmid_or_find(vmm).await?;
         if self.power_state(vmm, &vmid).await? == SourcePowerState::PoweredOff {
@@ -649,6 +668,7 @@ impl DiskStore for EsxiSource {
                 sha256: m.sha256,
                 verified_remotely: m.verified,
                 epoch: m.epoch,
+                source: m.source,
             };
         }
         let present = copy::bytes_present(&local);

@@ -197,7 +197,8 @@ pub(crate) fn bytes_present(local: &Path) -> u64 {
 }
 
 /// What a finished copy's marker says: `<size> <sha256> verified|local
-/// epoch=<n>` (a marker written before epochs were recorded is epoch 0).
+/// epoch=<n> [source=<stat>]` (a marker written before epochs were recorded
+/// is epoch 0).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct CopyMarker {
     pub size: u64,
@@ -206,6 +207,9 @@ pub(crate) struct CopyMarker {
     pub verified: bool,
     /// The power-off epoch the copy was made in.
     pub epoch: i32,
+    /// The extent's [`stat_token`] the copy was read under (copies of the
+    /// extent itself; a warm assembly has none).
+    pub source: Option<String>,
 }
 
 impl CopyMarker {
@@ -218,13 +222,25 @@ impl CopyMarker {
             Some(token) => token.strip_prefix("epoch=")?.parse().ok()?,
             None => 0,
         };
-        Some(CopyMarker { size, sha256, verified, epoch })
+        let source = match parts.next() {
+            Some(token) => Some(token.strip_prefix("source=")?.to_owned()),
+            None => None,
+        };
+        Some(CopyMarker { size, sha256, verified, epoch, source })
     }
 
     pub(crate) fn line(&self) -> String {
         let how = if self.verified { "verified" } else { "local" };
-        format!("{} {} {how} epoch={}\n", self.size, self.sha256, self.epoch)
+        let source = self.source.as_ref().map(|s| format!(" source={s}")).unwrap_or_default();
+        format!("{} {} {how} epoch={}{source}\n", self.size, self.sha256, self.epoch)
     }
+}
+
+/// What the host's `stat -c '%s %Y'` printed of an extent (size and mtime),
+/// as one token: `<size>:<mtime>`. A copy records it; the same extent
+/// stated again later with another answer was written since.
+pub(crate) fn stat_token(printed: &str) -> String {
+    printed.split_whitespace().collect::<Vec<_>>().join(":")
 }
 
 /// A finished copy, as its marker records it.
@@ -525,8 +541,13 @@ pub async fn copy_disk(
     {
         return Err(CopyError::ChecksumMismatch { remote: remote.clone(), local: local_sha });
     }
-    let marker =
-        CopyMarker { size, sha256: local_sha.clone(), verified: remote_sha.is_some(), epoch: plan.epoch };
+    let marker = CopyMarker {
+        size,
+        sha256: local_sha.clone(),
+        verified: remote_sha.is_some(),
+        epoch: plan.epoch,
+        source: Some(stat_token(&identity)),
+    };
     std::fs::write(plan.local_path.with_extension("sha256"), marker.line())?;
     Ok(CopyResult {
         size,
@@ -643,8 +664,24 @@ pub fn sha256_file(path: &Path) -> std::io::Result<String> {
 
 #[cfg(test)]
 mod tests {
-    use super::{lock_copy, plan_runs};
+    use super::{CopyMarker, lock_copy, plan_runs, stat_token};
     use std::time::Duration;
+
+    #[test]
+    fn a_marker_keeps_the_extents_stat_and_older_markers_still_read() {
+        let marker = CopyMarker {
+            size: 1 << 30,
+            sha256: "ab".repeat(32),
+            verified: true,
+            epoch: 3,
+            source: Some(stat_token("1073741824 1733480000\n")),
+        };
+        assert_eq!(marker.source.as_deref(), Some("1073741824:1733480000"));
+        assert_eq!(CopyMarker::parse(&marker.line()), Some(marker.clone()));
+        let older = format!("{} {} verified epoch=3\n", 1u64 << 30, "ab".repeat(32));
+        assert_eq!(CopyMarker::parse(&older), Some(CopyMarker { source: None, ..marker }));
+        assert_eq!(CopyMarker::parse(&format!("1 {} local epoch=1 junk", "ab".repeat(32))), None);
+    }
 
     /// Two copies of one file (two processes on the shared work directory,
     /// or a new copy while an aborted one's writer finishes) never write it

@@ -239,6 +239,7 @@ impl EsxiSource {
                 sha256: m.sha256,
                 verified_remotely: m.verified,
                 epoch: m.epoch,
+                source: None,
             },
             None => CopyState::Absent,
         }
@@ -352,7 +353,7 @@ async fn copy_and_assemble(
         .await
         .map_err(|e| CopyError::Io(std::io::Error::other(e.to_string())))?;
     let sha = copy::sha256_file(local)?;
-    let marker = copy::CopyMarker { size: capacity, sha256: sha.clone(), verified, epoch };
+    let marker = copy::CopyMarker { size: capacity, sha256: sha.clone(), verified, epoch, source: None };
     std::fs::write(local.with_extension("sha256"), marker.line())?;
     std::fs::write(assembled_marker(local), marker.line())?;
     let _ = std::fs::remove_dir_all(&work);
