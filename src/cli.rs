@@ -274,7 +274,8 @@ fn gitops(
     runtime.block_on(async move {
         let metrics = std::sync::Arc::new(crate::metrics::Metrics::new());
         let _server = crate::metrics::serve_configured(Some(metrics_listen), metrics.clone()).await?;
-        let client = kube::Client::try_default().await?;
+        let part = if controller.is_some() { "run" } else { "gitops" };
+        let client = crate::ports::kube_client(part).await?;
         // `run` elects with the controller's flags; `gitops` alone runs one replica.
         let election = controller.as_ref().map(|c| c.leader_election.clone()).unwrap_or_default();
         let instance =
@@ -336,7 +337,9 @@ fn plan(repo: &str, opts: &crate::gitops::render::RenderOptions, offline: bool) 
         let client = if offline {
             None
         } else {
-            match tokio::time::timeout(std::time::Duration::from_secs(5), kube::Client::try_default()).await {
+            match tokio::time::timeout(std::time::Duration::from_secs(5), crate::ports::kube_client("cli"))
+                .await
+            {
                 Ok(Ok(c)) => Some(c),
                 _ => {
                     eprintln!(
@@ -357,7 +360,7 @@ fn status(repo: Option<String>, branch: &str, all: bool, watch: bool) -> anyhow:
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     runtime.block_on(async {
         let client = match &repo {
-            None => Some(kube::Client::try_default().await?),
+            None => Some(crate::ports::kube_client("cli").await?),
             Some(_) => None,
         };
         loop {

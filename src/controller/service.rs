@@ -268,7 +268,7 @@ pub fn adapters(
 pub(crate) async fn run(opts: ControllerOptions) -> anyhow::Result<()> {
     let metrics = Arc::new(Metrics::new());
     let _server = crate::metrics::serve_configured(Some(opts.metrics_listen), metrics.clone()).await?;
-    let client = Client::try_default().await.context("connecting to the Kubernetes API")?;
+    let client = crate::ports::kube_client("controller").await.context("connecting to the Kubernetes API")?;
     let staging = start_staging(&opts, &metrics).await?;
     let adapters = adapters(client.clone(), &opts, &staging, &metrics)?;
     tracing::info!(

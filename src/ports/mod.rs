@@ -70,6 +70,21 @@ pub trait EsxiHost: Send + Sync {
     }
 }
 
+/// `User-Agent` of every request vmmigrate makes to the API server:
+/// `vmmigrate/<version> (<component>)`, so that audit logs, API priority
+/// rules and the API server's metrics tell its calls (and its parts) apart.
+pub fn user_agent(component: &str) -> String {
+    format!("vmmigrate/{} ({component})", env!("CARGO_PKG_VERSION"))
+}
+
+/// A client of the cluster this process runs in (or of the kubeconfig's
+/// context), whose requests say [`user_agent`]`(component)`.
+pub async fn kube_client(component: &str) -> anyhow::Result<kube::Client> {
+    let mut config = kube::Config::infer().await?;
+    config.headers.push((http::header::USER_AGENT, http::HeaderValue::from_str(&user_agent(component))?));
+    Ok(kube::Client::try_from(config)?)
+}
+
 /// [`EsxiHost::extent_stats`] of an extent the host could not stat.
 pub const UNREADABLE_EXTENT: &str = "unreadable";
 

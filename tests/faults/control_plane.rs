@@ -139,13 +139,23 @@ async fn etcd_compacted_and_the_control_plane_restarted_mid_copy_answers_old_wat
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn the_kubelet_stopped_mid_import_and_started_again_leaves_one_import_per_disk() {
+async fn the_kubelet_stopped_and_containerd_crashed_mid_import_then_started_again_leave_one_import_per_disk()
+{
     let (_turn, env, m) = mid_import("e2e-kubelet").await;
-    tokio::task::block_in_place(|| env.stop(Component::Kubelet)).expect("stop the kubelet");
+    tokio::task::block_in_place(|| {
+        env.stop(Component::Kubelet)?;
+        // containerd dies under it; the containers' shims live on.
+        env.kill(Component::Containerd)
+    })
+    .expect("stop the kubelet and kill containerd");
     // The staging server opens while nobody on the node watches its pods.
     m.front.as_ref().unwrap().open();
     outage(Duration::from_secs(20)).await;
-    tokio::task::block_in_place(|| env.start_again(Component::Kubelet)).expect("start the kubelet");
+    tokio::task::block_in_place(|| {
+        env.start_again(Component::Containerd)?;
+        env.start_again(Component::Kubelet)
+    })
+    .expect("start containerd and the kubelet");
     m.assert_survived().await;
 }
 

@@ -40,6 +40,10 @@ pub(crate) const PAGE: &str =
 
 pub(crate) struct Migration {
     pub(crate) client: Client,
+    /// The controller's client: its requests say vmmigrate's `User-Agent`.
+    pub(crate) controller_client: Client,
+    /// The cluster the migration runs on (its audit log among the rest).
+    pub(crate) env: &'static KubeEnv,
     pub(crate) ns: String,
     /// The source VM's name and vmid on the emulated host.
     pub(crate) vm: &'static str,
@@ -239,6 +243,7 @@ impl Migration {
         };
         let node_ip = env.node.as_ref().expect("the shared cluster has a node").host_ip;
         let client = env.client().await;
+        let controller_client = env.client_as(&vmmigrate::ports::user_agent("controller")).await;
         ensure_storage_class(&client).await;
         let ns = test_namespace(&client, prefix).await;
         let guests = match kubevirt {
@@ -330,6 +335,8 @@ impl Migration {
         let api = Api::namespaced(client.clone(), &ns);
         let mut m = Migration {
             client,
+            controller_client,
+            env,
             ns,
             vm,
             vmid,
@@ -361,7 +368,8 @@ impl Migration {
     /// the controller pods and outlives them.
     pub(crate) fn start_controller(&mut self) {
         let adapters =
-            service::adapters(self.client.clone(), &self.opts, &self.staging, &self.metrics).unwrap();
+            service::adapters(self.controller_client.clone(), &self.opts, &self.staging, &self.metrics)
+                .unwrap();
         let config = ControllerConfig {
             namespace: Some(self.ns.clone()),
             max_requeue: Some(Duration::from_millis(250)),
@@ -369,7 +377,7 @@ impl Migration {
             metrics: self.metrics.clone(),
             ..Default::default()
         };
-        let task = reconciler::run(self.client.clone(), adapters, config, std::future::pending());
+        let task = reconciler::run(self.controller_client.clone(), adapters, config, std::future::pending());
         self.controller = Some(tokio::spawn(task));
     }
 
@@ -974,8 +982,44 @@ impl Migration {
         assert_eq!(recorded, at_power_off, "recorded: the disks at the power-off");
         assert_eq!(self.imported_sha256(2).await, at_power_off, "imported: the disks at the power-off");
         assert_eq!(self.dvs_seen.lock().unwrap().len(), 2, "one DataVolume per disk, ever");
-        eprintln!("{}: survived; errors on the way: {:#?}", self.ns, reasons(&done));
+        let deletes = self.assert_deleted_only_its_own().await;
+        eprintln!(
+            "{}: survived; {deletes} delete(s) by vmmigrate, all its own; errors on the way: {:#?}",
+            self.ns,
+            reasons(&done)
+        );
         done
+    }
+
+    /// Every delete the controller made in the namespace (the API server's
+    /// audit log, by vmmigrate's `User-Agent`) removed an object of this
+    /// migration: labelled with its uid or owned by it, and named by uid
+    /// (`preconditions.uid`). Returns how many there were.
+    pub(crate) async fn assert_deleted_only_its_own(&self) -> usize {
+        let uid = self.get().await.metadata.uid.expect("the migration's uid");
+        let Some(deletes) = self.env.audited_deletes(&self.ns) else { return 0 };
+        let agent = vmmigrate::ports::user_agent("controller");
+        let ours: Vec<_> =
+            deletes.expect("the audit log").into_iter().filter(|d| d.user_agent == agent).collect();
+        for d in &ours {
+            let label = d.labels.get("migration.platform.example/migration-uid");
+            let owned = label == Some(&uid) || d.owner_uids.contains(&uid);
+            let answered = (200..300).contains(&d.code);
+            assert!(
+                !answered || owned,
+                "vmmigrate deleted {} {} ({:?}), which is not this migration's: {d:?}",
+                d.resource,
+                d.name,
+                d.uid
+            );
+            assert!(
+                d.precondition_uid.is_some(),
+                "vmmigrate deleted {} {} without naming its uid: {d:?}",
+                d.resource,
+                d.name
+            );
+        }
+        ours.len()
     }
 }
 

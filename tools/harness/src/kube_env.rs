@@ -51,6 +51,9 @@ pub struct KubeEnv {
     kubevirt: std::sync::Mutex<Option<Result<(), String>>>,
     /// etcd's client port (plain HTTP on loopback); `None` when borrowed.
     etcd_port: Option<u16>,
+    /// The API server's audit log of every delete (JSON lines, written
+    /// before each answer); `None` when borrowed.
+    audit_log: Option<PathBuf>,
     // Dropped in this order: processes (janitor), then the node's network,
     // cgroups and mounts (its guard).
     _janitor: Option<Janitor>,
@@ -180,8 +183,15 @@ impl KubeEnv {
             Component::Kubelet => self.wait_node_ready(),
             Component::Containerd => self.node()?.wait_containerd(janitor),
         }?;
-        // etcd alone: the API server may be down too (started next).
-        if component != Component::Etcd {
+        // etcd alone: the API server may be down too (started next); so may
+        // the kubelet under containerd (nothing settles without it).
+        let kubelet_down = janitor.pid_of(Component::Kubelet.process()).is_none();
+        let settles = match component {
+            Component::Etcd => false,
+            Component::Containerd => !kubelet_down,
+            Component::ApiServer | Component::Kubelet => true,
+        };
+        if settles {
             self.wait_settled()?;
         }
         Ok(())
@@ -351,6 +361,7 @@ impl KubeEnv {
                 cdi: Default::default(),
                 kubevirt: Default::default(),
                 etcd_port: None,
+                audit_log: None,
                 _janitor: None,
                 _net: None,
             });
@@ -409,6 +420,11 @@ impl KubeEnv {
             .status()?;
         anyhow::ensure!(status.success(), "openssl genpkey failed");
         let api_port = free_port()?;
+        // Every delete, with what it deleted, so that a test can tell whose
+        // objects a client deleted (`audited_deletes`).
+        let audit_policy = dir.join("audit-policy.yaml");
+        std::fs::write(&audit_policy, AUDIT_POLICY)?;
+        let audit_log = dir.join("audit.log");
         let mut apiserver = Command::new(bin.join("kube-apiserver"));
         apiserver.args([
             &format!("--etcd-servers={etcd_url}"),
@@ -422,6 +438,10 @@ impl KubeEnv {
             "--service-cluster-ip-range=10.96.0.0/16",
             &format!("--token-auth-file={}", dir.join("tokens.csv").display()),
             "--enable-priority-and-fairness=false",
+            &format!("--audit-policy-file={}", audit_policy.display()),
+            &format!("--audit-log-path={}", audit_log.display()),
+            "--audit-log-format=json",
+            "--audit-log-mode=blocking",
             "--v=0",
         ]);
         if with_node {
@@ -535,10 +555,152 @@ impl KubeEnv {
             cdi: Default::default(),
             kubevirt: Default::default(),
             etcd_port: Some(etcd_port),
+            audit_log: Some(audit_log),
             _janitor: Some(janitor),
             _net: net,
         })
     }
+
+    /// A client whose requests say `User-Agent: <agent>` (as vmmigrate's
+    /// own clients do), so that the audit log tells them apart.
+    pub async fn client_as(&self, agent: &str) -> Client {
+        let mut config = Config::from_custom_kubeconfig(
+            Kubeconfig::read_from(&self.kubeconfig).expect("kubeconfig"),
+            &KubeConfigOptions::default(),
+        )
+        .await
+        .expect("kube config");
+        config.headers.push((http::header::USER_AGENT, http::HeaderValue::from_str(agent).expect("agent")));
+        let strict = tower::util::MapRequestLayer::new(strict_writes);
+        kube::client::ClientBuilder::try_from(config).expect("kube client").with_layer(&strict).build()
+    }
+
+    /// Every delete in `namespace` the API server answered, as its audit
+    /// log recorded it (`None` for a borrowed cluster, which has none).
+    pub fn audited_deletes(&self, namespace: &str) -> Option<anyhow::Result<Vec<AuditedDelete>>> {
+        let path = self.audit_log.as_ref()?;
+        Some(std::fs::read_to_string(path).map_err(Into::into).map(|log| audited_deletes(&log, namespace)))
+    }
+}
+
+/// Records every delete at `RequestResponse` (the deleted object, or a
+/// `Status` naming its uid, is the answer), and the writes of the kinds
+/// vmmigrate creates (their answers carry each object's uid and labels, for
+/// a delete answered by a `Status`); nothing else, events and leases not
+/// even that.
+const AUDIT_POLICY: &str = "apiVersion: audit.k8s.io/v1
+kind: Policy
+omitStages: [RequestReceived, ResponseStarted]
+rules:
+  - level: None
+    resources:
+      - group: \"\"
+        resources: [events]
+      - group: events.k8s.io
+      - group: coordination.k8s.io
+  - level: RequestResponse
+    verbs: [delete, deletecollection]
+  - level: RequestResponse
+    verbs: [create, patch, update]
+    resources:
+      - group: \"\"
+        resources: [secrets, configmaps, persistentvolumeclaims, services]
+      - group: batch
+        resources: [jobs]
+      - group: cdi.kubevirt.io
+        resources: [datavolumes]
+      - group: kubevirt.io
+        resources: [virtualmachines]
+  - level: None
+";
+
+/// One object a delete removed (or marked for removal), from the audit log.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct AuditedDelete {
+    /// The client's `User-Agent`.
+    pub user_agent: String,
+    pub resource: String,
+    pub name: String,
+    /// The answer's HTTP status.
+    pub code: u16,
+    /// The deleted object's uid, labels and owners' uids, from the answer
+    /// (a `Status` answer gives the uid only).
+    pub uid: Option<String>,
+    pub labels: std::collections::BTreeMap<String, String>,
+    pub owner_uids: Vec<String>,
+    /// The uid the request required (`preconditions.uid`).
+    pub precondition_uid: Option<String>,
+}
+
+/// The labels and owners' uids of an object as an answer carries it.
+type Described = (std::collections::BTreeMap<String, String>, Vec<String>);
+
+fn described(object: &serde_json::Value) -> Described {
+    let meta = &object["metadata"];
+    let labels = meta["labels"]
+        .as_object()
+        .map(|labels| labels.iter().filter_map(|(k, v)| Some((k.clone(), v.as_str()?.to_owned()))).collect())
+        .unwrap_or_default();
+    let owners = meta["ownerReferences"]
+        .as_array()
+        .map(|refs| refs.iter().filter_map(|r| r["uid"].as_str().map(str::to_owned)).collect())
+        .unwrap_or_default();
+    (labels, owners)
+}
+
+/// The deletes of `namespace` in an audit log (JSON lines). A delete
+/// answered by a `Status` (Secrets, ConfigMaps) gets the labels and owners
+/// the object had when it was last written.
+pub fn audited_deletes(log: &str, namespace: &str) -> Vec<AuditedDelete> {
+    let events: Vec<serde_json::Value> = log
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|e| e["stage"] == "ResponseComplete" && e["objectRef"]["namespace"] == namespace)
+        .collect();
+    let mut written: std::collections::HashMap<String, Described> = std::collections::HashMap::new();
+    for event in events.iter().filter(|e| matches!(e["verb"].as_str(), Some("create" | "patch" | "update"))) {
+        if let Some(uid) = event["responseObject"]["metadata"]["uid"].as_str() {
+            written.insert(uid.to_owned(), described(&event["responseObject"]));
+        }
+    }
+    let mut out = Vec::new();
+    for event in &events {
+        let verb = event["verb"].as_str().unwrap_or_default();
+        if !matches!(verb, "delete" | "deletecollection") {
+            continue;
+        }
+        let base = AuditedDelete {
+            user_agent: event["userAgent"].as_str().unwrap_or_default().to_owned(),
+            resource: event["objectRef"]["resource"].as_str().unwrap_or_default().to_owned(),
+            name: event["objectRef"]["name"].as_str().unwrap_or_default().to_owned(),
+            code: event["responseStatus"]["code"].as_u64().unwrap_or(0) as u16,
+            precondition_uid: event["requestObject"]["preconditions"]["uid"].as_str().map(str::to_owned),
+            ..AuditedDelete::default()
+        };
+        let answer = &event["responseObject"];
+        let objects: Vec<&serde_json::Value> = match answer["items"].as_array() {
+            Some(items) => items.iter().collect(),
+            None => vec![answer],
+        };
+        for object in objects {
+            let mut delete = base.clone();
+            if object["kind"] == "Status" {
+                delete.uid = object["details"]["uid"].as_str().map(str::to_owned);
+                if let Some((labels, owners)) = delete.uid.as_ref().and_then(|uid| written.get(uid)) {
+                    delete.labels = labels.clone();
+                    delete.owner_uids = owners.clone();
+                }
+            } else {
+                if let Some(name) = object["metadata"]["name"].as_str() {
+                    delete.name = name.to_owned();
+                }
+                delete.uid = object["metadata"]["uid"].as_str().map(str::to_owned);
+                (delete.labels, delete.owner_uids) = described(object);
+            }
+            out.push(delete);
+        }
+    }
+    out
 }
 
 /// What [`start_blocking`] starts.
@@ -724,6 +886,38 @@ async fn prepare_cluster(kubeconfig: &Path, kubevirt_crds: bool, cdi_crds: bool)
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn the_audit_log_gives_each_deleted_object_its_labels_owners_and_the_uid_the_delete_required() {
+        let object = r#"{"kind":"Event","level":"RequestResponse","stage":"ResponseComplete","verb":"delete","userAgent":"vmmigrate/0.1.0 (controller)","objectRef":{"resource":"datavolumes","namespace":"apps","name":"web-disk-0","apiGroup":"cdi.kubevirt.io"},"responseStatus":{"metadata":{},"code":200},"requestObject":{"kind":"DeleteOptions","preconditions":{"uid":"u-dv"}},"responseObject":{"kind":"DataVolume","metadata":{"name":"web-disk-0","uid":"u-dv","labels":{"migration.platform.example/migration-uid":"u-m"},"ownerReferences":[{"uid":"u-m"}]}}}"#;
+        let status = r#"{"kind":"Event","level":"RequestResponse","stage":"ResponseComplete","verb":"delete","userAgent":"kubectl/v1.35.4","objectRef":{"resource":"secrets","namespace":"apps","name":"s"},"responseStatus":{"code":200},"responseObject":{"kind":"Status","status":"Success","details":{"name":"s","kind":"secrets","uid":"u-s"}}}"#;
+        let elsewhere = object.replace(r#""namespace":"apps""#, r#""namespace":"other""#);
+        let received = object.replace("ResponseComplete", "RequestReceived");
+        let list = r#"{"kind":"Event","stage":"ResponseComplete","verb":"deletecollection","userAgent":"gc","objectRef":{"resource":"configmaps","namespace":"apps"},"responseStatus":{"code":200},"responseObject":{"kind":"ConfigMapList","items":[{"metadata":{"name":"a","uid":"u-a"}},{"metadata":{"name":"b","uid":"u-b"}}]}}"#;
+        let created = r#"{"kind":"Event","stage":"ResponseComplete","verb":"patch","userAgent":"vmmigrate/0.1.0 (controller)","objectRef":{"resource":"secrets","namespace":"apps","name":"s"},"responseStatus":{"code":201},"responseObject":{"kind":"Secret","metadata":{"name":"s","uid":"u-s","labels":{"migration.platform.example/migration-uid":"u-m"}}}}"#;
+        let log =
+            [created, object, status, elsewhere.as_str(), received.as_str(), list, "not json"].join("\n");
+        let deletes = super::audited_deletes(&log, "apps");
+        assert_eq!(deletes.len(), 4, "{deletes:#?}");
+        let dv = &deletes[0];
+        assert_eq!(
+            (dv.user_agent.as_str(), dv.resource.as_str(), dv.name.as_str(), dv.code),
+            ("vmmigrate/0.1.0 (controller)", "datavolumes", "web-disk-0", 200)
+        );
+        assert_eq!(dv.labels["migration.platform.example/migration-uid"], "u-m");
+        assert_eq!((dv.uid.as_deref(), dv.precondition_uid.as_deref()), (Some("u-dv"), Some("u-dv")));
+        assert_eq!(dv.owner_uids, vec!["u-m".to_owned()]);
+        assert_eq!((deletes[1].uid.as_deref(), deletes[1].precondition_uid.as_deref()), (Some("u-s"), None));
+        assert_eq!(
+            deletes[1].labels["migration.platform.example/migration-uid"], "u-m",
+            "a Status answer: the labels of the object's last write"
+        );
+        assert_eq!(
+            (deletes[2].name.as_str(), deletes[3].name.as_str()),
+            ("a", "b"),
+            "one per item of a collection"
+        );
+    }
+
     #[test]
     fn only_a_go_runtime_race_in_a_component_makes_a_start_try_again() {
         let race = "kubelet exited (exit status: 2); last log lines:\nfatal error: concurrent map iteration and map write";
