@@ -37,9 +37,10 @@ async fn a_host_refusing_logins_past_max_startups_mid_copy_is_waited_out() {
     m.emu.set_read_rate(Some(SLOW_READS));
     m.create(|body| body["spec"]["strategy"]["retryLimit"] = json!(1)).await;
     m.wait_copying(4 << 20).await;
-    // sshd restarts with MaxStartups 2 (the controller's sessions end), and
-    // another tool takes both places with logins it never finishes: every
-    // new login is dropped before the banner.
+    // sshd restarts with MaxStartups 2, and another tool takes both places
+    // with logins it never finishes: every new login is dropped before the
+    // banner. Then the controller's sessions end (it may have logged in
+    // again between the restart and the other tool).
     m.emu.set_max_startups(Some(2)).expect("MaxStartups 2");
     let held: Vec<std::net::TcpStream> = (0..2)
         .map(|_| {
@@ -49,6 +50,7 @@ async fn a_host_refusing_logins_past_max_startups_mid_copy_is_waited_out() {
             stream
         })
         .collect();
+    m.emu.drop_logged_in_sessions();
     let deadline = Instant::now() + WAIT;
     while m.emu.dropped_for_max_startups() < 3 {
         assert!(Instant::now() < deadline, "sshd never dropped a login: {}", m.emu.sshd_log_tail());

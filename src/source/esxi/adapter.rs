@@ -255,7 +255,18 @@ impl EsxiSource {
     ) -> Result<Output, Failure> {
         let cmd = cmd.map_err(|e| e.failure())?;
         let session = self.session(vmm).await?;
-        session.run(&cmd).await.map_err(|e| e.failure())
+        let out = session.run(&cmd).await.map_err(|e| e.failure())?;
+        // A session that ends before its command's exit status (sshd
+        // restarted, the connection cut) is the connection's failure: what
+        // it printed so far is not the host's answer.
+        if out.exit_status.is_none() {
+            return Err(SshError::Protocol(format!(
+                "the connection ended before {} reported its exit status",
+                cmd.what
+            ))
+            .failure());
+        }
+        Ok(out)
     }
 
     pub(super) fn vim_cmd(op: &str, vmid: &str) -> Result<RemoteCommand, SshError> {
