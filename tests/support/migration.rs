@@ -975,13 +975,37 @@ impl Migration {
         &self,
         limit: Duration,
     ) -> vmmigrate::api::VirtualMachineMigrationStatus {
+        self.assert_survived_with(limit, false).await
+    }
+
+    /// [`Self::assert_survived_within`]; with `stall_may_redo`, the imports
+    /// may also have been given up on once (`ImportStalled`, or
+    /// `ImportFailed` after the importer's restarts) and made again: two
+    /// DataVolumes per disk ever then.
+    pub(crate) async fn assert_survived_with(
+        &self,
+        limit: Duration,
+        stall_may_redo: bool,
+    ) -> vmmigrate::api::VirtualMachineMigrationStatus {
         let done = self.wait_completed_within(limit).await.status.unwrap();
         self.assert_source_off_and_untouched().await;
         let at_power_off = self.source_sha256_at_start();
         let recorded: Vec<String> = done.disks.iter().map(|d| d.source_sha256.clone().unwrap()).collect();
         assert_eq!(recorded, at_power_off, "recorded: the disks at the power-off");
         assert_eq!(self.imported_sha256(2).await, at_power_off, "imported: the disks at the power-off");
-        assert_eq!(self.dvs_seen.lock().unwrap().len(), 2, "one DataVolume per disk, ever");
+        let ever = self.dvs_seen.lock().unwrap().len();
+        let redone =
+            done.errors.iter().any(|e| matches!(e.reason.as_str(), "ImportStalled" | "ImportFailed"));
+        if stall_may_redo && redone {
+            assert_eq!(
+                ever,
+                4,
+                "one DataVolume per disk, and one more after the redo: {:#?}",
+                reasons(&done)
+            );
+        } else {
+            assert_eq!(ever, 2, "one DataVolume per disk, ever: {:#?}", reasons(&done));
+        }
         let deletes = self.assert_deleted_only_its_own().await;
         eprintln!(
             "{}: survived; {deletes} delete(s) by vmmigrate, all its own; errors on the way: {:#?}",
