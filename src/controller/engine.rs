@@ -239,8 +239,10 @@ type SourceSeen =
 
 /// The source's power after Preparing, until the destination is started:
 /// read for a migration that recorded its source off (never for a rehearsal).
-/// Seen off, the extents of the disks whose copy recorded a stat are stated
-/// too: a source powered on and off between two looks wrote to them.
+/// The extents of the disks whose copy recorded a stat are stated first,
+/// the power read after them: a changed extent was written before its stat,
+/// so a source still on is seen on (`SourcePoweredOnAgain`), and only one
+/// powered on and off between two looks is told by its extents alone.
 async fn observe_source(adapters: &Adapters, vmm: &VirtualMachineMigration) -> SourceSeen {
     let Some(status) = vmm.status.as_ref() else { return (None, None) };
     // In Starting only until the destination was asked to run (then it is the user's VM).
@@ -250,8 +252,6 @@ async fn observe_source(adapters: &Adapters, vmm: &VirtualMachineMigration) -> S
     if !watched || !vmm.spec.mode.may_power_off() || status.timestamps.source_powered_off.is_none() {
         return (None, None);
     }
-    let power =
-        bounded("ESXi power state", ssh_timeout(vmm), adapters.esxi.power(vmm)).await.map(|p| p.state);
     let copied: Vec<(usize, String)> = status
         .disks
         .iter()
@@ -259,21 +259,27 @@ async fn observe_source(adapters: &Adapters, vmm: &VirtualMachineMigration) -> S
         .filter(|(_, d)| d.source_stat.is_some())
         .map(|(i, d)| (i, d.source_path.clone()))
         .collect();
-    if !matches!(power, Ok(crate::api::SourcePowerState::PoweredOff)) || copied.is_empty() {
-        return (Some(power), None);
-    }
-    let paths: Vec<String> = copied.iter().map(|(_, path)| path.clone()).collect();
-    let stats = bounded("ESXi extent stat", ssh_timeout(vmm), adapters.esxi.extent_stats(vmm, &paths)).await;
-    let extents = stats.and_then(|stats| {
-        if stats.len() != copied.len() {
-            return Err(Failure::retryable(
-                Reason::SSHError,
-                format!("asked the stat of {} extent(s), got {}", copied.len(), stats.len()),
-            ));
-        }
-        Ok(copied.iter().map(|(disk, _)| *disk).zip(stats).collect())
-    });
-    (Some(power), Some(extents))
+    let extents = if copied.is_empty() {
+        None
+    } else {
+        let paths: Vec<String> = copied.iter().map(|(_, path)| path.clone()).collect();
+        let stats =
+            bounded("ESXi extent stat", ssh_timeout(vmm), adapters.esxi.extent_stats(vmm, &paths)).await;
+        Some(stats.and_then(|stats| {
+            if stats.len() != copied.len() {
+                return Err(Failure::retryable(
+                    Reason::SSHError,
+                    format!("asked the stat of {} extent(s), got {}", copied.len(), stats.len()),
+                ));
+            }
+            Ok(copied.iter().map(|(disk, _)| *disk).zip(stats).collect())
+        }))
+    };
+    let power =
+        bounded("ESXi power state", ssh_timeout(vmm), adapters.esxi.power(vmm)).await.map(|p| p.state);
+    // The extents say something only of a source seen off after them.
+    let extents = extents.filter(|_| matches!(power, Ok(crate::api::SourcePowerState::PoweredOff)));
+    (Some(power), extents)
 }
 
 /// Whether an action cannot be undone or destroys something: it is

@@ -8,14 +8,23 @@
 use super::*;
 
 /// Writes `len` bytes of a new pattern at the start of every disk of `vmid`,
-/// as the guest of a running VM would.
+/// as the guest of a running VM would. A guest runs for more than a second
+/// between its power-on and its writes, and the host's `stat` tells
+/// modification times to the second: each extent's mtime ends at least one
+/// second past what it was, as a guest's run leaves it.
 fn guest_writes_at_start(emu: &EsxiEmulator, vmid: &str, len: usize) {
     use std::os::unix::fs::FileExt;
     for (i, (_, path, _, size)) in emu.disk_files(vmid).iter().enumerate() {
         let n = len.min(*size as usize);
         let data: Vec<u8> = (0..n).map(|b| (b as u8).wrapping_mul(7).wrapping_add(i as u8 + 1)).collect();
         let file = std::fs::OpenOptions::new().write(true).open(path).expect("the disk file");
+        let before = file.metadata().and_then(|m| m.modified()).expect("the disk's mtime");
         file.write_all_at(&data, 0).expect("the guest writes");
+        let after = file.metadata().and_then(|m| m.modified()).expect("the disk's mtime");
+        let second = |t: std::time::SystemTime| t.duration_since(std::time::UNIX_EPOCH).unwrap().as_secs();
+        if second(after) <= second(before) {
+            file.set_modified(before + Duration::from_secs(1)).expect("the guest's mtime");
+        }
     }
 }
 
@@ -121,7 +130,7 @@ async fn a_source_powered_on_by_a_person_after_its_copies_completed_is_copied_ag
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_source_powered_on_written_and_powered_off_between_two_looks_after_its_copies_completed_is_told_by_its_extents_and_copied_again()
  {
-    let m = Migration::new("e2e-unseen").await;
+    let mut m = Migration::new("e2e-unseen").await;
     m.hold_importer_pods().await;
     m.create(|body| {
         body["spec"]["validation"] = json!({ "checks": [{ "name": "agent", "guestAgent": {} }] })
@@ -132,13 +141,17 @@ async fn a_source_powered_on_written_and_powered_off_between_two_looks_after_its
     assert!(first.disks.iter().all(|d| d.source_stat.is_some()), "each copy recorded its extent's stat");
     let at_start = m.source_sha256_at_start();
 
-    // A person at the host's console: on, the guest writes, off, faster
-    // than any poll of its power (the host's state, not vim-cmd).
+    // Between two looks: the controller is down (its pod rescheduled) while
+    // a person at the host's console powers the source on, its guest
+    // writes, and the person powers it off (the host's state, not vim-cmd).
+    m.kill_controller().await;
     m.emu.set_power(m.vmid, true);
     guest_writes_at_start(&m.emu, m.vmid, 4 << 20);
     m.emu.set_power(m.vmid, false);
     let at_last_power_off = m.source_sha256_now();
     assert_ne!(at_last_power_off, at_start, "the guest's writes changed the disks");
+    // The next controller sees the source off, as it was left.
+    m.start_controller();
 
     let stopped =
         m.wait_until_stopped(|v| phase_of(v) == Phase::ManualInterventionRequired).await.status.unwrap();

@@ -384,11 +384,17 @@ impl Migration {
     /// Kills the controller the way a crash would: its task and everything it
     /// ran in process (copies, conversions) stop; then a new one starts.
     pub(crate) async fn kill_and_restart_controller(&mut self) {
+        self.kill_controller().await;
+        self.start_controller();
+    }
+
+    /// Kills the controller the way a crash would and starts none: until
+    /// [`Self::start_controller`], nobody looks at the migration or its source.
+    pub(crate) async fn kill_controller(&mut self) {
         if let Some(task) = self.controller.take() {
             task.abort();
             let _ = task.await;
         }
-        self.start_controller();
     }
 
     pub(crate) async fn create(&self, mutate: impl FnOnce(&mut Value)) {
