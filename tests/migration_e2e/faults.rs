@@ -32,36 +32,49 @@ async fn sshd_restarted_mid_copy_with_its_sessions_ends_in_the_same_bytes_withou
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-#[ignore = "racy under the full suite: the controller can log in again before the other tool holds both places, and ending its logged-in session by process title did not reach it (run with --ignored; issue 33)"]
 async fn a_host_refusing_logins_past_max_startups_mid_copy_is_waited_out() {
     let m = Migration::new("e2e-maxstartups").await;
+    // The controller reaches the host through a proxy, so that its
+    // connections, and only its, can be ended; another tool comes straight.
+    let proxy = FaultProxy::start(([127, 0, 0, 1], m.emu.port).into()).expect("proxy");
     m.emu.set_read_rate(Some(SLOW_READS));
-    m.create(|body| body["spec"]["strategy"]["retryLimit"] = json!(1)).await;
+    m.create(|body| {
+        body["spec"]["source"]["port"] = json!(proxy.port);
+        body["spec"]["strategy"]["retryLimit"] = json!(1);
+    })
+    .await;
     m.wait_copying(4 << 20).await;
     // sshd restarts with MaxStartups 2, and another tool takes both places
-    // with logins it never finishes: every new login is dropped before the
-    // banner. Then the controller's sessions end (it may have logged in
-    // again between the restart and the other tool).
+    // with logins it never finishes. A login of the controller's may hold a
+    // place for a moment: the tool tries until it holds two.
     m.emu.set_max_startups(Some(2)).expect("MaxStartups 2");
-    let held: Vec<std::net::TcpStream> = (0..2)
-        .map(|_| {
-            let stream = std::net::TcpStream::connect(("127.0.0.1", m.emu.port)).expect("connect");
-            let mut banner = [0u8; 8];
-            std::io::Read::read_exact(&mut &stream, &mut banner).expect("the banner");
-            stream
-        })
-        .collect();
-    m.emu.drop_logged_in_sessions();
+    let mut held: Vec<std::net::TcpStream> = Vec::new();
     let deadline = Instant::now() + WAIT;
-    while m.emu.dropped_for_max_startups() < 3 {
+    while held.len() < 2 {
+        assert!(Instant::now() < deadline, "the other tool never held two places: {}", m.emu.sshd_log_tail());
+        let stream = std::net::TcpStream::connect(("127.0.0.1", m.emu.port)).expect("connect");
+        stream.set_read_timeout(Some(Duration::from_secs(5))).expect("read timeout");
+        let mut banner = [0u8; 8];
+        if std::io::Read::read_exact(&mut &stream, &mut banner).is_ok() {
+            held.push(stream);
+        } else {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+    // The controller's connections end; every login it tries now is
+    // dropped before the banner.
+    let dropped_before = m.emu.dropped_for_max_startups();
+    proxy.cut_all();
+    let deadline = Instant::now() + WAIT;
+    while m.emu.dropped_for_max_startups() < dropped_before + 3 {
+        let phase = phase_of(&m.get().await);
+        assert!(
+            !matches!(phase, Phase::Failed | Phase::ManualInterventionRequired),
+            "refused logins stop nothing: {phase}"
+        );
         assert!(Instant::now() < deadline, "sshd never dropped a login: {}", m.emu.sshd_log_tail());
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    let refused_phase = phase_of(&m.get().await);
-    assert!(
-        !matches!(refused_phase, Phase::Failed | Phase::ManualInterventionRequired),
-        "refused logins stop nothing: {refused_phase}"
-    );
     drop(held);
     m.emu.set_max_startups(None).expect("MaxStartups back");
     m.emu.set_read_rate(None);

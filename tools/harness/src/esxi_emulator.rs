@@ -470,24 +470,6 @@ impl EsxiEmulator {
         })
     }
 
-    /// Kills the connections that logged in (their sshd processes name the
-    /// user), and only those: the listener and connections still before
-    /// their login stay, as when a host's admin kills a user's sessions.
-    pub fn drop_logged_in_sessions(&self) {
-        let listener = self.sshd.lock().expect("sshd lock").pid;
-        let children = Command::new("pgrep").args(["-P", &listener.to_string()]).output();
-        let pids = children.map(|o| String::from_utf8_lossy(&o.stdout).into_owned()).unwrap_or_default();
-        for pid in pids.split_whitespace() {
-            // `sshd-session: <user> [priv]` once logged in; `[preauth]`
-            // (or no user at all) before.
-            let title = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-            let title = String::from_utf8_lossy(&title);
-            if title.contains(self.username.as_str()) && !title.contains("preauth") {
-                let _ = Command::new("kill").args(["-KILL", pid]).status();
-            }
-        }
-    }
-
     /// How many connections sshd dropped for `MaxStartups` so far (its log).
     pub fn dropped_for_max_startups(&self) -> usize {
         let log = std::fs::read_dir(self.janitor.dir())
