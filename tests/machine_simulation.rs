@@ -53,6 +53,9 @@ struct Scenario {
     clock_ahead: bool,
     /// A person may delete the migration at any checkpoint.
     deleted_at_random: bool,
+    /// Now and then a second replica steps too, on a read of several steps
+    /// ago: its lease lapsed while it looked (a hung call outlasted it).
+    stale_replica: bool,
 }
 
 fn scenario(seed: u64) -> Scenario {
@@ -187,6 +190,7 @@ fn scenario(seed: u64) -> Scenario {
         expect,
         clock_ahead,
         deleted_at_random: rng.chance(0.25),
+        stale_replica: rng.chance(0.3),
     }
 }
 
@@ -231,6 +235,8 @@ struct Totals {
     refusals: usize,
     /// Schedules ended by a deletion at a random checkpoint.
     deletions: usize,
+    /// Steps of a stale replica, on an old read and without the lease.
+    stale_steps: usize,
 }
 
 fn run_schedule(seed: u64, rt: &tokio::runtime::Runtime, totals: &mut Totals) -> Result<(), String> {
@@ -254,9 +260,20 @@ fn run_schedule(seed: u64, rt: &tokio::runtime::Runtime, totals: &mut Totals) ->
     // request was first seen, on the true clock.
     let mut shutdown_asked_at: Option<Timestamp> = None;
     let mut shutdown_seen: BTreeMap<String, Timestamp> = BTreeMap::new();
+    // The migration as the last reconciles read it, oldest first.
+    let mut reads: std::collections::VecDeque<VirtualMachineMigration> = Default::default();
 
     for _ in 0..MAX_STEPS {
         let status = vmm.status.clone().unwrap_or_default();
+        if sc.stale_replica && reads.len() > 1 && rng.chance(0.15) {
+            let old = reads[rng.below(reads.len() as u64 - 1) as usize].clone();
+            stale_replica_steps(&world, &adapters, rt, &old, now)?;
+            totals.stale_steps += 1;
+        }
+        reads.push_back(vmm.clone());
+        if reads.len() > 8 {
+            reads.pop_front();
+        }
         if status.phase.is_terminal() && status.timestamps.cleaned_up.is_some() {
             break;
         }
@@ -668,6 +685,62 @@ fn deleted(
     Ok(())
 }
 
+/// A replica that read the migration `old` (the migration has moved on
+/// since) and lost its lease while it looked steps once on that read, in
+/// its own process: it sees the shared world (host, work directory,
+/// cluster) but none of the other process's running tasks. Its fence
+/// refuses (the write carries a stale resourceVersion, the lease lapsed),
+/// and its decision is never recorded (its status write fails the same
+/// way). It must act on nothing: the world's invariants judge what it did.
+fn stale_replica_steps(
+    world: &std::sync::Arc<SimWorld>,
+    adapters: &vmmigrate::ports::Adapters,
+    rt: &tokio::runtime::Runtime,
+    old: &VirtualMachineMigration,
+    now: Timestamp,
+) -> Result<(), String> {
+    world.set_other_process(true);
+    world.set_fence_closed(true);
+    let input = StepInput {
+        now,
+        jitter: 0.5,
+        retry_requested: old.annotations().get(RETRY_ANNOTATION).is_some_and(|v| v == "true"),
+        destinations: &DestinationRules::default(),
+        cutover_approved: false,
+        fleet: Default::default(),
+        shutdown_seen_for: None,
+        orphan_hold: false,
+        fence: &LapsedLease,
+    };
+    let step = rt.block_on(engine::step(adapters, old, input, |_| false));
+    world.set_other_process(false);
+    world.set_fence_closed(false);
+    match step {
+        Some(step) if !step.performed.is_empty() => {
+            Err(format!("a replica without the lease performed {:?}", step.performed))
+        }
+        _ => Ok(()),
+    }
+}
+
+/// The fence of a replica whose lease lapsed: the API server refuses its
+/// write (409, the migration moved on), and it no longer leads.
+struct LapsedLease;
+
+#[async_trait::async_trait]
+impl engine::Fence for LapsedLease {
+    async fn write_ahead(
+        &self,
+        _status: &vmmigrate::api::VirtualMachineMigrationStatus,
+    ) -> Result<(), vmmigrate::machine::Failure> {
+        Err(vmmigrate::machine::Failure::retryable(Reason::KubeAPIError, "409 Conflict: a stale read"))
+    }
+
+    fn leading(&self) -> Result<(), vmmigrate::machine::Failure> {
+        Err(vmmigrate::machine::Failure::retryable(Reason::LostLease, "the lease lapsed"))
+    }
+}
+
 /// The simulation's fence: the status a step writes ahead is recorded (a
 /// crash after it keeps it), and the world learns which power actions it holds.
 struct SimFence {
@@ -690,6 +763,10 @@ impl engine::Fence for SimFence {
         }
         self.world.written_ahead(&status.power_actions);
         *self.written.lock().expect("fence") = Some(status.clone());
+        Ok(())
+    }
+
+    fn leading(&self) -> Result<(), vmmigrate::machine::Failure> {
         Ok(())
     }
 }
@@ -720,13 +797,14 @@ fn thousands_of_fault_and_crash_schedules_keep_every_invariant() {
     // Written straight to stderr so the summary shows in CI logs (libtest captures println!).
     let _ = writeln!(
         std::io::stderr(),
-        "machine simulation: {} schedules, {} reconciles, {} crashes ({:?} right after an action), {} refused by the fence, {} deleted midway, {} failed actions, {} human retries; outcomes {:?}; {} failing",
+        "machine simulation: {} schedules, {} reconciles, {} crashes ({:?} right after an action), {} refused by the fence, {} deleted midway, {} steps of a stale replica, {} failed actions, {} human retries; outcomes {:?}; {} failing",
         totals.schedules,
         totals.steps,
         totals.crashes,
         totals.crashes_after,
         totals.refusals,
         totals.deletions,
+        totals.stale_steps,
         totals.action_failures,
         totals.human_retries,
         totals.outcomes,
@@ -749,6 +827,7 @@ fn thousands_of_fault_and_crash_schedules_keep_every_invariant() {
             assert!(completed > 0, "no {mode} schedule completed: {:?}", totals.outcomes);
         }
         assert!(totals.mode_edits > 0, "no rehearsal was edited mid-run");
+        assert!(totals.stale_steps > 0, "no stale replica stepped");
         // The controller died right after each step of warm and rehearsal
         // runs, before recording it, and the run still ended well.
         for step in

@@ -304,9 +304,16 @@ fn fenced(action: &Action) -> bool {
 /// act only if the write succeeded, the migration is not being deleted and
 /// this process still holds the lease. A stale read (409), a deleted
 /// migration or a stale leader acts on nothing.
+///
+/// Every other action asks [`Fence::leading`] first (client-go's rule: a
+/// replica acts only while it holds the lease). A replica whose lease lapsed
+/// while it looked (a hung SSH call outlasts the lease) read a status the
+/// next leader may have moved past: it starts, creates and updates nothing.
 #[async_trait::async_trait]
 pub trait Fence: Send + Sync {
     async fn write_ahead(&self, status: &crate::api::VirtualMachineMigrationStatus) -> Result<(), Failure>;
+    /// Whether this process still holds the lease, asked before each action.
+    fn leading(&self) -> Result<(), Failure>;
 }
 
 /// Performs one action. Annotation removal is done by the caller (it needs the API).
@@ -431,8 +438,9 @@ pub struct StepInput<'a> {
 
 /// One reconcile. `interrupt` is asked at every checkpoint and returns true to
 /// stop there as if the process died (the simulation's crash); production
-/// passes `|_| false`. Returns `None` when interrupted, or when the fence
-/// refused the step's first irreversible or destructive action: nothing is recorded.
+/// passes `|_| false`. Returns `None` when interrupted, when the fence
+/// refused the step's first irreversible or destructive action, or when
+/// the lease was lost before any action: nothing is recorded.
 pub async fn step(
     adapters: &Adapters,
     vmm: &VirtualMachineMigration,
@@ -493,6 +501,10 @@ pub async fn step(
     let mut performed = Vec::new();
     let mut fence_passed = false;
     for action in &decision.actions {
+        if let Err(failure) = input.fence.leading() {
+            tracing::warn!(?action, reason = %failure.reason, "not performed: {}", failure.message);
+            return None;
+        }
         if fenced(action) && !fence_passed {
             // Ahead goes what is recorded plus the power actions this
             // decision asks for, nothing else: the rest is recorded after

@@ -489,20 +489,18 @@ struct WriteAhead<'a> {
     written: Mutex<Option<VirtualMachineMigration>>,
 }
 
-impl WriteAhead<'_> {
+#[async_trait::async_trait]
+impl engine::Fence for WriteAhead<'_> {
     fn leading(&self) -> Result<(), Failure> {
         match &self.lease {
             Some(holds) if !holds() => Err(Failure::retryable(
                 Reason::LostLease,
-                "this replica no longer holds the leader Lease: nothing irreversible is done",
+                "this replica no longer holds the leader Lease: it does nothing more",
             )),
             _ => Ok(()),
         }
     }
-}
 
-#[async_trait::async_trait]
-impl engine::Fence for WriteAhead<'_> {
     async fn write_ahead(&self, status: &VirtualMachineMigrationStatus) -> Result<(), Failure> {
         self.leading()?;
         let written = write_status(self.api, self.vmm, status, self.vmm.resource_version())
@@ -611,6 +609,16 @@ async fn cleanup(vmm: &VirtualMachineMigration, ctx: &Context) -> Result<Action,
     tracing::info!(phase = %status.phase, ?actions, "migration deleted; cleaning up");
     let mut left = Vec::new();
     for action in &actions {
+        // As in a step: a replica that lost the lease deletes nothing (the
+        // next leader cleans up).
+        if let Some(holds) = &ctx.config.lease_fence
+            && !holds()
+        {
+            return Err(Error::Step(Failure::retryable(
+                Reason::LostLease,
+                "this replica no longer holds the leader Lease: the next leader cleans up",
+            )));
+        }
         match engine::perform(&ctx.adapters, vmm, action).await {
             Ok(()) => {}
             // The source cannot be reached for good (its Secret went with the

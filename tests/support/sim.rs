@@ -256,6 +256,10 @@ struct World {
     /// Whether the driver writes ahead through `written_ahead` (the
     /// simulation's fence); the real controller's fence writes to the API server.
     tracks_write_ahead: bool,
+    /// The calls come from another controller process (a stale replica):
+    /// it sees files and objects, never this process's running tasks or
+    /// their unreported results.
+    other_process: bool,
 }
 
 /// Where staged artifacts are written for the real staging server to serve
@@ -335,6 +339,7 @@ impl SimWorld {
                 credentials_gone: false,
                 left_on_source: Vec::new(),
                 tracks_write_ahead: false,
+                other_process: false,
             }),
         })
     }
@@ -480,6 +485,12 @@ impl SimWorld {
     /// Whether the controller's fence refused the current step.
     pub fn set_fence_closed(&self, closed: bool) {
         self.lock().fence_closed = closed;
+    }
+
+    /// The calls that follow come from another controller process (see
+    /// `World::other_process`), until called again with `false`.
+    pub fn set_other_process(&self, other: bool) {
+        self.lock().other_process = other;
     }
 
     /// sha256 of each disk when the source last went off.
@@ -827,7 +838,9 @@ impl DiskStore for SimWorld {
         let corrupt = w.faults.corrupt_copy;
         let roll_cut = w.rng.chance(cut);
         let roll_corrupt = w.rng.chance(corrupt);
-        let hold = w.faults.hold_copies;
+        // Another process sees the file a running copy writes, no more.
+        let hold = w.faults.hold_copies || w.other_process;
+        let other_process = w.other_process;
         if disk >= w.source_disks.len() {
             return CopyState::Failed {
                 failure: Failure::terminal(Reason::LocalDiskError, format!("disk {disk}")),
@@ -843,7 +856,7 @@ impl DiskStore for SimWorld {
                 discard: false,
             };
         };
-        if let Some((failure, discard)) = copy.pending_failure.take() {
+        if !other_process && let Some((failure, discard)) = copy.pending_failure.take() {
             return CopyState::Failed { failure, discard };
         }
         if copy.running && !hold {
@@ -883,7 +896,7 @@ impl DiskStore for SimWorld {
                 };
             }
         }
-        if copy.running {
+        if copy.running && !other_process {
             return CopyState::InProgress { bytes_done: copy.data.len() as i64, bytes_total: total as i64 };
         }
         if copy.data.is_empty() {
@@ -922,6 +935,10 @@ impl DiskStore for SimWorld {
         }
         let epoch = vmm.status.as_ref().map_or(0, |s| s.epoch);
         let stat = (disk < w.source_disks.len()).then(|| w.extent_stat(disk));
+        // A second process's copy beside a running one: two tasks write one file.
+        if w.other_process && w.copies.get(disk).is_some_and(|c| c.running) {
+            w.ledger.violations.push(format!("disk {disk}: two copy tasks write one file"));
+        }
         if let Some(copy) = w.copies.get_mut(disk) {
             if !copy.running && copy.data.is_empty() {
                 copy.epoch = epoch;
@@ -935,9 +952,9 @@ impl DiskStore for SimWorld {
     async fn delta_state(&self, _vmm: &VirtualMachineMigration, disk: usize) -> CopyState {
         let mut w = self.lock();
         w.ledger.calls += 1;
-        let World { copies, source_disks, snapshot, .. } = &mut *w;
+        let World { copies, source_disks, snapshot, other_process, .. } = &mut *w;
         let Some(copy) = copies.get_mut(disk) else { return CopyState::Absent };
-        if copy.delta_running {
+        if copy.delta_running && !*other_process {
             // One tick: the snapshot's delta (the bytes written since it was
             // taken, as the disk holds them now) applied onto the base copy.
             copy.delta_running = false;
@@ -1029,11 +1046,16 @@ impl Converter for SimWorld {
         w.ledger.calls += 1;
         let kill = w.faults.kill_conversion;
         let killed = w.rng.chance(kill);
-        let World { artifacts, copies, .. } = &mut *w;
+        let World { artifacts, copies, other_process, .. } = &mut *w;
         let Some(artifact) = artifacts.get_mut(disk) else {
             return ArtifactState::Failed(Failure::terminal(Reason::LocalDiskError, format!("disk {disk}")));
         };
-        if let Some(failure) = artifact.pending_failure.take() {
+        if *other_process {
+            // Another process sees an output being written as incomplete.
+            if artifact.running.is_some() {
+                return ArtifactState::Invalid { reason: "output is incomplete".into() };
+            }
+        } else if let Some(failure) = artifact.pending_failure.take() {
             return ArtifactState::Failed(failure);
         }
         if let Some(ticks) = artifact.running {
@@ -1065,6 +1087,10 @@ impl Converter for SimWorld {
     async fn start_conversion(&self, _vmm: &VirtualMachineMigration, disk: usize) -> Result<(), Failure> {
         call!(self, "start conversion");
         let mut w = self.lock();
+        // A second process's conversion beside a running one: two writers of one output.
+        if w.other_process && w.artifacts.get(disk).is_some_and(|a| a.running.is_some()) {
+            w.ledger.violations.push(format!("disk {disk}: two conversions write one output"));
+        }
         if let Some(a) = w.artifacts.get_mut(disk)
             && a.running.is_none()
             && a.done.is_none()
@@ -1323,6 +1349,16 @@ impl Cluster for SimWorld {
         let set = w.vm.as_ref().is_some_and(|vm| vm.run_strategy == wanted);
         let no_capacity = w.faults.no_capacity;
         let unschedulable = w.rng.chance(no_capacity);
+        // The VMI's progress and failures follow the looks of the process
+        // that runs the migration; another process only reads it.
+        if w.other_process {
+            let vmi = match w.vmi_ticks {
+                None => VmiState::Absent,
+                Some(0) => VmiState::Running,
+                Some(_) => VmiState::Waiting { phase: "Scheduling".into() },
+            };
+            return Ok(StartingFacts { run_strategy_set: set, vmi });
+        }
         let vmi = match w.vmi_ticks {
             None => VmiState::Absent,
             Some(_) if unschedulable => {
