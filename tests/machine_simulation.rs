@@ -339,6 +339,7 @@ fn run_schedule(seed: u64, rt: &tokio::runtime::Runtime, totals: &mut Totals) ->
             cutover_approved: false,
             fleet: Default::default(),
             shutdown_seen_for: seen_for,
+            watched_for: None,
             orphan_hold: false,
             fence: &fence,
         };
@@ -709,6 +710,7 @@ fn stale_replica_steps(
         cutover_approved: false,
         fleet: Default::default(),
         shutdown_seen_for: None,
+        watched_for: None,
         orphan_hold: false,
         fence: &LapsedLease,
     };

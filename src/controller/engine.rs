@@ -430,6 +430,8 @@ pub struct StepInput<'a> {
     pub fleet: machine::fleet::FleetGates,
     /// How long this process has seen the recorded `shutdownRequested` (its own clock).
     pub shutdown_seen_for: Option<Duration>,
+    /// How long this process has looked at the migration without a gap.
+    pub watched_for: Option<Duration>,
     /// Orphaned in Git and not confirmed by a person.
     pub orphan_hold: bool,
     /// Writes ahead before an irreversible or destructive action.
@@ -468,6 +470,7 @@ pub async fn step(
         source: None,
         extents: None,
         shutdown_seen_for: input.shutdown_seen_for,
+        watched_for: input.watched_for,
         orphan_hold: input.orphan_hold,
     };
     // Held at a gate after validating: nothing to look at until it opens.

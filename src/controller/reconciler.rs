@@ -134,7 +134,16 @@ pub(crate) struct Context {
     /// When this process first saw each migration's recorded
     /// `shutdownRequested` (uid, the recorded time), on its own clock.
     shutdown_seen: Mutex<HashMap<(String, String), std::time::Instant>>,
+    /// Per migration (uid): since when this process has looked at it
+    /// without a gap longer than [`LOOK_GAP`], and when it last looked.
+    looks: Mutex<HashMap<String, (std::time::Instant, std::time::Instant)>>,
 }
+
+/// Two looks at a migration further apart than this are not one watch: the
+/// time between them (an API outage, a restart, a lost lease) was not
+/// watched. Longer than any requeue of a migration at work
+/// (`POLL_WAITING` plus its jitter, the 30 s transport backoff).
+pub(crate) const LOOK_GAP: Duration = Duration::from_secs(90);
 
 impl Context {
     /// The context and the stream of migrations the fleet wakes.
@@ -157,6 +166,7 @@ impl Context {
             jitter_keys: std::hash::RandomState::new(),
             jitter_draws: std::sync::atomic::AtomicU64::new(0),
             shutdown_seen: Mutex::new(HashMap::new()),
+            looks: Mutex::new(HashMap::new()),
         };
         (ctx, woken)
     }
@@ -180,6 +190,23 @@ impl Context {
             seen.clear();
         }
         Some(seen.entry(key).or_insert_with(std::time::Instant::now).elapsed())
+    }
+
+    /// This look at `vmm` (read fresh): how long this process has looked at
+    /// it without a gap longer than [`LOOK_GAP`], on its own clock.
+    fn watched_for(&self, vmm: &VirtualMachineMigration) -> Option<Duration> {
+        let uid = vmm.metadata.uid.clone()?;
+        let mut looks = self.looks.lock().ok()?;
+        if looks.len() > 4096 {
+            looks.clear();
+        }
+        let now = std::time::Instant::now();
+        let (since, last) = looks.entry(uid).or_insert((now, now));
+        if now.duration_since(*last) > LOOK_GAP {
+            *since = now;
+        }
+        *last = now;
+        Some(now.duration_since(*since))
     }
 
     fn cap(&self, d: Duration) -> Duration {
@@ -425,6 +452,7 @@ async fn apply_step(
         cutover_approved,
         fleet: ctx.fleet.gates(vmm, cutover_open).await,
         shutdown_seen_for: ctx.shutdown_seen_for(vmm),
+        watched_for: ctx.watched_for(vmm),
         orphan_hold: annotated(ORPHANED_ANNOTATION) && !annotated(CONFIRM_ORPHAN_ANNOTATION),
         fence: &fence,
     };

@@ -216,6 +216,9 @@ fn import_stalled(
     let now = ctx.now.clone();
     let now_ts = ctx.now_ts;
     let limit = Duration::from_secs(ctx.spec.strategy.timeouts.import_stall_seconds.max(1) as u64);
+    // Time nobody could look (the API server down, the controller
+    // restarting) is not time the import was seen stalled.
+    let watched_long_enough = ctx.watched_for.is_none_or(|watched| watched >= limit);
     let d = ctx.status.disks.get_mut(disk)?;
     if d.import_progress.as_deref() != Some(seen.as_str()) || d.import_progress_at.is_none() {
         d.import_progress = Some(seen);
@@ -223,7 +226,7 @@ fn import_stalled(
         return None;
     }
     let still = elapsed_since(&d.import_progress_at, now_ts).unwrap_or_default();
-    if still < limit {
+    if still < limit || !watched_long_enough {
         return None;
     }
     d.import_progress = None;

@@ -93,6 +93,11 @@ pub(crate) struct Input<'a> {
     /// (client-go's rule), so a replica whose clock runs ahead does not cut
     /// the guest's shutdown short. `None`: the wall clock alone.
     pub shutdown_seen_for: Option<Duration>,
+    /// How long this process has looked at the migration without a gap
+    /// (see `controller::reconciler::LOOK_GAP`), on its own clock: a wait
+    /// that spans time nobody could look (an API outage, a restart) is
+    /// judged only on what was watched. `None`: the recorded times alone.
+    pub watched_for: Option<Duration>,
     /// The migration's manifest left Git (orphaned) and no person confirmed
     /// it may go on: it takes no irreversible step.
     pub orphan_hold: bool,
@@ -257,6 +262,7 @@ struct Ctx<'a> {
     events: Vec<Event>,
     requeue: Option<Duration>,
     shutdown_seen_for: Option<Duration>,
+    watched_for: Option<Duration>,
 }
 
 impl<'a> Ctx<'a> {
@@ -274,6 +280,7 @@ impl<'a> Ctx<'a> {
             events: Vec::new(),
             requeue: None,
             shutdown_seen_for: input.shutdown_seen_for,
+            watched_for: input.watched_for,
         }
     }
 

@@ -74,6 +74,7 @@ struct Run {
     extents: Option<Result<Vec<(usize, String)>, Failure>>,
     orphan_hold: bool,
     shutdown_seen_for: Option<Duration>,
+    watched_for: Option<Duration>,
 }
 
 impl Run {
@@ -88,6 +89,7 @@ impl Run {
             extents: None,
             orphan_hold: false,
             shutdown_seen_for: None,
+            watched_for: None,
         }
     }
 
@@ -140,6 +142,7 @@ impl Run {
             source: self.source.clone(),
             extents: self.extents.clone(),
             shutdown_seen_for: self.shutdown_seen_for,
+            watched_for: self.watched_for,
             orphan_hold: self.orphan_hold,
         }
     }
@@ -1012,6 +1015,7 @@ fn action_failure_is_recorded_against_the_phase_that_asked_for_it() {
             source: None,
             extents: None,
             shutdown_seen_for: None,
+            watched_for: None,
             orphan_hold: false,
         },
         Phase::Importing,
@@ -1127,6 +1131,34 @@ fn an_importer_that_keeps_restarting_is_reported_then_given_up_on_and_retried_fr
         "{}",
         error.message
     );
+}
+
+#[test]
+fn an_import_not_moving_across_time_nobody_could_look_is_given_its_whole_stall_timeout_once_watched_again() {
+    let at = || {
+        Observed::Importing(Ok(ImportingFacts::volumes(vec![DataVolumeState::InProgress {
+            phase: "ImportInProgress".into(),
+            percent: 40,
+            restarts: 0,
+            importer_error: None,
+        }])))
+    };
+    let mut run = Run::at(Phase::Importing);
+    run.spec.strategy.timeouts.import_stall_seconds = 60;
+    run.watched_for = Some(Duration::from_secs(0));
+    run.step(at(), t(0));
+    // The API server was down for five minutes: the first look after it
+    // begins a new watch.
+    run.watched_for = Some(Duration::from_secs(0));
+    let d = run.step(at(), t(300));
+    assert_eq!(d.status.phase, Phase::Importing, "300 s recorded, none of it watched");
+    run.watched_for = Some(Duration::from_secs(59));
+    let d = run.step(at(), t(359));
+    assert_eq!(d.status.phase, Phase::Importing, "59 s watched is within the limit");
+    run.watched_for = Some(Duration::from_secs(60));
+    let d = run.step(at(), t(360));
+    assert_eq!(d.status.phase, Phase::Retryable, "60 s watched without progress");
+    assert_eq!(d.status.errors.last().unwrap().reason, Reason::ImportStalled);
 }
 
 #[test]
