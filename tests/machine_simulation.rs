@@ -160,8 +160,13 @@ fn scenario(seed: u64) -> Scenario {
         && policy != PowerOffPolicy::RequireAlreadyOff
         && rng.chance(0.15)
     {
-        // A backup tool snapshots the source while the cutover is prepared.
-        faults.backup_snapshot_before_cutover = true;
+        // A backup tool snapshots the source while the cutover is prepared,
+        // or a person adds a disk to it.
+        if rng.chance(0.5) {
+            faults.backup_snapshot_before_cutover = true;
+        } else {
+            faults.disk_added_before_cutover = true;
+        }
         expect = Expect::HumanThenCompleted(Reason::SourceChangedSinceDiscovery);
     }
     faults.guest_writes = mode != MigrationMode::Cold;
@@ -567,6 +572,15 @@ fn run_schedule(seed: u64, rt: &tokio::runtime::Runtime, totals: &mut Totals) ->
             // disks at their last power-off.
             let source = if rehearsal { world.frozen_sha() } else { world.at_power_off() };
             let destination = if rehearsal { "web-01-rehearsal" } else { "web-01" };
+            // Every disk the source has is migrated (one added before the
+            // cutover too), none left behind.
+            if status.disks.len() != source.len() {
+                return Err(format!(
+                    "{} disk(s) migrated of the source's {}",
+                    status.disks.len(),
+                    source.len()
+                ));
+            }
             for (i, disk) in status.disks.iter().enumerate() {
                 if disk.source_sha256.as_deref() != Some(source[i].as_str()) {
                     return Err(format!(
@@ -589,7 +603,7 @@ fn run_schedule(seed: u64, rt: &tokio::runtime::Runtime, totals: &mut Totals) ->
                     return Err(format!("disk {i}: DataVolume name {:?}", disk.data_volume_name));
                 }
             }
-            if status.disks.len() != 2 || dvs != 2 || !vm_present {
+            if dvs != source.len() || !vm_present {
                 return Err(format!(
                     "destination incomplete: {} disks, {dvs} DataVolumes, VM {vm_present}",
                     status.disks.len()

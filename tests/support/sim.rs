@@ -109,6 +109,9 @@ pub struct FaultPlan {
     /// A backup tool takes a snapshot of the source between its discovery
     /// and the cutover (while the migration prepares, before any power-off).
     pub backup_snapshot_before_cutover: bool,
+    /// A person adds a disk to the source between its discovery and the
+    /// cutover (while the migration prepares, before any power-off).
+    pub disk_added_before_cutover: bool,
     /// Probability that removing every copy leaves a copy task of another
     /// process running (a stale replica's, a worker pod's): it finishes
     /// later, in the epoch it was started in.
@@ -417,13 +420,17 @@ impl SimWorld {
     /// it off; the guest writes at the start of every disk while it runs.
     pub fn person_acts(&self, status: &vmmigrate::api::VirtualMachineMigrationStatus) {
         let mut w = self.lock();
-        if w.faults.backup_snapshot_before_cutover
+        if (w.faults.backup_snapshot_before_cutover || w.faults.disk_added_before_cutover)
             && status.phase == vmmigrate::api::Phase::Preparing
             && status.timestamps.source_powered_off.is_none()
             && !w.person_done
         {
             w.person_done = true;
-            w.faults.snapshot = true;
+            if w.faults.backup_snapshot_before_cutover {
+                w.faults.snapshot = true;
+            } else {
+                w.add_disk();
+            }
             return;
         }
         if !w.person_done
@@ -580,6 +587,22 @@ impl World {
         let disk = self.rng.below(self.source_disks.len() as u64) as usize;
         let at = self.rng.below(self.source_disks[disk].len() as u64) as usize;
         self.write_at(disk, at);
+    }
+
+    /// A person adds a 4 KiB disk to the source (a snapshot it has keeps
+    /// the new disk as it is: the migration drops that snapshot anyway).
+    fn add_disk(&mut self) {
+        let d = self.source_disks.len();
+        let data: Vec<u8> = (0..4096).map(|i| ((i * 13 + d * 5 + 3) % 251) as u8).collect();
+        self.source_sha.push(sha_hex(&data));
+        if let Some(snapshot) = self.snapshot.as_mut() {
+            snapshot.base.push(data.clone());
+            snapshot.dirty.push(Default::default());
+        }
+        self.source_disks.push(data);
+        self.extent_writes.push(0);
+        self.copies.push(LocalCopy::default());
+        self.artifacts.push(Artifact::default());
     }
 
     /// The guest changes byte `at` of disk `disk` (a snapshot's delta keeps it).
