@@ -191,11 +191,12 @@ pub fn run(cli: Cli) -> ExitCode {
         Command::Controller { controller: c, tenancy } => {
             tenancy.rules().and_then(|rules| controller(c.with_destinations(rules)))
         }
-        Command::Gitops { gitops: g, metrics_listen, tenancy } => {
-            tenancy.rules().and_then(|rules| gitops(g.with_destinations(rules), metrics_listen, None))
-        }
+        Command::Gitops { gitops: g, metrics_listen, tenancy } => tenancy.rules().and_then(|rules| {
+            gitops(g.with_destinations(rules).with_tenants(tenancy.tenants()?), metrics_listen, None)
+        }),
         Command::Run { gitops: g, controller: c, tenancy } => tenancy.rules().and_then(|rules| {
-            gitops(g.with_destinations(rules.clone()), c.metrics_listen, Some(c.with_destinations(rules)))
+            let g = g.with_destinations(rules.clone()).with_tenants(tenancy.tenants()?);
+            gitops(g, c.metrics_listen, Some(c.with_destinations(rules)))
         }),
         Command::Render { repo, namespace, tenancy, limits } => {
             tenancy.render_options(&namespace, limits).and_then(|o| render_local(&repo, &o, true))
@@ -498,6 +499,13 @@ pub struct TenancyOptions {
     #[arg(long = "allow-destination", env = "VMMIGRATE_ALLOW_DESTINATION", value_delimiter = ';',
           value_parser = parse_destination_rule)]
     pub allow_destination: Vec<String>,
+    /// Bind a Git folder under migrations/ to the namespace its migrations
+    /// live in: `<folder>=<namespace>` (`apps=apps`, `teams/finance=finance`).
+    /// With any binding, a manifest outside its folder's namespace, or in no
+    /// bound folder, is refused at render, plan and apply. Repeatable (`;`
+    /// between bindings in the environment).
+    #[arg(long = "tenant", env = "VMMIGRATE_TENANTS", value_delimiter = ';', value_parser = parse_tenant)]
+    pub tenant: Vec<String>,
 }
 
 impl TenancyOptions {
@@ -505,13 +513,25 @@ impl TenancyOptions {
         Ok(crate::machine::tenancy::DestinationRules::parse(&self.allow_destination)?)
     }
 
+    fn tenants(&self) -> anyhow::Result<crate::machine::tenancy::TenantBindings> {
+        Ok(crate::machine::tenancy::TenantBindings::parse(&self.tenant)?)
+    }
+
     fn render_options(
         &self,
         namespace: &str,
         limits: crate::gitops::render::Limits,
     ) -> anyhow::Result<crate::gitops::render::RenderOptions> {
-        Ok(crate::gitops::render::RenderOptions::new(namespace, &self.rules()?).with_limits(limits))
+        Ok(crate::gitops::render::RenderOptions::new(namespace, &self.rules()?)
+            .with_limits(limits)
+            .with_tenants(self.tenants()?))
     }
+}
+
+fn parse_tenant(binding: &str) -> Result<String, String> {
+    crate::machine::tenancy::TenantBindings::parse(&[binding])
+        .map(|_| binding.to_owned())
+        .map_err(|e| e.to_string())
 }
 
 fn parse_destination_rule(rule: &str) -> Result<String, String> {

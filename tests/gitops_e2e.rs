@@ -201,6 +201,7 @@ fn options(remote: &Remote, cache: &Path, ns: &str) -> GitopsOptions {
         git_token: None,
         watch_path: None,
         destinations: Default::default(),
+        tenants: Default::default(),
         limits: Default::default(),
         max_fetch_bytes: 256 << 20,
         fetch_timeout: 300,
@@ -1185,6 +1186,87 @@ async fn a_rehearsal_beside_its_migration_in_git_is_deleted_when_its_manifest_le
     let rendered = render(&files(false), &provenance, &RenderOptions::default()).expect("renders");
     let report = apply_commit(&client, &rendered, namespaces, GIT_REPO).await.expect("applies");
     assert!(report.deleted.is_empty() && report.orphaned.is_empty(), "{report:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_manifest_named_like_a_migration_it_did_not_create_takes_nothing_over_until_its_owner_lets_it() {
+    use kube::api::{Patch, PatchParams};
+    use vmmigrate::gitops::apply::{ApplyError, apply_commit};
+    use vmmigrate::gitops::render::{RenderOptions, render};
+    use vmmigrate::gitops::{Provenance, RepoFile};
+    let client = KubeEnv::shared().client().await;
+    let ns = test_namespace(&client, "gitops-takeover").await;
+    let api: Api<VirtualMachineMigration> = Api::namespaced(client.clone(), &ns);
+    // A team's migration, created with kubectl.
+    let theirs: VirtualMachineMigration = serde_yaml::from_str(&manifest(&ns, "web-01", "web 01")).unwrap();
+    api.create(&Default::default(), &theirs).await.expect("kubectl create");
+    const GIT_REPO: &str = "https://git.example/m.git";
+    let commit = |files: &[(&str, &str, &str)], repo: &str| {
+        let files: Vec<RepoFile> = files
+            .iter()
+            .map(|(path, name, vm)| RepoFile {
+                path: (*path).into(),
+                bytes: manifest(&ns, name, vm).into_bytes(),
+            })
+            .collect();
+        let provenance = Provenance { repo_url: repo.into(), commit: "ab".repeat(20) };
+        render(&files, &provenance, &RenderOptions::default()).expect("renders")
+    };
+    let namespaces = std::slice::from_ref(&ns);
+    // A pull request names its manifest web-01 too, beside a new one.
+    let rendered = commit(
+        &[("migrations/web.yaml", "web-01", "web 99"), ("migrations/db.yaml", "db-01", "db 01")],
+        GIT_REPO,
+    );
+    let refused = apply_commit(&client, &rendered, namespaces, GIT_REPO).await.expect_err("a takeover");
+    let ApplyError::Refused(why) = refused else { panic!("{refused}") };
+    assert_eq!(why.len(), 1, "{why:?}");
+    assert!(
+        why[0].contains("migrations/web.yaml")
+            && why[0].contains("was not created from Git")
+            && why[0].contains("migration.platform.example/adopt=migrations/web.yaml"),
+        "{why:?}"
+    );
+    let live = api.get("web-01").await.unwrap();
+    assert_eq!(live.spec.source.vm.name.as_deref(), Some("web 01"), "the kubectl migration is untouched");
+    assert!(!live.labels().contains_key("migration.platform.example/gitops"));
+    assert!(api.get_opt("db-01").await.unwrap().is_none(), "nothing of the commit is applied");
+
+    // Its owner lets Git manage it from that path: the commit applies.
+    let adopt =
+        json!({"metadata": {"annotations": {"migration.platform.example/adopt": "migrations/web.yaml"}}});
+    api.patch("web-01", &PatchParams::default(), &Patch::Merge(&adopt)).await.unwrap();
+    let rendered = commit(
+        &[("migrations/web.yaml", "web-01", "web 01"), ("migrations/db.yaml", "db-01", "db 01")],
+        GIT_REPO,
+    );
+    assert_eq!(
+        apply_commit(&client, &rendered, namespaces, GIT_REPO).await.expect("adopted").applied.len(),
+        2
+    );
+    let adopted = api.get("web-01").await.unwrap();
+    assert!(
+        !adopted.annotations().contains_key("migration.platform.example/adopt"),
+        "the consent is used once"
+    );
+
+    // Another repository with a manifest of the same name and path: refused.
+    let rendered = commit(&[("migrations/web.yaml", "web-01", "web 01")], "https://git.example/other.git");
+    let refused = apply_commit(&client, &rendered, namespaces, "https://git.example/other.git").await;
+    assert!(
+        matches!(&refused, Err(ApplyError::Refused(why)) if why[0].contains("managed from another repository")),
+        "{refused:?}"
+    );
+    // Moved within the repository (its old path gone): still its own.
+    let rendered = commit(
+        &[("migrations/web/web.yaml", "web-01", "web 01"), ("migrations/db.yaml", "db-01", "db 01")],
+        GIT_REPO,
+    );
+    apply_commit(&client, &rendered, namespaces, GIT_REPO).await.expect("a move");
+    assert_eq!(
+        api.get("web-01").await.unwrap().annotations()["migration.platform.example/git-path"],
+        "migrations/web/web.yaml"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

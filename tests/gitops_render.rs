@@ -8,7 +8,7 @@ use vmmigrate::gitops::render::{
     RenderError, RenderOptions, RenderedMigration, read_dir_files, render, to_yaml,
 };
 use vmmigrate::gitops::{ANNOTATION_COMMIT, ANNOTATION_PATH, LABEL_GITOPS, Provenance, RepoFile};
-use vmmigrate::machine::tenancy::DestinationRules;
+use vmmigrate::machine::tenancy::{DestinationRules, TenantBindings};
 
 const HOST_KEY: &str = "SHA256:uNiVztksCsDhcc0u9e8BujQXVUpKZIDTMczCvj3tD2s";
 const OTHER_KEY: &str = "SHA256:AAAAztksCsDhcc0u9e8BujQXVUpKZIDTMczCvj3tD2s";
@@ -277,6 +277,83 @@ fn a_destination_namespace_outside_the_allow_rules_is_refused_at_its_line() {
     assert!(render(&only_ok, &provenance(), &options()).is_ok());
     let refused = render(&only_ok, &provenance(), &RenderOptions::default()).unwrap_err();
     assert!(refused[0].message.contains("--allow-destination vmmigrate=apps"), "{refused:?}");
+}
+
+/// A migration whose destination is its own namespace (`ns`).
+fn tenant_manifest(name: &str, ns: &str) -> String {
+    manifest(name, name).replace("    namespace: apps\n", &format!("    namespace: {ns}\n"))
+}
+
+#[test]
+fn a_manifest_in_a_tenants_folder_cannot_place_its_migration_in_another_namespace() {
+    let dir = tempfile::tempdir().unwrap();
+    let tenants = TenantBindings::parse(&["apps=apps", "finance=finance"]).unwrap();
+    let opts = RenderOptions::new("vmmigrate", &DestinationRules::default()).with_tenants(tenants.clone());
+    // The tenant's own migration lands in its folder's namespace unasked.
+    write(dir.path(), "migrations/apps/web.yaml", &tenant_manifest("web", "apps"));
+    write(dir.path(), "migrations/finance/ledger.yaml", &tenant_manifest("ledger", "finance"));
+    let files = read_dir_files(dir.path(), &Default::default()).unwrap().files;
+    let rendered = render(&files, &provenance(), &opts).expect("both tenants render");
+    let web = rendered.iter().find(|r| r.name == "web").unwrap();
+    assert_eq!((web.namespace.as_str(), web.tenant.as_deref()), ("apps", Some("migrations/apps")));
+    assert_eq!(rendered.iter().find(|r| r.name == "ledger").unwrap().namespace, "finance");
+
+    // Someone who may only change migrations/apps/ names finance, in the
+    // manifest or in the folder's defaults: refused at that line.
+    write(
+        dir.path(),
+        "migrations/apps/steal.yaml",
+        &tenant_manifest("steal", "finance").replacen(
+            "  name: steal\n",
+            "  name: steal\n  namespace: finance\n",
+            1,
+        ),
+    );
+    write(dir.path(), "migrations/apps/db/defaults.yaml", "metadata:\n  namespace: finance\n");
+    write(dir.path(), "migrations/apps/db/db.yaml", &tenant_manifest("db", "finance"));
+    // A folder nobody bound.
+    write(dir.path(), "migrations/ops/tool.yaml", &tenant_manifest("tool", "ops"));
+    let files = read_dir_files(dir.path(), &Default::default()).unwrap().files;
+    let errors: Vec<String> =
+        render(&files, &provenance(), &opts).unwrap_err().iter().map(ToString::to_string).collect();
+    // (tool.yaml is also told its destination is not its namespace's.)
+    assert_eq!(errors.len(), 4, "{errors:#?}");
+    assert!(
+        errors.iter().any(|e| e.starts_with("migrations/apps/steal.yaml:5: metadata.namespace: is \"finance\", but migrations/apps/ belongs to the tenant of namespace \"apps\"")),
+        "{errors:#?}"
+    );
+    assert!(
+        errors
+            .iter()
+            .any(|e| e.starts_with("migrations/apps/db/defaults.yaml:2: metadata.namespace: is \"finance\"")),
+        "{errors:#?}"
+    );
+    assert!(
+        errors.iter().any(|e| e.starts_with("migrations/ops/tool.yaml")
+            && e.contains("migrations/ops/ is bound to no tenant")),
+        "{errors:#?}"
+    );
+    // Without bindings the same files render (one team's repository).
+    let open = RenderOptions::new("vmmigrate", &DestinationRules::default());
+    let steal: Vec<_> = files.into_iter().filter(|f| f.path == "migrations/apps/steal.yaml").collect();
+    let rendered = render(&steal, &provenance(), &open).expect("no tenants, no refusal");
+    assert_eq!(rendered[0].namespace, "finance");
+}
+
+#[test]
+fn allow_rules_follow_the_tenant_not_the_namespace_a_manifest_chose() {
+    let dir = tempfile::tempdir().unwrap();
+    // apps may create VMs in web; finance may not.
+    let rules = DestinationRules::parse(&["apps=web"]).unwrap();
+    let tenants = TenantBindings::parse(&["apps=apps", "finance=finance"]).unwrap();
+    let opts = RenderOptions::new("vmmigrate", &rules).with_tenants(tenants);
+    write(dir.path(), "migrations/apps/a.yaml", &tenant_manifest("a", "web"));
+    write(dir.path(), "migrations/finance/f.yaml", &tenant_manifest("f", "web"));
+    let files = read_dir_files(dir.path(), &Default::default()).unwrap().files;
+    let errors: Vec<String> =
+        render(&files, &provenance(), &opts).unwrap_err().iter().map(ToString::to_string).collect();
+    assert_eq!(errors.len(), 1, "{errors:#?}");
+    assert!(errors[0].starts_with("migrations/finance/f.yaml:14: spec.destination.namespace: destination namespace \"web\" is not allowed for migrations in \"finance\""), "{errors:#?}");
 }
 
 #[test]

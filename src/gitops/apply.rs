@@ -19,12 +19,23 @@
 //!    throwaway, so when its manifest leaves Git it is deleted, and its
 //!    finalizer removes its VM, volumes and any snapshot it still holds.
 //!
+//! 4. No takeover: a live migration of the same namespace and name that
+//!    this repository's manifest at that path did not create is never
+//!    applied over (a manifest named like a kubectl-created migration, or
+//!    another repository's). A manifest moved to another path of the same
+//!    repository (its old path gone from the commit) keeps its migration;
+//!    anything else needs the live object's [`ANNOTATION_ADOPT`] naming the
+//!    manifest's path, set by someone who may edit it. The commit is
+//!    refused whole, as for a dry-run refusal, and the plan says why.
+//!
 //! The real apply can still fail half-way (the API server going away between
 //! two objects); the next poll applies the same commit again, and server-side
 //! apply is idempotent, so the cluster converges on the commit.
 
 use super::render::RenderedMigration;
-use super::{ANNOTATION_ORPHANED, ANNOTATION_REPO, FIELD_MANAGER, LABEL_GITOPS};
+use super::{
+    ANNOTATION_ADOPT, ANNOTATION_ORPHANED, ANNOTATION_PATH, ANNOTATION_REPO, FIELD_MANAGER, LABEL_GITOPS,
+};
 use crate::api::{Phase, VirtualMachineMigration};
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, Preconditions};
 use kube::{Client, ResourceExt};
@@ -127,6 +138,41 @@ pub(crate) fn reconcile_spec(
     (object, note)
 }
 
+/// Why applying `r` over the live migration `live` would take over an
+/// object this repository's manifest did not create (see the module
+/// documentation, 4.); `None` when it may be applied. `repo`: the tracked
+/// repository (`None` for a local work tree, whose remote is not known);
+/// `paths`: every manifest path of the commit.
+pub(crate) fn takeover(
+    live: &VirtualMachineMigration,
+    r: &RenderedMigration,
+    repo: Option<&str>,
+    paths: &BTreeSet<&str>,
+) -> Option<String> {
+    let annotation = |key: &str| live.annotations().get(key).map(String::as_str);
+    if annotation(ANNOTATION_ADOPT) == Some(r.path.as_str()) {
+        return None;
+    }
+    let ours = live.labels().get(LABEL_GITOPS).is_some_and(|v| v == "true")
+        && annotation(ANNOTATION_REPO).is_some()
+        && repo.is_none_or(|repo| annotation(ANNOTATION_REPO) == Some(repo));
+    let from = match (ours, annotation(ANNOTATION_PATH)) {
+        (true, Some(path)) if path == r.path => return None,
+        // Moved within the repository: its old manifest is gone.
+        (true, Some(path)) if !paths.contains(path) => return None,
+        (true, Some(path)) => format!("it is managed from {path}"),
+        (true, None) => "it names no manifest path".to_owned(),
+        (false, _) => match annotation(ANNOTATION_REPO) {
+            Some(other) => format!("it is managed from another repository ({other})"),
+            None => "it was not created from Git".to_owned(),
+        },
+    };
+    Some(format!(
+        "{}: {}/{}: a migration of that name exists and {from}: this manifest would take it over, so nothing of this commit is applied. Rename the manifest, or have the migration's owner annotate it {ANNOTATION_ADOPT}={}",
+        r.path, r.namespace, r.name, r.path
+    ))
+}
+
 /// The spec as the API server would store it if `rendered` were applied now:
 /// a server-side dry run, so defaults and admission are the server's own
 /// (what `kubectl diff` shows). `Ok(None)`: not allowed to ask (with
@@ -160,23 +206,29 @@ pub async fn apply_commit(
 ) -> Result<ApplyReport, ApplyError> {
     let mut report = ApplyReport::default();
     let mut planned = Vec::with_capacity(rendered.len());
+    let paths: BTreeSet<&str> = rendered.iter().map(|r| r.path.as_str()).collect();
+    let mut refusals = Vec::new();
     for r in rendered {
         let api: Api<VirtualMachineMigration> = Api::namespaced(client.clone(), &r.namespace);
         let live = api.get_opt(&r.name).await?;
+        if let Some(refusal) = live.as_ref().and_then(|live| takeover(live, r, Some(repo), &paths)) {
+            refusals.push(refusal);
+            continue;
+        }
         let (object, note) = reconcile_spec(&r.object, live.as_ref());
         if let Some(note) = note {
             report.held.push((r.namespace.clone(), r.name.clone(), note));
         }
-        planned.push((
-            r,
-            api,
-            object,
-            live.is_some_and(|l| l.annotations().contains_key(ANNOTATION_ORPHANED)),
-        ));
+        // Marks that go once the commit applies: an orphan's mark, and an
+        // owner's consent to adoption (used once: it is managed from Git now).
+        let unmark: Vec<&str> = [ANNOTATION_ORPHANED, ANNOTATION_ADOPT]
+            .into_iter()
+            .filter(|key| live.as_ref().is_some_and(|l| l.annotations().contains_key(*key)))
+            .collect();
+        planned.push((r, api, object, unmark));
     }
     // 1. Dry run of everything; nothing is applied unless all pass.
     let dry = PatchParams::apply(FIELD_MANAGER).force().dry_run();
-    let mut refusals = Vec::new();
     for (r, api, object, _) in &planned {
         if let Err(e) = api.patch(&r.name, &dry, &Patch::Apply(object)).await {
             let message = match &e {
@@ -194,10 +246,12 @@ pub async fn apply_commit(
     planned
         .sort_by_key(|(r, ..)| r.object.pointer("/spec/wave/number").and_then(Value::as_i64).unwrap_or(-1));
     let real = PatchParams::apply(FIELD_MANAGER).force();
-    for (r, api, object, was_orphaned) in &planned {
+    for (r, api, object, unmark) in &planned {
         api.patch(&r.name, &real, &Patch::Apply(object)).await?;
-        if *was_orphaned {
-            let unmark = json!({ "metadata": { "annotations": { ANNOTATION_ORPHANED: null } } });
+        if !unmark.is_empty() {
+            let nulls: serde_json::Map<String, Value> =
+                unmark.iter().map(|key| ((*key).to_owned(), Value::Null)).collect();
+            let unmark = json!({ "metadata": { "annotations": nulls } });
             api.patch(&r.name, &PatchParams::default(), &Patch::Merge(&unmark)).await?;
         }
         report.applied.push((r.namespace.clone(), r.name.clone()));

@@ -6,7 +6,7 @@ use super::apply::server_spec;
 use super::plan::{PlanEntry, PlanInput, commit_state, plan_comment};
 use super::render::{RenderOptions, RenderedMigration, read_dir_files, render_tree};
 use super::status_files::progress_bar;
-use super::{ANNOTATION_PATH, ANNOTATION_REPO, LABEL_GITOPS, Provenance};
+use super::{LABEL_GITOPS, Provenance};
 use crate::api::VirtualMachineMigration;
 use crate::gitops::forge::CommitState;
 use kube::api::{Api, ListParams};
@@ -27,8 +27,9 @@ pub(crate) async fn plan_local(
     match render_tree(&files, &provenance, opts) {
         Err(errors) => input.errors = errors.iter().map(ToString::to_string).collect(),
         Ok(rendered) => {
-            for r in rendered {
-                match plan_entry(client, None, &r).await? {
+            let paths = rendered.iter().map(|r| r.path.as_str()).collect();
+            for r in &rendered {
+                match plan_entry(client, None, r, &paths).await? {
                     Ok(entry) => input.entries.push(entry),
                     Err(refusal) => input.errors.push(refusal),
                 }
@@ -70,6 +71,7 @@ pub(crate) async fn plan_entry(
     client: Option<&Client>,
     repo: Option<&str>,
     r: &RenderedMigration,
+    paths: &std::collections::BTreeSet<&str>,
 ) -> anyhow::Result<Result<PlanEntry, String>> {
     let mut entry = PlanEntry {
         path: r.path.clone(),
@@ -83,21 +85,15 @@ pub(crate) async fn plan_entry(
             Some((plan, w.get("number")?.as_i64()? as i32))
         }),
         cutover: r.object.pointer("/spec/cutover").and_then(cutover_summary),
+        tenant: r.tenant.clone(),
     };
     let Some(client) = client else { return Ok(Ok(entry)) };
     let api: Api<VirtualMachineMigration> = Api::namespaced(client.clone(), &r.namespace);
     if let Some(live) = api.get_opt(&r.name).await? {
-        // A pull request may name any namespace and name: another team's
-        // migration, or one created with kubectl, is not shown to it.
-        let annotation = |key: &str| live.annotations().get(key).map(String::as_str);
-        let managed = live.labels().get(LABEL_GITOPS).is_some_and(|v| v == "true")
-            && annotation(ANNOTATION_PATH) == Some(r.path.as_str())
-            && repo.is_none_or(|repo| annotation(ANNOTATION_REPO) == Some(repo));
-        if !managed {
-            return Ok(Err(format!(
-                "{}: {}/{}: a migration of that name exists and is not managed from this repository; its spec is not shown, and this manifest would take it over: rename it",
-                r.path, r.namespace, r.name
-            )));
+        // A pull request may name any name: another team's migration, or
+        // one created with kubectl, is not shown to it, and apply refuses it.
+        if let Some(refusal) = super::apply::takeover(&live, r, repo, paths) {
+            return Ok(Err(format!("{refusal} (its spec is not shown)")));
         }
         match server_spec(client, r).await {
             Ok(Some(spec)) => entry.rendered_yaml = serde_yaml::to_string(&spec)?,

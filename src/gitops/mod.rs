@@ -32,6 +32,10 @@ pub(crate) const ANNOTATION_REPO: &str = "migration.platform.example/git-reposit
 pub const ANNOTATION_COMMIT: &str = "migration.platform.example/git-commit";
 /// Annotation with the manifest's path in the repository.
 pub const ANNOTATION_PATH: &str = "migration.platform.example/git-path";
+/// Set on a live migration by whoever may edit it, with the path of the
+/// manifest allowed to take it over (a migration created with kubectl, or
+/// from another repository, that Git is to manage from now on).
+pub const ANNOTATION_ADOPT: &str = "migration.platform.example/adopt";
 /// Label on every object the gitops side applied (prune and orphan detection).
 pub const LABEL_GITOPS: &str = "migration.platform.example/gitops";
 /// Annotation set when the manifest of a live migration left Git.

@@ -48,6 +48,8 @@ pub struct PlanEntry {
     pub wave: Option<(String, i32)>,
     /// When the cutover may happen, unless `Now`: e.g. `window … Europe/Berlin`, `on approval`.
     pub cutover: Option<String>,
+    /// The tenant's bound folder (`migrations/apps`), when tenants are configured.
+    pub tenant: Option<String>,
 }
 
 /// Everything the plan of one pull request head shows.
@@ -174,9 +176,10 @@ fn render_plan(input: &PlanInput, detail: Detail) -> String {
                 for entry in changing.iter().take(COMPACT_MAX_ENTRIES) {
                     let verb = if change_of(entry) == Change::Create { "create" } else { "change" };
                     out.push_str(&format!(
-                        "- {verb} {} from {}{}\n",
+                        "- {verb} {} from {}{}{}\n",
                         inline_code(&object_key(entry)),
                         inline_code(&entry.path),
+                        tenant_suffix(entry),
                         discovery_suffix(entry)
                     ));
                 }
@@ -198,9 +201,10 @@ fn render_plan(input: &PlanInput, detail: Detail) -> String {
         let limit = if detail == Detail::Full { unchanged.len() } else { COMPACT_MAX_ENTRIES };
         for entry in unchanged.iter().take(limit) {
             out.push_str(&format!(
-                "- {} from {}{}\n",
+                "- {} from {}{}{}\n",
                 inline_code(&object_key(entry)),
                 inline_code(&entry.path),
+                tenant_suffix(entry),
                 discovery_suffix(entry)
             ));
         }
@@ -238,8 +242,13 @@ fn render_plan(input: &PlanInput, detail: Detail) -> String {
 fn entry_details(entry: &PlanEntry) -> String {
     let change = change_of(entry);
     let verb = if change == Change::Create { "create" } else { "change" };
+    let tenant = entry
+        .tenant
+        .as_ref()
+        .map(|t| format!(" (tenant <code>{}</code>)", html_escape(t)))
+        .unwrap_or_default();
     let mut out = format!(
-        "<details><summary>{verb} <code>{}</code> from <code>{}</code></summary>\n\n",
+        "<details><summary>{verb} <code>{}</code> from <code>{}</code>{tenant}</summary>\n\n",
         html_escape(&object_key(entry)),
         html_escape(&entry.path)
     );
@@ -403,6 +412,11 @@ fn progress_bar(percent: i32) -> String {
     format!("`{}{}` {percent} %", "█".repeat(filled), "░".repeat(10 - filled))
 }
 
+/// ` (tenant `migrations/apps`)` when tenants are configured.
+fn tenant_suffix(entry: &PlanEntry) -> String {
+    entry.tenant.as_ref().map(|t| format!(" (tenant {})", inline_code(t))).unwrap_or_default()
+}
+
 fn object_key(entry: &PlanEntry) -> String {
     if entry.namespace.is_empty() {
         entry.name.clone()
@@ -537,6 +551,7 @@ mod tests {
             discovery: None,
             wave: None,
             cutover: None,
+            tenant: None,
         }
     }
 

@@ -117,6 +117,9 @@ pub struct GitopsOptions {
     /// The administrator's destination rules (`--allow-destination` of the subcommand).
     #[arg(skip)]
     pub destinations: DestinationRules,
+    /// The administrator's folder bindings (`--tenant` of the subcommand).
+    #[arg(skip)]
+    pub tenants: crate::machine::tenancy::TenantBindings,
     #[command(flatten)]
     pub limits: Limits,
     /// Largest pack one fetch of the repository may bring, in bytes; past it
@@ -133,6 +136,12 @@ impl GitopsOptions {
     /// These options under the administrator's destination rules.
     pub fn with_destinations(mut self, rules: DestinationRules) -> GitopsOptions {
         self.destinations = rules;
+        self
+    }
+
+    /// These options with the administrator's folder bindings.
+    pub fn with_tenants(mut self, tenants: crate::machine::tenancy::TenantBindings) -> GitopsOptions {
+        self.tenants = tenants;
         self
     }
 }
@@ -273,6 +282,7 @@ impl Gitops {
     fn render_options(&self) -> RenderOptions {
         RenderOptions::new(&self.opts.manifest_namespace, &self.opts.destinations)
             .with_limits(self.opts.limits)
+            .with_tenants(self.opts.tenants.clone())
     }
 
     async fn fetch(&self) -> anyhow::Result<String> {
@@ -480,9 +490,10 @@ impl Gitops {
             }
         };
         let mut names = Vec::new();
+        let paths = rendered.iter().map(|r| r.path.as_str()).collect();
         for r in rendered.iter().filter(|r| changed.contains(&r.path)) {
             names.push((r.namespace.clone(), r.name.clone()));
-            match super::local::plan_entry(Some(&self.client), Some(&self.opts.repo), r).await? {
+            match super::local::plan_entry(Some(&self.client), Some(&self.opts.repo), r, &paths).await? {
                 Ok(mut entry) => {
                     let found = self.discover(r).await;
                     entry.discovery =

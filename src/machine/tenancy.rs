@@ -122,9 +122,151 @@ fn is_closed(namespace: &str) -> bool {
     namespace.starts_with("kube-") || NEVER.contains(&namespace)
 }
 
+/// The administrator's binding of Git folders to namespaces, as Argo CD's
+/// AppProjects bind source paths to destinations and Flux binds a tenant's
+/// path to its namespace: `--tenant <folder>=<namespace>`, the folder under
+/// `migrations/`. A manifest in a bound folder (or below it: the longest
+/// bound folder wins) lives in that namespace and no other; with any
+/// binding configured, a manifest in no bound folder is refused. Without
+/// bindings every folder may name any namespace (one team's repository).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct TenantBindings {
+    /// Folder under `migrations/` (no slashes at either end) → namespace.
+    folders: BTreeMap<String, String>,
+}
+
+/// The tenant a manifest belongs to.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Tenant {
+    /// Its bound folder, as the repository shows it (`migrations/apps`).
+    pub folder: String,
+    pub namespace: String,
+}
+
+impl TenantBindings {
+    /// Reads `--tenant` values: `apps=apps`, `teams/finance=finance`.
+    pub fn parse<S: AsRef<str>>(bindings: &[S]) -> Result<TenantBindings, RuleError> {
+        let mut out = TenantBindings::default();
+        for binding in bindings {
+            let binding = binding.as_ref();
+            let (folder, namespace) = binding.split_once('=').ok_or_else(|| {
+                RuleError(format!("--tenant {binding:?}: expected <folder under migrations/>=<namespace>"))
+            })?;
+            let folder = folder.trim_matches('/');
+            let folder = folder.strip_prefix("migrations/").unwrap_or(folder);
+            let segment_ok = |s: &str| {
+                !s.is_empty()
+                    && s != "."
+                    && s != ".."
+                    && s.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b))
+            };
+            if folder.len() > 253 || !folder.split('/').all(segment_ok) {
+                return Err(RuleError(format!(
+                    "--tenant {binding:?}: {folder:?} is not a folder under migrations/ (segments of letters, digits, '.', '_' or '-'; no '..')"
+                )));
+            }
+            if !is_label(namespace) {
+                return Err(RuleError(format!(
+                    "--tenant {binding:?}: {namespace:?} is not a namespace name"
+                )));
+            }
+            if is_closed(namespace) {
+                return Err(RuleError(format!(
+                    "--tenant {binding:?}: {namespace:?} is a system namespace; no tenant lives there"
+                )));
+            }
+            match out.folders.insert(folder.to_owned(), namespace.to_owned()) {
+                Some(other) if other != namespace => {
+                    return Err(RuleError(format!(
+                        "--tenant {binding:?}: migrations/{folder} is bound to {other:?} already"
+                    )));
+                }
+                _ => {}
+            }
+        }
+        Ok(out)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.folders.is_empty()
+    }
+
+    /// The tenant of the manifest at `path` (`migrations/apps/web.yaml`):
+    /// the longest bound folder that holds it, whole segments only.
+    pub fn tenant_of(&self, path: &str) -> Option<Tenant> {
+        let rest = path.strip_prefix("migrations/")?;
+        self.folders
+            .iter()
+            .filter(|(folder, _)| {
+                rest.strip_prefix(folder.as_str()).is_some_and(|after| after.starts_with('/'))
+            })
+            .max_by_key(|(folder, _)| folder.len())
+            .map(|(folder, namespace)| Tenant {
+                folder: format!("migrations/{folder}"),
+                namespace: namespace.clone(),
+            })
+    }
+
+    /// Why the manifest at `path` may not live in `namespace`, if it may not.
+    pub fn refusal(&self, path: &str, namespace: &str) -> Option<String> {
+        if self.is_empty() {
+            return None;
+        }
+        match self.tenant_of(path) {
+            Some(t) if t.namespace == namespace => None,
+            Some(t) => Some(format!(
+                "is {namespace:?}, but {}/ belongs to the tenant of namespace {:?} (--tenant {}={}): a manifest cannot place a migration outside its folder's namespace",
+                t.folder,
+                t.namespace,
+                t.folder.trim_start_matches("migrations/"),
+                t.namespace
+            )),
+            None => {
+                let folder = path.rsplit_once('/').map_or(path, |(dir, _)| dir);
+                Some(format!(
+                    "{folder}/ is bound to no tenant: with tenants configured, every manifest lives in a bound folder (an administrator binds it with --tenant {}=<namespace>)",
+                    folder.strip_prefix("migrations/").unwrap_or(folder)
+                ))
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_manifest_belongs_to_the_longest_bound_folder_that_holds_it_and_to_no_other_namespace() {
+        let t =
+            TenantBindings::parse(&["apps=apps", "migrations/apps/payments/=payments", "finance=finance"])
+                .unwrap();
+        assert_eq!(t.tenant_of("migrations/apps/web.yaml").unwrap().namespace, "apps");
+        assert_eq!(t.tenant_of("migrations/apps/payments/pay.yaml").unwrap().namespace, "payments");
+        assert_eq!(
+            t.tenant_of("migrations/apps/payments/pay.yaml").unwrap().folder,
+            "migrations/apps/payments"
+        );
+        assert_eq!(t.tenant_of("migrations/appsx/web.yaml"), None, "whole segments only");
+        assert_eq!(t.tenant_of("migrations/web.yaml"), None);
+        assert_eq!(t.refusal("migrations/apps/web.yaml", "apps"), None);
+        let refused = t.refusal("migrations/apps/web.yaml", "finance").unwrap();
+        assert!(refused.contains("migrations/apps/") && refused.contains("--tenant apps=apps"), "{refused}");
+        let unbound = t.refusal("migrations/other/web.yaml", "other").unwrap();
+        assert!(unbound.contains("migrations/other/ is bound to no tenant"), "{unbound}");
+        assert_eq!(TenantBindings::default().refusal("migrations/x/y.yaml", "finance"), None);
+    }
+
+    #[test]
+    fn tenant_bindings_refuse_system_namespaces_dot_dot_and_a_folder_bound_twice() {
+        for bad in
+            ["apps", "apps=kube-system", "apps=vmmigrate-system", "../x=apps", "a//b=apps", "apps=Apps"]
+        {
+            assert!(TenantBindings::parse(&[bad]).is_err(), "{bad} accepted");
+        }
+        assert!(TenantBindings::parse(&["apps=apps", "apps=finance"]).is_err());
+        assert!(TenantBindings::parse(&["apps=apps", "apps/=apps"]).is_ok(), "the same binding twice");
+    }
 
     #[test]
     fn by_default_only_the_migrations_own_namespace_is_allowed() {

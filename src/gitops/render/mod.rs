@@ -21,7 +21,7 @@ use super::{
 };
 use crate::api::{GROUP, RETRY_ANNOTATION, VERSION, VirtualMachineMigration};
 use crate::machine::preflight::{MAX_DESTINATION_NAME, is_dns_label};
-use crate::machine::tenancy::DestinationRules;
+use crate::machine::tenancy::{DestinationRules, TenantBindings};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::{
     JSONSchemaProps, JSONSchemaPropsOrArray, JSONSchemaPropsOrBool,
 };
@@ -97,6 +97,8 @@ pub struct RenderOptions {
     /// The administrator's rules for destination namespaces (the controller
     /// applies the same rules again at Validated).
     pub destinations: DestinationRules,
+    /// The administrator's binding of folders to namespaces (`--tenant`).
+    pub tenants: TenantBindings,
     pub limits: Limits,
 }
 
@@ -105,6 +107,7 @@ impl Default for RenderOptions {
         RenderOptions {
             default_namespace: DEFAULT_NAMESPACE.to_owned(),
             destinations: DestinationRules::default(),
+            tenants: TenantBindings::default(),
             limits: Limits::DEFAULT,
         }
     }
@@ -117,12 +120,19 @@ impl RenderOptions {
         RenderOptions {
             default_namespace: namespace.to_owned(),
             destinations: destinations.clone(),
+            tenants: TenantBindings::default(),
             limits: Limits::DEFAULT,
         }
     }
 
     pub fn with_limits(mut self, limits: Limits) -> RenderOptions {
         self.limits = limits;
+        self
+    }
+
+    /// Manifests live in their folder's namespace (`--tenant`).
+    pub fn with_tenants(mut self, tenants: TenantBindings) -> RenderOptions {
+        self.tenants = tenants;
         self
     }
 }
@@ -258,6 +268,8 @@ pub struct RenderedMigration {
     pub doc_index: usize,
     pub name: String,
     pub namespace: String,
+    /// The bound folder it belongs to (`migrations/apps`), when tenants are configured.
+    pub tenant: Option<String>,
     /// The full VirtualMachineMigration: defaults merged, provider resolved,
     /// provenance annotations and the gitops label added. Keys are sorted.
     pub object: Value,
@@ -964,11 +976,27 @@ impl Renderer {
                 ),
             ));
         }
+        // A tenant's manifest lives in its folder's namespace: the default
+        // there, and the only namespace it may name.
+        let tenant = opts.tenants.tenant_of(&doc.path);
+        let default_namespace =
+            tenant.as_ref().map_or(opts.default_namespace.as_str(), |t| t.namespace.as_str());
         let namespace = merged
             .pointer("/metadata/namespace")
             .and_then(Value::as_str)
-            .unwrap_or(&opts.default_namespace)
+            .unwrap_or(default_namespace)
             .to_owned();
+        if let Some(refused) = opts.tenants.refusal(&doc.path, &namespace) {
+            findings.push(Finding {
+                path: segs(&["metadata", "namespace"]),
+                message: refused,
+                blame: if merged.pointer("/metadata/namespace").is_some() {
+                    Blame::Origin
+                } else {
+                    Blame::Manifest
+                },
+            });
+        }
         if merged.pointer("/metadata/namespace").is_none() && !is_dns_label(&namespace) {
             findings.push(Finding {
                 path: segs(&["metadata", "namespace"]),
@@ -1057,6 +1085,7 @@ impl Renderer {
                 doc_index: doc.doc_index,
                 name,
                 namespace,
+                tenant: tenant.map(|t| t.folder),
                 object,
             },
         })
