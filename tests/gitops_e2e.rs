@@ -957,7 +957,7 @@ async fn one_pull_requests_failed_comment_does_not_stop_the_others_and_plans_sho
     );
     assert_eq!(gitops.plan_pull_requests().await.unwrap(), 1);
     let comment = forge.comments(42)[0].body.clone();
-    assert!(comment.contains("is not managed from this repository"), "{comment}");
+    assert!(comment.contains("was not created from Git: this manifest would take it over"), "{comment}");
     assert!(!comment.contains("payroll-secret-vm"), "the live spec leaked: {comment}");
     assert_eq!(forge.statuses(&c).last().unwrap().state, "failure");
 }
