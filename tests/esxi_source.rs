@@ -277,7 +277,9 @@ async fn credentials_come_from_the_kubernetes_secret_and_a_missing_one_needs_a_h
     let ns = crate::support::test_namespace(&client, "esxi-creds").await;
     let secret: KubeSecret = serde_json::from_value(serde_json::json!({
         "apiVersion": "v1", "kind": "Secret",
-        "metadata": {"name": "esxi01", "namespace": ns},
+        "metadata": {"name": "esxi01", "namespace": ns, "annotations": {
+            vmmigrate::machine::tenancy::CREDENTIAL_HOSTS_ANNOTATION:
+                format!("127.0.0.1:{}={}", emu.port, emu.host_key_fingerprint())}},
         "stringData": {"username": emu.username, "password": emu.password}
     }))
     .unwrap();
@@ -301,6 +303,72 @@ async fn credentials_come_from_the_kubernetes_secret_and_a_missing_one_needs_a_h
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_manifest_pointing_a_teams_secret_at_another_host_never_connects_to_it() {
+    use crate::support::fault_proxy::FaultProxy;
+    use k8s_openapi::api::core::v1::Secret as KubeSecret;
+    use kube::api::{Api, PostParams};
+    use vmmigrate::machine::tenancy::CREDENTIAL_HOSTS_ANNOTATION;
+    // finance's host, and an attacker's sshd behind a proxy that counts
+    // every connection made to it.
+    let finance = EsxiEmulator::start(EsxiOptions::default()).expect("finance's host");
+    let attacker = EsxiEmulator::start(EsxiOptions::default()).expect("the attacker's sshd");
+    let proxy = FaultProxy::start(([127, 0, 0, 1], attacker.port).into()).expect("proxy");
+    let client = crate::support::KubeEnv::shared().client().await;
+    let ns = crate::support::test_namespace(&client, "esxi-bound").await;
+    let secrets = Api::<KubeSecret>::namespaced(client.clone(), &ns);
+    for (name, hosts) in [
+        ("finance", Some(format!("127.0.0.1:{}={}", finance.port, finance.host_key_fingerprint()))),
+        ("unbound", None),
+    ] {
+        let mut metadata = serde_json::json!({"name": name, "namespace": ns});
+        if let Some(hosts) = hosts {
+            metadata["annotations"] = serde_json::json!({ CREDENTIAL_HOSTS_ANNOTATION: hosts });
+        }
+        let secret: KubeSecret = serde_json::from_value(serde_json::json!({
+            "apiVersion": "v1", "kind": "Secret", "metadata": metadata,
+            "stringData": {"username": finance.username, "password": finance.password}
+        }))
+        .unwrap();
+        secrets.create(&PostParams::default(), &secret).await.unwrap();
+    }
+    let store = tempfile::tempdir().unwrap();
+    let config = StoreConfig {
+        root: store.path().to_path_buf(),
+        streams: 1,
+        chunk_size: 4 << 20,
+        metrics: Default::default(),
+    };
+    let esxi = EsxiSource::new(CredentialSource::Kubernetes(client), config);
+    let mut vmm = migration(&finance, "web 01");
+    vmm.metadata.namespace = Some(ns.clone());
+    vmm.spec.source.credentials_secret_ref.name = "finance".into();
+    assert_eq!(esxi.discover(&vmm).await.expect("finance's own host").vmid, "1");
+
+    // The manifest names finance's Secret and the attacker's host and key.
+    let mut stolen = vmm.clone();
+    stolen.spec.source.port = i32::from(proxy.port);
+    stolen.spec.source.host_key = attacker.host_key_fingerprint();
+    for secret in ["finance", "unbound"] {
+        stolen.spec.source.credentials_secret_ref.name = secret.into();
+        let failure = esxi.discover(&stolen).await.expect_err("refused before connecting");
+        assert_eq!(failure.reason, "CredentialsNotForHost", "{failure}");
+        assert!(!failure.message.contains(&finance.password), "{failure}");
+        assert_eq!(esxi.power(&stolen).await.expect_err("every call").reason, "CredentialsNotForHost");
+    }
+    assert_eq!(proxy.accepted(), 0, "the attacker's sshd saw a connection");
+    // The proxy counts: a Secret that names the attacker's host reaches it.
+    let bound_there = serde_json::json!({"metadata": {"annotations": {
+        CREDENTIAL_HOSTS_ANNOTATION: format!("127.0.0.1:{}", proxy.port)}}});
+    secrets
+        .patch("unbound", &kube::api::PatchParams::default(), &kube::api::Patch::Merge(&bound_there))
+        .await
+        .unwrap();
+    stolen.spec.source.credentials_secret_ref.name = "unbound".into();
+    let _ = esxi.discover(&stolen).await;
+    assert!(proxy.accepted() >= 1, "the counter never saw the connection it was meant to");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_migration_never_rides_a_session_opened_with_another_namespaces_credentials() {
     use k8s_openapi::api::core::v1::Secret as KubeSecret;
     use kube::api::{Api, PostParams};
@@ -320,7 +388,8 @@ async fn a_migration_never_rides_a_session_opened_with_another_namespaces_creden
         let ns = crate::support::test_namespace(&client, prefix).await;
         let secret: KubeSecret = serde_json::from_value(serde_json::json!({
             "apiVersion": "v1", "kind": "Secret",
-            "metadata": {"name": "esxi01", "namespace": ns},
+            "metadata": {"name": "esxi01", "namespace": ns, "annotations": {
+                vmmigrate::machine::tenancy::CREDENTIAL_HOSTS_ANNOTATION: "127.0.0.1"}},
             "stringData": {"username": emu.username, "password": password}
         }))
         .unwrap();

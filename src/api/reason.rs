@@ -82,6 +82,7 @@ reasons! {
     UnsafeArgument,
     CredentialsSecretMissing,
     CredentialsSecretInvalid,
+    CredentialsNotForHost,
     SourceVMNotFound,
     AmbiguousVMName,
     VmxUnreadable,

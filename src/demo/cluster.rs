@@ -23,11 +23,13 @@ where
     Ok(())
 }
 
-/// Namespace `ns` and Secret `secret` with the ESXi login.
+/// Namespace `ns` and Secret `secret` with the ESXi login, for `hosts`
+/// only (`host[:port]=key`, as an administrator binds it).
 pub(crate) async fn prepare(
     client: &Client,
     ns: &str,
     secret: &str,
+    hosts: &str,
     username: &str,
     password: &str,
 ) -> anyhow::Result<()> {
@@ -41,7 +43,9 @@ pub(crate) async fn prepare(
         Api::<Secret>::namespaced(client.clone(), ns),
         secret,
         json!({
-            "apiVersion": "v1", "kind": "Secret", "metadata": {"name": secret, "namespace": ns},
+            "apiVersion": "v1", "kind": "Secret",
+            "metadata": {"name": secret, "namespace": ns,
+                         "annotations": {crate::machine::tenancy::CREDENTIAL_HOSTS_ANNOTATION: hosts}},
             "stringData": {"username": username, "password": password},
         }),
     )

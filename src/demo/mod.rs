@@ -667,7 +667,8 @@ async fn walkthrough(
     let names: Vec<String> = pids.iter().map(|(name, pid)| format!("{name}={pid}")).collect();
     screen.line(&format!("processes started: {}", names.join(" ")));
 
-    cluster::prepare(&client, NAMESPACE, SECRET, &esxi.username, &esxi.password).await?;
+    let hosts = format!("{}:{}={}", source_host(&parts), esxi.port, esxi.host_key_fingerprint());
+    cluster::prepare(&client, NAMESPACE, SECRET, &hosts, &esxi.username, &esxi.password).await?;
     let service = match &parts.guest_web {
         GuestWeb::Netns(netns) => {
             cluster::web_service(&client, NAMESPACE, "db-web", netns.ip, GUEST_HTTP_PORT).await?;

@@ -496,6 +496,13 @@ impl Gitops {
             match super::local::plan_entry(Some(&self.client), Some(&self.opts.repo), r, &paths).await? {
                 Ok(mut entry) => {
                     let found = self.discover(r).await;
+                    // A Secret pointed at a host it is not bound to fails
+                    // the plan: merged, it would stop at its first look.
+                    if let Some(Err(why)) = &found
+                        && why.starts_with(crate::api::Reason::CredentialsNotForHost.as_str())
+                    {
+                        input.errors.push(format!("{}: spec.source.credentialsSecretRef: {why}", r.path));
+                    }
                     entry.discovery =
                         found.as_ref().map(|f| f.as_ref().map(|(_, inv)| summary(inv)).map_err(Clone::clone));
                     if let Some(Ok((vmm, inventory))) = &found

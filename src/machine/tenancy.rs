@@ -232,6 +232,55 @@ impl TenantBindings {
     }
 }
 
+/// The annotation (or Secret key) naming the ESXi hosts a credentials
+/// Secret may be used for, as Argo CD scopes repository credentials to
+/// their URLs: entries `host[:port][=SHA256:<key>]`, separated by commas or
+/// new lines. Without a port any port matches; without a key any pinned key.
+pub const CREDENTIAL_HOSTS_ANNOTATION: &str = "migration.platform.example/esxi-hosts";
+
+/// Why the Secret `secret` (whose host list is `hosts`) may not be used to
+/// log in to `host:port` with pinned key `host_key`, if it may not. Checked
+/// before any connection: a manifest that points a Secret at a host of its
+/// own choosing never receives the password.
+pub fn credential_refusal(
+    secret: &str,
+    hosts: Option<&str>,
+    host: &str,
+    port: i32,
+    host_key: &str,
+) -> Option<String> {
+    let Some(hosts) = hosts.map(str::trim).filter(|h| !h.is_empty()) else {
+        return Some(format!(
+            "Secret {secret} names no ESXi host it may be used for; its owner adds the annotation {CREDENTIAL_HOSTS_ANNOTATION}: {host}={host_key} (host[:port][=key], comma-separated)"
+        ));
+    };
+    let allowed = hosts.split([',', '\n']).map(str::trim).filter(|e| !e.is_empty()).any(|entry| {
+        let (address, key) = match entry.split_once('=') {
+            Some((address, key)) => (address.trim(), Some(key.trim())),
+            None => (entry, None),
+        };
+        // `[v6]:port`, `[v6]`, `name:port`, `name`.
+        let (name, entry_port) = match address.strip_prefix('[') {
+            Some(rest) => match rest.split_once(']') {
+                Some((name, tail)) => (name, tail.strip_prefix(':')),
+                None => return false,
+            },
+            None => match address.rsplit_once(':') {
+                Some((name, p)) if !name.contains(':') => (name, Some(p)),
+                _ => (address, None),
+            },
+        };
+        name.eq_ignore_ascii_case(host.trim_start_matches('[').trim_end_matches(']'))
+            && entry_port.is_none_or(|p| p.parse::<i32>().ok() == Some(port))
+            && key.is_none_or(|k| k == host_key)
+    });
+    (!allowed).then(|| {
+        format!(
+            "Secret {secret} may be used only for {hosts:?} ({CREDENTIAL_HOSTS_ANNOTATION}), not for {host}:{port} with key {host_key}: no connection was made"
+        )
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -255,6 +304,22 @@ mod tests {
         let unbound = t.refusal("migrations/other/web.yaml", "other").unwrap();
         assert!(unbound.contains("migrations/other/ is bound to no tenant"), "{unbound}");
         assert_eq!(TenantBindings::default().refusal("migrations/x/y.yaml", "finance"), None);
+    }
+
+    #[test]
+    fn a_secret_is_used_only_for_the_hosts_ports_and_keys_it_names() {
+        const KEY: &str = "SHA256:uNiVztksCsDhcc0u9e8BujQXVUpKZIDTMczCvj3tD2s";
+        let hosts = format!("esxi01.example.internal={KEY}, 10.0.0.5:2222\n[fd00::5]:22");
+        let ok = |host: &str, port: i32, key: &str| credential_refusal("ns/s", Some(&hosts), host, port, key);
+        assert_eq!(ok("ESXi01.example.internal", 22, KEY), None, "names compare without case, any port");
+        assert_eq!(ok("10.0.0.5", 2222, "SHA256:other"), None, "no key named: any pinned key");
+        assert_eq!(ok("fd00::5", 22, KEY), None);
+        assert!(ok("esxi01.example.internal", 22, "SHA256:attacker").is_some(), "another key");
+        assert!(ok("10.0.0.5", 22, KEY).is_some(), "another port");
+        assert!(ok("attacker.example", 22, KEY).is_some(), "another host");
+        let unbound = credential_refusal("ns/s", None, "esxi01", 22, KEY).unwrap();
+        assert!(unbound.contains(CREDENTIAL_HOSTS_ANNOTATION), "{unbound}");
+        assert!(credential_refusal("ns/s", Some("  "), "esxi01", 22, KEY).is_some());
     }
 
     #[test]

@@ -263,7 +263,11 @@ impl Migration {
         .expect("ESXi emulator");
         let source_host = also_listen.map_or_else(|| "127.0.0.1".to_owned(), |ip| ip.to_string());
         let secret: Secret = serde_json::from_value(json!({
-            "apiVersion": "v1", "kind": "Secret", "metadata": {"name": "esxi"},
+            "apiVersion": "v1", "kind": "Secret",
+            // Any port: some tests reach the host through a proxy.
+            "metadata": {"name": "esxi", "annotations": {
+                vmmigrate::machine::tenancy::CREDENTIAL_HOSTS_ANNOTATION:
+                    format!("{source_host}={}", emu.host_key_fingerprint())}},
             "stringData": {"username": emu.username, "password": emu.password},
         }))
         .unwrap();

@@ -6,6 +6,7 @@ use super::parse;
 use super::ssh::{Credentials, Output, RemoteCommand, Secret, Session, SshError, Target};
 use crate::api::Reason;
 use crate::api::{SourceDisk, SourceInventory, SourcePowerState, VirtualMachineMigration};
+use crate::machine::tenancy::{CREDENTIAL_HOSTS_ANNOTATION, credential_refusal};
 use crate::machine::{CopyState, Failure};
 use crate::metrics::Metrics;
 use crate::ports::workdir::{copy_path, migration_copies_dir};
@@ -196,8 +197,14 @@ impl EsxiSource {
         let client = match &self.credentials {
             CredentialSource::Fixed(c) => return Ok(c.clone()),
             CredentialSource::Directory(dir) => {
+                // A worker pod's mounted Secret: the controller checked its
+                // hosts before it made the pod; a `esxi-hosts` key is checked again.
                 let read = |k: &str| std::fs::read_to_string(dir.join(k)).ok();
-                return credentials_from(read, &format!("the credentials mounted at {}", dir.display()));
+                let what = format!("the credentials mounted at {}", dir.display());
+                if let Some(hosts) = read("esxi-hosts") {
+                    bound_to_host(vmm, &what, Some(&hosts))?;
+                }
+                return credentials_from(read, &what);
             }
             CredentialSource::Kubernetes(client) => client.clone(),
         };
@@ -216,11 +223,14 @@ impl EsxiSource {
                     format!("Secret {ns}/{name} does not exist"),
                 )
             })?;
-        let data = secret.data.unwrap_or_default();
-        credentials_from(
-            |k| data.get(k).map(|v| String::from_utf8_lossy(&v.0).into_owned()),
-            &format!("Secret {ns}/{name}"),
-        )
+        let data = secret.data.clone().unwrap_or_default();
+        let field = |k: &str| data.get(k).map(|v| String::from_utf8_lossy(&v.0).into_owned());
+        // Used only for the hosts it names (annotation, or an `esxi-hosts`
+        // key), before anything reaches a host.
+        let hosts =
+            secret.annotations().get(CREDENTIAL_HOSTS_ANNOTATION).cloned().or_else(|| field("esxi-hosts"));
+        bound_to_host(vmm, &format!("{ns}/{name}"), hosts.as_deref())?;
+        credentials_from(field, &format!("Secret {ns}/{name}"))
     }
     /// A live session to the migration's host, reused across calls only by
     /// migrations that would open the very same one: same host, port and pinned
@@ -459,6 +469,16 @@ impl EsxiSource {
         // The table's lock goes before the reservation (whose drop takes it; it keeps the task).
         drop(copies);
         drop(reservation);
+    }
+}
+
+/// `Err` (needs a person) unless the Secret `what`, whose host list is
+/// `hosts`, may be used for the migration's host, port and pinned key.
+fn bound_to_host(vmm: &VirtualMachineMigration, what: &str, hosts: Option<&str>) -> Result<(), Failure> {
+    let source = &vmm.spec.source;
+    match credential_refusal(what, hosts, &source.host, source.port, &source.host_key) {
+        Some(why) => Err(Failure::needs_human(Reason::CredentialsNotForHost, why)),
+        None => Ok(()),
     }
 }
 
