@@ -667,7 +667,7 @@ async fn walkthrough(
     let names: Vec<String> = pids.iter().map(|(name, pid)| format!("{name}={pid}")).collect();
     screen.line(&format!("processes started: {}", names.join(" ")));
 
-    let hosts = format!("{}:{}={}", source_host(&parts), esxi.port, esxi.host_key_fingerprint());
+    let hosts = format!("{}:{}={}", source_host(parts), esxi.port, esxi.host_key_fingerprint());
     cluster::prepare(&client, NAMESPACE, SECRET, &hosts, &esxi.username, &esxi.password).await?;
     let service = match &parts.guest_web {
         GuestWeb::Netns(netns) => {
