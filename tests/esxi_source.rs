@@ -303,6 +303,49 @@ async fn credentials_come_from_the_kubernetes_secret_and_a_missing_one_needs_a_h
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn disk_paths_out_of_the_vms_folder_and_descriptors_that_do_not_parse_are_for_a_person() {
+    let emu = EsxiEmulator::start(EsxiOptions::default()).expect("emulator");
+    let (esxi, _store) = source(&emu, password(&emu));
+    let vmm = migration(&emu, "web 01");
+    let inventory = esxi.discover(&vmm).await.expect("the VM as it is");
+    let vmx = emu
+        .host_path(&format!("/vmfs/volumes/datastore1/{}", inventory.vmx_path.split("] ").nth(1).unwrap()));
+    let original = std::fs::read_to_string(&vmx).unwrap();
+    let descriptor = emu.host_path(&inventory.disks[0].descriptor_path);
+    let original_descriptor = std::fs::read_to_string(&descriptor).unwrap();
+    let file_line = original.lines().find(|l| l.starts_with("scsi0:0.fileName")).expect("disk 0").to_owned();
+    // A VM administrator points the disk at a host file, a device, another
+    // VM's disk through `..`, or one by absolute path.
+    for file in [
+        "/etc/shadow",
+        "/vmfs/devices/disks/naa.600508b1001c4d41",
+        "../db 01/db 01.vmdk",
+        "/vmfs/volumes/datastore1/db 01/db 01.vmdk",
+    ] {
+        std::fs::write(&vmx, original.replace(&file_line, &format!("scsi0:0.fileName = \"{file}\"")))
+            .unwrap();
+        let failure = esxi.discover(&vmm).await.expect_err(file);
+        assert_eq!(failure.reason, "SourcePathRefused", "{file}: {failure}");
+        assert!(failure.message.contains(file), "{failure}");
+    }
+    std::fs::write(&vmx, &original).unwrap();
+    // A descriptor that does not parse is not copied as if it were the disk.
+    std::fs::write(&descriptor, "root:$6$salt$hash:19000:0:99999:7:::\n").unwrap();
+    assert_eq!(esxi.discover(&vmm).await.expect_err("no descriptor").reason, "DiskDescriptorInvalid");
+    // An extent that leaves the descriptor's folder.
+    let flat = inventory.disks[0].extent_path.rsplit('/').next().unwrap().to_owned();
+    std::fs::write(
+        &descriptor,
+        original_descriptor.replace(&format!("\"{flat}\""), "\"../db 01/db 01-flat.vmdk\""),
+    )
+    .unwrap();
+    assert_eq!(esxi.discover(&vmm).await.expect_err("extent out").reason, "SourcePathRefused");
+    std::fs::write(&descriptor, &original_descriptor).unwrap();
+    assert_eq!(esxi.discover(&vmm).await.expect("restored").disks, inventory.disks);
+    assert!(emu.disk_reads().is_empty(), "nothing was read as a disk: {:?}", emu.disk_reads());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_manifest_pointing_a_teams_secret_at_another_host_never_connects_to_it() {
     use crate::support::fault_proxy::FaultProxy;
     use k8s_openapi::api::core::v1::Secret as KubeSecret;

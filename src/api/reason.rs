@@ -83,6 +83,8 @@ reasons! {
     CredentialsSecretMissing,
     CredentialsSecretInvalid,
     CredentialsNotForHost,
+    SourcePathRefused,
+    DiskDescriptorInvalid,
     SourceVMNotFound,
     AmbiguousVMName,
     VmxUnreadable,

@@ -408,6 +408,12 @@ impl EsxiSource {
         } else {
             format!("/vmfs/volumes/{}/{}", entry.datastore, entry.vmx_path)
         };
+        if on_datastore(&vmx_path).is_none() {
+            return Err(Failure::needs_human(
+                Reason::SourcePathRefused,
+                format!("the host lists the VM's .vmx at {vmx_path:?}, not a file of a datastore folder"),
+            ));
+        }
         let vmx = self.run(vmm, head(&vmx_path)).await?;
         if vmx.exit_status != Some(0) {
             return Err(Failure::retryable(
@@ -514,6 +520,54 @@ pub(super) fn join(dir: &str, file: &str) -> String {
     if file.starts_with('/') { file.to_owned() } else { format!("{}/{file}", dir.trim_end_matches('/')) }
 }
 
+/// `(datastore, folder)` of a file path under `/vmfs/volumes/<datastore>/<folder…>/<file>`
+/// whose every segment is a plain name (not empty, `.` or `..`, no control
+/// characters); `None` for anything else (`/etc/shadow`, `/vmfs/devices/…`, `../`).
+fn on_datastore(path: &str) -> Option<(&str, &str)> {
+    let rest = path.strip_prefix("/vmfs/volumes/")?;
+    let plain = |s: &str| !s.is_empty() && s != "." && s != ".." && !s.chars().any(char::is_control);
+    if !rest.split('/').all(plain) || rest.split('/').count() < 3 {
+        return None;
+    }
+    let (datastore, tail) = rest.split_once('/')?;
+    Some((datastore, tail.rsplit_once('/')?.0))
+}
+
+/// A disk file the `.vmx` (or a delta's parent hint) names, resolved against
+/// the VM's folder `vm_dir` and checked before anything reads it: a file of
+/// the VM's own folder, or of the folder of the same name on another
+/// datastore (where ESXi puts a disk placed there). A path out of it (an
+/// absolute one elsewhere, `../`, a device) is for a person to look at.
+pub(super) fn disk_file(vm_dir: &str, reference: &str) -> Result<String, Failure> {
+    let path = join(vm_dir, reference);
+    let vmx_beside = format!("{vm_dir}/x");
+    let folder_of_vm = on_datastore(&vmx_beside).map(|(_, folder)| folder);
+    match (on_datastore(&path), folder_of_vm) {
+        (Some((_, folder)), Some(vm_folder)) if folder == vm_folder => Ok(path),
+        _ => Err(Failure::needs_human(
+            Reason::SourcePathRefused,
+            format!(
+                "the disk file {reference:?} resolves to {path:?}, outside the VM's folder {vm_dir:?}: vmmigrate reads only files of the VM's own folder under /vmfs/volumes; check the .vmx"
+            ),
+        )),
+    }
+}
+
+/// The extent `file` a descriptor at `descriptor_path` names: a bare file
+/// name, beside the descriptor.
+pub(super) fn extent_file(descriptor_path: &str, file: &str) -> Result<String, Failure> {
+    let path = join(parent(descriptor_path), file);
+    if file.contains('/') || on_datastore(&path).is_none() {
+        return Err(Failure::needs_human(
+            Reason::SourcePathRefused,
+            format!(
+                "{descriptor_path} names the extent {file:?}, not a file beside it: vmmigrate reads only the VM's own files; check the descriptor"
+            ),
+        ));
+    }
+    Ok(path)
+}
+
 pub(super) fn parent(path: &str) -> &str {
     path.rsplit_once('/').map(|(d, _)| d).unwrap_or("")
 }
@@ -533,20 +587,23 @@ impl EsxiHost for EsxiSource {
         let vm_dir = parent(&vmx_path).to_owned();
         let mut disks = Vec::new();
         for (index, disk) in facts.disks.iter().enumerate() {
-            let descriptor_path = join(&vm_dir, &disk.file_name);
+            let descriptor_path = disk_file(&vm_dir, &disk.file_name)?;
             let text = self.run(vmm, head(&descriptor_path)).await?;
-            let descriptor = parse::parse_descriptor(&text.stdout_text());
-            let (extent_path, capacity, create_type) = match &descriptor {
-                Some(d) => {
-                    let extent = d
-                        .extents
-                        .first()
-                        .map(|e| join(parent(&descriptor_path), &e.file))
-                        .unwrap_or_default();
-                    (extent, d.capacity_bytes() as i64, d.create_type.clone())
-                }
-                None => (descriptor_path.clone(), 0, String::new()),
+            // A disk is read only through a descriptor that says what it is.
+            let Some(d) = parse::parse_descriptor(&text.stdout_text()) else {
+                return Err(Failure::needs_human(
+                    Reason::DiskDescriptorInvalid,
+                    format!(
+                        "{descriptor_path} ({}) is not a VMDK descriptor: a person checks the disk",
+                        disk.device
+                    ),
+                ));
             };
+            let extent_path = match d.extents.first() {
+                Some(e) => extent_file(&descriptor_path, &e.file)?,
+                None => String::new(),
+            };
+            let (capacity, create_type) = (d.capacity_bytes() as i64, d.create_type.clone());
             disks.push(SourceDisk {
                 index: index as i32,
                 device: disk.device.clone(),

@@ -8,7 +8,7 @@
 //! assembled locally (`convert::chain`). Creating is idempotent by name (a
 //! retry after a crash finds the snapshot it made), removing likewise.
 
-use super::adapter::{EsxiSource, delta_key_uid, head, join, parent, vim_fault};
+use super::adapter::{EsxiSource, delta_key_uid, disk_file, extent_file, head, join, parent, vim_fault};
 use super::copy::{self, CopyError, CopyPlan, CopyResult};
 use super::parse;
 use super::ssh::Session;
@@ -155,7 +155,7 @@ impl EsxiSource {
         let mut chains = Vec::new();
         for disk in &facts.disks {
             let mut chain = Vec::new();
-            let mut descriptor_path = join(&vm_dir, &disk.file_name);
+            let mut descriptor_path = disk_file(&vm_dir, &disk.file_name)?;
             loop {
                 if chain.len() >= MAX_CHAIN {
                     return Err(unexpected(format!("disk {} has more than {MAX_CHAIN} levels", disk.device)));
@@ -182,7 +182,7 @@ impl EsxiSource {
                 }
                 let level = ChainLevel {
                     descriptor_path: descriptor_path.clone(),
-                    extent_path: join(parent(&descriptor_path), &extent.file),
+                    extent_path: extent_file(&descriptor_path, &extent.file)?,
                     create_type: d.create_type.clone(),
                     extent_kind: extent.kind.clone(),
                     capacity_bytes: d.capacity_bytes(),
@@ -200,7 +200,7 @@ impl EsxiSource {
                 match (is_base, next) {
                     (true, _) => break,
                     (false, Some(hint)) if !hint.is_empty() => {
-                        descriptor_path = join(parent(&descriptor_path), &hint);
+                        descriptor_path = disk_file(&vm_dir, &join(parent(&descriptor_path), &hint))?;
                     }
                     (false, _) => {
                         return Err(unexpected(format!("{descriptor_path} is a delta without a parent")));
