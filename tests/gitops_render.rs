@@ -357,6 +357,30 @@ fn allow_rules_follow_the_tenant_not_the_namespace_a_manifest_chose() {
 }
 
 #[test]
+fn a_network_of_another_namespace_is_refused_at_its_line_by_the_destination_rules() {
+    let dir = tempfile::tempdir().unwrap();
+    let rules = DestinationRules::parse(&["apps=web"]).unwrap();
+    let opts = RenderOptions::new("apps", &rules);
+    let with_network = |name: &str, network: &str| {
+        format!(
+            "{}  networkMap:\n    - source: VM Network\n      type: Multus\n      networkName: {network}\n",
+            tenant_manifest(name, "apps")
+        )
+    };
+    write(dir.path(), "migrations/own.yaml", &with_network("own", "vlan10"));
+    write(dir.path(), "migrations/open.yaml", &with_network("open", "web/vlan10"));
+    write(dir.path(), "migrations/steal.yaml", &with_network("steal", "finance/vlan10"));
+    let files = read_dir_files(dir.path(), &Default::default()).unwrap().files;
+    let errors: Vec<String> =
+        render(&files, &provenance(), &opts).unwrap_err().iter().map(ToString::to_string).collect();
+    assert_eq!(errors.len(), 1, "{errors:#?}");
+    assert!(
+        errors[0].starts_with("migrations/steal.yaml:19: spec.networkMap[0].networkName: network \"finance/vlan10\" is in another namespace"),
+        "{errors:#?}"
+    );
+}
+
+#[test]
 fn provider_fields_fill_the_source_and_a_migration_cannot_override_them() {
     let dir = tempfile::tempdir().unwrap();
     write(dir.path(), "providers/esxi01.yaml", PROVIDER);

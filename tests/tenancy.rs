@@ -138,3 +138,50 @@ async fn the_controller_refuses_a_destination_namespace_outside_the_rules() {
     assert_eq!(world.source_power(), vmmigrate::api::SourcePowerState::PoweredOn);
     assert!(status.disks.is_empty(), "nothing was copied");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_controller_refuses_a_network_of_a_namespace_outside_the_rules() {
+    let client = KubeEnv::shared().client().await;
+    ensure_storage_class(&client).await;
+    let ns = test_namespace(&client, "tenancy-net").await;
+    let world = SimWorld::new(8, FaultPlan::default());
+    let _staging = crate::support::publish_sim_staging(&world).await;
+    let _sims = kubevirt_sim::start(client.clone(), &ns);
+    let config = ControllerConfig {
+        namespace: Some(ns.clone()),
+        max_requeue: Some(Duration::from_millis(200)),
+        instance: "tenancy-net".into(),
+        ..Default::default()
+    };
+    let adapters = crate::support::sim_adapters(&client, &world, &ns);
+    let task = tokio::spawn(reconciler::run(client.clone(), adapters, config, std::future::pending()));
+    // Created with kubectl: a NIC on finance's NetworkAttachmentDefinition.
+    let api: Api<VirtualMachineMigration> = Api::namespaced(client.clone(), &ns);
+    let mut body = crate::support::sim_migration_json(&ns);
+    body["spec"]["networkMap"] = serde_json::json!([
+        {"source": "VM Network", "type": "Pod"},
+        {"source": "DMZ", "type": "Multus", "networkName": "finance/dmz"}
+    ]);
+    let vmm: VirtualMachineMigration = serde_json::from_value(body).unwrap();
+    api.create(&PostParams::default(), &vmm).await.unwrap();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    let refused = loop {
+        let vmm = api.get("web-01").await.unwrap();
+        if phase_of(&vmm) == Phase::ManualInterventionRequired {
+            break vmm;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "not refused: {:#?}", vmm.status);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    task.abort();
+    let status = refused.status.unwrap();
+    let blocker = status.blockers.iter().find(|b| b.reason == "DestinationNamespaceNotAllowed");
+    let blocker = blocker.unwrap_or_else(|| panic!("{:?}", status.blockers));
+    assert!(
+        blocker.message.contains("network \"finance/dmz\" is in another namespace"),
+        "{}",
+        blocker.message
+    );
+    assert_eq!(world.ledger().power_off_transitions, 0, "the source was not touched");
+    assert!(status.disks.is_empty(), "nothing was copied");
+}

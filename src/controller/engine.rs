@@ -479,8 +479,15 @@ pub async fn step(
     let (source, extents) = if held { (None, None) } else { observe_source(adapters, vmm).await };
     if let Observed::Preflight(Ok(facts)) = &mut observed {
         // The controller's own rule, whatever the adapter reported.
-        facts.destination_refused =
-            input.destinations.refusal(&vmm.namespace().unwrap_or_default(), &vmm.spec.destination.namespace);
+        let ns = vmm.namespace().unwrap_or_default();
+        let destination = &vmm.spec.destination.namespace;
+        facts.destination_refused = input.destinations.refusal(&ns, destination).or_else(|| {
+            vmm.spec
+                .network_map
+                .iter()
+                .filter_map(|m| m.network_name.as_deref())
+                .find_map(|network| input.destinations.network_refusal(&ns, destination, network))
+        });
     }
     if interrupt(&Checkpoint::Observed) {
         return None;

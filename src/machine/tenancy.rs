@@ -113,6 +113,23 @@ impl DestinationRules {
         ))
     }
 
+    /// `None` when a migration in `migration_ns` may attach its VM to the
+    /// NetworkAttachmentDefinition `network_name` (`name`, or `namespace/name`
+    /// of a namespace these rules let it write into), else why not.
+    pub fn network_refusal(
+        &self,
+        migration_ns: &str,
+        destination_ns: &str,
+        network_name: &str,
+    ) -> Option<String> {
+        let (namespace, _) = network_name.split_once('/')?;
+        if namespace == destination_ns {
+            return None;
+        }
+        self.refusal(migration_ns, namespace)
+            .map(|why| format!("network {network_name:?} is in another namespace, and {why}"))
+    }
+
     fn is_system(&self, namespace: &str) -> bool {
         is_closed(namespace) || self.system_namespace.as_deref() == Some(namespace)
     }
@@ -304,6 +321,24 @@ mod tests {
         let unbound = t.refusal("migrations/other/web.yaml", "other").unwrap();
         assert!(unbound.contains("migrations/other/ is bound to no tenant"), "{unbound}");
         assert_eq!(TenantBindings::default().refusal("migrations/x/y.yaml", "finance"), None);
+    }
+
+    #[test]
+    fn another_namespaces_network_follows_the_destination_rules() {
+        let rules = DestinationRules::parse(&["apps=web"]).unwrap();
+        assert_eq!(
+            rules.network_refusal("apps", "apps", "vlan10"),
+            None,
+            "a plain name is the destination's"
+        );
+        assert_eq!(rules.network_refusal("apps", "apps", "apps/vlan10"), None);
+        assert_eq!(rules.network_refusal("apps", "apps", "web/vlan10"), None, "a namespace the rules open");
+        let refused = rules.network_refusal("apps", "apps", "finance/vlan").unwrap();
+        assert!(
+            refused.contains("\"finance/vlan\"") && refused.contains("--allow-destination apps=finance"),
+            "{refused}"
+        );
+        assert!(rules.network_refusal("apps", "apps", "kube-system/x").is_some());
     }
 
     #[test]

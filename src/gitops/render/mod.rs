@@ -1018,10 +1018,22 @@ impl Renderer {
             findings.push(finding(segs(&["spec", "cutover", "window", field]), problem));
         }
 
-        if let Some(destination) = merged.pointer("/spec/destination/namespace").and_then(Value::as_str)
-            && let Some(refused) = opts.destinations.refusal(&namespace, destination)
-        {
-            findings.push(finding(segs(&["spec", "destination", "namespace"]), refused));
+        if let Some(destination) = merged.pointer("/spec/destination/namespace").and_then(Value::as_str) {
+            if let Some(refused) = opts.destinations.refusal(&namespace, destination) {
+                findings.push(finding(segs(&["spec", "destination", "namespace"]), refused));
+            }
+            // Another namespace's network, by the same rules.
+            let networks =
+                merged.pointer("/spec/networkMap").and_then(Value::as_array).cloned().unwrap_or_default();
+            for (i, mapping) in networks.iter().enumerate() {
+                if let Some(network) = mapping.get("networkName").and_then(Value::as_str)
+                    && let Some(refused) = opts.destinations.network_refusal(&namespace, destination, network)
+                {
+                    let path =
+                        [segs(&["spec", "networkMap"]), vec![Seg::Index(i)], segs(&["networkName"])].concat();
+                    findings.push(finding(path, refused));
+                }
+            }
         }
 
         if !findings.is_empty() {
