@@ -1270,6 +1270,44 @@ async fn a_manifest_named_like_a_migration_it_did_not_create_takes_nothing_over_
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_change_that_creates_a_migration_cannot_approve_its_cutover() {
+    use vmmigrate::gitops::apply::apply_commit;
+    use vmmigrate::gitops::render::{RenderOptions, render};
+    use vmmigrate::gitops::{Provenance, RepoFile};
+    let client = KubeEnv::shared().client().await;
+    let ns = test_namespace(&client, "gitops-approval").await;
+    let api: Api<VirtualMachineMigration> = Api::namespaced(client.clone(), &ns);
+    const GIT_REPO: &str = "https://git.example/m.git";
+    let commit = |retries: i32| {
+        let text = manifest(&ns, "web-01", "web 01")
+            .replace("\nspec:\n", "\nspec:\n  cutover:\n    mode: Approval\n    approved: true\n")
+            .replace(
+                "  strategy:\n    backoff:",
+                &format!("  strategy:\n    retryLimit: {retries}\n    backoff:"),
+            );
+        let files = [RepoFile { path: "migrations/web.yaml".into(), bytes: text.into_bytes() }];
+        let provenance = Provenance { repo_url: GIT_REPO.into(), commit: "ab".repeat(20) };
+        render(&files, &provenance, &RenderOptions::default()).expect("renders")
+    };
+    let namespaces = std::slice::from_ref(&ns);
+    let approved = async || api.get("web-01").await.unwrap().spec.cutover.approved;
+    // The pull request that creates it says approved: true.
+    let report = apply_commit(&client, &commit(3), namespaces, GIT_REPO).await.expect("applies");
+    assert!(
+        report.held.iter().any(|(_, _, note)| note.contains("spec.cutover.approved not applied")),
+        "{report:?}"
+    );
+    assert!(!approved().await, "self-approved at creation");
+    // The same commit again (every poll): still held.
+    apply_commit(&client, &commit(3), namespaces, GIT_REPO).await.expect("applies");
+    assert!(!approved().await, "self-approved on a later poll of the same manifest");
+    // A later change of the manifest: the approval counts.
+    let report = apply_commit(&client, &commit(4), namespaces, GIT_REPO).await.expect("applies");
+    assert!(report.held.is_empty(), "{report:?}");
+    assert!(approved().await, "a later change approves");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_thousand_manifests_render_and_apply_without_error() {
     use vmmigrate::gitops::render::{RenderOptions, render};
     use vmmigrate::gitops::{Provenance, RepoFile};

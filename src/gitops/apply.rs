@@ -34,7 +34,8 @@
 
 use super::render::RenderedMigration;
 use super::{
-    ANNOTATION_ADOPT, ANNOTATION_ORPHANED, ANNOTATION_PATH, ANNOTATION_REPO, FIELD_MANAGER, LABEL_GITOPS,
+    ANNOTATION_ADOPT, ANNOTATION_CREATED_SPEC, ANNOTATION_ORPHANED, ANNOTATION_PATH, ANNOTATION_REPO,
+    FIELD_MANAGER, LABEL_GITOPS,
 };
 use crate::api::{Phase, VirtualMachineMigration};
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, Preconditions};
@@ -84,13 +85,53 @@ fn identity_fixed(live: &VirtualMachineMigration) -> bool {
         || status.timestamps.source_powered_off.is_some()
 }
 
+/// The sha256 of a rendered spec (its keys are sorted: one spec, one digest).
+fn spec_digest(rendered: &Value) -> String {
+    use sha2::{Digest, Sha256};
+    let text = serde_json::to_string(&rendered["spec"]).unwrap_or_default();
+    Sha256::digest(text.as_bytes()).iter().map(|b| format!("{b:02x}")).collect()
+}
+
 /// The object to apply for `rendered` given the live migration, plus a
 /// note when changes were held back.
 pub(crate) fn reconcile_spec(
     rendered: &Value,
     live: Option<&VirtualMachineMigration>,
 ) -> (Value, Option<String>) {
-    let Some(live) = live else { return (rendered.clone(), None) };
+    let approved = rendered.pointer("/spec/cutover/approved").and_then(Value::as_bool) == Some(true);
+    let Some(live) = live else {
+        // Created now: the spec it is created with is recorded, and an
+        // approval in it is held (the change that creates a migration
+        // cannot approve its own cutover).
+        let mut object = rendered.clone();
+        object["metadata"]["annotations"][ANNOTATION_CREATED_SPEC] = Value::String(spec_digest(rendered));
+        let note = approved.then(|| {
+            object["spec"]["cutover"]["approved"] = Value::Bool(false);
+            "spec.cutover.approved not applied: the change that creates a migration cannot approve its cutover; merge the approval as a later change of its manifest".to_owned()
+        });
+        return (object, note);
+    };
+    let created = live.annotations().get(ANNOTATION_CREATED_SPEC);
+    let (mut object, note) = if approved && created.is_some_and(|d| *d == spec_digest(rendered)) {
+        let mut held = rendered.clone();
+        held["spec"]["cutover"]["approved"] = Value::Bool(false);
+        let (object, _) = reconcile_spec_of_live(&held, live);
+        (
+            object,
+            Some("spec.cutover.approved not applied: the approval counts once the manifest's spec has changed since the change that created the migration".to_owned()),
+        )
+    } else {
+        reconcile_spec_of_live(rendered, live)
+    };
+    // Kept through every apply (an annotation the apply left out would go).
+    if let Some(digest) = created {
+        object["metadata"]["annotations"][ANNOTATION_CREATED_SPEC] = Value::String(digest.clone());
+    }
+    (object, note)
+}
+
+/// [`reconcile_spec`] of a migration that exists.
+fn reconcile_spec_of_live(rendered: &Value, live: &VirtualMachineMigration) -> (Value, Option<String>) {
     let live_spec = serde_json::to_value(&live.spec).unwrap_or(Value::Null);
     let mut object = rendered.clone();
     let phase = phase_of(live);

@@ -50,7 +50,7 @@ fn cutover_summary(cutover: &serde_json::Value) -> Option<String> {
             Some(format!("in the window {} to {} {zone}; discovery and validation run at once", field("start"), field("end")))
         }
         "Approval" if cutover.get("approved").and_then(|a| a.as_bool()) == Some(true) => {
-            Some("on approval: approved in this change".to_owned())
+            Some("on approval: approved, once the manifest has changed since the change that created the migration (a change cannot create and approve it)".to_owned())
         }
         "Approval" => Some(
             "on approval: waits validated until a second merged change sets spec.cutover.approved: true (or the approve-cutover annotation)"

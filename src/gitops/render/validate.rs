@@ -520,6 +520,15 @@ pub(super) fn check_string_map(which: &str, value: &Value, path: &[Seg], out: &m
             ("annotations", RETRY_ANNOTATION) => Some(
                 "is set with kubectl on the live migration (the controller removes it when consumed); from Git it would retry forever",
             ),
+            ("annotations", crate::api::APPROVE_CUTOVER_ANNOTATION) => Some(
+                "is an approver's, set with kubectl on the live migration; from Git approve with spec.cutover.approved: true, merged as a later change than the one that creates the migration",
+            ),
+            ("annotations", crate::api::CONFIRM_ORPHAN_ANNOTATION) => {
+                Some("is a person's confirmation on the live migration, set with kubectl; remove it")
+            }
+            ("annotations", super::super::ANNOTATION_ADOPT | super::super::ANNOTATION_CREATED_SPEC) => {
+                Some("is set on the live migration (by its owner, or by vmmigrate at creation); remove it")
+            }
             _ => None,
         };
         if let Some(message) = reserved {
@@ -601,6 +610,21 @@ mod tests {
         );
         let errors = errors_of(&[file("migrations/a.yaml", &m)]);
         assert!(errors[0].starts_with("migrations/a.yaml:6: metadata.annotations[\"migration.platform.example/retry\"]: is set with kubectl"), "{errors:?}");
+        // The creating pull request cannot approve, confirm or adopt for a person.
+        for key in [
+            "migration.platform.example/approve-cutover",
+            "migration.platform.example/confirm-orphan",
+            "migration.platform.example/adopt",
+            "migration.platform.example/created-spec",
+        ] {
+            let m = manifest("a", "b")
+                .replace("  name: a\n", &format!("  name: a\n  annotations:\n    {key}: \"true\"\n"));
+            let errors = errors_of(&[file("migrations/a.yaml", &m)]);
+            assert!(
+                errors[0].starts_with(&format!("migrations/a.yaml:6: metadata.annotations[\"{key}\"]: is ")),
+                "{errors:?}"
+            );
+        }
     }
 
     #[test]
