@@ -772,3 +772,59 @@ async fn in_gitops_coexistence_a_dry_run_apply_of_a_new_migration_is_forbidden()
     }
     existing_result.expect("a dry run of an existing migration needs only `patch`");
 }
+
+#[tokio::test]
+async fn under_the_shipped_rbac_a_rehearsal_whose_manifest_left_git_is_kept_marked_and_the_apply_goes_on() {
+    use vmmigrate::gitops::apply::apply_commit;
+    use vmmigrate::gitops::render::{RenderOptions, render};
+    use vmmigrate::gitops::{Provenance, RepoFile};
+    let client = KubeEnv::shared().client().await;
+    let _shared = CLUSTER_RBAC.read().await;
+    install_base(&client).await;
+    let ns = crate::support::test_namespace(&client, "rbac-rehearsal").await;
+    let sa = service_account_client().await;
+    let manifest = |name: &str, mode: &str| {
+        format!(
+            "apiVersion: migration.platform.example/v1alpha1\nkind: VirtualMachineMigration\nmetadata:\n  name: {name}\n  namespace: {ns}\nspec:\n  mode: {mode}\n  source:\n    host: esxi01.example.internal\n    hostKey: SHA256:uNiVztksCsDhcc0u9e8BujQXVUpKZIDTMczCvj3tD2s\n    credentialsSecretRef:\n      name: esxi01\n    vm:\n      name: {name}\n  destination:\n    namespace: {ns}\n    storageClassName: standard\n"
+        )
+    };
+    const REPO: &str = "https://git.example/m.git";
+    let commit = |files: &[(&str, String)]| {
+        let files: Vec<RepoFile> = files
+            .iter()
+            .map(|(p, t)| RepoFile { path: (*p).into(), bytes: t.clone().into_bytes() })
+            .collect();
+        render(
+            &files,
+            &Provenance { repo_url: REPO.into(), commit: "ab".repeat(20) },
+            &RenderOptions::default(),
+        )
+        .expect("renders")
+    };
+    let namespaces = std::slice::from_ref(&ns);
+    let both = commit(&[
+        ("migrations/trial.yaml", manifest("trial", "Rehearsal")),
+        ("migrations/web.yaml", manifest("web", "Cold")),
+    ]);
+    apply_commit(&sa, &both, namespaces, REPO).await.expect("the ServiceAccount applies");
+    // The rehearsal's manifest leaves Git while another manifest changes.
+    let next = commit(&[(
+        "migrations/web.yaml",
+        manifest("web", "Cold").replace("storageClassName: standard", "storageClassName: fast"),
+    )]);
+    let report = apply_commit(&sa, &next, namespaces, REPO).await.expect("a 403 on the delete stops nothing");
+    assert_eq!(report.undeletable, vec![(ns.clone(), "trial".to_owned())]);
+    assert!(report.orphaned.contains(&(ns.clone(), "trial".to_owned())), "{report:?}");
+    let api: Api<vmmigrate::api::VirtualMachineMigration> = Api::namespaced(client.clone(), &ns);
+    let trial = api.get("trial").await.expect("kept");
+    assert_eq!(
+        trial
+            .metadata
+            .annotations
+            .unwrap_or_default()
+            .get("migration.platform.example/orphaned")
+            .map(String::as_str),
+        Some("true")
+    );
+    assert_eq!(api.get("web").await.unwrap().spec.destination.storage_class_name, "fast", "the rest applied");
+}

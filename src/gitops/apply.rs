@@ -59,6 +59,9 @@ pub struct ApplyReport {
     pub orphaned: Vec<(String, String)>,
     /// Rehearsals whose manifest is gone, deleted with what they created.
     pub deleted: Vec<(String, String)>,
+    /// Rehearsals whose manifest is gone that vmmigrate may not delete
+    /// (its RBAC): kept and marked orphaned (also in `orphaned`).
+    pub undeletable: Vec<(String, String)>,
 }
 
 /// Why a commit was not applied.
@@ -327,11 +330,20 @@ pub async fn apply_commit(
             match api.delete(&key.1, &params).await {
                 Ok(_) => {}
                 Err(kube::Error::Api(s)) if s.code == 404 || s.code == 409 => {}
+                // The shipped RBAC lets vmmigrate delete no migration: the
+                // rehearsal is kept and marked like any orphan, and the
+                // apply goes on (a 403 must not stop every later commit).
+                Err(kube::Error::Api(s)) if s.code == 403 => {
+                    tracing::warn!(namespace = %key.0, name = %key.1, "rehearsal manifest removed from Git, but vmmigrate may not delete migrations (RBAC): kept and marked orphaned; delete it with kubectl");
+                    report.undeletable.push(key.clone());
+                }
                 Err(e) => return Err(e.into()),
             }
-            tracing::info!(namespace = %key.0, name = %key.1, "rehearsal manifest removed from Git; the rehearsal and its objects are deleted");
-            report.deleted.push(key);
-            continue;
+            if !report.undeletable.contains(&key) {
+                tracing::info!(namespace = %key.0, name = %key.1, "rehearsal manifest removed from Git; the rehearsal and its objects are deleted");
+                report.deleted.push(key);
+                continue;
+            }
         }
         if !vmm.annotations().contains_key(ANNOTATION_ORPHANED) {
             let api: Api<VirtualMachineMigration> = Api::namespaced(client.clone(), &key.0);
