@@ -500,6 +500,20 @@ async fn a_host_that_prints_without_end_is_cut_off_at_the_output_limit_with_a_cl
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_seven_mib_power_state_answer_reaches_status_as_at_most_one_kib() {
+    let emu = EsxiEmulator::start(EsxiOptions::default()).expect("emulator");
+    let (esxi, _store) = source(&emu, password(&emu));
+    let vmm = discovered(&esxi, &emu, "web 01").await;
+    emu.set_getstate_garbage(7 << 20);
+    let failure = esxi.power(&vmm).await.expect_err("no state in the answer");
+    assert_eq!(failure.reason, "UnparsableOutput", "{failure}");
+    assert!(failure.message.len() <= 1024, "{} bytes of host text kept", failure.message.len());
+    assert!(failure.message.contains("bytes cut"), "{}", &failure.message[..200]);
+    emu.set_getstate_garbage(0);
+    assert_eq!(esxi.power(&vmm).await.expect("the real answer").state, SourcePowerState::PoweredOn);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_disk_store_wakes_the_controller_when_a_copy_ends_and_then_reports_it_complete() {
     use vmmigrate::machine::CopyState;
     use vmmigrate::ports::DiskStore;

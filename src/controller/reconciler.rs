@@ -392,7 +392,7 @@ async fn publish(ctx: &Context, vmm: &VirtualMachineMigration, events: &[machine
                 EventType::Warning => KubeEventType::Warning,
             },
             reason: ev.reason.clone(),
-            note: Some(ev.message.chars().take(1000).collect()),
+            note: Some(machine::capped(ev.message.clone())),
             action: "Reconcile".into(),
             secondary: None,
         };

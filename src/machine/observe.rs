@@ -25,13 +25,13 @@ pub struct Failure {
 
 impl Failure {
     pub fn retryable(reason: Reason, message: impl Into<String>) -> Failure {
-        Failure { class: FailureClass::Retryable, reason, message: message.into() }
+        Failure { class: FailureClass::Retryable, reason, message: capped(message.into()) }
     }
     pub fn needs_human(reason: Reason, message: impl Into<String>) -> Failure {
-        Failure { class: FailureClass::NeedsHuman, reason, message: message.into() }
+        Failure { class: FailureClass::NeedsHuman, reason, message: capped(message.into()) }
     }
     pub fn terminal(reason: Reason, message: impl Into<String>) -> Failure {
-        Failure { class: FailureClass::Terminal, reason, message: message.into() }
+        Failure { class: FailureClass::Terminal, reason, message: capped(message.into()) }
     }
     /// A failed local write (a copy, a conversion, the work directory): a
     /// full file system is `WorkDirectoryFull`, waited out until there is
@@ -52,6 +52,26 @@ impl Failure {
 
 /// Whether an error text is ENOSPC's or EDQUOT's, as the kernel words them
 /// (through `std::io::Error`, qemu-img's stderr or a Job's last line).
+/// The longest failure message kept, in bytes: what a host, a forge or an
+/// API server says goes into status, Events and Git through it, and a host
+/// may say megabytes (a status past etcd's limit would stick the migration;
+/// an Event's note is refused past 1 KiB).
+pub const MAX_MESSAGE_BYTES: usize = 1024;
+
+/// `message` cut to [`MAX_MESSAGE_BYTES`] on a character boundary, saying
+/// how much was cut.
+pub fn capped(message: String) -> String {
+    if message.len() <= MAX_MESSAGE_BYTES {
+        return message;
+    }
+    let marker = format!(" … ({} bytes cut)", message.len());
+    let mut end = MAX_MESSAGE_BYTES.saturating_sub(marker.len());
+    while !message.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}{marker}", &message[..end])
+}
+
 fn reports_full_file_system(message: &str) -> bool {
     ["No space left on device", "os error 28", "Disk quota exceeded", "os error 122"]
         .iter()

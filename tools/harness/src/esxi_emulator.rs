@@ -486,6 +486,12 @@ impl EsxiEmulator {
         self.put_state("shutdown_hangs", if hang { "1" } else { "0" });
     }
 
+    /// `power.getstate` prints `bytes` of noise and no state (a broken or
+    /// hostile host); 0 for the real answer again.
+    pub fn set_getstate_garbage(&self, bytes: u64) {
+        self.put_state("getstate_garbage", &bytes.to_string());
+    }
+
     /// A guest shutdown completes on the Nth `power.getstate` call after it
     /// (default [`DEFAULT_SHUTDOWN_GETSTATE_CALLS`]).
     pub fn set_shutdown_getstate_calls(&self, calls: u32) {
