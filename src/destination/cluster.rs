@@ -669,12 +669,24 @@ fn ip_check(status: &Value) -> CheckResult {
 
 /// Every address the VMI reports on its interfaces (`ipAddress` and
 /// `ipAddresses`): the only ones an `http` check may talk to.
+/// The addresses the `http` check may talk to: those KubeVirt itself
+/// reports for the VMI's interfaces (`infoSource` naming the domain or
+/// Multus, or not given), never one only the guest agent announces (a
+/// guest could name the API server or a metadata endpoint), and never a
+/// loopback, link-local, unspecified, multicast or broadcast address.
 fn vmi_addresses(status: &Value) -> Vec<std::net::IpAddr> {
     let mut addresses = Vec::new();
     for interface in status["interfaces"].as_array().into_iter().flatten() {
+        let only_the_guest_says = interface["infoSource"]
+            .as_str()
+            .is_some_and(|s| !s.split(',').any(|p| matches!(p.trim(), "domain" | "multus-status")));
+        if only_the_guest_says {
+            continue;
+        }
         let listed = interface["ipAddresses"].as_array().into_iter().flatten().filter_map(Value::as_str);
         for text in interface["ipAddress"].as_str().into_iter().chain(listed) {
-            if let Ok(ip) = text.parse()
+            if let Ok(ip) = text.parse::<std::net::IpAddr>()
+                && may_be_checked(&ip)
                 && !addresses.contains(&ip)
             {
                 addresses.push(ip);
@@ -682,6 +694,26 @@ fn vmi_addresses(status: &Value) -> Vec<std::net::IpAddr> {
         }
     }
     addresses
+}
+
+/// Not an address of the host, the link or everyone.
+fn may_be_checked(ip: &std::net::IpAddr) -> bool {
+    match ip {
+        std::net::IpAddr::V4(v4) => {
+            !(v4.is_loopback()
+                || v4.is_link_local()
+                || v4.is_unspecified()
+                || v4.is_multicast()
+                || v4.is_broadcast())
+        }
+        std::net::IpAddr::V6(v6) => {
+            !(v6.is_loopback()
+                || v6.is_unspecified()
+                || v6.is_multicast()
+                || v6.is_unicast_link_local()
+                || v6.to_ipv4_mapped().is_some_and(|v4| !may_be_checked(&std::net::IpAddr::V4(v4))))
+        }
+    }
 }
 
 /// What a failed VMI says about why: the messages of its conditions (virt-
@@ -714,6 +746,21 @@ fn vmi_failure_detail(status: &Value) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_http_check_talks_only_to_addresses_kubevirt_reports_and_never_to_special_ones() {
+        let status = json!({ "interfaces": [
+            { "name": "nic-0", "ipAddress": "10.244.0.7", "ipAddresses": ["10.244.0.7", "fd10::7", "fe80::1"],
+              "infoSource": "domain, guest-agent" },
+            // A second NIC only the guest announces, naming a metadata
+            // endpoint and the API server's address.
+            { "name": "nic-1", "ipAddresses": ["169.254.169.254", "10.96.0.1"], "infoSource": "guest-agent" },
+            { "name": "nic-2", "ipAddresses": ["192.168.7.4", "127.0.0.1", "0.0.0.0", "224.0.0.1", "::ffff:169.254.1.1"],
+              "infoSource": "domain, guest-agent, multus-status" },
+        ] });
+        let addresses: Vec<String> = vmi_addresses(&status).iter().map(ToString::to_string).collect();
+        assert_eq!(addresses, ["10.244.0.7", "fd10::7", "192.168.7.4"]);
+    }
 
     #[test]
     fn a_failed_vmi_is_reported_with_what_its_conditions_say() {
