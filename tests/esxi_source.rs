@@ -570,12 +570,13 @@ async fn a_warm_copy_of_a_changing_vm_assembles_exactly_the_disks_a_cold_copy_gi
             ..Default::default()
         })
         .expect("emulator");
-        let writer = emu.start_guest_writes("12", GuestWrites { blocks_per_second: 1000, seed: 11 });
+        let writer = emu.start_guest_writes("12", GuestWrites { blocks_per_second: 200, seed: 11 });
         let (esxi, store) = source(&emu, password(&emu));
         let vmm = discovered(&esxi, &emu, "pair").await;
         let inventory = vmm.status.as_ref().unwrap().source_inventory.clone().unwrap();
         let name = snapshot_name("m");
 
+        let before_snapshot = emu.guest_blocks_written();
         let id = esxi.ensure_snapshot(&vmm, &name, true).await.expect("snapshot");
         assert_eq!(
             esxi.ensure_snapshot(&vmm, &name, true).await.expect("again"),
@@ -613,7 +614,15 @@ async fn a_warm_copy_of_a_changing_vm_assembles_exactly_the_disks_a_cold_copy_gi
             let local = store.path().join(format!("delta-{i}.vmdk"));
             let done = copy_once(&emu, &chain[0].extent_path, &local, 2).await.expect("delta copy");
             assert!(done.verified_remotely);
-            assert!(done.size < chain[0].capacity_bytes / 2, "only the changes travel: {} bytes", done.size);
+            // Only the changes travel: no more than the 4 KiB blocks the guest
+            // wrote since the snapshot (on any disk), plus the delta's grain
+            // tables, and less than the disk (a slow run lets the guest dirty most of it).
+            let written = (emu.guest_blocks_written() - before_snapshot) * 4096;
+            assert!(
+                done.size <= written + (1 << 20) && done.size < chain[0].capacity_bytes,
+                "only the changes travel: {} bytes of delta for {written} bytes written",
+                done.size
+            );
             let kind = DeltaKind::from_create_type(&chain[0].create_type).expect("a delta");
             // The deltas applied onto a copy of the base, in place (twice: the same bytes).
             let in_place = store.path().join(format!("disk-{i}.raw"));
