@@ -231,6 +231,7 @@ impl Gitops {
             None => None,
             Some(kind) => {
                 let api = opts.forge_api.clone().context("--forge needs --forge-api")?;
+                forge_api_is_safe(&api)?;
                 let full = opts.forge_repo.clone().context("--forge needs --forge-repo owner/name")?;
                 let (owner, name) = full.split_once('/').context("--forge-repo must be owner/name")?;
                 let token = opts.forge_token.clone().context("--forge needs VMMIGRATE_FORGE_TOKEN")?;
@@ -793,7 +794,10 @@ pub async fn start(
         None
     } else {
         let target = match &opts.status_dir {
-            Some(dir) => Target::Directory { branch: opts.branch.clone(), dir: dir.clone() },
+            Some(dir) => {
+                status_dir_is_safe(dir)?;
+                Target::Directory { branch: opts.branch.clone(), dir: dir.clone() }
+            }
             None => Target::Branch(opts.status_branch.clone()),
         };
         let mut cfg = StatusWriterConfig::new(opts.repo.clone(), opts.cache_dir.join("status.git"));
@@ -961,9 +965,57 @@ pub(crate) fn read_status_branch(
     Ok(StatusWriter::new(cfg).read_remote()?)
 }
 
+/// The forge's API carries the token: HTTPS, or plain HTTP to this host only.
+fn forge_api_is_safe(api: &str) -> anyhow::Result<()> {
+    let Some(rest) = api.strip_prefix("http://") else {
+        anyhow::ensure!(api.starts_with("https://"), "--forge-api {api:?} must be an https:// URL");
+        return Ok(());
+    };
+    let host = rest.split(['/', '?']).next().unwrap_or_default();
+    let host = host
+        .rsplit_once(':')
+        .map_or(host, |(h, port)| if port.bytes().all(|b| b.is_ascii_digit()) { h } else { host });
+    let loopback = host == "localhost"
+        || host.trim_matches(['[', ']']).parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_loopback());
+    anyhow::ensure!(
+        loopback,
+        "--forge-api {api:?}: the forge token would travel in clear; use https:// (plain http only to this host)"
+    );
+    Ok(())
+}
+
+/// `--status-dir` is written by the bot on the tracked branch: never where
+/// manifests or providers are read from (its files would be rendered).
+fn status_dir_is_safe(dir: &str) -> anyhow::Result<()> {
+    let dir = dir.trim_matches('/');
+    let first = dir.split('/').next().unwrap_or_default();
+    anyhow::ensure!(
+        !dir.is_empty()
+            && !matches!(first, "migrations" | "providers" | ".git")
+            && !dir.split('/').any(|s| s == ".."),
+        "--status-dir {dir:?} must be a folder outside migrations/ and providers/ (the bot writes there on the tracked branch)"
+    );
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_forge_token_never_travels_in_clear_and_status_never_lands_among_manifests() {
+        assert!(forge_api_is_safe("https://api.github.com").is_ok());
+        assert!(forge_api_is_safe("http://127.0.0.1:4000/api/v1").is_ok(), "the test forge, on this host");
+        assert!(forge_api_is_safe("http://[::1]:4000").is_ok());
+        assert!(forge_api_is_safe("http://gitea.example/api/v1").is_err());
+        assert!(forge_api_is_safe("http://127.0.0.1.example.com/").is_err());
+        assert!(forge_api_is_safe("ftp://x").is_err());
+        assert!(status_dir_is_safe("status").is_ok());
+        assert!(status_dir_is_safe("ops/status/").is_ok());
+        for bad in ["migrations", "migrations/status", "/providers", "", "../x", ".git"] {
+            assert!(status_dir_is_safe(bad).is_err(), "{bad}");
+        }
+    }
 
     #[test]
     fn a_repository_url_with_a_user_or_token_is_refused() {
