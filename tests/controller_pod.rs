@@ -280,6 +280,16 @@ spec:
         &format!("--from-literal=password={}", emu.password),
     ])
     .expect("ESXi credentials");
+    // For the emulated host only, as its owner binds it.
+    env.kubectl(&[
+        "-n",
+        SYSTEM,
+        "annotate",
+        "secret",
+        "esxi",
+        &format!("migration.platform.example/esxi-hosts={}={}", node.host_ip, emu.host_key_fingerprint()),
+    ])
+    .expect("the Secret's hosts");
     // The migrated guest's application: a web server the controller pod
     // reaches through the Service db-web.
     let guest = Janitor::new("vmmigrate-guest").unwrap();
