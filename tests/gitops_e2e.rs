@@ -1319,14 +1319,14 @@ async fn a_thousand_manifests_render_and_apply_without_error() {
             bytes: manifest(&ns, &format!("vm-{i:04}"), &format!("vm {i:04}")).into_bytes(),
         })
         .collect();
-    let provenance =
-        Provenance { repo_url: "https://git.example/migrations.git".into(), commit: "ab".repeat(20) };
+    const REPO: &str = "https://git.example/migrations.git";
+    let provenance = Provenance { repo_url: REPO.into(), commit: "ab".repeat(20) };
     let started = Instant::now();
     let rendered = render(&files, &provenance, &RenderOptions::default()).expect("renders");
     let render_time = started.elapsed();
     assert_eq!(rendered.len(), 1000);
     let started = Instant::now();
-    let report = vmmigrate::gitops::apply::apply_commit(&client, &rendered, std::slice::from_ref(&ns), "")
+    let report = vmmigrate::gitops::apply::apply_commit(&client, &rendered, std::slice::from_ref(&ns), REPO)
         .await
         .expect("applies");
     eprintln!(
@@ -1339,7 +1339,7 @@ async fn a_thousand_manifests_render_and_apply_without_error() {
     let api: Api<VirtualMachineMigration> = Api::namespaced(client.clone(), &ns);
     assert_eq!(api.list(&Default::default()).await.unwrap().items.len(), 1000);
     // The same commit again changes nothing and still succeeds.
-    let again = vmmigrate::gitops::apply::apply_commit(&client, &rendered, std::slice::from_ref(&ns), "")
+    let again = vmmigrate::gitops::apply::apply_commit(&client, &rendered, std::slice::from_ref(&ns), REPO)
         .await
         .expect("again");
     assert_eq!(again.applied.len(), 1000);
