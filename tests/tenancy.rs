@@ -94,30 +94,31 @@ async fn one_source_vm_is_claimed_by_one_migration_across_namespaces() {
     assert_eq!(left.len(), 1, "only the raced VM's claim is left: {left:?}");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_controller_refuses_a_destination_namespace_outside_the_rules() {
-    let client = KubeEnv::shared().client().await;
-    ensure_storage_class(&client).await;
-    let ns = test_namespace(&client, "tenancy").await;
-    let other = test_namespace(&client, "tenancy-other").await;
+/// A controller on the simulated world under `rules`, watching `ns`, and a
+/// migration created there with kubectl (`mutate` changes its body): no
+/// rendering ran, so the controller is the last word. Returns the status it
+/// stopped with (ManualInterventionRequired) and the world.
+async fn stopped_by_the_controller(
+    client: &kube::Client,
+    ns: &str,
+    rules: DestinationRules,
+    mutate: impl FnOnce(&mut serde_json::Value),
+) -> (vmmigrate::api::VirtualMachineMigrationStatus, std::sync::Arc<SimWorld>) {
     let world = SimWorld::new(7, FaultPlan::default());
     let _staging = crate::support::publish_sim_staging(&world).await;
-    let _sims = kubevirt_sim::start(client.clone(), &ns);
+    let _sims = kubevirt_sim::start(client.clone(), ns);
     let config = ControllerConfig {
-        namespace: Some(ns.clone()),
+        namespace: Some(ns.to_owned()),
         max_requeue: Some(Duration::from_millis(200)),
-        instance: "tenancy".into(),
-        // Another namespace is allowed; kube-system never is.
-        destinations: DestinationRules::parse(&[format!("{ns}={other}")]).unwrap(),
+        instance: ns.to_owned(),
+        destinations: rules,
         ..Default::default()
     };
-    let adapters = crate::support::sim_adapters(&client, &world, &ns);
+    let adapters = crate::support::sim_adapters(client, &world, ns);
     let task = tokio::spawn(reconciler::run(client.clone(), adapters, config, std::future::pending()));
-
-    // Created with kubectl, so no rendering ran: the controller is the last word.
-    let api: Api<VirtualMachineMigration> = Api::namespaced(client.clone(), &ns);
-    let mut body = crate::support::sim_migration_json(&ns);
-    body["spec"]["destination"]["namespace"] = "kube-system".into();
+    let api: Api<VirtualMachineMigration> = Api::namespaced(client.clone(), ns);
+    let mut body = crate::support::sim_migration_json(ns);
+    mutate(&mut body);
     let vmm: VirtualMachineMigration = serde_json::from_value(body).unwrap();
     api.create(&PostParams::default(), &vmm).await.unwrap();
     let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
@@ -130,7 +131,21 @@ async fn the_controller_refuses_a_destination_namespace_outside_the_rules() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     };
     task.abort();
-    let status = refused.status.unwrap();
+    (refused.status.unwrap(), world)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_controller_refuses_a_destination_namespace_outside_the_rules() {
+    let client = KubeEnv::shared().client().await;
+    ensure_storage_class(&client).await;
+    let ns = test_namespace(&client, "tenancy").await;
+    let other = test_namespace(&client, "tenancy-other").await;
+    // Another namespace is allowed; kube-system never is.
+    let rules = DestinationRules::parse(&[format!("{ns}={other}")]).unwrap();
+    let (status, world) = stopped_by_the_controller(&client, &ns, rules, |body| {
+        body["spec"]["destination"]["namespace"] = "kube-system".into();
+    })
+    .await;
     let blocker = status.blockers.iter().find(|b| b.reason == "DestinationNamespaceNotAllowed");
     let blocker = blocker.unwrap_or_else(|| panic!("{:?}", status.blockers));
     assert!(blocker.message.contains("\"kube-system\" is a system namespace"), "{}", blocker.message);
@@ -144,37 +159,14 @@ async fn the_controller_refuses_a_network_of_a_namespace_outside_the_rules() {
     let client = KubeEnv::shared().client().await;
     ensure_storage_class(&client).await;
     let ns = test_namespace(&client, "tenancy-net").await;
-    let world = SimWorld::new(8, FaultPlan::default());
-    let _staging = crate::support::publish_sim_staging(&world).await;
-    let _sims = kubevirt_sim::start(client.clone(), &ns);
-    let config = ControllerConfig {
-        namespace: Some(ns.clone()),
-        max_requeue: Some(Duration::from_millis(200)),
-        instance: "tenancy-net".into(),
-        ..Default::default()
-    };
-    let adapters = crate::support::sim_adapters(&client, &world, &ns);
-    let task = tokio::spawn(reconciler::run(client.clone(), adapters, config, std::future::pending()));
-    // Created with kubectl: a NIC on finance's NetworkAttachmentDefinition.
-    let api: Api<VirtualMachineMigration> = Api::namespaced(client.clone(), &ns);
-    let mut body = crate::support::sim_migration_json(&ns);
-    body["spec"]["networkMap"] = serde_json::json!([
-        {"source": "VM Network", "type": "Pod"},
-        {"source": "DMZ", "type": "Multus", "networkName": "finance/dmz"}
-    ]);
-    let vmm: VirtualMachineMigration = serde_json::from_value(body).unwrap();
-    api.create(&PostParams::default(), &vmm).await.unwrap();
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-    let refused = loop {
-        let vmm = api.get("web-01").await.unwrap();
-        if phase_of(&vmm) == Phase::ManualInterventionRequired {
-            break vmm;
-        }
-        assert!(tokio::time::Instant::now() < deadline, "not refused: {:#?}", vmm.status);
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
-    task.abort();
-    let status = refused.status.unwrap();
+    // A NIC on finance's NetworkAttachmentDefinition.
+    let (status, world) = stopped_by_the_controller(&client, &ns, DestinationRules::default(), |body| {
+        body["spec"]["networkMap"] = serde_json::json!([
+            {"source": "VM Network", "type": "Pod"},
+            {"source": "DMZ", "type": "Multus", "networkName": "finance/dmz"}
+        ]);
+    })
+    .await;
     let blocker = status.blockers.iter().find(|b| b.reason == "DestinationNamespaceNotAllowed");
     let blocker = blocker.unwrap_or_else(|| panic!("{:?}", status.blockers));
     assert!(

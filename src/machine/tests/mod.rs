@@ -1194,12 +1194,3 @@ fn an_import_that_does_not_move_for_the_stall_timeout_is_given_up_on_and_retried
         error.message
     );
 }
-
-#[test]
-fn host_text_in_a_failure_is_cut_to_one_kib_on_a_character_boundary() {
-    let short = Failure::retryable(Reason::UnparsableOutput, "power.getstate printed \"x\"");
-    assert_eq!(short.message, "power.getstate printed \"x\"");
-    let long = Failure::needs_human(Reason::HostFault, "ü".repeat(4 << 20));
-    assert!(long.message.len() <= crate::machine::MAX_MESSAGE_BYTES, "{}", long.message.len());
-    assert!(long.message.ends_with(&format!(" … ({} bytes cut)", 8 << 20)), "{}", &long.message[1000..]);
-}
