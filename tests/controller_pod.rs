@@ -249,6 +249,7 @@ spec:
     // Imports through real CDI with its definition as installed.
     let _cdi = crate::support::CDI_DEFINITION.read().await;
     deploy::remove_workloads(env).expect("removing an earlier installation");
+    let installed_at = std::time::SystemTime::now();
     let _ = env.kubectl(&["-n", SYSTEM, "delete", "secret", "esxi", "--ignore-not-found"]);
     let _installed = Installed { env };
     // The other tests' namespaces have controllers of their own: this one
@@ -425,4 +426,64 @@ spec:
         assert!(Instant::now() < deadline, "{status_file}: {text}\n{}", daemon.log());
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
+
+    // The API server's audit log of the run against the rights granted.
+    audit_matches_the_granted_rights(env, installed_at, &apps);
+}
+
+/// Every request the installed controller made with the ServiceAccount's
+/// own token since `since` (impersonated ones are deploy_rbac's reviews)
+/// was answered without a 403, and each is a call on deploy_rbac's
+/// hand-kept lists: the base's, or the tenant Role's in `tenant`. The
+/// grants the run never used are printed (a path this test does not take,
+/// or a right to take back).
+fn audit_matches_the_granted_rights(env: &KubeEnv, since: std::time::SystemTime, tenant: &str) {
+    use crate::deploy_rbac::{ANY, CALLS, SA_USER, TENANT_CALLS};
+    let Some(requests) = env.audited_requests(SA_USER, since) else {
+        return; // a borrowed cluster: no audit log
+    };
+    let requests = requests.expect("reading the audit log");
+    assert!(requests.iter().any(|r| r.resource == "datavolumes"), "the audit log has the run: {requests:?}");
+    let forbidden: Vec<_> = requests.iter().filter(|r| r.code == 403).collect();
+    assert!(forbidden.is_empty(), "refused to the controller: {forbidden:#?}");
+    let matches = |call: &crate::deploy_rbac::Call, r: &vmmigrate_harness::kube_env::AuditedRequest| {
+        let &(verb, group, resource, subresource, at) = call;
+        verb == r.verb
+            && group == r.group
+            && resource == r.resource
+            && subresource == r.subresource
+            && match at {
+                "" | ANY => true,
+                SYSTEM => r.namespace == SYSTEM,
+                _ => r.namespace == tenant,
+            }
+    };
+    let on_a_list = |r: &vmmigrate_harness::kube_env::AuditedRequest| {
+        // Discovery and /version: what every authenticated client may read.
+        r.resource.is_empty() || CALLS.iter().chain(TENANT_CALLS).any(|c| matches(c, r))
+    };
+    let mut unlisted: Vec<String> = requests
+        .iter()
+        .filter(|r| !on_a_list(r))
+        .map(|r| format!("{} {}/{}/{} in {:?}", r.verb, r.group, r.resource, r.subresource, r.namespace))
+        .collect();
+    unlisted.sort();
+    unlisted.dedup();
+    assert!(
+        unlisted.is_empty(),
+        "the controller made calls on no granted list:\n  {}",
+        unlisted.join("\n  ")
+    );
+    let unused: Vec<String> = CALLS
+        .iter()
+        .chain(TENANT_CALLS)
+        .filter(|c| !requests.iter().any(|r| matches(c, r)))
+        .map(|c| format!("{c:?}"))
+        .collect();
+    eprintln!(
+        "audit: {} requests by the ServiceAccount, none refused; granted and not used in this run ({}):\n  {}",
+        requests.len(),
+        unused.len(),
+        unused.join("\n  ")
+    );
 }

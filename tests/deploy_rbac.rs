@@ -32,22 +32,23 @@ use tokio::sync::RwLock;
 
 /// One API request: (verb, API group, resource, subresource, namespace).
 /// An empty namespace is a cluster-scoped resource, or every namespace.
-type Call = (&'static str, &'static str, &'static str, &'static str, &'static str);
+pub(crate) type Call = (&'static str, &'static str, &'static str, &'static str, &'static str);
 
 const MIGRATIONS: &str = "migration.platform.example";
-const SYSTEM: &str = "vmmigrate-system";
+pub(crate) const SYSTEM: &str = "vmmigrate-system";
 /// Any namespace holding migrations or destinations (the ClusterRole's reach);
 /// not one vmmigrate reads Secrets in.
-const ANY: &str = "apps";
+pub(crate) const ANY: &str = "apps";
 /// The namespace deploy/overlays/example-tenant grants.
 const TENANT: &str = "vmmigrate";
 
-const SA_USER: &str = "system:serviceaccount:vmmigrate-system:vmmigrate";
+pub(crate) const SA_USER: &str = "system:serviceaccount:vmmigrate-system:vmmigrate";
 const SA_GROUPS: &[&str] =
     &["system:serviceaccounts", "system:serviceaccounts:vmmigrate-system", "system:authenticated"];
 
-/// Every call vmmigrate makes, from src/ (deploy/README.md has the reason for each).
-const CALLS: &[Call] = &[
+/// Every call vmmigrate makes under the base, from src/ (deploy/README.md
+/// has the reason for each).
+pub(crate) const CALLS: &[Call] = &[
     // gitops: apply (server-side apply, which creates a new object), orphan
     // marks, live list for status and plans; controller: watch all
     // namespaces, a fresh get per reconcile, finalizer and retry annotation.
@@ -59,18 +60,14 @@ const CALLS: &[Call] = &[
     ("patch", MIGRATIONS, "virtualmachinemigrations", "status", ANY),
     // blockOwnerDeletion on owned objects (OwnerReferencesPermissionEnforcement).
     ("update", MIGRATIONS, "virtualmachinemigrations", "finalizers", ANY),
+    // DataVolumes and VMs are read everywhere, written where the tenant
+    // Role is (`TENANT_CALLS`).
     ("list", "cdi.kubevirt.io", "datavolumes", "", ""),
     ("watch", "cdi.kubevirt.io", "datavolumes", "", ""),
     ("get", "cdi.kubevirt.io", "datavolumes", "", ANY),
-    ("create", "cdi.kubevirt.io", "datavolumes", "", ANY),
-    ("patch", "cdi.kubevirt.io", "datavolumes", "", ANY),
-    ("delete", "cdi.kubevirt.io", "datavolumes", "", ANY),
     ("list", "kubevirt.io", "virtualmachines", "", ""),
     ("watch", "kubevirt.io", "virtualmachines", "", ""),
     ("get", "kubevirt.io", "virtualmachines", "", ANY),
-    ("create", "kubevirt.io", "virtualmachines", "", ANY),
-    ("patch", "kubevirt.io", "virtualmachines", "", ANY),
-    ("delete", "kubevirt.io", "virtualmachines", "", ANY),
     ("list", "kubevirt.io", "virtualmachineinstances", "", ""),
     ("watch", "kubevirt.io", "virtualmachineinstances", "", ""),
     ("get", "kubevirt.io", "virtualmachineinstances", "", ANY),
@@ -94,11 +91,14 @@ const CALLS: &[Call] = &[
     // HTTP checks.
     ("get", "", "services", "", ANY),
     ("list", "discovery.k8s.io", "endpointslices", "", ANY),
+    ("list", "networking.k8s.io", "servicecidrs", "", ""),
     // Pre-flight.
     ("get", "storage.k8s.io", "storageclasses", "", ""),
     // Does the installed CDI check checksums? Its DataVolume definition.
     ("get", "apiextensions.k8s.io", "customresourcedefinitions", "", ""),
     ("get", "", "namespaces", "", ""),
+    // May it write in a migration's destination namespace? (Validated.)
+    ("create", "authorization.k8s.io", "selfsubjectaccessreviews", "", ""),
     // kube-runtime's Recorder.
     ("create", "events.k8s.io", "events", "", ANY),
     ("patch", "events.k8s.io", "events", "", ANY),
@@ -123,8 +123,62 @@ const CALLS: &[Call] = &[
     ("delete", "", "configmaps", "", SYSTEM),
 ];
 
+/// What the tenant Role (deploy/overlays/example-tenant/tenant.yaml) adds in
+/// its namespace, written here for [`TENANT`].
+pub(crate) const TENANT_CALLS: &[Call] = &[
+    // The migrated VM and its DataVolumes.
+    ("create", "cdi.kubevirt.io", "datavolumes", "", TENANT),
+    ("patch", "cdi.kubevirt.io", "datavolumes", "", TENANT),
+    ("delete", "cdi.kubevirt.io", "datavolumes", "", TENANT),
+    ("create", "kubevirt.io", "virtualmachines", "", TENANT),
+    ("patch", "kubevirt.io", "virtualmachines", "", TENANT),
+    ("delete", "kubevirt.io", "virtualmachines", "", TENANT),
+    // ESXi credentials by name; the import Secret and CA beside each DataVolume.
+    ("get", "", "secrets", "", TENANT),
+    ("create", "", "secrets", "", TENANT),
+    ("patch", "", "secrets", "", TENANT),
+    ("delete", "", "secrets", "", TENANT),
+    ("get", "", "configmaps", "", TENANT),
+    ("create", "", "configmaps", "", TENANT),
+    ("patch", "", "configmaps", "", TENANT),
+    ("delete", "", "configmaps", "", TENANT),
+    // The verify Job where CDI cannot check a checksum, and the importer's
+    // last words.
+    ("get", "batch", "jobs", "", TENANT),
+    ("create", "batch", "jobs", "", TENANT),
+    ("delete", "batch", "jobs", "", TENANT),
+    ("get", "", "pods", "", TENANT),
+    ("list", "", "pods", "", TENANT),
+    // A migration's worker pod, its Service and work claim.
+    ("get", "", "services", "", TENANT),
+    ("create", "", "services", "", TENANT),
+    ("delete", "", "services", "", TENANT),
+    ("get", "", "persistentvolumeclaims", "", TENANT),
+    ("create", "", "persistentvolumeclaims", "", TENANT),
+    ("delete", "", "persistentvolumeclaims", "", TENANT),
+];
+
 /// What the ServiceAccount must never be able to do.
 const FORBIDDEN: &[Call] = &[
+    // VMs and DataVolumes are written only where a tenant Role is: not in a
+    // namespace without one, not in kube-system (a VM there could mount its
+    // Secrets), not cluster-wide.
+    ("create", "kubevirt.io", "virtualmachines", "", ANY),
+    ("patch", "kubevirt.io", "virtualmachines", "", ANY),
+    ("delete", "kubevirt.io", "virtualmachines", "", ANY),
+    ("create", "kubevirt.io", "virtualmachines", "", "kube-system"),
+    ("create", "kubevirt.io", "virtualmachines", "", ""),
+    ("create", "cdi.kubevirt.io", "datavolumes", "", ANY),
+    ("patch", "cdi.kubevirt.io", "datavolumes", "", ANY),
+    ("delete", "cdi.kubevirt.io", "datavolumes", "", ANY),
+    ("create", "cdi.kubevirt.io", "datavolumes", "", "kube-system"),
+    // Never VMs or DataVolumes in its own namespace (Pod Security
+    // `restricted` there; virt-launcher would not pass it).
+    ("create", "kubevirt.io", "virtualmachines", "", SYSTEM),
+    ("create", "cdi.kubevirt.io", "datavolumes", "", SYSTEM),
+    // Service-account tokens are minted through this subresource.
+    ("create", "", "serviceaccounts", "token", SYSTEM),
+    ("create", "", "serviceaccounts", "token", TENANT),
     ("get", "", "secrets", "", ANY),
     ("list", "", "secrets", "", ANY),
     ("get", "", "secrets", "", ""),
@@ -179,6 +233,8 @@ const CLUSTER_SCOPED: &[&str] = &[
     "CustomResourceDefinition",
     "ClusterRole",
     "ClusterRoleBinding",
+    "ValidatingAdmissionPolicy",
+    "ValidatingAdmissionPolicyBinding",
     "StorageClass",
     "PersistentVolume",
     "PriorityClass",
@@ -441,6 +497,21 @@ async fn install_base(client: &Client) -> Vec<Value> {
     objects
 }
 
+/// Applies deploy/overlays/example-tenant (the base and the tenant Role in
+/// [`TENANT`]) and waits until the Role is in effect.
+async fn install_tenant(client: &Client) {
+    ensure_namespace(client, TENANT).await;
+    let objects = kustomize(&deploy_dir("overlays/example-tenant"));
+    assert_eq!(
+        objects.len(),
+        kustomize(&deploy_dir("base")).len() + 2,
+        "the base plus a Role and RoleBinding"
+    );
+    apply_all(client, &objects).await;
+    let call = ("create", "kubevirt.io", "virtualmachines", "", TENANT);
+    assert!(eventually(client, call, true).await, "{}", show(call));
+}
+
 /// A client that is the ServiceAccount (impersonated by the admin).
 async fn service_account_client() -> Client {
     let kubeconfig = Kubeconfig::read_from(KubeEnv::shared().kubeconfig_path()).expect("kubeconfig");
@@ -609,6 +680,8 @@ async fn base_applies_and_leaves_the_installed_crd_unchanged() {
         "PersistentVolumeClaim",
         "Deployment",
         "Service",
+        "ValidatingAdmissionPolicy",
+        "ValidatingAdmissionPolicyBinding",
     ] {
         assert!(kinds.contains(kind), "the base has no {kind}");
     }
@@ -647,40 +720,27 @@ async fn service_account_cannot_read_other_secrets_delete_migrations_or_escalate
 }
 
 #[tokio::test]
-async fn example_tenant_overlay_lets_it_get_secrets_and_create_import_access_in_that_namespace_only() {
+async fn the_example_tenant_overlay_grants_the_tenant_role_in_its_namespace_only() {
     let client = KubeEnv::shared().client().await;
     let _shared = CLUSTER_RBAC.read().await;
     install_base(&client).await;
-    ensure_namespace(&client, TENANT).await;
-    let objects = kustomize(&deploy_dir("overlays/example-tenant"));
-    assert_eq!(
-        objects.len(),
-        kustomize(&deploy_dir("base")).len() + 2,
-        "the base plus a Role and RoleBinding"
-    );
-    apply_all(&client, &objects).await;
-    let get = ("get", "", "secrets", "", TENANT);
-    assert!(eventually(&client, get, true).await, "{}", show(get));
-    for call in [
-        ("create", "", "secrets", "", TENANT),
-        ("create", "", "configmaps", "", TENANT),
-        // The verify Job where CDI cannot check a checksum, and the
-        // importer's last words.
-        ("create", "batch", "jobs", "", TENANT),
-        ("get", "", "pods", "", TENANT),
-        // A migration's worker pod, its Service and work claim.
-        ("list", "", "pods", "", TENANT),
-        ("create", "", "services", "", TENANT),
-        ("delete", "", "services", "", TENANT),
-        ("create", "", "persistentvolumeclaims", "", TENANT),
-        ("delete", "", "persistentvolumeclaims", "", TENANT),
-    ] {
-        assert!(may(&client, call).await, "the ServiceAccount may not {}", show(call));
+    install_tenant(&client).await;
+    let mut refused = Vec::new();
+    for &call in TENANT_CALLS {
+        if !eventually(&client, call, true).await {
+            refused.push(show(call));
+        }
     }
+    assert!(
+        refused.is_empty(),
+        "in the tenant namespace the ServiceAccount may not:\n  {}",
+        refused.join("\n  ")
+    );
     for call in [
         ("list", "", "secrets", "", TENANT),
         ("watch", "", "secrets", "", TENANT),
         ("get", "", "secrets", "", ANY),
+        ("create", "kubevirt.io", "virtualmachines", "", ANY),
     ] {
         assert!(!may(&client, call).await, "the ServiceAccount may {}", show(call));
     }
@@ -827,4 +887,287 @@ async fn under_the_shipped_rbac_a_rehearsal_whose_manifest_left_git_is_kept_mark
         Some("true")
     );
     assert_eq!(api.get("web").await.unwrap().spec.destination.storage_class_name, "fast", "the rest applied");
+}
+
+// ---------------------------------------------------------------------------
+// What the ServiceAccount may write where RBAC lets it write:
+// deploy/base/admission-policies.yaml and Pod Security `restricted`.
+
+/// `obj` created as the ServiceAccount in a dry run (admission runs, nothing
+/// is stored): `Err` is the API server's refusal.
+async fn dry_run_create(client: &Client, obj: &Value) -> Result<(), String> {
+    let api_version = obj["apiVersion"].as_str().expect("apiVersion");
+    let (group, version) = api_version.rsplit_once('/').unwrap_or(("", api_version));
+    let gvk = GroupVersionKind::gvk(group, version, obj["kind"].as_str().expect("kind"));
+    let (ar, _) = kube::discovery::pinned_kind(client, &gvk).await.expect("discovery");
+    let ns = obj["metadata"]["namespace"].as_str().expect("namespace");
+    let api: Api<DynamicObject> = Api::namespaced_with(client.clone(), ns, &ar);
+    let obj: DynamicObject = serde_json::from_value(obj.clone()).expect("object");
+    let params = PostParams { dry_run: true, ..Default::default() };
+    api.create(&params, &obj).await.map(|_| ()).map_err(|e| e.to_string())
+}
+
+fn refused_by(answer: Result<(), String>, policy: &str, what: &str) {
+    match answer {
+        Err(e) => assert!(e.contains(policy), "{what}: refused, but not by {policy}: {e}"),
+        Ok(()) => panic!("{what}: admitted"),
+    }
+}
+
+fn vm(name: &str, volumes: Value) -> Value {
+    json!({
+        "apiVersion": "kubevirt.io/v1",
+        "kind": "VirtualMachine",
+        "metadata": { "name": name, "namespace": TENANT },
+        "spec": {
+            "runStrategy": "Halted",
+            "template": { "spec": {
+                "domain": { "devices": {}, "memory": { "guest": "1Gi" } },
+                "volumes": volumes,
+            } },
+        },
+    })
+}
+
+#[tokio::test]
+async fn as_the_service_account_a_vm_that_mounts_anything_but_its_own_data_volumes_is_refused_at_admission() {
+    let client = KubeEnv::shared().client().await;
+    let _shared = CLUSTER_RBAC.read().await;
+    install_base(&client).await;
+    install_tenant(&client).await;
+    let sa = service_account_client().await;
+    const POLICY: &str = "vmmigrate-vm-volumes";
+    // Policies are read from an informer too: the first refusal may take a moment.
+    let secret = vm("web", json!([{ "name": "token", "secret": { "secretName": "payroll-db" } }]));
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while dry_run_create(&sa, &secret).await.is_ok() {
+        assert!(tokio::time::Instant::now() < deadline, "a VM mounting a Secret is admitted");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    refused_by(dry_run_create(&sa, &secret).await, POLICY, "a VM mounting a Secret");
+    let token = vm("web", json!([{ "name": "sa", "serviceAccount": { "serviceAccountName": "default" } }]));
+    refused_by(dry_run_create(&sa, &token).await, POLICY, "a VM mounting a ServiceAccount token");
+    let other = vm("web", json!([{ "name": "disk-0", "dataVolume": { "name": "payroll-disk-0" } }]));
+    refused_by(dry_run_create(&sa, &other).await, POLICY, "a VM mounting another VM's disk");
+    let claim =
+        vm("web", json!([{ "name": "disk-0", "persistentVolumeClaim": { "claimName": "web-disk-0" } }]));
+    refused_by(dry_run_create(&sa, &claim).await, POLICY, "a VM mounting a claim directly");
+    let mut template = vm("web", json!([{ "name": "disk-0", "dataVolume": { "name": "web-disk-0" } }]));
+    template["spec"]["dataVolumeTemplates"] = json!([{
+        "metadata": { "name": "web-disk-0" },
+        "spec": { "source": { "pvc": { "namespace": "kube-system", "name": "etcd" } },
+                  "storage": { "resources": { "requests": { "storage": "1Gi" } } } },
+    }]);
+    refused_by(dry_run_create(&sa, &template).await, POLICY, "a VM with a DataVolume template");
+
+    // What vmmigrate writes passes; an administrator is not bound by the policy.
+    let own = vm(
+        "web",
+        json!([{ "name": "disk-0", "dataVolume": { "name": "web-disk-0" } },
+               { "name": "disk-1", "dataVolume": { "name": "web-disk-1" } }]),
+    );
+    dry_run_create(&sa, &own).await.expect("a VM of its own DataVolumes");
+    dry_run_create(&client, &secret).await.expect("the administrator's VM");
+}
+
+#[tokio::test]
+async fn as_the_service_account_only_a_migrations_own_import_secrets_and_cas_can_be_written() {
+    use k8s_openapi::api::core::v1::{ConfigMap, Secret};
+    use kube::api::DeleteParams;
+    let client = KubeEnv::shared().client().await;
+    let _shared = CLUSTER_RBAC.read().await;
+    install_base(&client).await;
+    install_tenant(&client).await;
+    let sa = service_account_client().await;
+    const POLICY: &str = "vmmigrate-own-secrets";
+    const UID: &str = "migration.platform.example/migration-uid";
+    let secret = |name: &str, labelled: bool| {
+        let labels = if labelled { json!({ UID: "0b5c7d1e" }) } else { json!({}) };
+        json!({ "apiVersion": "v1", "kind": "Secret",
+                "metadata": { "name": name, "namespace": TENANT, "labels": labels },
+                "stringData": { "secretKey": "x" } })
+    };
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while dry_run_create(&sa, &secret("payroll-db", true)).await.is_ok() {
+        assert!(tokio::time::Instant::now() < deadline, "a Secret of any name is admitted");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    refused_by(dry_run_create(&sa, &secret("payroll-db", true)).await, POLICY, "a Secret named payroll-db");
+    refused_by(
+        dry_run_create(&sa, &secret("web-disk-0-import", false)).await,
+        POLICY,
+        "an import Secret without its migration's uid",
+    );
+    dry_run_create(&sa, &secret("web-disk-0-import", true)).await.expect("an import Secret");
+    dry_run_create(&sa, &secret("web-vmm-worker", true)).await.expect("a worker's identity");
+    let ca = |name: &str| {
+        json!({ "apiVersion": "v1", "kind": "ConfigMap",
+                "metadata": { "name": name, "namespace": TENANT, "labels": { UID: "0b5c7d1e" } },
+                "data": { "ca.crt": "x" } })
+    };
+    dry_run_create(&sa, &ca("web-disk-0-import-ca")).await.expect("an import CA");
+    refused_by(dry_run_create(&sa, &ca("app-settings")).await, POLICY, "a ConfigMap named app-settings");
+
+    // A tenant's own Secret whose name looks like an import Secret: the
+    // ServiceAccount may neither label it as its own nor delete it.
+    let secrets: Api<Secret> = Api::namespaced(client.clone(), TENANT);
+    let theirs: Secret = serde_json::from_value(secret("legacy-disk-0-import", false)).unwrap();
+    match secrets.create(&PostParams::default(), &theirs).await {
+        Ok(_) => {}
+        Err(kube::Error::Api(s)) if s.code == 409 => {}
+        Err(e) => panic!("the tenant's Secret: {e}"),
+    }
+    let as_sa: Api<Secret> = Api::namespaced(sa.clone(), TENANT);
+    let dry = PatchParams { dry_run: true, ..Default::default() };
+    let adopt = as_sa
+        .patch(
+            "legacy-disk-0-import",
+            &dry,
+            &Patch::Merge(json!({ "metadata": { "labels": { UID: "0b5c7d1e" } } })),
+        )
+        .await;
+    refused_by(adopt.map(|_| ()).map_err(|e| e.to_string()), POLICY, "labelling a tenant's Secret");
+    let delete =
+        as_sa.delete("legacy-disk-0-import", &DeleteParams { dry_run: true, ..Default::default() }).await;
+    refused_by(delete.map(|_| ()).map_err(|e| e.to_string()), POLICY, "deleting a tenant's Secret");
+    // Nor the namespace's CA bundle.
+    let maps: Api<ConfigMap> = Api::namespaced(sa.clone(), TENANT);
+    let root_ca =
+        maps.patch("kube-root-ca.crt", &dry, &Patch::Merge(json!({ "data": { "ca.crt": "x" } }))).await;
+    refused_by(root_ca.map(|_| ()).map_err(|e| e.to_string()), POLICY, "changing kube-root-ca.crt");
+}
+
+fn job(name: &str, ns: &str, pod: Value) -> Value {
+    json!({
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": { "name": name, "namespace": ns },
+        "spec": { "backoffLimit": 0, "template": { "spec": pod } },
+    })
+}
+
+/// A pod as vmmigrate writes its helper Jobs' (convert/job.rs, worker/plane.rs,
+/// destination/verify.rs): Pod Security `restricted`.
+fn restricted_pod() -> Value {
+    json!({
+        "restartPolicy": "Never",
+        "securityContext": { "runAsUser": 65532, "runAsGroup": 65532, "runAsNonRoot": true,
+                             "seccompProfile": { "type": "RuntimeDefault" } },
+        "containers": [{
+            "name": "convert",
+            "image": "vmmigrate:test",
+            "securityContext": { "allowPrivilegeEscalation": false, "capabilities": { "drop": ["ALL"] } },
+            "volumeMounts": [{ "name": "work", "mountPath": "/var/lib/vmmigrate" }],
+        }],
+        "volumes": [{ "name": "work", "emptyDir": {} }],
+    })
+}
+
+#[tokio::test]
+async fn as_the_service_account_a_privileged_or_host_mounting_job_is_refused_in_every_namespace() {
+    let client = KubeEnv::shared().client().await;
+    let _shared = CLUSTER_RBAC.read().await;
+    install_base(&client).await;
+    install_tenant(&client).await;
+    let sa = service_account_client().await;
+    const POLICY: &str = "vmmigrate-helper-jobs";
+    let mut privileged = restricted_pod();
+    privileged["containers"][0]["securityContext"] = json!({ "privileged": true });
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while dry_run_create(&sa, &job("convert", TENANT, privileged.clone())).await.is_ok() {
+        assert!(tokio::time::Instant::now() < deadline, "a privileged Job is admitted");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let mut host_path = restricted_pod();
+    host_path["volumes"] = json!([{ "name": "work", "hostPath": { "path": "/" } }]);
+    let mut root = restricted_pod();
+    root["securityContext"] = json!({ "runAsUser": 0 });
+    let mut capability = restricted_pod();
+    capability["containers"][0]["securityContext"]["capabilities"]["add"] = json!(["SYS_ADMIN"]);
+    let mut host_network = restricted_pod();
+    host_network["hostNetwork"] = json!(true);
+    let mut token = restricted_pod();
+    token["volumes"] =
+        json!([{ "name": "work", "projected": { "sources": [{ "serviceAccountToken": { "path": "t" } }] } }]);
+    for ns in [TENANT, SYSTEM] {
+        for (what, pod) in [
+            ("privileged", &privileged),
+            ("a host path", &host_path),
+            ("root", &root),
+            ("an added capability", &capability),
+            ("the host's network", &host_network),
+            ("a projected token", &token),
+        ] {
+            refused_by(
+                dry_run_create(&sa, &job("convert", ns, pod.clone())).await,
+                POLICY,
+                &format!("{what} in {ns}"),
+            );
+        }
+        dry_run_create(&sa, &job("convert", ns, restricted_pod()))
+            .await
+            .expect("a helper Job as vmmigrate writes it");
+    }
+}
+
+#[tokio::test]
+async fn a_pod_in_vmmigrate_system_that_is_not_pod_security_restricted_is_refused_whoever_creates_it() {
+    let client = KubeEnv::shared().client().await;
+    let _shared = CLUSTER_RBAC.read().await;
+    install_base(&client).await;
+    let pod = |spec: Value| json!({ "apiVersion": "v1", "kind": "Pod", "metadata": { "name": "probe", "namespace": SYSTEM }, "spec": spec });
+    // Baseline would admit this one; `restricted` wants a non-root user, no
+    // escalation, no capabilities and a seccomp profile.
+    let baseline = json!({ "containers": [{ "name": "c", "image": "vmmigrate:test" }] });
+    let answer = dry_run_create(&client, &pod(baseline)).await;
+    match answer {
+        Err(e) => assert!(e.contains("restricted"), "refused, but not by Pod Security: {e}"),
+        Ok(()) => panic!("a pod that is only baseline is admitted in {SYSTEM}"),
+    }
+    let mut restricted = restricted_pod();
+    restricted["volumes"] = json!([{ "name": "work", "emptyDir": {} }]);
+    dry_run_create(&client, &pod(restricted)).await.expect("a restricted pod");
+}
+
+#[tokio::test]
+async fn at_validated_the_service_account_finds_a_destination_namespace_without_the_tenant_role_refused() {
+    use vmmigrate::destination::cluster::KubeCluster;
+    use vmmigrate::ports::Cluster;
+    let client = KubeEnv::shared().client().await;
+    let _shared = CLUSTER_RBAC.read().await;
+    install_base(&client).await;
+    install_tenant(&client).await;
+    crate::support::ensure_storage_class(&client).await;
+    let bare = crate::support::test_namespace(&client, "no-tenant-role").await;
+    let sa = service_account_client().await;
+    // The migration in the tenant's namespace, as discovery leaves it.
+    let migration = |destination: &str, uuid: &str| {
+        let mut body = crate::support::sim_migration_json(TENANT);
+        body["metadata"]["name"] = json!(format!("to-{destination}"));
+        body["metadata"]["uid"] = json!(format!("uid-{uuid}"));
+        body["spec"]["destination"]["namespace"] = json!(destination);
+        let mut vmm: vmmigrate::api::VirtualMachineMigration =
+            serde_json::from_value(body).expect("migration");
+        vmm.status = Some(vmmigrate::api::VirtualMachineMigrationStatus {
+            source_inventory: Some(vmmigrate::api::SourceInventory {
+                vmid: "7".into(),
+                bios_uuid: uuid.into(),
+                ..Default::default()
+            }),
+            ..Default::default()
+        });
+        vmm
+    };
+    let cluster = KubeCluster::new(sa.clone(), SYSTEM);
+    let away = migration(&bare, &format!("4211-{bare}"));
+    let facts = cluster.preflight(&away).await.expect("the ServiceAccount's pre-flight");
+    cluster.release_source(&away).await.expect("release");
+    let refused = facts.destination_refused.expect("a namespace without the tenant Role is refused");
+    for part in ["datavolumes", "virtualmachines", "secrets", &bare, "tenant Role"] {
+        assert!(refused.contains(part), "{refused:?} does not say {part:?}");
+    }
+    let home = migration(TENANT, &format!("4212-{bare}"));
+    let facts = cluster.preflight(&home).await.expect("the ServiceAccount's pre-flight");
+    cluster.release_source(&home).await.expect("release");
+    assert_eq!(facts.destination_refused, None, "the tenant's namespace is granted");
 }

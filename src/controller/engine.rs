@@ -478,16 +478,22 @@ pub async fn step(
     let mut observed = if held { Observed::Nothing } else { observe(adapters, vmm).await };
     let (source, extents) = if held { (None, None) } else { observe_source(adapters, vmm).await };
     if let Observed::Preflight(Ok(facts)) = &mut observed {
-        // The controller's own rule, whatever the adapter reported.
         let ns = vmm.namespace().unwrap_or_default();
         let destination = &vmm.spec.destination.namespace;
-        facts.destination_refused = input.destinations.refusal(&ns, destination).or_else(|| {
-            vmm.spec
-                .network_map
-                .iter()
-                .filter_map(|m| m.network_name.as_deref())
-                .find_map(|network| input.destinations.network_refusal(&ns, destination, network))
-        });
+        // The controller's own rule first, whatever the adapter reported;
+        // then what the cluster refuses this process (no tenant Role there).
+        let granted = facts.destination_refused.take();
+        facts.destination_refused = input
+            .destinations
+            .refusal(&ns, destination)
+            .or_else(|| {
+                vmm.spec
+                    .network_map
+                    .iter()
+                    .filter_map(|m| m.network_name.as_deref())
+                    .find_map(|network| input.destinations.network_refusal(&ns, destination, network))
+            })
+            .or(granted);
     }
     if interrupt(&Checkpoint::Observed) {
         return None;

@@ -68,9 +68,18 @@ pub(crate) fn bounded_name(base: &str, suffix: &str) -> String {
     format!("{head}-{hash}{suffix}")
 }
 
-/// The pod security context of a helper Job run as the controller's ids.
-pub(crate) fn run_as_context(run_as: Option<(u32, u32)>) -> Option<Value> {
-    run_as.map(|(uid, gid)| json!({ "runAsUser": uid, "runAsGroup": gid, "runAsNonRoot": uid != 0 }))
+/// The pod security context of a helper Job: the runtime's seccomp profile
+/// always, and the controller's ids when known. With a non-root controller
+/// the pod passes Pod Security `restricted` (deploy/base/namespace.yaml)
+/// and deploy/base/admission-policies.yaml.
+pub(crate) fn pod_security_context(run_as: Option<(u32, u32)>) -> Value {
+    let mut context = json!({ "seccompProfile": { "type": "RuntimeDefault" } });
+    if let Some((uid, gid)) = run_as {
+        context["runAsUser"] = json!(uid);
+        context["runAsGroup"] = json!(gid);
+        context["runAsNonRoot"] = json!(uid != 0);
+    }
+    context
 }
 
 /// The namespace the Job runs in.
@@ -103,6 +112,32 @@ pub(crate) fn convert_args(input: &JobInput) -> Vec<String> {
         args.push("--virt-v2v".to_owned());
     }
     args
+}
+
+/// What of the work volume the Job sees: its migration's copy folder, read
+/// only, and its artifact folder, each at the path the controller has it
+/// (`subPath` mounts); not the other migrations' files, not the staging
+/// server's keys. The image `vmmigrate convert` parses comes from a host
+/// someone else administers. A path outside the work directory (never made
+/// by the store) mounts the whole volume, as before.
+fn work_mounts(work_dir: &Path, input: &JobInput) -> Value {
+    let folder = |file: &Path| -> Option<(String, String)> {
+        let dir = file.parent()?;
+        let sub = dir.strip_prefix(work_dir).ok()?;
+        let plain = sub.components().all(|c| matches!(c, std::path::Component::Normal(_)));
+        (plain && !sub.as_os_str().is_empty()).then(|| (path_arg(dir), path_arg(sub)))
+    };
+    match (folder(&input.input), folder(&input.output)) {
+        (Some((copies, copies_sub)), Some((artifacts, artifacts_sub)))
+            if folder(&input.input_marker).is_some_and(|(dir, _)| dir == copies) =>
+        {
+            json!([
+                { "name": "work", "mountPath": copies, "subPath": copies_sub, "readOnly": true },
+                { "name": "work", "mountPath": artifacts, "subPath": artifacts_sub },
+            ])
+        }
+        _ => json!([{ "name": "work", "mountPath": path_arg(work_dir) }]),
+    }
 }
 
 /// The Job converting disk `disk`.
@@ -145,16 +180,14 @@ pub(crate) fn conversion_job(
                 "allowPrivilegeEscalation": false,
                 "capabilities": { "drop": ["ALL"] },
             },
-            "volumeMounts": [{ "name": "work", "mountPath": path_arg(&settings.work_dir) }],
+            "volumeMounts": work_mounts(&settings.work_dir, input),
         }],
         "volumes": [volume],
     });
     if let Some(sa) = &settings.service_account {
         pod_spec["serviceAccountName"] = json!(sa);
     }
-    if let Some(context) = run_as_context(settings.run_as) {
-        pod_spec["securityContext"] = context;
-    }
+    pod_spec["securityContext"] = pod_security_context(settings.run_as);
     json!({
         "apiVersion": "batch/v1",
         "kind": "Job",
@@ -234,7 +267,36 @@ mod tests {
         let container = &job["spec"]["template"]["spec"]["containers"][0];
         assert_eq!(container["command"], json!(["vmmigrate"]));
         assert_eq!(container["args"][0], "convert");
-        assert_eq!(container["volumeMounts"][0]["mountPath"], "/work");
+    }
+
+    #[test]
+    fn the_job_sees_only_its_migrations_copy_read_only_and_its_artifact_folder() {
+        let job = conversion_job(&settings(None), &vmm("web"), 0, &input());
+        let mounts = &job["spec"]["template"]["spec"]["containers"][0]["volumeMounts"];
+        assert_eq!(
+            mounts,
+            &json!([
+                { "name": "work", "mountPath": "/work/copies/apps/web/u-1",
+                  "subPath": "copies/apps/web/u-1", "readOnly": true },
+                { "name": "work", "mountPath": "/work/artifacts/u-1", "subPath": "artifacts/u-1" },
+            ]),
+            "nothing else of /work: not other migrations' files, not staging-tls/"
+        );
+        // The paths `vmmigrate convert` is given are where the mounts put them.
+        let args = &job["spec"]["template"]["spec"]["containers"][0]["args"];
+        assert!(args.as_array().unwrap().contains(&json!("/work/copies/apps/web/u-1/disk-0.raw")));
+        assert!(args.as_array().unwrap().contains(&json!("/work/artifacts/u-1/disk-0.qcow2")));
+        // A path the store never makes mounts the volume as a whole.
+        let odd = JobInput { output: "/elsewhere/disk-0.qcow2".into(), ..input() };
+        let job = conversion_job(&settings(None), &vmm("web"), 0, &odd);
+        let mounts = &job["spec"]["template"]["spec"]["containers"][0]["volumeMounts"];
+        assert_eq!(mounts, &json!([{ "name": "work", "mountPath": "/work" }]));
+    }
+
+    #[test]
+    fn the_job_mounts_the_work_claim_is_owned_by_its_migration_and_labelled() {
+        let job = conversion_job(&settings(None), &vmm("web"), 0, &input());
+        let container = &job["spec"]["template"]["spec"]["containers"][0];
         assert_eq!(
             job["spec"]["template"]["spec"]["volumes"][0]["persistentVolumeClaim"]["claimName"],
             "vmmigrate-work"
@@ -256,7 +318,9 @@ mod tests {
         assert_eq!(job["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"], false);
         let image_user = JobSettings { run_as: None, ..settings(None) };
         let job = conversion_job(&image_user, &vmm("web"), 0, &input());
-        assert!(job["spec"]["template"]["spec"].get("securityContext").is_none());
+        let security = &job["spec"]["template"]["spec"]["securityContext"];
+        assert!(security.get("runAsUser").is_none(), "the image's user");
+        assert_eq!(security["seccompProfile"]["type"], "RuntimeDefault", "always, as `restricted` asks");
     }
 
     #[test]

@@ -310,8 +310,18 @@ impl Converter for ArtifactStore {
 
     async fn start_conversion(&self, vmm: &VirtualMachineMigration, disk: usize) -> Result<(), Failure> {
         let request = self.request(vmm, disk)?;
-        if vmm.spec.conversion.runner == ConversionRunner::Job {
+        // A raw artifact without virt-v2v is a hard link to the copy: nothing
+        // parses the guest's bytes, so nothing needs a Job's isolation, and a
+        // Job (copy and artifact on two mounts) could only copy it.
+        let parses = request.format != OutputFormat::Raw || request.virt_v2v;
+        if vmm.spec.conversion.runner == ConversionRunner::Job && parses {
             let (api, settings) = self.jobs(vmm)?;
+            // The Job mounts its artifact folder by subPath: made here, as
+            // this process's user, not by the kubelet as root.
+            if let Some(dir) = request.output.parent() {
+                std::fs::create_dir_all(dir)
+                    .map_err(|e| io_failure(&format!("creating {}", dir.display()), e))?;
+            }
             let input = JobInput {
                 input: request.input.clone(),
                 input_sha256: request.input_sha256.clone(),

@@ -124,6 +124,48 @@ impl KubeCluster {
         })
     }
 
+    /// What this process may not write in `namespace` of what a migration
+    /// creates there (its DataVolumes, VM and import Secrets), asked with
+    /// SelfSubjectAccessReviews: under deploy/'s RBAC, a namespace without
+    /// the tenant Role. `None`: everything is granted.
+    async fn not_granted(&self, namespace: &str) -> Result<Option<String>, Failure> {
+        use k8s_openapi::api::authorization::v1::{
+            ResourceAttributes, SelfSubjectAccessReview, SelfSubjectAccessReviewSpec,
+        };
+        let reviews: Api<SelfSubjectAccessReview> = Api::all(self.client.clone());
+        let mut refused = Vec::new();
+        for (group, resource) in
+            [("cdi.kubevirt.io", "datavolumes"), ("kubevirt.io", "virtualmachines"), ("", "secrets")]
+        {
+            let review = SelfSubjectAccessReview {
+                spec: SelfSubjectAccessReviewSpec {
+                    resource_attributes: Some(ResourceAttributes {
+                        namespace: Some(namespace.to_owned()),
+                        verb: Some("create".into()),
+                        group: Some(group.into()),
+                        resource: Some(resource.into()),
+                        ..Default::default()
+                    }),
+                    ..Default::default()
+                },
+                ..Default::default()
+            };
+            let answer = reviews
+                .create(&PostParams::default(), &review)
+                .await
+                .map_err(|e| classify("asking what vmmigrate may create", e))?;
+            if !answer.status.is_some_and(|s| s.allowed) {
+                refused.push(resource);
+            }
+        }
+        Ok((!refused.is_empty()).then(|| {
+            format!(
+                "vmmigrate may not create {} in namespace {namespace}: an administrator grants it with the tenant Role (deploy/overlays/example-tenant/tenant.yaml) in that namespace",
+                refused.join(", ")
+            )
+        }))
+    }
+
     /// Lets this cluster read imported volumes back with Jobs of this image
     /// where CDI cannot check a checksum (`super::verify`).
     pub fn with_volume_checks(mut self, settings: VerifySettings) -> KubeCluster {
@@ -329,12 +371,17 @@ impl Cluster for KubeCluster {
         } else {
             DestinationOccupancy::Free
         };
+        let destination_refused = if destination_namespace_exists {
+            self.not_granted(&vmm.spec.destination.namespace).await?
+        } else {
+            None
+        };
         let source_claimed_by = self.claims.claim(vmm).await?;
         Ok(PreflightFacts {
             storage_class_exists,
             destination_namespace_exists,
             destination_vm,
-            destination_refused: None,
+            destination_refused,
             data_plane_blocked: None,
             source_claimed_by,
         })
@@ -632,8 +679,15 @@ impl Prober for KubeProber {
             }
             Some(CheckKindRef::Ip) => ip_check(&status),
             Some(CheckKindRef::Http(http)) => {
-                run_http_check(&self.client, &vmm.spec.destination.namespace, http, &vmi_addresses(&status))
-                    .await
+                let services = match service_ranges(&self.client).await {
+                    Ok(ranges) => ranges,
+                    Err(e) => {
+                        return CheckResult::NotYet { message: format!("reading the Service ranges: {e}") };
+                    }
+                };
+                let addresses: Vec<std::net::IpAddr> =
+                    vmi_addresses(&status).into_iter().filter(|ip| !in_any(ip, &services)).collect();
+                run_http_check(&self.client, &vmm.spec.destination.namespace, http, &addresses).await
             }
             None => CheckResult::Wrong { message: "the check sets none of http, guestAgent, ip".into() },
         }
@@ -667,8 +721,6 @@ fn ip_check(status: &Value) -> CheckResult {
     }
 }
 
-/// Every address the VMI reports on its interfaces (`ipAddress` and
-/// `ipAddresses`): the only ones an `http` check may talk to.
 /// The addresses the `http` check may talk to: those KubeVirt itself
 /// reports for the VMI's interfaces (`infoSource` naming the domain or
 /// Multus, or not given), never one only the guest agent announces (a
@@ -694,6 +746,59 @@ fn vmi_addresses(status: &Value) -> Vec<std::net::IpAddr> {
         }
     }
     addresses
+}
+
+/// The cluster's Service address ranges (its ServiceCIDR objects,
+/// networking.k8s.io/v1 since Kubernetes 1.33): an `http` check never
+/// talks to one, whatever the VMI reports. A cluster without the API
+/// has none to read (404).
+async fn service_ranges(client: &Client) -> Result<Vec<Range>, kube::Error> {
+    use k8s_openapi::api::networking::v1::ServiceCIDR;
+    let api: Api<ServiceCIDR> = Api::all(client.clone());
+    let listed = match api.list(&kube::api::ListParams::default()).await {
+        Ok(listed) => listed,
+        Err(kube::Error::Api(s)) if s.code == 404 => return Ok(Vec::new()),
+        Err(e) => return Err(e),
+    };
+    Ok(listed
+        .items
+        .iter()
+        .filter_map(|c| c.spec.as_ref()?.cidrs.clone())
+        .flatten()
+        .filter_map(|c| parse_range(&c))
+        .collect())
+}
+
+/// An address range, `(network, prefix length)`.
+type Range = (std::net::IpAddr, u8);
+
+/// `10.96.0.0/16`, `fd00:10:96::/112`.
+fn parse_range(text: &str) -> Option<Range> {
+    let (ip, prefix) = text.trim().split_once('/')?;
+    let ip: std::net::IpAddr = ip.parse().ok()?;
+    let prefix: u8 = prefix.parse().ok()?;
+    let bits = if ip.is_ipv4() { 32 } else { 128 };
+    (prefix <= bits).then_some((ip, prefix))
+}
+
+fn in_any(ip: &std::net::IpAddr, ranges: &[Range]) -> bool {
+    let bits = |ip: &std::net::IpAddr| match ip {
+        std::net::IpAddr::V4(v4) => (u128::from(u32::from(*v4)), 32u32),
+        std::net::IpAddr::V6(v6) => (u128::from(*v6), 128u32),
+    };
+    let (value, width) = bits(ip);
+    ranges.iter().any(|(net, prefix)| {
+        let (network, net_width) = bits(net);
+        let prefix = u32::from(*prefix);
+        if net_width != width {
+            return false;
+        }
+        if prefix == 0 {
+            return true;
+        }
+        let shift = width - prefix;
+        (value >> shift) == (network >> shift)
+    })
 }
 
 /// Not an address of the host, the link or everyone.
@@ -760,6 +865,24 @@ mod tests {
         ] });
         let addresses: Vec<String> = vmi_addresses(&status).iter().map(ToString::to_string).collect();
         assert_eq!(addresses, ["10.244.0.7", "fd10::7", "192.168.7.4"]);
+    }
+
+    #[test]
+    fn an_address_in_a_service_range_is_never_checked_whatever_the_vmi_reports() {
+        let ranges: Vec<Range> =
+            ["10.96.0.0/16", "fd00:10:96::/112"].iter().filter_map(|r| parse_range(r)).collect();
+        assert_eq!(ranges.len(), 2);
+        let inside = |ip: &str| in_any(&ip.parse().unwrap(), &ranges);
+        assert!(inside("10.96.0.1"), "the API server's Service address");
+        assert!(inside("10.96.255.254"));
+        assert!(inside("fd00:10:96::1"));
+        assert!(!inside("10.97.0.1"));
+        assert!(!inside("10.244.0.7"), "a pod address");
+        assert!(!inside("fd00:10:97::1"));
+        assert!(in_any(&"192.168.1.1".parse().unwrap(), &[parse_range("0.0.0.0/0").unwrap()]));
+        assert!(!in_any(&"::1".parse().unwrap(), &[parse_range("0.0.0.0/0").unwrap()]), "families apart");
+        assert_eq!(parse_range("10.0.0.0/33"), None);
+        assert_eq!(parse_range("10.0.0.0"), None);
     }
 
     #[test]

@@ -82,9 +82,7 @@ pub(crate) fn verify_job(settings: &VerifySettings, vmm: &VirtualMachineMigratio
         }],
         "volumes": [{ "name": "volume", "persistentVolumeClaim": { "claimName": dv, "readOnly": true } }],
     });
-    if let Some(context) = crate::convert::job::run_as_context(settings.run_as) {
-        pod_spec["securityContext"] = context;
-    }
+    pod_spec["securityContext"] = crate::convert::job::pod_security_context(settings.run_as);
     json!({
         "apiVersion": "batch/v1",
         "kind": "Job",

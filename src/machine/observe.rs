@@ -119,8 +119,10 @@ pub struct PreflightFacts {
     pub storage_class_exists: bool,
     pub destination_namespace_exists: bool,
     pub destination_vm: DestinationOccupancy,
-    /// Why the administrator's rules refuse the destination namespace (`None`: allowed).
-    /// The controller fills it from its own configuration, whatever the adapter says.
+    /// Why the destination namespace is refused (`None`: allowed): the
+    /// administrator's rules, which the controller fills from its own
+    /// configuration whatever the adapter says, or else the cluster's
+    /// refusal of this process's writes there (no tenant Role).
     pub destination_refused: Option<String>,
     /// Another migration (`namespace/name`) that holds the claim on the same source VM.
     pub source_claimed_by: Option<String>,

@@ -21,7 +21,7 @@
 use super::protocol::{CALL_PATH, CONTROL_PORT, Call, Request, STAGING_PORT};
 use crate::api::{Reason, VirtualMachineMigration};
 use crate::convert::access::StagingAccess;
-use crate::convert::job::{LABEL_ROLE, bounded_name, run_as_context};
+use crate::convert::job::{LABEL_ROLE, bounded_name, pod_security_context};
 use crate::machine::{ArtifactState, CopyState, Failure};
 use crate::ports::kube_errors::{classify, delete_by_uid};
 use crate::ports::{Converter, DiskStore, ImportAccess, Staging};
@@ -525,11 +525,12 @@ fn job(settings: &WorkerSettings, vmm: &VirtualMachineMigration, cluster_ip: &st
             { "name": "tmp", "emptyDir": {} },
         ],
     });
-    if let Some(mut context) = run_as_context(settings.run_as) {
+    let mut context = pod_security_context(settings.run_as);
+    if let Some((_, gid)) = settings.run_as {
         // The volumes' files belong to the worker's group.
-        context["fsGroup"] = context["runAsGroup"].clone();
-        pod_spec["securityContext"] = context;
+        context["fsGroup"] = json!(gid);
     }
+    pod_spec["securityContext"] = context;
     json!({
         "apiVersion": "batch/v1",
         "kind": "Job",
@@ -786,6 +787,7 @@ mod tests {
         assert_eq!(pod["automountServiceAccountToken"], false, "the worker reads nothing from the API");
         assert_eq!(pod["securityContext"]["runAsNonRoot"], true);
         assert_eq!(pod["securityContext"]["fsGroup"], 65532);
+        assert_eq!(pod["securityContext"]["seccompProfile"]["type"], "RuntimeDefault");
         let container = &pod["containers"][0];
         let args: Vec<&str> =
             container["args"].as_array().unwrap().iter().map(|a| a.as_str().unwrap()).collect();

@@ -46,9 +46,9 @@ pub fn install(env: &KubeEnv, dir: &Path, install: &Install<'_>) -> anyhow::Resu
     let base = format!("{up}{}", base.strip_prefix("/")?.display());
     let mut resources = vec![base];
     let tenant =
-        std::fs::read_to_string(crate::repo_root().join("deploy/overlays/example-tenant/credentials.yaml"))?;
+        std::fs::read_to_string(crate::repo_root().join("deploy/overlays/example-tenant/tenant.yaml"))?;
     for ns in install.credential_namespaces {
-        let file = format!("credentials-{ns}.yaml");
+        let file = format!("tenant-{ns}.yaml");
         std::fs::write(
             dir.join(&file),
             tenant.replace("  namespace: vmmigrate\n", &format!("  namespace: {ns}\n")),

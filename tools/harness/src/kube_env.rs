@@ -575,6 +575,17 @@ impl KubeEnv {
         kube::client::ClientBuilder::try_from(config).expect("kube client").with_layer(&strict).build()
     }
 
+    /// Every request `user` made since `since`, as the API server's audit
+    /// log recorded it (`None` for a borrowed cluster, which has none).
+    pub fn audited_requests(
+        &self,
+        user: &str,
+        since: std::time::SystemTime,
+    ) -> Option<anyhow::Result<Vec<AuditedRequest>>> {
+        let path = self.audit_log.as_ref()?;
+        Some(std::fs::read_to_string(path).map_err(Into::into).map(|log| audited_requests(&log, user, since)))
+    }
+
     /// Every delete in `namespace` the API server answered, as its audit
     /// log recorded it (`None` for a borrowed cluster, which has none).
     pub fn audited_deletes(&self, namespace: &str) -> Option<anyhow::Result<Vec<AuditedDelete>>> {
@@ -586,12 +597,30 @@ impl KubeEnv {
 /// Records every delete at `RequestResponse` (the deleted object, or a
 /// `Status` naming its uid, is the answer), and the writes of the kinds
 /// vmmigrate creates (their answers carry each object's uid and labels, for
-/// a delete answered by a `Status`); nothing else, events and leases not
-/// even that.
+/// a delete answered by a `Status`); of other clients nothing else, events
+/// and leases not even that. Of deploy/'s ServiceAccount, every request,
+/// its metadata at least (`audited_requests`).
 const AUDIT_POLICY: &str = "apiVersion: audit.k8s.io/v1
 kind: Policy
 omitStages: [RequestReceived, ResponseStarted]
 rules:
+  - level: RequestResponse
+    users: [\"system:serviceaccount:vmmigrate-system:vmmigrate\"]
+    verbs: [delete, deletecollection]
+  - level: RequestResponse
+    users: [\"system:serviceaccount:vmmigrate-system:vmmigrate\"]
+    verbs: [create, patch, update]
+    resources:
+      - group: \"\"
+        resources: [secrets, configmaps, persistentvolumeclaims, services]
+      - group: batch
+        resources: [jobs]
+      - group: cdi.kubevirt.io
+        resources: [datavolumes]
+      - group: kubevirt.io
+        resources: [virtualmachines]
+  - level: Metadata
+    users: [\"system:serviceaccount:vmmigrate-system:vmmigrate\"]
   - level: None
     resources:
       - group: \"\"
@@ -613,6 +642,54 @@ rules:
         resources: [virtualmachines]
   - level: None
 ";
+
+/// One API request as the audit log recorded it.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct AuditedRequest {
+    pub verb: String,
+    /// API group (`""`: core), resource and subresource; all empty for a
+    /// non-resource URL (`path` then).
+    pub group: String,
+    pub resource: String,
+    pub subresource: String,
+    /// Empty: cluster-scoped, or every namespace.
+    pub namespace: String,
+    pub path: String,
+    /// The answer's HTTP status.
+    pub code: u16,
+}
+
+/// Every request `user` made itself (not impersonated by another) since
+/// `since`, from an audit log (JSON lines).
+pub fn audited_requests(log: &str, user: &str, since: std::time::SystemTime) -> Vec<AuditedRequest> {
+    use k8s_openapi::jiff::Timestamp;
+    let since = Timestamp::try_from(since).unwrap_or(Timestamp::MIN);
+    log.lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|e| {
+            e["stage"] == "ResponseComplete"
+                && e["user"]["username"] == user
+                && e["impersonatedUser"].is_null()
+                && e["requestReceivedTimestamp"]
+                    .as_str()
+                    .and_then(|t| t.parse::<Timestamp>().ok())
+                    .is_some_and(|t| t >= since)
+        })
+        .map(|e| {
+            let text = |v: &serde_json::Value| v.as_str().unwrap_or_default().to_owned();
+            let object = &e["objectRef"];
+            AuditedRequest {
+                verb: text(&e["verb"]),
+                group: text(&object["apiGroup"]),
+                resource: text(&object["resource"]),
+                subresource: text(&object["subresource"]),
+                namespace: text(&object["namespace"]),
+                path: text(&e["requestURI"]).split('?').next().unwrap_or_default().to_owned(),
+                code: e["responseStatus"]["code"].as_u64().unwrap_or(0) as u16,
+            }
+        })
+        .collect()
+}
 
 /// One object a delete removed (or marked for removal), from the audit log.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
