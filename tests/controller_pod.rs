@@ -428,16 +428,32 @@ spec:
     }
 
     // The API server's audit log of the run against the rights granted.
-    audit_matches_the_granted_rights(env, installed_at, &apps);
+    // Every migration it watched (other tests leave some in vmmigrate-system)
+    // names the credentials it may read.
+    let credentials: Vec<String> = migrations
+        .list(&ListParams::default())
+        .await
+        .unwrap()
+        .items
+        .iter()
+        .map(|m| m.spec.source.credentials_secret_ref.name.clone())
+        .collect();
+    audit_matches_the_granted_rights(env, installed_at, &apps, &credentials);
 }
 
 /// Every request the installed controller made with the ServiceAccount's
 /// own token since `since` (impersonated ones are deploy_rbac's reviews)
 /// was answered without a 403, and each is a call on deploy_rbac's
-/// hand-kept lists: the base's, or the tenant Role's in `tenant`. The
+/// hand-kept lists: the base's, or the tenant Role's in `tenant`; of
+/// Secrets it read only the `credentials` its migrations name and its own. The
 /// grants the run never used are printed (a path this test does not take,
 /// or a right to take back).
-fn audit_matches_the_granted_rights(env: &KubeEnv, since: std::time::SystemTime, tenant: &str) {
+fn audit_matches_the_granted_rights(
+    env: &KubeEnv,
+    since: std::time::SystemTime,
+    tenant: &str,
+    credentials: &[String],
+) {
     use crate::deploy_rbac::{ANY, CALLS, SA_USER, TENANT_CALLS};
     let Some(requests) = env.audited_requests(SA_USER, since) else {
         return; // a borrowed cluster: no audit log
@@ -474,6 +490,24 @@ fn audit_matches_the_granted_rights(env: &KubeEnv, since: std::time::SystemTime,
         "the controller made calls on no granted list:\n  {}",
         unlisted.join("\n  ")
     );
+    // What RBAC cannot say (it grants `get` on Secrets by any name in a
+    // tenant namespace): the Secrets read were the migration's credentials
+    // and vmmigrate's own import and worker Secrets, nothing else.
+    let mut read: Vec<&str> = requests
+        .iter()
+        .filter(|r| r.resource == "secrets" && r.verb == "get")
+        .map(|r| r.name.as_str())
+        .collect();
+    read.sort();
+    read.dedup();
+    assert!(read.contains(&"esxi"), "the credentials were read: {read:?}");
+    let foreign: Vec<&&str> = read
+        .iter()
+        .filter(|n| {
+            !credentials.iter().any(|c| c == **n) && !n.ends_with("-import") && !n.ends_with("-vmm-worker")
+        })
+        .collect();
+    assert!(foreign.is_empty(), "the controller read Secrets not its own: {foreign:?}");
     let unused: Vec<String> = CALLS
         .iter()
         .chain(TENANT_CALLS)

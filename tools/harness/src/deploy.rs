@@ -99,9 +99,10 @@ patches:
     Ok(())
 }
 
-/// Deletes the Deployment and the work claim (a claim's access modes cannot
+/// Deletes the Deployment, the work claim (a claim's access modes cannot
 /// change, so an install over the base's ReadWriteMany claim needs this
-/// first), and waits until they are gone. The CRD and RBAC stay.
+/// first) and the staging Service, and waits until they are gone. The CRD
+/// and RBAC stay.
 pub fn remove_workloads(env: &KubeEnv) -> anyhow::Result<()> {
     if env.kubectl(&["get", "namespace", SYSTEM]).is_err() {
         return Ok(());
@@ -138,6 +139,10 @@ pub fn remove_workloads(env: &KubeEnv) -> anyhow::Result<()> {
         "--grace-period=0",
         "--force",
     ])?;
+    // The base as written gives the staging Service an address of the
+    // cluster's choosing (tests/deploy_rbac.rs applies it so); the overlay
+    // pins it, and a Service's address cannot change once set.
+    env.kubectl(&["-n", SYSTEM, "delete", "service/vmmigrate-staging", "--ignore-not-found", "--wait=true"])?;
     env.kubectl(&[
         "-n",
         SYSTEM,

@@ -654,6 +654,8 @@ pub struct AuditedRequest {
     pub subresource: String,
     /// Empty: cluster-scoped, or every namespace.
     pub namespace: String,
+    /// The object's name (empty for a list, a watch or a create without one).
+    pub name: String,
     pub path: String,
     /// The answer's HTTP status.
     pub code: u16,
@@ -684,6 +686,7 @@ pub fn audited_requests(log: &str, user: &str, since: std::time::SystemTime) -> 
                 resource: text(&object["resource"]),
                 subresource: text(&object["subresource"]),
                 namespace: text(&object["namespace"]),
+                name: text(&object["name"]),
                 path: text(&e["requestURI"]).split('?').next().unwrap_or_default().to_owned(),
                 code: e["responseStatus"]["code"].as_u64().unwrap_or(0) as u16,
             }
