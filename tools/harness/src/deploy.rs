@@ -3,7 +3,7 @@
 //! overlay is what someone running a one-node cluster writes: the image
 //! they imported, a ReadWriteOnce claim of the node's provisioner, their
 //! repository, and smaller CPU requests (the node has two cores); plus, per
-//! extra namespace holding migrations, the Secret-reading Role of
+//! extra namespace holding migrations or their VMs, the tenant Role of
 //! `deploy/overlays/example-tenant`. The test cluster runs no cluster DNS,
 //! so CDI's importer pods reach the staging server by its Service's
 //! address: the overlay pins the Service to [`STAGING_CLUSTER_IP`] and
