@@ -464,7 +464,7 @@ fn convert(req: ConversionRequest) -> anyhow::Result<()> {
 pub const VOLUME_DIFFERS: u8 = 3;
 
 fn verify_volume(path: &std::path::Path, size: u64, sha256: &str) -> ExitCode {
-    let digest = match crate::convert::artifact::volume_digest(path, size) {
+    let digest = match crate::images::digest::volume_digest(path, size) {
         Ok(digest) => digest,
         Err(e) => {
             let line = format!("error: reading {}: {e}", path.display());

@@ -16,8 +16,8 @@
 //! from what the reconciler last recorded for each migration, so a phase
 //! change replaces the old label set instead of leaving it behind.
 //!
-//! Written on `tokio::net::TcpListener` like `crate::convert::staging`: three
-//! GET routes, one request per connection.
+//! Served by `crate::server` (hyper under its connection cap and deadlines):
+//! three GET routes.
 
 use crate::api::{Phase, VirtualMachineMigrationStatus};
 use crate::server::{self, Limits, Server};

@@ -386,7 +386,7 @@ spec:
     let mut imported = Vec::new();
     for (d, (_, _, _, size)) in emu.disk_files(VMID).into_iter().enumerate() {
         let image = crate::support::imported_image(&client, &apps, &format!("{VM}-disk-{d}")).await;
-        let digest = vmmigrate::convert::artifact::volume_digest(&image, size).unwrap();
+        let digest = vmmigrate::images::digest::volume_digest(&image, size).unwrap();
         assert_eq!(digest.nonzero_tail_bytes, 0, "{}: bytes after the disk", image.display());
         imported.push(digest.sha256);
     }

@@ -130,7 +130,7 @@ async fn stale_partial_output_is_removed_and_redone() {
     assert!(!artifact::corrupt_path(&req.output).exists());
     assert_eq!(artifact::read_marker(&req.output), Some(marker.clone()));
     assert_eq!(artifact::sha256_file(&req.output, None).unwrap(), (marker.size, marker.sha256));
-    let info = vmmigrate::convert::qemu::info(&req.output, Some("qcow2")).await.unwrap();
+    let info = vmmigrate::images::qemu::info(&req.output, Some("qcow2")).await.unwrap();
     assert_eq!(info.virtual_size, DISK_SIZE);
 }
 
@@ -181,7 +181,7 @@ async fn missing_input_is_reported_as_a_missing_copy() {
 
 #[tokio::test]
 async fn virt_v2v_requested_but_absent_needs_a_human() {
-    if vmmigrate::convert::qemu::virt_v2v_path().is_some() {
+    if vmmigrate::images::qemu::virt_v2v_path().is_some() {
         eprintln!("virt-v2v is installed here; its absence cannot be tested");
         return;
     }
@@ -242,12 +242,12 @@ async fn qemu_img_progress_is_parsed_up_to_completion() {
     fs::create_dir_all(&disk.artifacts).unwrap();
     let output = disk.artifacts.join("direct.qcow2");
     let per_mille = AtomicU64::new(0);
-    vmmigrate::convert::qemu::convert(&disk.input, "raw", &output, "qcow2", &per_mille).await.unwrap();
+    vmmigrate::images::qemu::convert(&disk.input, "raw", &output, "qcow2", &per_mille).await.unwrap();
     assert_eq!(per_mille.load(Ordering::Relaxed), 1000);
-    vmmigrate::convert::qemu::check(&output, "qcow2").await.unwrap();
+    vmmigrate::images::qemu::check(&output, "qcow2").await.unwrap();
 
     // A failed conversion carries qemu-img's own words.
-    let err = vmmigrate::convert::qemu::convert(
+    let err = vmmigrate::images::qemu::convert(
         &disk.input,
         "raw",
         &disk.artifacts.join("no/such/dir/x.qcow2"),
@@ -264,7 +264,7 @@ async fn qcow2_with_broken_refcounts_fails_its_check() {
     let disk = disk();
     fs::create_dir_all(&disk.artifacts).unwrap();
     let image = disk.artifacts.join("broken.qcow2");
-    vmmigrate::convert::qemu::convert(&disk.input, "raw", &image, "qcow2", &AtomicU64::new(0)).await.unwrap();
+    vmmigrate::images::qemu::convert(&disk.input, "raw", &image, "qcow2", &AtomicU64::new(0)).await.unwrap();
     // Zero the first refcount block: every cluster in use now has refcount 0.
     let mut bytes = fs::read(&image).unwrap();
     let table = u64::from_be_bytes(bytes[48..56].try_into().unwrap()) as usize;
@@ -272,7 +272,7 @@ async fn qcow2_with_broken_refcounts_fails_its_check() {
     bytes[block..block + 512].fill(0);
     fs::write(&image, bytes).unwrap();
 
-    let err = vmmigrate::convert::qemu::check(&image, "qcow2").await.unwrap_err();
+    let err = vmmigrate::images::qemu::check(&image, "qcow2").await.unwrap_err();
     assert!(err.to_string().contains("the image is corrupt"), "{err}");
-    vmmigrate::convert::qemu::check(&disk.input, "raw").await.unwrap();
+    vmmigrate::images::qemu::check(&disk.input, "raw").await.unwrap();
 }

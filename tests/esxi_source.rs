@@ -561,7 +561,7 @@ fn chain_sha256(descriptor: &std::path::Path) -> String {
 async fn a_warm_copy_of_a_changing_vm_assembles_exactly_the_disks_a_cold_copy_gives() {
     use crate::support::esxi_snapshots::GuestWrites;
     use crate::support::vmdk_delta::DeltaFormat;
-    use vmmigrate::convert::chain::{self, DeltaKind};
+    use vmmigrate::images::chain::{self, DeltaKind};
     use vmmigrate::source::esxi::snapshot::snapshot_name;
     for format in [DeltaFormat::SeSparse, DeltaFormat::VmfsSparse] {
         let emu = EsxiEmulator::start(EsxiOptions {

@@ -815,7 +815,7 @@ async fn a_plan_that_discovers_a_vm_another_migration_claims_fails_naming_that_m
     let mut first = api.get("web-01").await.unwrap();
     let inventory = world.discover(&first).await.unwrap();
     first.status.get_or_insert_with(Default::default).source_inventory = Some(inventory);
-    let claims = vmmigrate::destination::claims::SourceClaims::new(client.clone(), &ns);
+    let claims = vmmigrate::objects::claims::SourceClaims::new(client.clone(), &ns);
     assert_eq!(claims.claim(&first).await.unwrap(), None, "web-01 holds the claim");
 
     // A PR names the same VM under another name (the world has one VM).

@@ -20,6 +20,7 @@ mod forge;
 mod gitops_e2e;
 mod gitops_render;
 mod harness_janitor;
+mod house;
 mod http_check;
 mod leader_election;
 mod logs;

@@ -12,9 +12,9 @@ use kube::{Client, ResourceExt};
 use std::time::Duration;
 use vmmigrate::api::{Phase, SourceInventory, VirtualMachineMigration, VirtualMachineMigrationStatus};
 use vmmigrate::controller::reconciler::{self, ControllerConfig};
-use vmmigrate::destination::claims::CLAIM_LABEL;
 use vmmigrate::destination::cluster::KubeCluster;
 use vmmigrate::machine::tenancy::DestinationRules;
+use vmmigrate::objects::claims::CLAIM_LABEL;
 use vmmigrate::ports::Cluster;
 
 /// A migration of `vm` (by name) created in `ns`, with the inventory discovery

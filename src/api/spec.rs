@@ -581,6 +581,14 @@ pub struct TimeoutSpec {
     pub import_stall_seconds: i32,
 }
 
+impl TimeoutSpec {
+    /// How long one SSH command may take on the host (`sshSeconds`, at
+    /// least a second): the ESXi adapter's own bound on every command.
+    pub fn ssh(&self) -> std::time::Duration {
+        std::time::Duration::from_secs(self.ssh_seconds.max(1) as u64)
+    }
+}
+
 impl Default for TimeoutSpec {
     fn default() -> Self {
         TimeoutSpec {

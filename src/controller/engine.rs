@@ -55,23 +55,16 @@ async fn bounded<T>(
     }
 }
 
+/// The engine's outer bound on one call to the host: twice the adapter's
+/// own bound on a command, so that the adapter's fires first and says why.
 fn ssh_timeout(vmm: &VirtualMachineMigration) -> Duration {
-    Duration::from_secs(vmm.spec.strategy.timeouts.ssh_seconds.max(1) as u64 * 2)
-}
-
-fn disk_count(vmm: &VirtualMachineMigration) -> usize {
-    let status = vmm.status.as_ref();
-    let recorded = status.map(|s| s.disks.len()).unwrap_or(0);
-    if recorded > 0 {
-        return recorded;
-    }
-    status.and_then(|s| s.source_inventory.as_ref()).map(|i| i.disks.len()).unwrap_or(0)
+    vmm.spec.strategy.timeouts.ssh() * 2
 }
 
 /// Looks at the world for the migration's current checkpoint.
 pub(crate) async fn observe(adapters: &Adapters, vmm: &VirtualMachineMigration) -> Observed {
     let phase = vmm.status.as_ref().map(|s| s.phase).unwrap_or_default();
-    let disks = disk_count(vmm);
+    let disks = machine::disks_in_flight(vmm.status.as_ref());
     match phase {
         Phase::Discovering => Observed::Discovery(
             bounded("ESXi discovery", ssh_timeout(vmm) * 4, adapters.esxi.discover(vmm)).await,

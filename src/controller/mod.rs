@@ -1,5 +1,6 @@
 //! The controller: observe through the ports (`crate::ports`), decide with `crate::machine`,
-//! act idempotently, record status with server-side apply.
+//! act idempotently, record status with a merge patch guarded by the
+//! resourceVersion read (`reconciler`).
 //!
 //! - `engine`: one reconcile, independent of kube-runtime
 //! - `service`: the real adapters assembled for `vmmigrate controller`

@@ -8,13 +8,11 @@
 //! controller's own retry budget decides about retries, not the Job controller.
 
 use crate::api::VirtualMachineMigration;
-use crate::destination::render::{labels, owner_references};
+use crate::objects::pods::{container_security_context, pod_security_context};
+use crate::objects::{LABEL_ROLE, bounded_name, labels, owner_references};
 use serde_json::{Value, json};
-use sha2::{Digest, Sha256};
 use std::path::{Path, PathBuf};
 
-/// Label with the role of a helper object (`convert`).
-pub(crate) const LABEL_ROLE: &str = "migration.platform.example/role";
 pub(crate) use crate::api::labels::DISK as LABEL_DISK;
 
 /// How conversion Jobs are run.
@@ -53,33 +51,6 @@ pub(crate) struct JobInput {
 /// The Job's name: `<migration>-convert-<n>`, at most 63 characters.
 pub(crate) fn job_name(vmm: &VirtualMachineMigration, disk: usize) -> String {
     bounded_name(&vmm.metadata.name.clone().unwrap_or_default(), &format!("-convert-{disk}"))
-}
-
-/// `<base><suffix>` in at most 63 characters (a Job's name becomes a pod
-/// label): a longer base is cut and marked with a hash of itself, so
-/// names stay deterministic and distinct.
-pub(crate) fn bounded_name(base: &str, suffix: &str) -> String {
-    if base.len() + suffix.len() <= 63 {
-        return format!("{base}{suffix}");
-    }
-    let hash: String = Sha256::digest(base.as_bytes()).iter().take(4).map(|b| format!("{b:02x}")).collect();
-    let keep = 63 - suffix.len() - hash.len() - 1;
-    let head = base[..keep].trim_end_matches(['-', '.']);
-    format!("{head}-{hash}{suffix}")
-}
-
-/// The pod security context of a helper Job: the runtime's seccomp profile
-/// always, and the controller's ids when known. With a non-root controller
-/// the pod passes Pod Security `restricted` (deploy/base/namespace.yaml)
-/// and deploy/base/admission-policies.yaml.
-pub(crate) fn pod_security_context(run_as: Option<(u32, u32)>) -> Value {
-    let mut context = json!({ "seccompProfile": { "type": "RuntimeDefault" } });
-    if let Some((uid, gid)) = run_as {
-        context["runAsUser"] = json!(uid);
-        context["runAsGroup"] = json!(gid);
-        context["runAsNonRoot"] = json!(uid != 0);
-    }
-    context
 }
 
 /// The namespace the Job runs in.
@@ -151,14 +122,7 @@ pub(crate) fn conversion_job(
     let mut labels = labels(vmm);
     labels.insert(LABEL_ROLE.into(), json!("convert"));
     labels.insert(LABEL_DISK.into(), json!(disk.to_string()));
-    let owners = if vmm.metadata.namespace.as_deref() == Some(namespace.as_str()) {
-        // Same rule as the destination objects: owners only within one namespace.
-        let mut vmm_here = vmm.clone();
-        vmm_here.spec.destination.namespace = namespace.clone();
-        owner_references(&vmm_here)
-    } else {
-        json!([])
-    };
+    let owners = owner_references(vmm, &namespace);
     let volume = match &settings.work_claim {
         Some(claim) => json!({ "name": "work", "persistentVolumeClaim": { "claimName": claim } }),
         None => json!({ "name": "work", "emptyDir": {} }),
@@ -176,10 +140,7 @@ pub(crate) fn conversion_job(
                 "requests": { "cpu": "500m", "memory": "256Mi" },
                 "limits": { "memory": "1Gi" },
             },
-            "securityContext": {
-                "allowPrivilegeEscalation": false,
-                "capabilities": { "drop": ["ALL"] },
-            },
+            "securityContext": container_security_context(false),
             "volumeMounts": work_mounts(&settings.work_dir, input),
         }],
         "volumes": [volume],

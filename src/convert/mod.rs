@@ -14,9 +14,7 @@
 
 pub mod access;
 pub mod artifact;
-pub mod chain;
 pub(crate) mod job;
 pub mod produce;
-pub mod qemu;
 pub mod staging;
 pub(crate) mod store;

@@ -8,8 +8,8 @@
 //! and writes the marker last.
 
 use super::artifact::{self, Marker};
-use super::qemu::{self, QemuError};
 use crate::api::Reason;
+use crate::images::qemu::{self, QemuError};
 use crate::machine::Failure;
 use std::fmt;
 use std::future::Future;

@@ -233,28 +233,8 @@ impl ArtifactStore {
 
 impl ArtifactStore {
     async fn pod_error(&self, namespace: &str, job: &str) -> Option<String> {
-        job_termination_line(self.client.as_ref()?, namespace, job).await
+        crate::objects::pods::job_termination_line(self.client.as_ref()?, namespace, job).await
     }
-}
-
-/// The last line of the termination message of a finished pod of Job `job`.
-pub(crate) async fn job_termination_line(client: &Client, namespace: &str, job: &str) -> Option<String> {
-    use k8s_openapi::api::core::v1::Pod;
-    let pods: Api<Pod> = Api::namespaced(client.clone(), namespace);
-    let params = kube::api::ListParams::default().labels(&format!("batch.kubernetes.io/job-name={job}"));
-    let list = pods.list(&params).await.ok()?;
-    list.items.iter().find_map(|pod| {
-        let statuses = pod.status.as_ref()?.container_statuses.as_ref()?;
-        statuses.iter().find_map(|s| {
-            let message = s.state.as_ref()?.terminated.as_ref()?.message.as_ref()?;
-            message
-                .lines()
-                .rev()
-                .map(str::trim)
-                .find(|l| !l.is_empty())
-                .map(|l| l.chars().take(1024).collect())
-        })
-    })
 }
 
 impl Drop for ArtifactStore {
@@ -458,7 +438,8 @@ impl Staging for ArtifactStore {
         if vmm.spec.conversion.runner == ConversionRunner::Job
             && let Ok((api, _)) = self.jobs(vmm)
         {
-            let selector = format!("{}={uid},{}=convert", crate::api::labels::MIGRATION_UID, job::LABEL_ROLE);
+            let selector =
+                format!("{}={uid},{}=convert", crate::api::labels::MIGRATION_UID, crate::objects::LABEL_ROLE);
             if let Ok(list) = api.list(&ListParams::default().labels(&selector)).await {
                 for j in list {
                     delete_by_uid(&api, &j.name_any(), j.metadata.uid.clone(), "a conversion Job").await?;

@@ -1,7 +1,6 @@
 //! The real `Cluster` and `Prober` adapters: CDI DataVolumes, the KubeVirt
 //! VirtualMachine and its VMI, through the Kubernetes API.
 
-use super::claims::SourceClaims;
 use super::http_check::run_http_check;
 use super::render;
 use super::verify::{self, VerifySettings};
@@ -12,6 +11,7 @@ use crate::machine::{
     CheckResult, DataVolumeState, DestinationOccupancy, Failure, PreflightFacts, StartingFacts, VmState,
     VmiState, VolumeCheck, data_volume_name, destination_name,
 };
+use crate::objects::claims::SourceClaims;
 use crate::ports::kube_errors::{classify, delete_by_uid};
 use crate::ports::{Cluster, ImportAccess, Prober};
 use async_trait::async_trait;
@@ -244,7 +244,7 @@ impl KubeCluster {
 
     /// Deletes the import Secrets and CA ConfigMaps of every disk.
     async fn delete_import_access(&self, vmm: &VirtualMachineMigration) -> Result<(), Failure> {
-        for disk in 0..disk_count(vmm) {
+        for disk in 0..crate::machine::disks_ever_named(vmm.status.as_ref()) {
             let dv = Self::dv_name(vmm, disk);
             self.delete_if_ours(vmm, &secret_resource(), &render::import_secret_name(&dv)).await?;
             self.delete_if_ours(vmm, &config_map_resource(), &render::import_ca_name(&dv)).await?;
@@ -485,7 +485,7 @@ impl Cluster for KubeCluster {
         if !finished("Complete") && !finished("Failed") {
             return Ok(Some(VolumeCheck::Running));
         }
-        let said = crate::convert::store::job_termination_line(
+        let said = crate::objects::pods::job_termination_line(
             &self.client,
             &vmm.spec.destination.namespace,
             &job_name,
@@ -540,7 +540,7 @@ impl Cluster for KubeCluster {
         let live =
             json!({ "spec": { "template": vm.data.get("spec").and_then(|s| s.get("template")).cloned() } });
         let want = json!({ "spec": { "template": wanted["spec"]["template"].clone() } });
-        let differences = super::semantic::differences(&live, &want);
+        let differences = crate::objects::semantic::differences(&live, &want);
         Ok(if differences.is_empty() {
             VmState::Matching { uid }
         } else {
@@ -616,7 +616,7 @@ impl Cluster for KubeCluster {
 
     async fn delete_destination(&self, vmm: &VirtualMachineMigration) -> Result<(), Failure> {
         self.delete_if_ours(vmm, &virtual_machine_resource(), &Self::vm_name(vmm)).await?;
-        for disk in 0..disk_count(vmm) {
+        for disk in 0..crate::machine::disks_ever_named(vmm.status.as_ref()) {
             self.delete_data_volume(vmm, disk).await?;
         }
         self.delete_import_access(vmm).await
@@ -624,7 +624,7 @@ impl Cluster for KubeCluster {
 
     async fn release_destination(&self, vmm: &VirtualMachineMigration) -> Result<(), Failure> {
         self.release(vmm, &virtual_machine_resource(), &Self::vm_name(vmm)).await?;
-        for disk in 0..disk_count(vmm) {
+        for disk in 0..crate::machine::disks_ever_named(vmm.status.as_ref()) {
             self.release(vmm, &data_volume_resource(), &Self::dv_name(vmm, disk)).await?;
         }
         // The imports are done: their credentials and CA go, never released.
@@ -632,14 +632,9 @@ impl Cluster for KubeCluster {
     }
 }
 
-fn disk_count(vmm: &VirtualMachineMigration) -> usize {
-    let status = vmm.status.as_ref();
-    let inventory = status.and_then(|s| s.source_inventory.as_ref()).map(|i| i.disks.len()).unwrap_or(0);
-    inventory.max(status.map(|s| s.disks.len()).unwrap_or(0))
-}
-
-/// Probes through the Kubernetes API: the VMI's guest agent and IP address.
-/// HTTP checks through a Service are not implemented yet and report "not yet".
+/// Probes through the Kubernetes API: the VMI's guest agent and IP address,
+/// and HTTP checks through a Service to an address the VMI reports
+/// (`vmi_addresses`, never a Service range).
 #[derive(Clone)]
 pub struct KubeProber {
     client: Client,

@@ -1,9 +1,7 @@
 //! The destination: rendering of CDI DataVolumes and KubeVirt
 //! VirtualMachines, observation of VMIs, and application probes.
 
-pub mod claims;
 pub mod cluster;
 pub mod http_check;
 pub(crate) mod render;
-pub(crate) mod semantic;
 pub mod verify;

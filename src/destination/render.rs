@@ -12,41 +12,8 @@ use crate::machine::{data_volume_name, destination_name};
 use crate::ports::ImportAccess;
 use serde_json::{Value, json};
 
-use crate::api::labels::{
-    DISK as LABEL_DISK, MIGRATION as LABEL_MIGRATION, MIGRATION_NAMESPACE as LABEL_MIGRATION_NAMESPACE,
-    MIGRATION_UID as LABEL_MIGRATION_UID, REHEARSAL as LABEL_REHEARSAL,
-};
-
-/// Labels linking an object back to its migration.
-pub(crate) fn labels(vmm: &VirtualMachineMigration) -> serde_json::Map<String, Value> {
-    let mut labels = serde_json::Map::new();
-    labels.insert("app.kubernetes.io/managed-by".into(), json!("vmmigrate"));
-    labels.insert(LABEL_MIGRATION.into(), json!(vmm.metadata.name.clone().unwrap_or_default()));
-    labels
-        .insert(LABEL_MIGRATION_NAMESPACE.into(), json!(vmm.metadata.namespace.clone().unwrap_or_default()));
-    labels.insert(LABEL_MIGRATION_UID.into(), json!(vmm.metadata.uid.clone().unwrap_or_default()));
-    if vmm.spec.mode == MigrationMode::Rehearsal {
-        labels.insert(LABEL_REHEARSAL.into(), json!("true"));
-    }
-    labels
-}
-
-/// An owner reference to the migration, only when the object lives in the
-/// migration's namespace: Kubernetes does not allow cross-namespace owners,
-/// and the garbage collector would delete such a dependent at once.
-pub(crate) fn owner_references(vmm: &VirtualMachineMigration) -> Value {
-    if vmm.metadata.namespace.as_deref() != Some(vmm.spec.destination.namespace.as_str()) {
-        return json!([]);
-    }
-    json!([{
-        "apiVersion": "migration.platform.example/v1alpha1",
-        "kind": "VirtualMachineMigration",
-        "name": vmm.metadata.name.clone().unwrap_or_default(),
-        "uid": vmm.metadata.uid.clone().unwrap_or_default(),
-        "controller": true,
-        "blockOwnerDeletion": true,
-    }])
-}
+use crate::api::labels::DISK as LABEL_DISK;
+use crate::objects::{labels, owner_references};
 
 /// The Secret holding the credentials of DataVolume `dv`'s artifact.
 pub(crate) fn import_secret_name(dv: &str) -> String {
@@ -97,7 +64,7 @@ fn import_metadata(vmm: &VirtualMachineMigration, disk: usize, name: fn(&str) ->
         "name": name(&dv),
         "namespace": vmm.spec.destination.namespace,
         "labels": labels,
-        "ownerReferences": owner_references(vmm),
+        "ownerReferences": owner_references(vmm, &vmm.spec.destination.namespace),
     })
 }
 
@@ -137,7 +104,7 @@ pub(crate) fn data_volume(vmm: &VirtualMachineMigration, disk: usize) -> Value {
             // The VM that will consume the volume is created after the
             // import: a WaitForFirstConsumer class must not wait for it.
             "annotations": { "cdi.kubevirt.io/storage.bind.immediate.requested": "true" },
-            "ownerReferences": owner_references(vmm),
+            "ownerReferences": owner_references(vmm, &vmm.spec.destination.namespace),
         },
         "spec": {
             "source": { "http": http },
@@ -240,7 +207,7 @@ pub(crate) fn virtual_machine(vmm: &VirtualMachineMigration) -> Value {
             "name": name,
             "namespace": vmm.spec.destination.namespace,
             "labels": labels(vmm),
-            "ownerReferences": owner_references(vmm),
+            "ownerReferences": owner_references(vmm, &vmm.spec.destination.namespace),
         },
         "spec": {
             "runStrategy": "Halted",

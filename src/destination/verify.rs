@@ -13,9 +13,10 @@
 //! one CDI checked.
 
 use crate::api::VirtualMachineMigration;
-use crate::convert::artifact::VolumeDigest;
-use crate::destination::render::{labels, owner_references};
+use crate::images::digest::VolumeDigest;
 use crate::machine::{data_volume_name, destination_name};
+use crate::objects::pods::{container_security_context, pod_security_context};
+use crate::objects::{LABEL_ROLE, bounded_name, labels, owner_references};
 use serde_json::{Value, json};
 
 /// The DataVolume definition CDI installs.
@@ -48,7 +49,7 @@ pub(crate) fn job_name(vmm: &VirtualMachineMigration, disk: usize) -> String {
         &destination_name(&vmm.spec, vmm.metadata.name.as_deref().unwrap_or_default()),
         disk,
     );
-    crate::convert::job::bounded_name(&dv, "-verify")
+    bounded_name(&dv, "-verify")
 }
 
 /// The Job reading disk `disk`'s imported volume (a filesystem volume: CDI
@@ -61,7 +62,7 @@ pub(crate) fn verify_job(settings: &VerifySettings, vmm: &VirtualMachineMigratio
         disk,
     );
     let mut labels = labels(vmm);
-    labels.insert(crate::convert::job::LABEL_ROLE.into(), json!("verify"));
+    labels.insert(LABEL_ROLE.into(), json!("verify"));
     labels.insert(crate::api::labels::DISK.into(), json!(disk.to_string()));
     let mut pod_spec = json!({
         "restartPolicy": "Never",
@@ -77,12 +78,12 @@ pub(crate) fn verify_job(settings: &VerifySettings, vmm: &VirtualMachineMigratio
             ],
             "terminationMessagePolicy": "FallbackToLogsOnError",
             "resources": { "requests": { "cpu": "100m", "memory": "64Mi" }, "limits": { "memory": "256Mi" } },
-            "securityContext": { "allowPrivilegeEscalation": false, "capabilities": { "drop": ["ALL"] }, "readOnlyRootFilesystem": true },
+            "securityContext": container_security_context(true),
             "volumeMounts": [{ "name": "volume", "mountPath": "/volume", "readOnly": true }],
         }],
         "volumes": [{ "name": "volume", "persistentVolumeClaim": { "claimName": dv, "readOnly": true } }],
     });
-    pod_spec["securityContext"] = crate::convert::job::pod_security_context(settings.run_as);
+    pod_spec["securityContext"] = pod_security_context(settings.run_as);
     json!({
         "apiVersion": "batch/v1",
         "kind": "Job",
@@ -90,7 +91,7 @@ pub(crate) fn verify_job(settings: &VerifySettings, vmm: &VirtualMachineMigratio
             "name": job_name(vmm, disk),
             "namespace": vmm.spec.destination.namespace,
             "labels": labels.clone(),
-            "ownerReferences": owner_references(vmm),
+            "ownerReferences": owner_references(vmm, &vmm.spec.destination.namespace),
         },
         "spec": {
             "backoffLimit": 0,

@@ -141,7 +141,7 @@ fn reconcile_spec_of_live(rendered: &Value, live: &VirtualMachineMigration) -> (
     if matches!(phase, Phase::Completed | Phase::Failed) {
         // The live spec carries the server's defaults: it contains an
         // unchanged manifest's spec.
-        let changed = !crate::destination::semantic::agrees(&live_spec, &rendered["spec"]);
+        let changed = !crate::objects::semantic::agrees(&live_spec, &rendered["spec"]);
         object["spec"] = live_spec;
         let note = changed.then(|| {
             format!("{phase} is terminal: spec changes are not applied; create a new migration to run again")
@@ -159,8 +159,7 @@ fn reconcile_spec_of_live(rendered: &Value, live: &VirtualMachineMigration) -> (
         // `mode` and `rehearsal` are never defaulted into the live value: a
         // manifest that drops them asks for a change too (a rehearsal to Cold).
         let unset_is_a_value = matches!(*field, "mode" | "rehearsal");
-        if (!wanted.is_null() || unset_is_a_value) && !crate::destination::semantic::agrees(&current, &wanted)
-        {
+        if (!wanted.is_null() || unset_is_a_value) && !crate::objects::semantic::agrees(&current, &wanted) {
             held.push(*field);
         }
         if current.is_null() {

@@ -195,7 +195,7 @@ pub struct Gitops {
     discoverer: Option<Arc<dyn EsxiHost>>,
     /// Where the controller keeps its source-VM claims, for plans that
     /// discover: a second migration of a claimed VM fails its plan.
-    claims: Option<crate::destination::claims::SourceClaims>,
+    claims: Option<crate::objects::claims::SourceClaims>,
     state: Mutex<State>,
     ticks: std::sync::atomic::AtomicU64,
     metrics: Arc<Metrics>,
@@ -267,7 +267,7 @@ impl Gitops {
     /// Plans check discovered VMs against the controller's claims in
     /// `namespace` (its `--lease-namespace`).
     pub fn with_source_claims(mut self, namespace: &str) -> Gitops {
-        self.claims = Some(crate::destination::claims::SourceClaims::new(self.client.clone(), namespace));
+        self.claims = Some(crate::objects::claims::SourceClaims::new(self.client.clone(), namespace));
         self
     }
 
@@ -548,7 +548,7 @@ impl Gitops {
         vmm: &VirtualMachineMigration,
         inventory: &crate::api::SourceInventory,
     ) -> Option<String> {
-        let identity = crate::destination::claims::identity_of(inventory, &vmm.spec.source);
+        let identity = crate::objects::claims::identity_of(inventory, &vmm.spec.source);
         match self.claims.as_ref()?.holder_of(&identity).await {
             Ok(holder) => holder,
             Err(e) => {

@@ -216,6 +216,23 @@ pub(crate) fn destination_name<'a>(
     name.into()
 }
 
+/// The disks a migration works on: those its status records, or before
+/// any is recorded, those discovery found.
+pub(crate) fn disks_in_flight(status: Option<&VirtualMachineMigrationStatus>) -> usize {
+    let recorded = status.map(|s| s.disks.len()).unwrap_or(0);
+    if recorded > 0 {
+        return recorded;
+    }
+    status.and_then(|s| s.source_inventory.as_ref()).map(|i| i.disks.len()).unwrap_or(0)
+}
+
+/// Every disk index a migration may have made objects for: the larger of
+/// the recorded and the discovered count (cleanup and release leave none).
+pub(crate) fn disks_ever_named(status: Option<&VirtualMachineMigrationStatus>) -> usize {
+    let inventory = status.and_then(|s| s.source_inventory.as_ref()).map(|i| i.disks.len()).unwrap_or(0);
+    inventory.max(status.map(|s| s.disks.len()).unwrap_or(0))
+}
+
 /// Deterministic DataVolume name of disk `n`.
 pub(crate) fn data_volume_name(destination: &str, disk: usize) -> String {
     format!("{destination}-disk-{disk}")

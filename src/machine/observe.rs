@@ -272,7 +272,7 @@ pub enum VmState {
         uid: String,
     },
     /// Ours but saying something else than the rendered spec (judged by
-    /// meaning: `destination::semantic`), with the differences by path.
+    /// meaning: `objects::semantic`), with the differences by path.
     Drifted {
         uid: String,
         differences: Vec<String>,

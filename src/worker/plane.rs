@@ -21,8 +21,9 @@
 use super::protocol::{CALL_PATH, CONTROL_PORT, Call, Request, STAGING_PORT};
 use crate::api::{Reason, VirtualMachineMigration};
 use crate::convert::access::StagingAccess;
-use crate::convert::job::{LABEL_ROLE, bounded_name, pod_security_context};
 use crate::machine::{ArtifactState, CopyState, Failure};
+use crate::objects::pods::{container_security_context, pod_security_context};
+use crate::objects::{LABEL_ROLE, bounded_name, owner_references};
 use crate::ports::kube_errors::{classify, delete_by_uid};
 use crate::ports::{Converter, DiskStore, ImportAccess, Staging};
 use async_trait::async_trait;
@@ -128,7 +129,7 @@ impl WorkerPlane {
     }
 
     fn labels(vmm: &VirtualMachineMigration) -> serde_json::Map<String, Value> {
-        let mut labels = crate::destination::render::labels(vmm);
+        let mut labels = crate::objects::labels(vmm);
         labels.insert(LABEL_ROLE.into(), json!(ROLE));
         labels
     }
@@ -143,14 +144,7 @@ impl WorkerPlane {
             "name": name,
             "namespace": vmm.namespace().unwrap_or_default(),
             "labels": Self::labels(vmm),
-            "ownerReferences": [{
-                "apiVersion": "migration.platform.example/v1alpha1",
-                "kind": "VirtualMachineMigration",
-                "name": vmm.name_any(),
-                "uid": uid_of(vmm),
-                "controller": true,
-                "blockOwnerDeletion": true,
-            }],
+            "ownerReferences": owner_references(vmm, &vmm.namespace().unwrap_or_default()),
         })
     }
 
@@ -505,11 +499,7 @@ fn job(settings: &WorkerSettings, vmm: &VirtualMachineMigration, cluster_ip: &st
                 "requests": { "cpu": settings.cpu, "memory": settings.memory },
                 "limits": { "memory": settings.memory_limit },
             },
-            "securityContext": {
-                "allowPrivilegeEscalation": false,
-                "readOnlyRootFilesystem": true,
-                "capabilities": { "drop": ["ALL"] },
-            },
+            "securityContext": container_security_context(true),
             "volumeMounts": [
                 { "name": "work", "mountPath": WORK_DIR },
                 { "name": "identity", "mountPath": "/etc/vmmigrate/worker", "readOnly": true },

@@ -711,7 +711,7 @@ impl Migration {
             let dv = format!("{vm}-disk-{d}");
             let image = crate::support::imported_image(&self.client, &self.ns, &dv).await;
             let size = self.emu.disk_files(self.vmid)[d].3;
-            let digest = vmmigrate::convert::artifact::volume_digest(&image, size)
+            let digest = vmmigrate::images::digest::volume_digest(&image, size)
                 .unwrap_or_else(|e| panic!("{}: {e}", image.display()));
             assert_eq!(digest.nonzero_tail_bytes, 0, "{}: bytes after the disk", image.display());
             found.push(digest.sha256);

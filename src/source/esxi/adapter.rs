@@ -113,7 +113,7 @@ impl Drop for EsxiSource {
 }
 
 fn timeout_of(vmm: &VirtualMachineMigration) -> Duration {
-    Duration::from_secs(vmm.spec.strategy.timeouts.ssh_seconds.max(1) as u64)
+    vmm.spec.strategy.timeouts.ssh()
 }
 
 pub(super) fn vim_fault(what: &str, out: &Output) -> Option<Failure> {

@@ -13,7 +13,7 @@ use super::copy::{self, CopyError, CopyPlan, CopyResult};
 use super::parse;
 use super::ssh::Session;
 use crate::api::{Reason, VirtualMachineMigration};
-use crate::convert::chain::{self, DeltaKind};
+use crate::images::chain::{self, DeltaKind};
 use crate::machine::{CopyState, Failure};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
