@@ -610,7 +610,7 @@ rules:
   - level: RequestResponse
     users: [\"system:serviceaccount:vmmigrate-system:vmmigrate\"]
     verbs: [create, patch, update]
-    resources:
+    resources: &written
       - group: \"\"
         resources: [secrets, configmaps, persistentvolumeclaims, services]
       - group: batch
@@ -631,15 +631,7 @@ rules:
     verbs: [delete, deletecollection]
   - level: RequestResponse
     verbs: [create, patch, update]
-    resources:
-      - group: \"\"
-        resources: [secrets, configmaps, persistentvolumeclaims, services]
-      - group: batch
-        resources: [jobs]
-      - group: cdi.kubevirt.io
-        resources: [datavolumes]
-      - group: kubevirt.io
-        resources: [virtualmachines]
+    resources: *written
   - level: None
 ";
 
