@@ -188,15 +188,22 @@ struct NotBuiltIn(&'static str);
 pub fn run(cli: Cli) -> ExitCode {
     let result = match cli.command {
         Command::Crd { output } => write_crd(output),
-        Command::Controller { controller: c, tenancy } => {
-            tenancy.rules().and_then(|rules| controller(c.with_destinations(rules)))
-        }
+        Command::Controller { controller: c, tenancy } => tenancy.rules().and_then(|rules| {
+            init_logging();
+            crate::process::controller(c.with_destinations(rules))
+        }),
         Command::Gitops { gitops: g, metrics_listen, tenancy } => tenancy.rules().and_then(|rules| {
-            gitops(g.with_destinations(rules).with_tenants(tenancy.tenants()?), metrics_listen, None)
+            init_logging();
+            crate::process::gitops(
+                g.with_destinations(rules).with_tenants(tenancy.tenants()?),
+                metrics_listen,
+                None,
+            )
         }),
         Command::Run { gitops: g, controller: c, tenancy } => tenancy.rules().and_then(|rules| {
             let g = g.with_destinations(rules.clone()).with_tenants(tenancy.tenants()?);
-            gitops(g, c.metrics_listen, Some(c.with_destinations(rules)))
+            init_logging();
+            crate::process::gitops(g, c.metrics_listen, Some(c.with_destinations(rules)))
         }),
         Command::Render { repo, namespace, tenancy, limits } => {
             tenancy.render_options(&namespace, limits).and_then(|o| render_local(&repo, &o, true))
@@ -210,7 +217,10 @@ pub fn run(cli: Cli) -> ExitCode {
         // `main` runs the demo when it is built in.
         Command::Demo(_) => Err(NotBuiltIn("demo").into()),
         Command::Status { repo, branch, all, watch } => status(repo, &branch, all, watch),
-        Command::Worker { worker } => run_worker(worker),
+        Command::Worker { worker } => {
+            init_logging();
+            crate::process::worker(worker)
+        }
         Command::VerifyVolume { path, size, sha256 } => return verify_volume(&path, size, &sha256),
         Command::Convert { input, input_sha256, input_marker, expected_size, output, format, virt_v2v } => {
             format.parse().map_err(anyhow::Error::from).and_then(|format| {
@@ -238,93 +248,6 @@ pub fn exit_code(result: anyhow::Result<()>) -> ExitCode {
             if err.is::<NotBuiltIn>() { ExitCode::from(2) } else { ExitCode::FAILURE }
         }
     }
-}
-
-/// Runs one migration's worker until SIGTERM.
-fn run_worker(opts: crate::worker::process::WorkerOptions) -> anyhow::Result<()> {
-    init_logging();
-    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
-    runtime.block_on(crate::worker::process::run(opts))
-}
-
-/// Runs the controller with the real adapters until Ctrl-C or SIGTERM.
-fn controller(opts: crate::controller::service::ControllerOptions) -> anyhow::Result<()> {
-    init_logging();
-    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
-    runtime.block_on(crate::controller::service::run(opts))
-}
-
-/// The gitops side, and with `controller` the controller too, in one process.
-fn gitops(
-    opts: crate::gitops::service::GitopsOptions,
-    metrics_listen: std::net::SocketAddr,
-    controller: Option<crate::controller::service::ControllerOptions>,
-) -> anyhow::Result<()> {
-    use crate::controller::service as ctl;
-    init_logging();
-    if let Some(key) = &opts.ssh_key {
-        let auth =
-            crate::gitops::repo::RepoAuth::SshKey { key: key.clone(), known_hosts: opts.known_hosts.clone() };
-        if let Some(cmd) = crate::gitops::repo::TrackedRepo::ssh_command(&auth) {
-            // SAFETY: no other thread exists yet (the runtime starts below),
-            // so nothing reads the environment concurrently.
-            unsafe { std::env::set_var("GIT_SSH_COMMAND", cmd) };
-        }
-    }
-    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
-    runtime.block_on(async move {
-        let metrics = std::sync::Arc::new(crate::metrics::Metrics::new());
-        let _server = crate::metrics::serve_configured(Some(metrics_listen), metrics.clone()).await?;
-        let part = if controller.is_some() { "run" } else { "gitops" };
-        let client = crate::ports::kube_client(part).await?;
-        // `run` elects with the controller's flags; `gitops` alone runs one replica.
-        let election = controller.as_ref().map(|c| c.leader_election.clone()).unwrap_or_default();
-        let instance =
-            controller.as_ref().map_or_else(|| "vmmigrate-gitops".to_owned(), |c| c.instance.clone());
-        // The gitops half leaves the elected work through this slot, so that
-        // a shutdown can flush its last status (a lost Lease drops it unflushed:
-        // the next leader writes).
-        let started = std::sync::Mutex::new(None);
-        // Filled by the election, if there is one: asked before an irreversible action.
-        let fence_slot =
-            std::sync::Arc::new(std::sync::OnceLock::<crate::controller::reconciler::LeaseFence>::new());
-        let lease_fence: crate::controller::reconciler::LeaseFence = {
-            let slot = fence_slot.clone();
-            std::sync::Arc::new(move || slot.get().is_none_or(|holds| holds()))
-        };
-        let work = async {
-            let gitops = crate::gitops::service::start(client.clone(), opts, metrics.clone()).await?;
-            *started.lock().unwrap_or_else(|p| p.into_inner()) = Some(gitops);
-            let Some(c) = controller else {
-                return std::future::pending().await;
-            };
-            let staging = ctl::start_staging(&c, &metrics).await?;
-            let adapters = ctl::adapters(client.clone(), &c, &staging, &metrics)?;
-            let config = crate::controller::reconciler::ControllerConfig {
-                namespace: c.namespace.clone(),
-                max_requeue: None,
-                instance: c.instance.clone(),
-                destinations: c.destinations(),
-                interrupt: None,
-                metrics: metrics.clone(),
-                limits: c.limits(),
-                lease_fence: Some(lease_fence),
-            };
-            crate::controller::reconciler::run(client.clone(), adapters, config, std::future::pending())
-                .await;
-            drop(staging);
-            Ok(())
-        };
-        let result =
-            ctl::run_elected(client.clone(), &election, &instance, metrics.clone(), &fence_slot, work).await;
-        let gitops = started.lock().unwrap_or_else(|p| p.into_inner()).take();
-        if let Some(gitops) = gitops
-            && result.is_ok()
-        {
-            gitops.stop().await;
-        }
-        result
-    })
 }
 
 /// `vmmigrate plan`: the pull-request comment for a local work tree.

@@ -14,6 +14,7 @@ pub mod machine;
 pub mod metrics;
 pub mod objects;
 pub mod ports;
+mod process;
 mod server;
 pub mod source;
 pub mod worker;

@@ -264,6 +264,28 @@ pub fn adapters(
     })
 }
 
+impl ControllerOptions {
+    /// The reconciler's configuration: these options, recording into
+    /// `metrics`, asking `lease_fence` (when elected elsewhere) before an
+    /// irreversible action.
+    pub(crate) fn reconciler_config(
+        &self,
+        metrics: Arc<Metrics>,
+        lease_fence: Option<reconciler::LeaseFence>,
+    ) -> ControllerConfig {
+        ControllerConfig {
+            namespace: self.namespace.clone(),
+            max_requeue: None,
+            instance: self.instance.clone(),
+            destinations: self.destinations(),
+            interrupt: None,
+            metrics,
+            limits: self.limits(),
+            lease_fence,
+        }
+    }
+}
+
 /// Runs the controller until Ctrl-C or SIGTERM.
 pub(crate) async fn run(opts: ControllerOptions) -> anyhow::Result<()> {
     let metrics = Arc::new(Metrics::new());
@@ -276,16 +298,7 @@ pub(crate) async fn run(opts: ControllerOptions) -> anyhow::Result<()> {
         work_dir = %opts.work_dir.display(),
         "controller starting"
     );
-    let config = ControllerConfig {
-        namespace: opts.namespace.clone(),
-        max_requeue: None,
-        instance: opts.instance.clone(),
-        destinations: opts.destinations(),
-        interrupt: None,
-        metrics,
-        limits: opts.limits(),
-        lease_fence: None,
-    };
+    let config = opts.reconciler_config(metrics, None);
     let result = run_reconciler(client, adapters, config, &opts.leader_election).await;
     drop(staging);
     result
