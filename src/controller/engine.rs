@@ -78,142 +78,16 @@ pub(crate) async fn observe(adapters: &Adapters, vmm: &VirtualMachineMigration) 
                 Ok(facts)
             }))
         }
-        Phase::Preparing => {
-            let power = match bounded("ESXi power state", ssh_timeout(vmm), adapters.esxi.power(vmm)).await {
-                Ok(p) => p,
-                Err(failure) => return Observed::Preparing(Err(failure)),
-            };
-            let mut copies = Vec::with_capacity(disks);
-            for disk in 0..disks {
-                let state = tokio::time::timeout(CALL_TIMEOUT, adapters.disks.copy_state(vmm, disk)).await;
-                copies.push(state.unwrap_or_else(|_| CopyState::Failed {
-                    failure: Failure::retryable(Reason::Timeout, "the disk store did not answer"),
-                    discard: false,
-                }));
-            }
-            let status = vmm.status.clone().unwrap_or_default();
-            let warm = vmm.spec.mode == MigrationMode::Warm;
-            let snapshot = if vmm.spec.mode.takes_snapshot() {
-                let name = snapshot_name(&vmm.name_any());
-                match bounded("ESXi snapshots", ssh_timeout(vmm), adapters.esxi.snapshot_id(vmm, &name)).await
-                {
-                    Ok(id) => id,
-                    Err(failure) => return Observed::Preparing(Err(failure)),
-                }
-            } else {
-                None
-            };
-            // Read again before the power-off is recorded or asked for (cold;
-            // warm once its bases are copied), to compare with discovery's.
-            let bases_copied = copies.iter().all(|c| matches!(c, CopyState::Complete { .. }));
-            let inventory = (vmm.spec.mode.may_power_off()
-                && status.timestamps.source_powered_off.is_none()
-                && (!warm || status.snapshot.is_none() || bases_copied))
-                .then(|| bounded("ESXi discovery", ssh_timeout(vmm) * 4, adapters.esxi.discover(vmm)));
-            let inventory = match inventory {
-                Some(read) => Some(read.await),
-                None => None,
-            };
-            let mut deltas = Vec::new();
-            if warm && status.snapshot.is_some() && status.timestamps.source_powered_off.is_some() {
-                for disk in 0..disks {
-                    let state =
-                        tokio::time::timeout(CALL_TIMEOUT, adapters.disks.delta_state(vmm, disk)).await;
-                    deltas.push(state.unwrap_or_else(|_| CopyState::Failed {
-                        failure: Failure::retryable(Reason::Timeout, "the disk store did not answer"),
-                        discard: false,
-                    }));
-                }
-            }
-            Observed::Preparing(Ok(machine::PreparingFacts {
-                power: power.state,
-                tools_running: power.tools_running,
-                copies,
-                snapshot,
-                deltas,
-                inventory,
-            }))
-        }
-        Phase::Converting => {
-            let mut artifacts = Vec::with_capacity(disks);
-            for disk in 0..disks {
-                let state = tokio::time::timeout(CALL_TIMEOUT, adapters.converter.artifact_state(vmm, disk))
-                    .await
-                    .unwrap_or_else(|_| {
-                        ArtifactState::Failed(Failure::retryable(Reason::Timeout, "converter hung"))
-                    });
-                let state = match state {
-                    ArtifactState::Complete { sha256, staged_url: None } => {
-                        match bounded(
-                            "staging",
-                            CALL_TIMEOUT,
-                            adapters.staging.staged_url(vmm, disk, &sha256),
-                        )
-                        .await
-                        {
-                            Ok(url) => ArtifactState::Complete { sha256, staged_url: url },
-                            Err(failure) => return Observed::Converting(Err(failure)),
-                        }
-                    }
-                    other => other,
-                };
-                artifacts.push(state);
-            }
-            Observed::Converting(Ok(artifacts))
-        }
-        Phase::Importing => {
-            let mut facts = ImportingFacts {
-                volumes: Vec::with_capacity(disks),
-                cdi_verifies_checksum: None,
-                checks: Vec::new(),
-            };
-            for disk in 0..disks {
-                let read = async {
-                    let dv = adapters.cluster.data_volume(vmm, disk).await?;
-                    let check = match dv {
-                        DataVolumeState::Succeeded => adapters.cluster.import_check(vmm, disk).await?,
-                        _ => None,
-                    };
-                    Ok::<_, Failure>((dv, check))
-                };
-                match bounded("DataVolume read", CALL_TIMEOUT, read).await {
-                    Ok((dv, check)) => {
-                        facts.volumes.push(dv);
-                        facts.checks.push(check);
-                    }
-                    Err(failure) => return Observed::Importing(Err(failure)),
-                }
-            }
-            if facts.volumes.contains(&DataVolumeState::Absent) {
-                match bounded(
-                    "DataVolume definition read",
-                    CALL_TIMEOUT,
-                    adapters.cluster.cdi_verifies_checksum(),
-                )
-                .await
-                {
-                    Ok(verifies) => facts.cdi_verifies_checksum = Some(verifies),
-                    Err(failure) => return Observed::Importing(Err(failure)),
-                }
-            }
-            Observed::Importing(Ok(facts))
-        }
+        Phase::Preparing => Observed::Preparing(observe_preparing(adapters, vmm, disks).await),
+        Phase::Converting => Observed::Converting(observe_converting(adapters, vmm, disks).await),
+        Phase::Importing => Observed::Importing(observe_importing(adapters, vmm, disks).await),
         Phase::CreatingVm => {
             Observed::CreatingVm(bounded("VM read", CALL_TIMEOUT, adapters.cluster.vm(vmm)).await)
         }
         Phase::Starting => {
             Observed::Starting(bounded("VMI read", CALL_TIMEOUT, adapters.cluster.starting(vmm)).await)
         }
-        Phase::Validating => {
-            let mut results = Vec::new();
-            for check in vmm.spec.checks_to_run() {
-                let result = tokio::time::timeout(CALL_TIMEOUT, adapters.prober.check(vmm, check)).await;
-                results.push(result.unwrap_or_else(|_| machine::CheckResult::NotYet {
-                    message: format!("check {:?} did not answer in time", check.name),
-                }));
-            }
-            Observed::Validating(Ok(results))
-        }
+        Phase::Validating => Observed::Validating(Ok(observe_checks(adapters, vmm).await)),
         // The migrated VM is the user's now: read to report changes, never written.
         Phase::Completed if vmm.status.as_ref().is_some_and(|s| s.destination_vm.is_some()) => {
             Observed::Completed(bounded("VM read", CALL_TIMEOUT, adapters.cluster.vm(vmm)).await)
@@ -229,6 +103,132 @@ pub(crate) async fn observe(adapters: &Adapters, vmm: &VirtualMachineMigration) 
 /// What [`observe_source`] read: the power, and the copied extents' stats.
 type SourceSeen =
     (Option<Result<crate::api::SourcePowerState, Failure>>, Option<Result<Vec<(usize, String)>, Failure>>);
+
+/// Preparing: the source's power, each disk's copy (and after a warm
+/// cutover its delta), the migration's snapshot, and before any power action
+/// a fresh discovery to compare with the first.
+async fn observe_preparing(
+    adapters: &Adapters,
+    vmm: &VirtualMachineMigration,
+    disks: usize,
+) -> Result<machine::PreparingFacts, Failure> {
+    let power = bounded("ESXi power state", ssh_timeout(vmm), adapters.esxi.power(vmm)).await?;
+    let mut copies = Vec::with_capacity(disks);
+    for disk in 0..disks {
+        copies.push(answered(adapters.disks.copy_state(vmm, disk)).await);
+    }
+    let status = vmm.status.clone().unwrap_or_default();
+    let warm = vmm.spec.mode == MigrationMode::Warm;
+    let snapshot = if vmm.spec.mode.takes_snapshot() {
+        let name = snapshot_name(&vmm.name_any());
+        bounded("ESXi snapshots", ssh_timeout(vmm), adapters.esxi.snapshot_id(vmm, &name)).await?
+    } else {
+        None
+    };
+    // Read again before the power-off is recorded or asked for (cold;
+    // warm once its bases are copied), to compare with discovery's.
+    let bases_copied = copies.iter().all(|c| matches!(c, CopyState::Complete { .. }));
+    let inventory = if vmm.spec.mode.may_power_off()
+        && status.timestamps.source_powered_off.is_none()
+        && (!warm || status.snapshot.is_none() || bases_copied)
+    {
+        Some(bounded("ESXi discovery", ssh_timeout(vmm) * 4, adapters.esxi.discover(vmm)).await)
+    } else {
+        None
+    };
+    let mut deltas = Vec::new();
+    if warm && status.snapshot.is_some() && status.timestamps.source_powered_off.is_some() {
+        for disk in 0..disks {
+            deltas.push(answered(adapters.disks.delta_state(vmm, disk)).await);
+        }
+    }
+    Ok(machine::PreparingFacts {
+        power: power.state,
+        tools_running: power.tools_running,
+        copies,
+        snapshot,
+        deltas,
+        inventory,
+    })
+}
+
+/// A copy's or delta's state, or a retryable failure when the disk store
+/// does not answer in time.
+async fn answered(state: impl std::future::Future<Output = CopyState>) -> CopyState {
+    tokio::time::timeout(CALL_TIMEOUT, state).await.unwrap_or_else(|_| CopyState::Failed {
+        failure: Failure::retryable(Reason::Timeout, "the disk store did not answer"),
+        discard: false,
+    })
+}
+
+/// Converting: each disk's artifact, and where it is complete, its staged URL.
+async fn observe_converting(
+    adapters: &Adapters,
+    vmm: &VirtualMachineMigration,
+    disks: usize,
+) -> Result<Vec<ArtifactState>, Failure> {
+    let mut artifacts = Vec::with_capacity(disks);
+    for disk in 0..disks {
+        let state = tokio::time::timeout(CALL_TIMEOUT, adapters.converter.artifact_state(vmm, disk))
+            .await
+            .unwrap_or_else(|_| ArtifactState::Failed(Failure::retryable(Reason::Timeout, "converter hung")));
+        artifacts.push(match state {
+            ArtifactState::Complete { sha256, staged_url: None } => {
+                let url =
+                    bounded("staging", CALL_TIMEOUT, adapters.staging.staged_url(vmm, disk, &sha256)).await?;
+                ArtifactState::Complete { sha256, staged_url: url }
+            }
+            other => other,
+        });
+    }
+    Ok(artifacts)
+}
+
+/// Importing: each DataVolume, the proof of a finished import, and before
+/// the first is made, whether the installed CDI checks a checksum.
+async fn observe_importing(
+    adapters: &Adapters,
+    vmm: &VirtualMachineMigration,
+    disks: usize,
+) -> Result<ImportingFacts, Failure> {
+    let mut facts = ImportingFacts {
+        volumes: Vec::with_capacity(disks),
+        cdi_verifies_checksum: None,
+        checks: Vec::new(),
+    };
+    for disk in 0..disks {
+        let read = async {
+            let dv = adapters.cluster.data_volume(vmm, disk).await?;
+            let check = match dv {
+                DataVolumeState::Succeeded => adapters.cluster.import_check(vmm, disk).await?,
+                _ => None,
+            };
+            Ok::<_, Failure>((dv, check))
+        };
+        let (dv, check) = bounded("DataVolume read", CALL_TIMEOUT, read).await?;
+        facts.volumes.push(dv);
+        facts.checks.push(check);
+    }
+    if facts.volumes.contains(&DataVolumeState::Absent) {
+        let verifies =
+            bounded("DataVolume definition read", CALL_TIMEOUT, adapters.cluster.cdi_verifies_checksum())
+                .await?;
+        facts.cdi_verifies_checksum = Some(verifies);
+    }
+    Ok(facts)
+}
+
+/// Validating: every check, a check that does not answer in time "not yet".
+async fn observe_checks(adapters: &Adapters, vmm: &VirtualMachineMigration) -> Vec<machine::CheckResult> {
+    let mut results = Vec::new();
+    for check in vmm.spec.checks_to_run() {
+        let result = tokio::time::timeout(CALL_TIMEOUT, adapters.prober.check(vmm, check)).await;
+        results.push(result.unwrap_or_else(|_| machine::CheckResult::NotYet {
+            message: format!("check {:?} did not answer in time", check.name),
+        }));
+    }
+    results
+}
 
 /// The source's power after Preparing, until the destination is started:
 /// read for a migration that recorded its source off (never for a rehearsal).
