@@ -679,7 +679,8 @@ impl Renderer {
             }
         }
 
-        let providers = self.providers(&docs, &provider_docs);
+        let by_name = self.providers(&docs, &provider_docs);
+        let providers = Providers { by_name: &by_name, unreadable: &broken_providers };
         let mut accepted = Vec::new();
         for &m in &manifests {
             let chain: Vec<&str> = folder_chain(&docs[m].path);
@@ -689,9 +690,7 @@ impl Renderer {
             }
             let chain_docs: Vec<usize> =
                 chain.iter().rev().filter_map(|dir| defaults.get(*dir).copied()).collect();
-            if let Some(a) =
-                self.manifest(&docs, m, &chain_docs, &providers, &broken_providers, provenance, opts)
-            {
+            if let Some(a) = self.manifest(&docs, m, &chain_docs, &providers, provenance, opts) {
                 accepted.push(a);
             }
         }
@@ -808,8 +807,7 @@ impl Renderer {
         docs: &[Doc],
         m: usize,
         chain: &[usize],
-        providers: &BTreeMap<String, Provider>,
-        broken_providers: &[String],
+        providers: &Providers<'_>,
         provenance: &Provenance,
         opts: &RenderOptions,
     ) -> Option<Accepted> {
@@ -883,52 +881,11 @@ impl Renderer {
         }
 
         // The provider, beneath everything written in the migration and its defaults.
-        let provider_name = merged.pointer("/spec/source/provider").cloned();
-        let mut provider_unresolved = false;
-        if let Some(name_value) = provider_name {
-            match name_value.as_str().and_then(|n| providers.get(n)) {
-                Some(provider) => {
-                    // A provider binds host, port, host key and credentials together: a
-                    // migration that names one cannot point its credentials elsewhere.
-                    let name = name_value.as_str().unwrap_or_default();
-                    if let Some(Value::Object(source)) = merged.get("spec").and_then(|s| s.get("source")) {
-                        for field in PROVIDER_FIELDS.iter().filter(|f| source.contains_key(**f)) {
-                            findings.push(finding(
-                                segs(&["spec", "source", field]),
-                                format!(
-                                    "is set by provider {name:?} (providers/), which binds host, port, hostKey and credentialsSecretRef together; remove it here, or define another provider"
-                                ),
-                            ));
-                        }
-                    }
-                    if let Some(Value::Object(source)) = merged.pointer_mut("/spec/source") {
-                        source.remove("provider");
-                        let mut resolved = provider.spec.clone();
-                        resolved.extend(std::mem::take(source));
-                        *source = resolved;
-                    }
-                    layers.push(Layer { doc: &docs[provider.doc], provider: true });
-                }
-                None => {
-                    provider_unresolved = true;
-                    let known: Vec<&str> = providers.keys().map(String::as_str).collect();
-                    let mut message = match name_value.as_str() {
-                        Some(n) if known.is_empty() => {
-                            format!("unknown provider {n:?}: providers/ defines none")
-                        }
-                        Some(n) => format!("unknown provider {n:?} (known: {})", known.join(", ")),
-                        None => format!(
-                            "must be the name of a provider in providers/ (got {})",
-                            shown(&name_value)
-                        ),
-                    };
-                    if !broken_providers.is_empty() {
-                        message.push_str(&format!("; {} could not be read", broken_providers.join(", ")));
-                    }
-                    findings.push(finding(segs(&["spec", "source", "provider"]), message));
-                }
-            }
+        let provider = resolve_provider(&mut merged, providers, &mut findings);
+        if let Some(Some(doc)) = provider {
+            layers.push(Layer { doc: &docs[doc], provider: true });
         }
+        let provider_unresolved = provider == Some(None);
 
         match merged.get("spec") {
             None => findings.push(Finding {
@@ -944,38 +901,8 @@ impl Renderer {
             Some(_) => {}
         }
 
-        // The destination VM is named after the migration unless spec.destination.name is set.
         let name = merged.pointer("/metadata/name").and_then(Value::as_str).unwrap_or_default().to_owned();
-        let destination_name =
-            merged.pointer("/spec/destination/name").and_then(Value::as_str).map(str::to_owned);
-        // A rehearsal's VM has a name of its own: `spec.rehearsal.name`, else
-        // the destination name with `-rehearsal` appended.
-        let rehearsal = merged.pointer("/spec/mode").and_then(Value::as_str) == Some("Rehearsal");
-        let rehearsal_named = merged.pointer("/spec/rehearsal/name").is_some();
-        if rehearsal && !rehearsal_named && !name.is_empty() && is_dns_subdomain(&name) {
-            let vm = format!("{}-rehearsal", destination_name.as_deref().unwrap_or(&name));
-            if !is_dns_label(&vm) || vm.len() > MAX_DESTINATION_NAME {
-                findings.push(finding(
-                    segs(&["spec", "mode"]),
-                    format!(
-                        "a rehearsal's VM would be named {vm:?}, which must be a lowercase RFC 1123 label (no dots) of at most {MAX_DESTINATION_NAME} characters; set spec.rehearsal.name"
-                    ),
-                ));
-            }
-        }
-        if destination_name.is_none()
-            && !rehearsal
-            && !name.is_empty()
-            && is_dns_subdomain(&name)
-            && (!is_dns_label(&name) || name.len() > MAX_DESTINATION_NAME)
-        {
-            findings.push(finding(
-                segs(&["metadata", "name"]),
-                format!(
-                    "is also the destination VM's name (spec.destination.name is not set), which must be a lowercase RFC 1123 label (no dots) of at most {MAX_DESTINATION_NAME} characters; set spec.destination.name"
-                ),
-            ));
-        }
+        check_vm_names(&merged, &name, &mut findings);
         // A tenant's manifest lives in its folder's namespace: the default
         // there, and the only namespace it may name.
         let tenant = opts.tenants.tenant_of(&doc.path);
@@ -1007,60 +934,15 @@ impl Renderer {
             });
         }
 
-        // A cutover window must name real instants; the schema only checks its shape.
-        if let Some(window) = merged.pointer("/spec/cutover/window")
-            && let Ok(window) = serde_json::from_value::<crate::api::CutoverWindow>(window.clone())
-            && let Err(problem) = crate::machine::fleet::window_bounds(&window)
-        {
-            // The problem starts with the field it is about.
-            let field =
-                ["timeZone", "start", "end"].into_iter().find(|f| problem.starts_with(f)).unwrap_or("end");
-            findings.push(finding(segs(&["spec", "cutover", "window", field]), problem));
-        }
-
-        if let Some(destination) = merged.pointer("/spec/destination/namespace").and_then(Value::as_str) {
-            if let Some(refused) = opts.destinations.refusal(&namespace, destination) {
-                findings.push(finding(segs(&["spec", "destination", "namespace"]), refused));
-            }
-            // Another namespace's network, by the same rules.
-            let networks =
-                merged.pointer("/spec/networkMap").and_then(Value::as_array).cloned().unwrap_or_default();
-            for (i, mapping) in networks.iter().enumerate() {
-                if let Some(network) = mapping.get("networkName").and_then(Value::as_str)
-                    && let Some(refused) = opts.destinations.network_refusal(&namespace, destination, network)
-                {
-                    let path =
-                        [segs(&["spec", "networkMap"]), vec![Seg::Index(i)], segs(&["networkName"])].concat();
-                    findings.push(finding(path, refused));
-                }
-            }
-        }
+        check_window(&merged, &mut findings);
+        check_destination_rules(&merged, &namespace, opts, &mut findings);
 
         if !findings.is_empty() {
             self.errors.extend(findings.iter().map(|f| attribute(f, &layers)));
             return None;
         }
 
-        // The object as it is applied.
-        let mut meta = Map::new();
-        meta.insert("name".into(), Value::String(name.clone()));
-        meta.insert("namespace".into(), Value::String(namespace.clone()));
-        let mut labels =
-            merged.pointer("/metadata/labels").and_then(Value::as_object).cloned().unwrap_or_default();
-        labels.insert(LABEL_GITOPS.into(), Value::String("true".into()));
-        meta.insert("labels".into(), Value::Object(labels));
-        let mut annotations =
-            merged.pointer("/metadata/annotations").and_then(Value::as_object).cloned().unwrap_or_default();
-        annotations.insert(ANNOTATION_REPO.into(), Value::String(provenance.repo_url.clone()));
-        annotations.insert(ANNOTATION_COMMIT.into(), Value::String(provenance.commit.clone()));
-        annotations.insert(ANNOTATION_PATH.into(), Value::String(doc.path.clone()));
-        meta.insert("annotations".into(), Value::Object(annotations));
-        let mut object = Map::new();
-        object.insert("apiVersion".into(), Value::String(api_version));
-        object.insert("kind".into(), Value::String(MIGRATION_KIND.into()));
-        object.insert("metadata".into(), Value::Object(meta));
-        object.insert("spec".into(), merged.get("spec").cloned().unwrap_or_default());
-        let object = Value::Object(object);
+        let object = applied_object(&merged, &name, &namespace, &doc.path, provenance);
 
         // The last word: the typed resource the controller will read.
         let typed = match serde_json::from_value::<VirtualMachineMigration>(object.clone()) {
@@ -1135,6 +1017,153 @@ impl Renderer {
             }
         }
     }
+}
+
+/// The migration as it is applied: its name and namespace, its labels and
+/// annotations with the GitOps marks and where it came from, its spec.
+fn applied_object(merged: &Value, name: &str, namespace: &str, path: &str, provenance: &Provenance) -> Value {
+    let mut meta = Map::new();
+    meta.insert("name".into(), Value::String(name.to_owned()));
+    meta.insert("namespace".into(), Value::String(namespace.to_owned()));
+    let mut labels =
+        merged.pointer("/metadata/labels").and_then(Value::as_object).cloned().unwrap_or_default();
+    labels.insert(LABEL_GITOPS.into(), Value::String("true".into()));
+    meta.insert("labels".into(), Value::Object(labels));
+    let mut annotations =
+        merged.pointer("/metadata/annotations").and_then(Value::as_object).cloned().unwrap_or_default();
+    annotations.insert(ANNOTATION_REPO.into(), Value::String(provenance.repo_url.clone()));
+    annotations.insert(ANNOTATION_COMMIT.into(), Value::String(provenance.commit.clone()));
+    annotations.insert(ANNOTATION_PATH.into(), Value::String(path.to_owned()));
+    meta.insert("annotations".into(), Value::Object(annotations));
+    let mut object = Map::new();
+    object.insert("apiVersion".into(), Value::String(format!("{GROUP}/{VERSION}")));
+    object.insert("kind".into(), Value::String(MIGRATION_KIND.into()));
+    object.insert("metadata".into(), Value::Object(meta));
+    object.insert("spec".into(), merged.get("spec").cloned().unwrap_or_default());
+    Value::Object(object)
+}
+
+/// The provider a migration names (`spec.source.provider`), resolved into
+/// `spec.source` beneath what the migration and its defaults set. `None`:
+/// it names none; `Some(Some(doc))`: resolved from document `doc`;
+/// `Some(None)`: it names one that does not resolve (reported).
+fn resolve_provider(
+    merged: &mut Value,
+    providers: &Providers<'_>,
+    findings: &mut Vec<Finding>,
+) -> Option<Option<usize>> {
+    let name_value = merged.pointer("/spec/source/provider").cloned()?;
+    let Some(provider) = name_value.as_str().and_then(|n| providers.by_name.get(n)) else {
+        let known: Vec<&str> = providers.by_name.keys().map(String::as_str).collect();
+        let mut message = match name_value.as_str() {
+            Some(n) if known.is_empty() => format!("unknown provider {n:?}: providers/ defines none"),
+            Some(n) => format!("unknown provider {n:?} (known: {})", known.join(", ")),
+            None => format!("must be the name of a provider in providers/ (got {})", shown(&name_value)),
+        };
+        if !providers.unreadable.is_empty() {
+            message.push_str(&format!("; {} could not be read", providers.unreadable.join(", ")));
+        }
+        findings.push(finding(segs(&["spec", "source", "provider"]), message));
+        return Some(None);
+    };
+    // A provider binds host, port, host key and credentials together: a
+    // migration that names one cannot point its credentials elsewhere.
+    let name = name_value.as_str().unwrap_or_default();
+    if let Some(Value::Object(source)) = merged.get("spec").and_then(|s| s.get("source")) {
+        for field in PROVIDER_FIELDS.iter().filter(|f| source.contains_key(**f)) {
+            findings.push(finding(
+                segs(&["spec", "source", field]),
+                format!(
+                    "is set by provider {name:?} (providers/), which binds host, port, hostKey and credentialsSecretRef together; remove it here, or define another provider"
+                ),
+            ));
+        }
+    }
+    if let Some(Value::Object(source)) = merged.pointer_mut("/spec/source") {
+        source.remove("provider");
+        let mut resolved = provider.spec.clone();
+        resolved.extend(std::mem::take(source));
+        *source = resolved;
+    }
+    Some(Some(provider.doc))
+}
+
+/// The names the migrated VM would get: the destination VM is named after
+/// the migration unless `spec.destination.name` is set, and a rehearsal's
+/// VM after `spec.rehearsal.name`, else the destination name with
+/// `-rehearsal`; each must be a label KubeVirt accepts.
+fn check_vm_names(merged: &Value, name: &str, findings: &mut Vec<Finding>) {
+    let destination_name = merged.pointer("/spec/destination/name").and_then(Value::as_str);
+    let rehearsal = merged.pointer("/spec/mode").and_then(Value::as_str) == Some("Rehearsal");
+    let rehearsal_named = merged.pointer("/spec/rehearsal/name").is_some();
+    if rehearsal && !rehearsal_named && !name.is_empty() && is_dns_subdomain(name) {
+        let vm = format!("{}-rehearsal", destination_name.unwrap_or(name));
+        if !is_dns_label(&vm) || vm.len() > MAX_DESTINATION_NAME {
+            findings.push(finding(
+                segs(&["spec", "mode"]),
+                format!(
+                    "a rehearsal's VM would be named {vm:?}, which must be a lowercase RFC 1123 label (no dots) of at most {MAX_DESTINATION_NAME} characters; set spec.rehearsal.name"
+                ),
+            ));
+        }
+    }
+    if destination_name.is_none()
+        && !rehearsal
+        && !name.is_empty()
+        && is_dns_subdomain(name)
+        && (!is_dns_label(name) || name.len() > MAX_DESTINATION_NAME)
+    {
+        findings.push(finding(
+            segs(&["metadata", "name"]),
+            format!(
+                "is also the destination VM's name (spec.destination.name is not set), which must be a lowercase RFC 1123 label (no dots) of at most {MAX_DESTINATION_NAME} characters; set spec.destination.name"
+            ),
+        ));
+    }
+}
+
+/// A cutover window must name real instants; the schema only checks its shape.
+fn check_window(merged: &Value, findings: &mut Vec<Finding>) {
+    if let Some(window) = merged.pointer("/spec/cutover/window")
+        && let Ok(window) = serde_json::from_value::<crate::api::CutoverWindow>(window.clone())
+        && let Err(problem) = crate::machine::fleet::window_bounds(&window)
+    {
+        // The problem starts with the field it is about.
+        let field =
+            ["timeZone", "start", "end"].into_iter().find(|f| problem.starts_with(f)).unwrap_or("end");
+        findings.push(finding(segs(&["spec", "cutover", "window", field]), problem));
+    }
+}
+
+/// The administrator's rules for a migration in `namespace`: its
+/// destination namespace, and another namespace's networks by the same rules.
+fn check_destination_rules(
+    merged: &Value,
+    namespace: &str,
+    opts: &RenderOptions,
+    findings: &mut Vec<Finding>,
+) {
+    let Some(destination) = merged.pointer("/spec/destination/namespace").and_then(Value::as_str) else {
+        return;
+    };
+    if let Some(refused) = opts.destinations.refusal(namespace, destination) {
+        findings.push(finding(segs(&["spec", "destination", "namespace"]), refused));
+    }
+    let networks = merged.pointer("/spec/networkMap").and_then(Value::as_array).cloned().unwrap_or_default();
+    for (i, mapping) in networks.iter().enumerate() {
+        if let Some(network) = mapping.get("networkName").and_then(Value::as_str)
+            && let Some(refused) = opts.destinations.network_refusal(namespace, destination, network)
+        {
+            let path = [segs(&["spec", "networkMap"]), vec![Seg::Index(i)], segs(&["networkName"])].concat();
+            findings.push(finding(path, refused));
+        }
+    }
+}
+
+/// The providers of a commit by name, and the provider files that did not parse.
+struct Providers<'a> {
+    by_name: &'a BTreeMap<String, Provider>,
+    unreadable: &'a [String],
 }
 
 #[cfg(test)]
