@@ -41,7 +41,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 use vmmigrate::api::{Phase, VirtualMachineMigration};
 use vmmigrate::controller::reconciler::{self, ControllerConfig};
-use vmmigrate::machine::fleet::Limits;
+use vmmigrate::machine::fleet::ReadCaps;
 use vmmigrate_harness::KubeEnv;
 
 fn env(name: &str, default: u64) -> u64 {
@@ -200,7 +200,7 @@ fn main() {
         let config = ControllerConfig {
             namespace: Some(ns.clone()),
             instance: "fleet-bench".into(),
-            limits: Limits { per_host: cap, ..Limits::default() },
+            limits: ReadCaps { per_host: cap, ..ReadCaps::default() },
             ..Default::default()
         };
         let metrics = config.metrics.clone();

@@ -61,7 +61,7 @@ pub enum Command {
         #[command(flatten)]
         tenancy: TenancyOptions,
         #[command(flatten)]
-        limits: crate::gitops::render::Limits,
+        limits: crate::gitops::render::TreeLimits,
     },
     /// Show what merging a branch would change: render, validate, diff, read-only discovery.
     ///
@@ -78,7 +78,7 @@ pub enum Command {
         #[command(flatten)]
         tenancy: TenancyOptions,
         #[command(flatten)]
-        limits: crate::gitops::render::Limits,
+        limits: crate::gitops::render::TreeLimits,
         /// Do not contact the cluster (every migration shows as new).
         #[arg(long)]
         offline: bool,
@@ -97,7 +97,7 @@ pub enum Command {
         #[command(flatten)]
         tenancy: TenancyOptions,
         #[command(flatten)]
-        limits: crate::gitops::render::Limits,
+        limits: crate::gitops::render::TreeLimits,
     },
     /// Print the CustomResourceDefinition YAML.
     Crd {
@@ -443,7 +443,7 @@ impl TenancyOptions {
     fn render_options(
         &self,
         namespace: &str,
-        limits: crate::gitops::render::Limits,
+        limits: crate::gitops::render::TreeLimits,
     ) -> anyhow::Result<crate::gitops::render::RenderOptions> {
         Ok(crate::gitops::render::RenderOptions::new(namespace, &self.rules()?)
             .with_limits(limits)

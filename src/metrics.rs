@@ -20,7 +20,7 @@
 //! three GET routes.
 
 use crate::api::{Phase, VirtualMachineMigrationStatus};
-use crate::server::{self, Limits, Server};
+use crate::server::{self, Server, ServerLimits};
 use http::{HeaderValue, Method, Request, Response, StatusCode, header};
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
@@ -456,8 +456,8 @@ pub(crate) async fn serve_configured(
 
 /// The limits of the metrics server: scrapes and probes are small GET
 /// requests, so the cap is lower than the webhook's.
-fn limits() -> Limits {
-    Limits { max_connections: 256, max_head_bytes: 8 * 1024, ..Limits::default() }
+fn limits() -> ServerLimits {
+    ServerLimits { max_connections: 256, max_head_bytes: 8 * 1024, ..ServerLimits::default() }
 }
 
 fn start(listener: TcpListener, metrics: Arc<Metrics>) -> io::Result<MetricsServer> {

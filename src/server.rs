@@ -3,18 +3,18 @@
 //! connection state machine, over TLS where the server has an identity,
 //! under limits an attacker on the network cannot talk its way past.
 //!
-//! - **Connections**: at most [`Limits::max_connections`] at once; one more
+//! - **Connections**: at most [`ServerLimits::max_connections`] at once; one more
 //!   is closed as soon as it is accepted and counted in
 //!   [`ServerStats::refused_connections`], so a flood costs a descriptor for
 //!   a moment, never memory.
-//! - **Time**: the request head must arrive within [`Limits::header_timeout`]
+//! - **Time**: the request head must arrive within [`ServerLimits::header_timeout`]
 //!   (hyper closes the connection otherwise: slowloris), the whole request,
-//!   body and handling included, within [`Limits::request_timeout`] (408),
-//!   and the connection lives at most [`Limits::connection_deadline`]; a
+//!   body and handling included, within [`ServerLimits::request_timeout`] (408),
+//!   and the connection lives at most [`ServerLimits::connection_deadline`]; a
 //!   client that accepts no byte of its answer for
-//!   [`Limits::write_stall`] is dropped (one that never reads). A TLS
+//!   [`ServerLimits::write_stall`] is dropped (one that never reads). A TLS
 //!   handshake counts against the header timeout.
-//! - **Size**: the head at most [`Limits::max_head_bytes`] (hyper answers
+//! - **Size**: the head at most [`ServerLimits::max_head_bytes`] (hyper answers
 //!   431); bodies are the handler's business, read through
 //!   [`read_limited`], which refuses from `Content-Length` before reading
 //!   and again while streaming.
@@ -69,7 +69,7 @@ pub(crate) fn bind(addr: SocketAddr) -> io::Result<TcpListener> {
 
 /// The limits of one server.
 #[derive(Clone, Copy, Debug)]
-pub(crate) struct Limits {
+pub(crate) struct ServerLimits {
     pub max_connections: usize,
     pub header_timeout: Duration,
     pub request_timeout: Duration,
@@ -80,9 +80,9 @@ pub(crate) struct Limits {
     pub max_head_bytes: usize,
 }
 
-impl Default for Limits {
+impl Default for ServerLimits {
     fn default() -> Self {
-        Limits {
+        ServerLimits {
             max_connections: 2048,
             header_timeout: Duration::from_secs(5),
             request_timeout: Duration::from_secs(10),
@@ -97,9 +97,9 @@ impl Default for Limits {
 /// Counters of one server.
 #[derive(Debug, Default)]
 pub struct ServerStats {
-    /// Connections closed at once because [`Limits::max_connections`] were open.
+    /// Connections closed at once because [`ServerLimits::max_connections`] were open.
     pub refused_connections: AtomicU64,
-    /// Requests answered 408 because they outlived [`Limits::request_timeout`].
+    /// Requests answered 408 because they outlived [`ServerLimits::request_timeout`].
     pub timed_out: AtomicU64,
 }
 
@@ -115,7 +115,7 @@ impl Server {
     /// is given. `name` names the server in logs.
     pub(crate) fn start<H, F>(
         listener: TcpListener,
-        limits: Limits,
+        limits: ServerLimits,
         tls: Option<Arc<rustls::ServerConfig>>,
         name: &'static str,
         handler: H,
@@ -148,7 +148,7 @@ impl Drop for Server {
 
 async fn accept_loop<H, F>(
     listener: TcpListener,
-    limits: Limits,
+    limits: ServerLimits,
     tls: Option<tokio_rustls::TlsAcceptor>,
     name: &'static str,
     handler: H,
@@ -194,7 +194,7 @@ async fn accept_loop<H, F>(
 
 async fn serve<H, F>(
     stream: tokio::net::TcpStream,
-    limits: Limits,
+    limits: ServerLimits,
     tls: Option<tokio_rustls::TlsAcceptor>,
     handler: H,
     stats: Arc<ServerStats>,
@@ -243,7 +243,7 @@ async fn serve<H, F>(
     }
 }
 
-async fn speak_http<I, S>(stream: I, limits: Limits, started: tokio::time::Instant, service: S)
+async fn speak_http<I, S>(stream: I, limits: ServerLimits, started: tokio::time::Instant, service: S)
 where
     I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
     S: hyper::service::HttpService<Incoming, ResBody = Body>,
@@ -470,10 +470,10 @@ mod tests {
     #[tokio::test]
     async fn a_client_that_stops_reading_is_cut_off_after_the_write_stall() {
         const SIZE: usize = 64 << 20;
-        let limits = Limits {
+        let limits = ServerLimits {
             write_stall: Duration::from_millis(300),
             connection_deadline: Duration::from_secs(120),
-            ..Limits::default()
+            ..ServerLimits::default()
         };
         let listener = bind("127.0.0.1:0".parse().unwrap()).unwrap();
         let server = Server::start(listener, limits, None, "test", |_request| async {

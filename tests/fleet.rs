@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::time::Duration;
 use vmmigrate::api::{APPROVE_CUTOVER_ANNOTATION, Phase, VirtualMachineMigration, condition};
 use vmmigrate::controller::reconciler::{self, ControllerConfig};
-use vmmigrate::machine::fleet::Limits;
+use vmmigrate::machine::fleet::ReadCaps;
 
 const WAIT: Duration = Duration::from_secs(180);
 
@@ -30,7 +30,7 @@ impl Drop for Fleet {
 }
 
 impl Fleet {
-    async fn start(prefix: &str, sim: Arc<FleetSim>, limits: Limits) -> Fleet {
+    async fn start(prefix: &str, sim: Arc<FleetSim>, limits: ReadCaps) -> Fleet {
         let client: Client = KubeEnv::shared().client().await;
         let ns = test_namespace(&client, prefix).await;
         let config = ControllerConfig {
@@ -119,7 +119,7 @@ fn entered(vmm: &VirtualMachineMigration, phase: Phase) -> k8s_openapi::jiff::Ti
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn no_host_ever_reads_more_disks_than_its_cap_the_cluster_cap_holds_and_waiting_ones_say_their_place() {
     let sim = FleetSim::new(Duration::from_millis(1500), 1);
-    let limits = Limits { per_host: 2, hosts: [("esx-c".to_owned(), 1)].into(), cluster: Some(4) };
+    let limits = ReadCaps { per_host: 2, hosts: [("esx-c".to_owned(), 1)].into(), cluster: Some(4) };
     let fleet = Fleet::start("fleet-caps", sim.clone(), limits).await;
     let hosts = ["esx-a", "esx-b", "esx-c"];
     for i in 0..12 {
@@ -169,7 +169,7 @@ async fn no_host_ever_reads_more_disks_than_its_cap_the_cluster_cap_holds_and_wa
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_wave_starts_after_every_earlier_wave_completed_and_a_failed_one_holds_the_next_until_removed() {
     let sim = FleetSim::new(Duration::from_millis(800), 1);
-    let fleet = Fleet::start("fleet-waves", sim.clone(), Limits::default()).await;
+    let fleet = Fleet::start("fleet-waves", sim.clone(), ReadCaps::default()).await;
     sim.break_discovery("q1");
     fleet.create("w2", "esx-a", json!({"wave": {"plan": "p", "number": 2}})).await;
     fleet.create("w1-a", "esx-a", json!({"wave": {"plan": "p", "number": 1}})).await;
@@ -203,7 +203,7 @@ async fn a_wave_starts_after_every_earlier_wave_completed_and_a_failed_one_holds
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn approval_mode_never_powers_off_before_the_approval_annotation_and_records_it() {
     let sim = FleetSim::new(Duration::from_millis(300), 2);
-    let fleet = Fleet::start("fleet-approval", sim.clone(), Limits::default()).await;
+    let fleet = Fleet::start("fleet-approval", sim.clone(), ReadCaps::default()).await;
     fleet.create("db", "esx-a", json!({"cutover": {"mode": "Approval"}})).await;
     let held = fleet
         .wait_for("db", "waiting for approval", |v| {

@@ -8,7 +8,7 @@
 //! way back to Preparing), and a grant not yet recorded is simply asked again.
 
 use crate::api::{Phase, Reason, VirtualMachineMigration, VirtualMachineMigrationStatus, condition};
-use crate::machine::fleet::{self as rules, FleetGates, Limits, Member};
+use crate::machine::fleet::{self as rules, FleetGates, Member, ReadCaps};
 use futures::channel::mpsc::{UnboundedReceiver, UnboundedSender, unbounded};
 use jiff::Timestamp;
 use kube::ResourceExt;
@@ -31,7 +31,7 @@ type Recorded = (String, Member);
 
 /// The fleet view of one controller process.
 pub(crate) struct Fleet {
-    limits: Limits,
+    limits: ReadCaps,
     resource: ApiResource,
     store: OnceLock<Store<DynamicObject>>,
     grants: Mutex<HashMap<(String, String), Instant>>,
@@ -52,7 +52,7 @@ pub(crate) struct Fleet {
 impl Fleet {
     /// The view and the stream of migrations to reconcile because a gate opened.
     pub(crate) fn new(
-        limits: Limits,
+        limits: ReadCaps,
         resource: ApiResource,
     ) -> (Fleet, UnboundedReceiver<ObjectRef<DynamicObject>>) {
         let (wake, woken) = unbounded();

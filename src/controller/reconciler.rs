@@ -69,7 +69,7 @@ pub struct ControllerConfig {
     /// default: a registry of its own, which nobody serves).
     pub metrics: Arc<crate::metrics::Metrics>,
     /// Concurrent disk reads per ESXi host and in the cluster.
-    pub limits: crate::machine::fleet::Limits,
+    pub limits: crate::machine::fleet::ReadCaps,
     /// Whether this process still holds the leader Lease (on its own clock),
     /// asked right before an irreversible or destructive action; `None`
     /// when it runs without leader election.

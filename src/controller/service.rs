@@ -107,8 +107,8 @@ impl ControllerOptions {
     }
 
     /// The read caps as the queue applies them.
-    pub fn limits(&self) -> crate::machine::fleet::Limits {
-        crate::machine::fleet::Limits {
+    pub fn limits(&self) -> crate::machine::fleet::ReadCaps {
+        crate::machine::fleet::ReadCaps {
             per_host: self.max_reads_per_host,
             hosts: self.host_reads.iter().cloned().collect(),
             cluster: self.max_reads,

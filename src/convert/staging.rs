@@ -39,7 +39,7 @@
 
 use super::access::{REALM, StagingAccess};
 use super::artifact::{Marker, corrupt_path, hex, read_marker};
-use crate::server::{self, Body, Limits, Server};
+use crate::server::{self, Body, Server, ServerLimits};
 use base64::Engine as _;
 use bytes::Bytes;
 use http::{HeaderValue, Method, Request, Response, StatusCode, header};
@@ -70,8 +70,8 @@ const EMPTY_SHA256: &str = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495
 /// The staging server's limits: importers are few (one per disk being
 /// imported), an answer is a disk image that may take hours to stream, and a
 /// client that stops reading for a minute is dropped.
-fn limits() -> Limits {
-    Limits {
+fn limits() -> ServerLimits {
+    ServerLimits {
         max_connections: 256,
         header_timeout: Duration::from_secs(30),
         request_timeout: Duration::from_secs(30),

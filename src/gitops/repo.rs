@@ -9,7 +9,7 @@
 //!
 //! All functions block; async callers use `spawn_blocking`.
 
-use super::render::{Limits, RenderError, RepoTree};
+use super::render::{RenderError, RepoTree, TreeLimits};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -219,7 +219,7 @@ impl TrackedRepo {
     /// `limits`: only the `migrations/` and `providers/` subtrees are walked,
     /// a blob's size is read from its header before the blob, and symbolic
     /// links and submodules are refused, never followed. Sorted by path.
-    pub(crate) fn files_at(&self, commit: &str, limits: &Limits) -> Result<RepoTree, GitError> {
+    pub(crate) fn files_at(&self, commit: &str, limits: &TreeLimits) -> Result<RepoTree, GitError> {
         let repo = self.open()?;
         let id = gix::ObjectId::from_hex(commit.as_bytes()).map_err(|e| err("commit id", e))?;
         let tree = repo

@@ -10,7 +10,7 @@
 use super::apply::{ApplyError, ApplyReport, apply_commit};
 use super::forge::{Forge, GitHub, Gitea};
 use super::plan::{PLAN_MARKER, PlanInput, STATUS_CONTEXT, commit_state, plan_comment, progress_comment};
-use super::render::{Limits, RenderError, RenderOptions, RenderedMigration, RepoTree, render_tree};
+use super::render::{RenderError, RenderOptions, RenderedMigration, RepoTree, TreeLimits, render_tree};
 use super::repo::{RepoAuth, RepoConfig, TrackedRepo};
 use super::status_branch::{Snapshot, StatusWriter, StatusWriterConfig, Target, run_coalescing};
 use super::status_files::{StatusInput, status_files};
@@ -121,7 +121,7 @@ pub struct GitopsOptions {
     #[arg(skip)]
     pub tenants: crate::machine::tenancy::TenantBindings,
     #[command(flatten)]
-    pub limits: Limits,
+    pub limits: TreeLimits,
     /// Largest pack one fetch of the repository may bring, in bytes; past it
     /// the fetch is stopped and nothing of it is kept.
     #[arg(long, env = "VMMIGRATE_MAX_FETCH_BYTES", default_value_t = super::repo::DEFAULT_MAX_FETCH_BYTES)]

@@ -41,7 +41,7 @@
 //! [`MAX_BODY`], `431` request head over 16 KiB, `503` the body budget is
 //! spent by other requests. A connection over the cap is closed unanswered.
 
-use crate::server::{self, BodyRefused, Limits, Server, ServerStats};
+use crate::server::{self, BodyRefused, Server, ServerLimits, ServerStats};
 use hmac::{Hmac, Mac};
 use http::{HeaderMap, HeaderValue, Method, Request, Response, StatusCode, header};
 use hyper::body::Incoming;
@@ -207,14 +207,14 @@ impl WebhookServer {
         config: WebhookConfig,
         events: mpsc::Sender<WebhookEvent>,
     ) -> io::Result<WebhookServer> {
-        Self::start_with_limits(listener, config, events, Limits::default())
+        Self::start_with_limits(listener, config, events, ServerLimits::default())
     }
 
     pub(crate) fn start_with_limits(
         listener: TcpListener,
         config: WebhookConfig,
         events: mpsc::Sender<WebhookEvent>,
-        limits: Limits,
+        limits: ServerLimits,
     ) -> io::Result<WebhookServer> {
         config.validate().map_err(|why| io::Error::new(io::ErrorKind::InvalidInput, why))?;
         let stats = Arc::new(WebhookStats::default());
@@ -914,8 +914,8 @@ mod tests {
         let mut reply = Vec::new();
         let _ = stream.read_to_end(&mut reply).await;
         let waited = started.elapsed();
-        assert!(waited >= Limits::default().header_timeout, "closed after {waited:?}");
-        assert!(waited < Limits::default().request_timeout, "closed after {waited:?}");
+        assert!(waited >= ServerLimits::default().header_timeout, "closed after {waited:?}");
+        assert!(waited < ServerLimits::default().request_timeout, "closed after {waited:?}");
         let text = String::from_utf8_lossy(&reply);
         assert!(reply.is_empty() || text.starts_with("HTTP/1.1 408 "), "{text}");
     }
@@ -1050,7 +1050,7 @@ mod tests {
     async fn connections_over_the_cap_are_closed_unanswered_and_counted() {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let (tx, _rx) = mpsc::channel(8);
-        let limits = Limits { max_connections: 2, ..Limits::default() };
+        let limits = ServerLimits { max_connections: 2, ..ServerLimits::default() };
         let server = WebhookServer::start_with_limits(listener, config(), tx, limits).unwrap();
         let addr = server.local_addr();
         let _idle = [TcpStream::connect(addr).await.unwrap(), TcpStream::connect(addr).await.unwrap()];

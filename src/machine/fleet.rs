@@ -43,7 +43,7 @@ pub struct FleetGates {
 
 /// Concurrent disk reads allowed per ESXi host and in the whole cluster.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Limits {
+pub struct ReadCaps {
     /// Reads per host unless `hosts` names the host.
     pub per_host: u32,
     /// Per-host overrides, by `spec.source.host`.
@@ -52,16 +52,16 @@ pub struct Limits {
     pub cluster: Option<u32>,
 }
 
-impl Default for Limits {
+impl Default for ReadCaps {
     fn default() -> Self {
-        Limits { per_host: DEFAULT_READS_PER_HOST, hosts: BTreeMap::new(), cluster: None }
+        ReadCaps { per_host: DEFAULT_READS_PER_HOST, hosts: BTreeMap::new(), cluster: None }
     }
 }
 
 /// Two streams keep one ESXi host's SSH busy without stretching every downtime.
 pub const DEFAULT_READS_PER_HOST: u32 = 2;
 
-impl Limits {
+impl ReadCaps {
     pub fn host(&self, host: &str) -> u32 {
         self.hosts.get(host).copied().unwrap_or(self.per_host).max(1)
     }
@@ -99,7 +99,7 @@ impl Member {
 
     /// The reads this migration may see on its host: the host's cap, lowered
     /// by its own `maxConcurrentReads`.
-    fn cap(&self, limits: &Limits) -> u32 {
+    fn cap(&self, limits: &ReadCaps) -> u32 {
         let host = limits.host(&self.host);
         self.own_cap.map_or(host, |own| own.clamp(1, host))
     }
@@ -287,7 +287,7 @@ pub struct Queue {
 /// validated, then the name. Nobody is passed over by someone later in the
 /// same order on the same host, so no migration starves: the head of a host's
 /// line goes as soon as that host has room.
-pub fn queue(members: &[Member], limits: &Limits) -> Queue {
+pub fn queue(members: &[Member], limits: &ReadCaps) -> Queue {
     let mut host_used: HashMap<&str, u32> = HashMap::new();
     let mut ns_used: HashMap<&str, u32> = HashMap::new();
     let mut cluster_used = 0u32;

@@ -16,7 +16,7 @@ use crate::convert::store::{ArtifactStore, StoreSettings};
 use crate::machine::Failure;
 use crate::metrics::Metrics;
 use crate::ports::{Converter, DiskStore, Staging};
-use crate::server::{self, Body, Limits, Server};
+use crate::server::{self, Body, Server, ServerLimits};
 use crate::source::esxi::adapter::{CredentialSource, EsxiSource, StoreConfig};
 use anyhow::Context as _;
 use http::{Request as HttpRequest, Response, StatusCode, header};
@@ -142,8 +142,8 @@ pub async fn start(opts: &WorkerOptions, metrics: Arc<Metrics>) -> anyhow::Resul
 }
 
 /// Calls answer at once (copies and conversions run in the background).
-fn control_limits() -> Limits {
-    Limits { max_connections: 64, ..Limits::default() }
+fn control_limits() -> ServerLimits {
+    ServerLimits { max_connections: 64, ..ServerLimits::default() }
 }
 
 impl Worker {

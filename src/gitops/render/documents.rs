@@ -76,7 +76,7 @@ fn split_documents(text: &str) -> Vec<Chunk> {
 /// overrun carry the file's line.
 pub(super) fn parse_file(
     file: &RepoFile,
-    limits: &Limits,
+    limits: &TreeLimits,
     tree_nodes: &mut u64,
     errors: &mut Vec<RenderError>,
 ) -> Option<Vec<Doc>> {

@@ -45,34 +45,34 @@ pub(crate) const MIGRATION_KIND: &str = "VirtualMachineMigration";
 /// Over a limit is an error naming the file and the limit; nothing of that
 /// commit is applied.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::Args)]
-pub struct Limits {
+pub struct TreeLimits {
     /// Largest manifest, defaults or provider file, in bytes.
-    #[arg(long = "max-file-bytes", env = "VMMIGRATE_MAX_FILE_BYTES", default_value_t = Limits::DEFAULT.file_bytes)]
+    #[arg(long = "max-file-bytes", env = "VMMIGRATE_MAX_FILE_BYTES", default_value_t = TreeLimits::DEFAULT.file_bytes)]
     pub file_bytes: u64,
     /// Largest total of those files in one commit, in bytes.
-    #[arg(long = "max-repo-bytes", env = "VMMIGRATE_MAX_REPO_BYTES", default_value_t = Limits::DEFAULT.tree_bytes)]
+    #[arg(long = "max-repo-bytes", env = "VMMIGRATE_MAX_REPO_BYTES", default_value_t = TreeLimits::DEFAULT.tree_bytes)]
     pub tree_bytes: u64,
     /// Most files under migrations/ and providers/ in one commit.
-    #[arg(long = "max-files", env = "VMMIGRATE_MAX_FILES", default_value_t = Limits::DEFAULT.files)]
+    #[arg(long = "max-files", env = "VMMIGRATE_MAX_FILES", default_value_t = TreeLimits::DEFAULT.files)]
     pub files: usize,
     /// Deepest folder nesting under migrations/.
-    #[arg(long = "max-folder-depth", env = "VMMIGRATE_MAX_FOLDER_DEPTH", default_value_t = Limits::DEFAULT.folder_depth)]
+    #[arg(long = "max-folder-depth", env = "VMMIGRATE_MAX_FOLDER_DEPTH", default_value_t = TreeLimits::DEFAULT.folder_depth)]
     pub folder_depth: usize,
     /// Deepest nesting of YAML collections in one document.
-    #[arg(long = "max-yaml-depth", env = "VMMIGRATE_MAX_YAML_DEPTH", default_value_t = Limits::DEFAULT.yaml_depth)]
+    #[arg(long = "max-yaml-depth", env = "VMMIGRATE_MAX_YAML_DEPTH", default_value_t = TreeLimits::DEFAULT.yaml_depth)]
     pub yaml_depth: usize,
     /// Most YAML nodes in one document, aliases expanded.
-    #[arg(long = "max-yaml-nodes", env = "VMMIGRATE_MAX_YAML_NODES", default_value_t = Limits::DEFAULT.doc_nodes)]
+    #[arg(long = "max-yaml-nodes", env = "VMMIGRATE_MAX_YAML_NODES", default_value_t = TreeLimits::DEFAULT.doc_nodes)]
     pub doc_nodes: u64,
     /// Most YAML nodes in one commit, aliases expanded.
-    #[arg(long = "max-repo-yaml-nodes", env = "VMMIGRATE_MAX_REPO_YAML_NODES", default_value_t = Limits::DEFAULT.tree_nodes)]
+    #[arg(long = "max-repo-yaml-nodes", env = "VMMIGRATE_MAX_REPO_YAML_NODES", default_value_t = TreeLimits::DEFAULT.tree_nodes)]
     pub tree_nodes: u64,
 }
 
-impl Limits {
+impl TreeLimits {
     /// A migration is about 1 KB and 100 nodes: these leave room for
     /// thousands of them and keep a hostile commit within tens of MiB.
-    pub const DEFAULT: Limits = Limits {
+    pub const DEFAULT: TreeLimits = TreeLimits {
         file_bytes: 1 << 20,
         tree_bytes: 32 << 20,
         files: 10_000,
@@ -83,9 +83,9 @@ impl Limits {
     };
 }
 
-impl Default for Limits {
+impl Default for TreeLimits {
     fn default() -> Self {
-        Limits::DEFAULT
+        TreeLimits::DEFAULT
     }
 }
 
@@ -99,7 +99,7 @@ pub struct RenderOptions {
     pub destinations: DestinationRules,
     /// The administrator's binding of folders to namespaces (`--tenant`).
     pub tenants: TenantBindings,
-    pub limits: Limits,
+    pub limits: TreeLimits,
 }
 
 impl Default for RenderOptions {
@@ -108,7 +108,7 @@ impl Default for RenderOptions {
             default_namespace: DEFAULT_NAMESPACE.to_owned(),
             destinations: DestinationRules::default(),
             tenants: TenantBindings::default(),
-            limits: Limits::DEFAULT,
+            limits: TreeLimits::DEFAULT,
         }
     }
 }
@@ -121,11 +121,11 @@ impl RenderOptions {
             default_namespace: namespace.to_owned(),
             destinations: destinations.clone(),
             tenants: TenantBindings::default(),
-            limits: Limits::DEFAULT,
+            limits: TreeLimits::DEFAULT,
         }
     }
 
-    pub fn with_limits(mut self, limits: Limits) -> RenderOptions {
+    pub fn with_limits(mut self, limits: TreeLimits) -> RenderOptions {
         self.limits = limits;
         self
     }
@@ -156,7 +156,7 @@ impl RepoTree {
         path: Option<&str>,
         shown: &str,
         size: u64,
-        limits: &Limits,
+        limits: &TreeLimits,
         read: impl FnOnce() -> std::io::Result<Vec<u8>>,
     ) -> std::io::Result<()> {
         let refuse = |message: String| RenderError { path: escape(shown), line: None, field: None, message };
@@ -345,7 +345,7 @@ pub fn to_yaml(rendered: &[RenderedMigration]) -> String {
 /// inside the checkout: Git would store the link, not the file); `.git` is
 /// skipped. Paths are relative to `root` with `/` separators, sorted. A
 /// missing folder is an empty one.
-pub fn read_dir_files(root: &Path, limits: &Limits) -> std::io::Result<RepoTree> {
+pub fn read_dir_files(root: &Path, limits: &TreeLimits) -> std::io::Result<RepoTree> {
     let mut tree = RepoTree::default();
     for top in ["migrations", "providers"] {
         let dir = root.join(top);
@@ -373,7 +373,7 @@ fn symlink_refused(shown: &str) -> RenderError {
     }
 }
 
-fn read_tree(dir: &Path, rel: &str, limits: &Limits, tree: &mut RepoTree) -> std::io::Result<()> {
+fn read_tree(dir: &Path, rel: &str, limits: &TreeLimits, tree: &mut RepoTree) -> std::io::Result<()> {
     let mut entries: Vec<_> = std::fs::read_dir(dir)?.collect::<Result<_, _>>()?;
     entries.sort_by_key(|e| e.file_name());
     for entry in entries {

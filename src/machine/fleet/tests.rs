@@ -23,8 +23,8 @@ fn member(ns: &str, name: &str, host: &str, since: i64) -> Member {
     }
 }
 
-fn limits(per_host: u32, cluster: Option<u32>) -> Limits {
-    Limits { per_host, hosts: BTreeMap::new(), cluster }
+fn limits(per_host: u32, cluster: Option<u32>) -> ReadCaps {
+    ReadCaps { per_host, hosts: BTreeMap::new(), cluster }
 }
 
 /// A tiny deterministic generator (no PRNG crate).

@@ -6,14 +6,14 @@
 
 use libfuzzer_sys::fuzz_target;
 use vmmigrate::gitops::Provenance;
-use vmmigrate::gitops::render::{Limits, RenderOptions, RepoTree, render_tree};
+use vmmigrate::gitops::render::{RenderOptions, RepoTree, TreeLimits, render_tree};
 
 fuzz_target!(|data: &[u8]| {
     let (provider, manifest) = match data.iter().position(|b| *b == 0xff) {
         Some(at) => (&data[..at], &data[at + 1..]),
         None => (&[][..], data),
     };
-    let limits = Limits::default();
+    let limits = TreeLimits::default();
     let mut tree = RepoTree::default();
     for (path, bytes) in [("providers/esxi01.yaml", provider), ("migrations/apps/fuzz.yaml", manifest)] {
         let _ = tree.offer(Some(path), path, bytes.len() as u64, &limits, || Ok(bytes.to_vec()));
