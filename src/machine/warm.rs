@@ -69,35 +69,7 @@ pub(super) fn preparing(ctx: &mut Ctx<'_>, facts: &PreparingFacts, input: &Gatin
         return ctx.wait(POLL_IN_PROGRESS);
     }
     if !off {
-        // Every base copied: the cutover, as for a cold migration.
-        let gate = match input.orphan_hold {
-            true => Ok(Some(super::gates::orphan_wait())),
-            false => fleet::cutover_gate(ctx.spec, &ctx.status, input.now, input.cutover_approved),
-        };
-        return match gate {
-            Ok(None) if !source_unchanged(ctx, facts) => {}
-            Ok(None) => {
-                note_approval(ctx);
-                ctx.condition(
-                    condition::DISK_ACQUIRED,
-                    false,
-                    "BaseCopied",
-                    format!("{total} base disk(s) copied; the source is powered off for the deltas"),
-                );
-                power_down(ctx, facts)
-            }
-            // The bases stay copied and the snapshot stays; the read slot is kept.
-            Ok(Some(wait)) => {
-                ctx.condition(
-                    condition::DISK_ACQUIRED,
-                    false,
-                    "BaseCopied",
-                    format!("{total} base disk(s) copied; waiting for the cutover: {}", wait.message),
-                );
-                hold(ctx, wait)
-            }
-            Err(failure) => ctx.fail(Phase::Preparing, failure),
-        };
+        return cutover(ctx, facts, input, total);
     }
     ctx.status.waiting = None;
 
@@ -163,6 +135,41 @@ pub(super) fn preparing(ctx: &mut Ctx<'_>, facts: &PreparingFacts, input: &Gatin
         ),
     );
     ctx.wait(POLL_IN_PROGRESS);
+}
+
+/// Every base copied and the source still on: the cutover, as for a cold
+/// migration, once its gate opens; until then the bases and the snapshot
+/// stay and the read slot is kept.
+fn cutover(ctx: &mut Ctx<'_>, facts: &PreparingFacts, input: &Gating, total: usize) {
+    // Every base copied: the cutover, as for a cold migration.
+    let gate = match input.orphan_hold {
+        true => Ok(Some(super::gates::orphan_wait())),
+        false => fleet::cutover_gate(ctx.spec, &ctx.status, input.now, input.cutover_approved),
+    };
+    match gate {
+        Ok(None) if !source_unchanged(ctx, facts) => {}
+        Ok(None) => {
+            note_approval(ctx);
+            ctx.condition(
+                condition::DISK_ACQUIRED,
+                false,
+                "BaseCopied",
+                format!("{total} base disk(s) copied; the source is powered off for the deltas"),
+            );
+            power_down(ctx, facts)
+        }
+        // The bases stay copied and the snapshot stays; the read slot is kept.
+        Ok(Some(wait)) => {
+            ctx.condition(
+                condition::DISK_ACQUIRED,
+                false,
+                "BaseCopied",
+                format!("{total} base disk(s) copied; waiting for the cutover: {}", wait.message),
+            );
+            hold(ctx, wait)
+        }
+        Err(failure) => ctx.fail(Phase::Preparing, failure),
+    }
 }
 
 /// Every disk copied (and, warm, assembled): the decision to remove the
