@@ -93,7 +93,12 @@ pub(super) fn preparing(ctx: &mut Ctx<'_>, facts: &PreparingFacts, input: &Gatin
         record.removing.get_or_insert_with(|| ctx.now.clone());
     }
 
-    // After the cutover: only the deltas, then each disk assembled.
+    copy_deltas(ctx, facts, total);
+}
+
+/// After the cutover: only the deltas, then each disk assembled from its
+/// base and its deltas.
+fn copy_deltas(ctx: &mut Ctx<'_>, facts: &PreparingFacts, total: usize) {
     let mut progress = Progress::default();
     let mut assembled = 0;
     for disk in 0..total {
