@@ -2,7 +2,7 @@
 //! code the kube-runtime controller runs) against the in-memory world of
 //! `support::sim`, through thousands of seeded schedules of faults and
 //! crashes. A crash drops everything a controller process holds in memory,
-//! at any checkpoint: after observing, or after any single action and before
+//! at any crash point: after observing, or after any single action and before
 //! the status write.
 //!
 //! A fifth of the schedules migrate warm and a fifth rehearse, with a guest
@@ -25,7 +25,7 @@ use vmmigrate::api::{
     CleanupAction, MigrationMode, Phase, PowerOffPolicy, RETRY_ANNOTATION, VirtualMachineMigration,
     VirtualMachineMigrationSpec, condition,
 };
-use vmmigrate::controller::engine::{self, Checkpoint, StepInput};
+use vmmigrate::controller::engine::{self, CrashPoint, StepInput};
 use vmmigrate::machine::tenancy::DestinationRules;
 use vmmigrate::machine::{Action, Reason, conditions};
 
@@ -51,7 +51,7 @@ struct Scenario {
     expect: Expect,
     /// Each reconcile runs on a replica whose clock runs up to 15 minutes ahead.
     clock_ahead: bool,
-    /// A person may delete the migration at any checkpoint.
+    /// A person may delete the migration at any crash point.
     deleted_at_random: bool,
     /// Now and then a second replica steps too, on a read of several steps
     /// ago: its lease lapsed while it looked (a hung call outlasted it).
@@ -238,7 +238,7 @@ struct Totals {
     mode_edits: usize,
     /// Steps the fence refused.
     refusals: usize,
-    /// Schedules ended by a deletion at a random checkpoint.
+    /// Schedules ended by a deletion at a random crash point.
     deletions: usize,
     /// Steps of a stale replica, on an old read and without the lease.
     stale_steps: usize,
@@ -349,9 +349,9 @@ fn run_schedule(seed: u64, rt: &tokio::runtime::Runtime, totals: &mut Totals) ->
             fence: &fence,
         };
         let mut crashed_after = None;
-        let step = rt.block_on(engine::step(&adapters, &vmm, input, |cp: &Checkpoint| {
+        let step = rt.block_on(engine::step(&adapters, &vmm, input, |cp: &CrashPoint| {
             let crash = crash_rng.chance(crash_rate);
-            if crash && let Checkpoint::Performed(action) = cp {
+            if crash && let CrashPoint::Performed(action) = cp {
                 crashed_after = Some(action.clone());
             }
             crash
@@ -509,7 +509,7 @@ fn run_schedule(seed: u64, rt: &tokio::runtime::Runtime, totals: &mut Totals) ->
 
         // Record (one status write), then let time pass as the requeue asks.
         vmm.status = Some(next);
-        // Now and then a person deletes the migration at this checkpoint:
+        // Now and then a person deletes the migration at this crash point:
         // the finalizer's work, and the schedule ends.
         if sc.deleted_at_random && rng.chance(0.02) {
             totals.deletions += 1;
@@ -656,7 +656,7 @@ fn run_schedule(seed: u64, rt: &tokio::runtime::Runtime, totals: &mut Totals) ->
     Ok(())
 }
 
-/// A deletion at the checkpoint the migration is at: the finalizer's actions
+/// A deletion at the crash point the migration is at: the finalizer's actions
 /// run (retried as the controller's backoff would), and then nothing of the
 /// migration is left that should go, nothing that is not its own is gone,
 /// and the source's power was not touched.

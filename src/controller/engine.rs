@@ -23,7 +23,7 @@ pub(crate) const CALL_TIMEOUT: Duration = Duration::from_secs(120);
 /// Where a reconcile can be interrupted; the simulation crashes the
 /// controller at each of these.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Checkpoint {
+pub enum CrashPoint {
     /// Observed, nothing done yet.
     Observed,
     /// This action was just performed (before the next one and before the status write).
@@ -61,7 +61,7 @@ fn ssh_timeout(vmm: &VirtualMachineMigration) -> Duration {
     vmm.spec.strategy.timeouts.ssh() * 2
 }
 
-/// Looks at the world for the migration's current checkpoint.
+/// Looks at the world for the migration's current phase.
 pub(crate) async fn observe(adapters: &Adapters, vmm: &VirtualMachineMigration) -> Observed {
     let phase = vmm.status.as_ref().map(|s| s.phase).unwrap_or_default();
     let disks = machine::disks_in_flight(vmm.status.as_ref());
@@ -401,7 +401,7 @@ pub fn cleanup_actions(vmm: &VirtualMachineMigration) -> Vec<Action> {
 }
 
 /// Performs one of [`cleanup_actions`] (the simulation deletes migrations
-/// at any checkpoint through it, as the finalizer does).
+/// at any crash point through it, as the finalizer does).
 pub async fn perform_cleanup(
     adapters: &Adapters,
     vmm: &VirtualMachineMigration,
@@ -431,7 +431,7 @@ pub struct StepInput<'a> {
     pub fence: &'a dyn Fence,
 }
 
-/// One reconcile. `interrupt` is asked at every checkpoint and returns true to
+/// One reconcile. `interrupt` is asked at every crash point and returns true to
 /// stop there as if the process died (the simulation's crash); production
 /// passes `|_| false`. Returns `None` when interrupted, when the fence
 /// refused the step's first irreversible or destructive action, or when
@@ -440,7 +440,7 @@ pub async fn step(
     adapters: &Adapters,
     vmm: &VirtualMachineMigration,
     input: StepInput<'_>,
-    mut interrupt: impl FnMut(&Checkpoint) -> bool,
+    mut interrupt: impl FnMut(&CrashPoint) -> bool,
 ) -> Option<Step> {
     // Past Validated the recorded mode counts, whatever the spec says now.
     let pinned = vmm.pinned();
@@ -488,7 +488,7 @@ pub async fn step(
             })
             .or(granted);
     }
-    if interrupt(&Checkpoint::Observed) {
+    if interrupt(&CrashPoint::Observed) {
         return None;
     }
     let mut decision = machine::decide(Input { source, extents, ..make_input(observed) });
@@ -542,7 +542,7 @@ pub async fn step(
             return Some(Step { decision: failed, performed, failed: Some((action.clone(), failure)) });
         }
         performed.push(action.clone());
-        if interrupt(&Checkpoint::Performed(action.clone())) {
+        if interrupt(&CrashPoint::Performed(action.clone())) {
             return None;
         }
     }

@@ -49,7 +49,7 @@ pub(crate) const MAX_TRANSPORT_BACKOFF: Duration = Duration::from_secs(30);
 
 /// Asked at every checkpoint of a reconcile with the phase it started in;
 /// returning true abandons the reconcile there, as if the process died.
-pub type Interrupt = Arc<dyn Fn(Phase, &engine::Checkpoint) -> bool + Send + Sync>;
+pub type Interrupt = Arc<dyn Fn(Phase, &engine::CrashPoint) -> bool + Send + Sync>;
 
 /// Controller settings.
 #[derive(Clone, Default)]
@@ -457,7 +457,7 @@ async fn apply_step(
         fence: &fence,
     };
     let interrupt = ctx.config.interrupt.clone();
-    let stop = |cp: &engine::Checkpoint| interrupt.as_ref().is_some_and(|f| f(phase, cp));
+    let stop = |cp: &engine::CrashPoint| interrupt.as_ref().is_some_and(|f| f(phase, cp));
     let Some(step) = engine::step(&ctx.adapters, vmm, input, stop).await else {
         // Interrupted (tests), or the fence refused: nothing was recorded.
         tracing::warn!(phase = %phase, "reconcile ended before recording");
