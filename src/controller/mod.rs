@@ -6,7 +6,7 @@
 //! - `service`: the real adapters assembled for `vmmigrate controller`
 
 pub mod engine;
-pub(crate) mod fleet;
+pub(crate) mod fleet_view;
 pub mod leader;
 pub mod reconciler;
 pub mod service;

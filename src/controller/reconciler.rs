@@ -8,7 +8,7 @@
 //! breaking the watch for every other migration.
 
 use super::engine::{self, StepInput};
-use super::fleet::Fleet;
+use super::fleet_view::Fleet;
 use crate::api::Reason;
 use crate::api::labels::{MIGRATION as LABEL_MIGRATION, MIGRATION_NAMESPACE as LABEL_MIGRATION_NAMESPACE};
 use crate::api::{

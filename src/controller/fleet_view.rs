@@ -8,7 +8,7 @@
 //! way back to Preparing), and a grant not yet recorded is simply asked again.
 
 use crate::api::{Phase, Reason, VirtualMachineMigration, VirtualMachineMigrationStatus, condition};
-use crate::machine::fleet::{self as rules, FleetGates, Member, ReadCaps};
+use crate::machine::fleet::{self, FleetGates, Member, ReadCaps};
 use futures::channel::mpsc::{UnboundedReceiver, UnboundedSender, unbounded};
 use jiff::Timestamp;
 use kube::ResourceExt;
@@ -170,7 +170,7 @@ impl Fleet {
         let _admitting = self.admitting.lock().await;
         let mut members = self.members(Some((vmm, &status)));
         let me = members.len() - 1;
-        let wave = rules::WaveIndex::new(&members).gate(&members[me]);
+        let wave = fleet::WaveIndex::new(&members).gate(&members[me]);
         if wave.is_some() || !cutover_open {
             return FleetGates { wave, slot: None };
         }
@@ -178,7 +178,7 @@ impl Fleet {
             return FleetGates::default();
         }
         members[me].queued = true;
-        let queue = rules::queue(&members, &self.limits);
+        let queue = fleet::queue(&members, &self.limits);
         tracing::debug!(
             admitted = queue.admitted.contains(&me),
             waiting = ?queue.waiting.get(&me).map(|w| &w.message),
@@ -220,10 +220,10 @@ impl Fleet {
     }
 
     fn wake_waiters(&self, members: &[Member]) {
-        let queue = rules::queue(members, &self.limits);
+        let queue = fleet::queue(members, &self.limits);
         let mut woken: Vec<&Member> = queue.admitted.iter().map(|&i| &members[i]).collect();
         // Waiting for a wave that is open now.
-        let waves = rules::WaveIndex::new(members);
+        let waves = fleet::WaveIndex::new(members);
         for m in members.iter().filter(|m| m.phase == Phase::Validated && m.waits_for_wave) {
             if waves.gate(m).is_none() {
                 woken.push(m);
@@ -307,7 +307,7 @@ fn member_from(
         wave,
         phase: status.phase,
         disks: (disks as u32).max(1),
-        holds_slot: rules::holds_slot_in(status),
+        holds_slot: fleet::holds_slot_in(status),
         queued: status.phase == Phase::Validated
             && crate::machine::conditions::is_true(status, condition::VALIDATED)
             && slot_wait,
