@@ -4,7 +4,7 @@
 //! cluster-wide cap) in a fair queue.
 //!
 //! Pure functions of the spec, the time and a snapshot of the fleet: the
-//! controller builds the snapshot from its watch cache (`controller::fleet`),
+//! controller builds the snapshot from its watch cache (`controller::fleet_view`),
 //! `decide` only reads the answer. A slot is counted in disks, because every
 //! disk of a migration is read at once.
 
