@@ -369,7 +369,7 @@ async fn reconcile_one(obj: Arc<DynamicObject>, ctx: Arc<Context>) -> Result<Act
     };
     let result = finalizer(&api, FINALIZER, Arc::new(fresh), |event| async {
         match event {
-            FinalizerEvent::Apply(vmm) => apply(&vmm, &api, &ctx).await,
+            FinalizerEvent::Apply(vmm) => reconcile_steps(&vmm, &api, &ctx).await,
             FinalizerEvent::Cleanup(vmm) => cleanup(&vmm, &ctx).await,
         }
     })
@@ -402,14 +402,14 @@ async fn publish(ctx: &Context, vmm: &VirtualMachineMigration, events: &[machine
     }
 }
 
-/// Most steps one reconcile takes in a row (see [`apply`]).
+/// Most steps one reconcile takes in a row (see [`reconcile_steps`]).
 const CHAINED_STEPS: usize = 8;
 
 /// Reconciles one migration. A step that asks to look again at once (it
 /// entered a phase) is followed in the same reconcile by the next, decided
 /// on the object its status write returned: the API server's answer is as
 /// fresh as a new read, and the migration does not wait for the queue.
-async fn apply(
+async fn reconcile_steps(
     vmm: &VirtualMachineMigration,
     api: &Api<VirtualMachineMigration>,
     ctx: &Context,
