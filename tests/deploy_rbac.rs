@@ -907,6 +907,31 @@ async fn dry_run_create(client: &Client, obj: &Value) -> Result<(), String> {
     api.create(&params, &obj).await.map(|_| ()).map_err(|e| e.to_string())
 }
 
+/// The base and deploy/overlays/example-tenant installed, the shared RBAC
+/// held for reading: the administrator's client, the guard, and a client
+/// that is the ServiceAccount.
+async fn tenant_installed() -> (Client, tokio::sync::RwLockReadGuard<'static, ()>, Client) {
+    let client = KubeEnv::shared().client().await;
+    let shared = CLUSTER_RBAC.read().await;
+    install_base(&client).await;
+    install_tenant(&client).await;
+    (client, shared, service_account_client().await)
+}
+
+/// Admission policies are read from an informer: waits (up to 20 s) until
+/// creating `obj` is refused, and requires `policy` to be what refused it.
+async fn refused_once_in_effect(sa: &Client, obj: &Value, policy: &str, what: &str) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        match dry_run_create(sa, obj).await {
+            Ok(()) if tokio::time::Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            answer => return refused_by(answer, policy, what),
+        }
+    }
+}
+
 fn refused_by(answer: Result<(), String>, policy: &str, what: &str) {
     match answer {
         Err(e) => assert!(e.contains(policy), "{what}: refused, but not by {policy}: {e}"),
@@ -931,20 +956,10 @@ fn vm(name: &str, volumes: Value) -> Value {
 
 #[tokio::test]
 async fn as_the_service_account_a_vm_that_mounts_anything_but_its_own_data_volumes_is_refused_at_admission() {
-    let client = KubeEnv::shared().client().await;
-    let _shared = CLUSTER_RBAC.read().await;
-    install_base(&client).await;
-    install_tenant(&client).await;
-    let sa = service_account_client().await;
+    let (client, _shared, sa) = tenant_installed().await;
     const POLICY: &str = "vmmigrate-vm-volumes";
-    // Policies are read from an informer too: the first refusal may take a moment.
     let secret = vm("web", json!([{ "name": "token", "secret": { "secretName": "payroll-db" } }]));
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-    while dry_run_create(&sa, &secret).await.is_ok() {
-        assert!(tokio::time::Instant::now() < deadline, "a VM mounting a Secret is admitted");
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
-    refused_by(dry_run_create(&sa, &secret).await, POLICY, "a VM mounting a Secret");
+    refused_once_in_effect(&sa, &secret, POLICY, "a VM mounting a Secret").await;
     let token = vm("web", json!([{ "name": "sa", "serviceAccount": { "serviceAccountName": "default" } }]));
     refused_by(dry_run_create(&sa, &token).await, POLICY, "a VM mounting a ServiceAccount token");
     let other = vm("web", json!([{ "name": "disk-0", "dataVolume": { "name": "payroll-disk-0" } }]));
@@ -974,11 +989,7 @@ async fn as_the_service_account_a_vm_that_mounts_anything_but_its_own_data_volum
 async fn as_the_service_account_only_a_migrations_own_import_secrets_and_cas_can_be_written() {
     use k8s_openapi::api::core::v1::{ConfigMap, Secret};
     use kube::api::DeleteParams;
-    let client = KubeEnv::shared().client().await;
-    let _shared = CLUSTER_RBAC.read().await;
-    install_base(&client).await;
-    install_tenant(&client).await;
-    let sa = service_account_client().await;
+    let (client, _shared, sa) = tenant_installed().await;
     const POLICY: &str = "vmmigrate-own-secrets";
     const UID: &str = "migration.platform.example/migration-uid";
     let secret = |name: &str, labelled: bool| {
@@ -987,12 +998,7 @@ async fn as_the_service_account_only_a_migrations_own_import_secrets_and_cas_can
                 "metadata": { "name": name, "namespace": TENANT, "labels": labels },
                 "stringData": { "secretKey": "x" } })
     };
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-    while dry_run_create(&sa, &secret("payroll-db", true)).await.is_ok() {
-        assert!(tokio::time::Instant::now() < deadline, "a Secret of any name is admitted");
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
-    refused_by(dry_run_create(&sa, &secret("payroll-db", true)).await, POLICY, "a Secret named payroll-db");
+    refused_once_in_effect(&sa, &secret("payroll-db", true), POLICY, "a Secret named payroll-db").await;
     refused_by(
         dry_run_create(&sa, &secret("web-disk-0-import", false)).await,
         POLICY,
@@ -1065,19 +1071,10 @@ fn restricted_pod() -> Value {
 
 #[tokio::test]
 async fn as_the_service_account_a_privileged_or_host_mounting_job_is_refused_in_every_namespace() {
-    let client = KubeEnv::shared().client().await;
-    let _shared = CLUSTER_RBAC.read().await;
-    install_base(&client).await;
-    install_tenant(&client).await;
-    let sa = service_account_client().await;
+    let (_admin, _shared, sa) = tenant_installed().await;
     const POLICY: &str = "vmmigrate-helper-jobs";
     let mut privileged = restricted_pod();
     privileged["containers"][0]["securityContext"] = json!({ "privileged": true });
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-    while dry_run_create(&sa, &job("convert", TENANT, privileged.clone())).await.is_ok() {
-        assert!(tokio::time::Instant::now() < deadline, "a privileged Job is admitted");
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
     let mut host_path = restricted_pod();
     host_path["volumes"] = json!([{ "name": "work", "hostPath": { "path": "/" } }]);
     let mut root = restricted_pod();
@@ -1098,11 +1095,8 @@ async fn as_the_service_account_a_privileged_or_host_mounting_job_is_refused_in_
             ("the host's network", &host_network),
             ("a projected token", &token),
         ] {
-            refused_by(
-                dry_run_create(&sa, &job("convert", ns, pod.clone())).await,
-                POLICY,
-                &format!("{what} in {ns}"),
-            );
+            let what = format!("{what} in {ns}");
+            refused_once_in_effect(&sa, &job("convert", ns, pod.clone()), POLICY, &what).await;
         }
         dry_run_create(&sa, &job("convert", ns, restricted_pod()))
             .await
