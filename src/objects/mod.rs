@@ -19,8 +19,9 @@ use crate::api::{MigrationMode, VirtualMachineMigration};
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
 
-/// Label with the role of a helper object (`convert`).
+/// Label with the role of a helper object (`convert`, `verify`, the worker's).
 pub(crate) const LABEL_ROLE: &str = "migration.platform.example/role";
+
 /// Labels linking an object back to its migration.
 pub(crate) fn labels(vmm: &VirtualMachineMigration) -> serde_json::Map<String, Value> {
     let mut labels = serde_json::Map::new();
