@@ -721,10 +721,7 @@ async fn service_account_cannot_read_other_secrets_delete_migrations_or_escalate
 
 #[tokio::test]
 async fn the_example_tenant_overlay_grants_the_tenant_role_in_its_namespace_only() {
-    let client = KubeEnv::shared().client().await;
-    let _shared = CLUSTER_RBAC.read().await;
-    install_base(&client).await;
-    install_tenant(&client).await;
+    let (client, _shared, _sa) = tenant_installed().await;
     let mut refused = Vec::new();
     for &call in TENANT_CALLS {
         if !eventually(&client, call, true).await {
@@ -1118,22 +1115,16 @@ async fn a_pod_in_vmmigrate_system_that_is_not_pod_security_restricted_is_refuse
         Err(e) => assert!(e.contains("restricted"), "refused, but not by Pod Security: {e}"),
         Ok(()) => panic!("a pod that is only baseline is admitted in {SYSTEM}"),
     }
-    let mut restricted = restricted_pod();
-    restricted["volumes"] = json!([{ "name": "work", "emptyDir": {} }]);
-    dry_run_create(&client, &pod(restricted)).await.expect("a restricted pod");
+    dry_run_create(&client, &pod(restricted_pod())).await.expect("a restricted pod");
 }
 
 #[tokio::test]
 async fn at_validated_the_service_account_finds_a_destination_namespace_without_the_tenant_role_refused() {
     use vmmigrate::destination::cluster::KubeCluster;
     use vmmigrate::ports::Cluster;
-    let client = KubeEnv::shared().client().await;
-    let _shared = CLUSTER_RBAC.read().await;
-    install_base(&client).await;
-    install_tenant(&client).await;
+    let (client, _shared, sa) = tenant_installed().await;
     crate::support::ensure_storage_class(&client).await;
     let bare = crate::support::test_namespace(&client, "no-tenant-role").await;
-    let sa = service_account_client().await;
     // The migration in the tenant's namespace, as discovery leaves it.
     let migration = |destination: &str, uuid: &str| {
         let mut body = crate::support::sim_migration_json(TENANT);

@@ -101,13 +101,20 @@ fn the_import_reader_sees_paths_and_skips_unit_tests() {
     assert_eq!(seen, ["api", "ports"]);
 }
 
-/// The targets Cargo.toml declares, by kind (`test`, `bench`), and the
-/// harness crate's examples.
+/// The targets Cargo.toml declares (`[[test]]`, `[[bench]]` names, by
+/// kind), and the harness crate's examples.
 fn targets() -> BTreeSet<(String, String)> {
     let mut out = BTreeSet::new();
-    let manifest: toml_like::Manifest = toml_like::read(&root().join("Cargo.toml"));
-    for (kind, name) in manifest.targets {
-        out.insert((kind, name));
+    let manifest = std::fs::read_to_string(root().join("Cargo.toml")).unwrap();
+    let mut kind: Option<&str> = None;
+    for line in manifest.lines().map(str::trim) {
+        if let Some(table) = line.strip_prefix("[[").and_then(|l| l.strip_suffix("]]")) {
+            kind = Some(table);
+        } else if line.starts_with('[') {
+            kind = None;
+        } else if let (Some(k), Some(value)) = (kind, line.strip_prefix("name = ")) {
+            out.insert((k.to_owned(), value.trim_matches('"').to_owned()));
+        }
     }
     let mut examples = Vec::new();
     files_under(&root().join("tools/harness/examples"), "rs", &mut examples);
@@ -115,29 +122,6 @@ fn targets() -> BTreeSet<(String, String)> {
         out.insert(("example".into(), e.file_stem().unwrap().to_string_lossy().into_owned()));
     }
     out
-}
-
-/// Just enough of Cargo.toml: `[[test]]` and `[[bench]]` names.
-mod toml_like {
-    pub struct Manifest {
-        pub targets: Vec<(String, String)>,
-    }
-
-    pub fn read(path: &std::path::Path) -> Manifest {
-        let text = std::fs::read_to_string(path).unwrap();
-        let mut targets = Vec::new();
-        let mut kind: Option<String> = None;
-        for line in text.lines().map(str::trim) {
-            if let Some(table) = line.strip_prefix("[[").and_then(|l| l.strip_suffix("]]")) {
-                kind = Some(table.to_owned());
-            } else if line.starts_with('[') {
-                kind = None;
-            } else if let (Some(k), Some(value)) = (&kind, line.strip_prefix("name = ")) {
-                targets.push((k.clone(), value.trim_matches('"').to_owned()));
-            }
-        }
-        Manifest { targets }
-    }
 }
 
 #[test]

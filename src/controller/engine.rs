@@ -475,7 +475,7 @@ pub async fn step(
         let destination = &vmm.spec.destination.namespace;
         // The controller's own rule first, whatever the adapter reported;
         // then what the cluster refuses this process (no tenant Role there).
-        let granted = facts.destination_refused.take();
+        let cluster_refusal = facts.destination_refused.take();
         facts.destination_refused = input
             .destinations
             .refusal(&ns, destination)
@@ -486,7 +486,7 @@ pub async fn step(
                     .filter_map(|m| m.network_name.as_deref())
                     .find_map(|network| input.destinations.network_refusal(&ns, destination, network))
             })
-            .or(granted);
+            .or(cluster_refusal);
     }
     if interrupt(&CrashPoint::Observed) {
         return None;
