@@ -357,29 +357,7 @@ pub async fn copy_disk(
         });
     }
     let (size, identity) = source_identity(&session, &plan.source_path).await?;
-    let sidecar = match read_sidecar(&plan.local_path) {
-        Some(s)
-            if s.identity == identity
-                && s.size == size
-                && s.chunk_size == chunk_size
-                && s.epoch == plan.epoch
-                && plan.local_path.exists() =>
-        {
-            s
-        }
-        _ => {
-            // Nothing usable: start over (never append to unknown data).
-            discard(&plan.local_path)?;
-            Sidecar {
-                source_path: plan.source_path.clone(),
-                identity: identity.clone(),
-                size,
-                chunk_size,
-                done: BTreeSet::new(),
-                epoch: plan.epoch,
-            }
-        }
-    };
+    let sidecar = resume_or_start(plan, size, &identity, chunk_size)?;
     let file = std::fs::OpenOptions::new()
         .create(true)
         .truncate(false)
@@ -388,124 +366,29 @@ pub async fn copy_disk(
         .open(&plan.local_path)?;
     file.set_len(size)?;
     let file = Arc::new(file);
-    let chunks = size.div_ceil(chunk_size);
-    let missing: Vec<u64> = (0..chunks).filter(|c| !sidecar.done.contains(c)).collect();
+    let layout = Layout { chunk_size, size };
+    let missing: Vec<u64> = (0..layout.chunks()).filter(|c| !sidecar.done.contains(c)).collect();
     progress.store((sidecar.done.len() as u64 * chunk_size).min(size), Ordering::Relaxed);
     write_sidecar(&plan.local_path, &sidecar)?;
 
-    // Hasher: follows the contiguous prefix of finished chunks, reading back from the file.
-    let (hash_tx, hash_rx) = mpsc::channel::<u64>();
-    let hash_file = file.clone();
-    let already: Vec<u64> = sidecar.done.iter().copied().collect();
-    let hasher = std::thread::spawn(move || -> std::io::Result<String> {
-        let mut hasher = Sha256::new();
-        let mut ready = BTreeSet::new();
-        ready.extend(already);
-        let mut next = 0u64;
-        let mut buf = vec![0u8; 4 << 20];
-        loop {
-            while ready.remove(&next) {
-                let start = next * chunk_size;
-                let end = (start + chunk_size).min(size);
-                let mut pos = start;
-                while pos < end {
-                    let n = ((end - pos) as usize).min(buf.len());
-                    hash_file.read_exact_at(&mut buf[..n], pos)?;
-                    hasher.update(&buf[..n]);
-                    pos += n as u64;
-                }
-                next += 1;
-            }
-            if next >= chunks {
-                break;
-            }
-            match hash_rx.recv() {
-                Ok(chunk) => {
-                    ready.insert(chunk);
-                }
-                Err(_) => return Ok(String::new()),
-            }
-        }
-        Ok(hasher.finalize().iter().map(|b| format!("{b:02x}")).collect())
-    });
-
-    // Writer: positional writes, holes for zero blocks, sidecar after each chunk.
-    let (write_tx, mut write_rx) = tokio::sync::mpsc::channel::<WriterMsg>(16);
-    let write_file = file.clone();
-    let local = plan.local_path.clone();
-    let writer_progress = progress.clone();
-    let mut writer_sidecar = sidecar.clone();
-    let writer_lock = lock.clone();
-    let writer = std::thread::spawn(move || -> std::io::Result<()> {
-        let _lock = writer_lock;
-        while let Some(msg) = write_rx.blocking_recv() {
-            match msg {
-                WriterMsg::Data { offset, bytes } => {
-                    for (i, block) in bytes.chunks(ZERO_BLOCK).enumerate() {
-                        if !is_zero(block) {
-                            write_file.write_all_at(block, offset + (i * ZERO_BLOCK) as u64)?;
-                        }
-                    }
-                    writer_progress.fetch_add(bytes.len() as u64, Ordering::Relaxed);
-                }
-                WriterMsg::ChunkDone(chunk) => {
-                    write_file.sync_data()?;
-                    writer_sidecar.done.insert(chunk);
-                    write_sidecar(&local, &writer_sidecar)?;
-                    let _ = hash_tx.send(chunk);
-                }
-            }
-        }
-        Ok(())
-    });
+    let (hash_tx, hasher) = spawn_hasher(file.clone(), &sidecar.done, layout);
+    let (write_tx, writer) =
+        spawn_writer(file, plan.local_path.clone(), sidecar, progress, hash_tx, lock.clone());
 
     let copy_started = std::time::Instant::now();
     let mut spawned = AbortOnDrop(Vec::new());
-    let remote = if plan.remote_digest {
+    let remote = plan.remote_digest.then(|| {
         let session = session.clone();
         let path = plan.source_path.clone();
         let task = tokio::spawn(async move { remote_sha256(&session, &path).await });
         spawned.0.push(task.abort_handle());
-        Some(task)
-    } else {
-        None
-    };
-
-    // Readers: N channels pulling runs of consecutive chunks from a shared
-    // queue; one `dd` per run, chunks recorded as the stream crosses them.
-    let queue = Arc::new(std::sync::Mutex::new(plan_runs(&missing, plan.streams.max(1)).into_iter()));
+        task
+    });
     let bytes_read = Arc::new(AtomicU64::new(0));
-    let mut readers = Vec::new();
-    for _ in 0..plan.streams.max(1) {
-        let session = session.clone();
-        let queue = queue.clone();
-        let tx = write_tx.clone();
-        let path = plan.source_path.clone();
-        let bytes_read = bytes_read.clone();
-        let reader = tokio::spawn(async move {
-            loop {
-                let next = queue.lock().ok().and_then(|mut q| q.next());
-                let Some((first, count)) = next else { return Ok::<(), CopyError>(()) };
-                read_run(&session, &path, first, count, chunk_size, size, &tx, &bytes_read).await?;
-            }
-        });
-        spawned.0.push(reader.abort_handle());
-        readers.push(reader);
-    }
-    drop(write_tx);
-    let mut first_error = None;
-    for reader in readers {
-        let result = match reader.await {
-            Ok(r) => r,
-            Err(e) => Err(CopyError::Io(std::io::Error::other(e.to_string()))),
-        };
-        if let Err(e) = result {
-            first_error.get_or_insert(e);
-        }
-    }
+    let read = read_missing(&session, plan, &missing, layout, write_tx, &bytes_read, &mut spawned).await;
     let written = writer.join().map_err(|_| std::io::Error::other("writer thread panicked"))?;
     let local_sha = hasher.join().map_err(|_| std::io::Error::other("hasher thread panicked"))?;
-    if let Some(e) = first_error {
+    if let Err(e) = read {
         if let Some(task) = remote {
             task.abort();
         }
@@ -518,22 +401,7 @@ pub async fn copy_disk(
         return Err(CopyError::SourceChanged { before: identity, after });
     }
     let remote_sha = match remote {
-        Some(task) => {
-            // The host reads its own disk faster than it sends it: past the
-            // copy's own time again (at least a minute), a hash still running
-            // is given up on (a stuck or hostile host), and the copy stands
-            // on its local digest alone, as on a host without a hash tool.
-            let grace = copy_started.elapsed().max(REMOTE_HASH_MIN_GRACE);
-            let abort = task.abort_handle();
-            match tokio::time::timeout(grace, task).await {
-                Ok(joined) => joined.map_err(|e| std::io::Error::other(e.to_string()))??,
-                Err(_elapsed) => {
-                    abort.abort();
-                    tracing::warn!(path = %plan.source_path, secs = grace.as_secs(), "the host's own sha256 did not finish in time; the copy is verified locally only");
-                    None
-                }
-            }
-        }
+        Some(task) => host_digest(task, copy_started.elapsed(), &plan.source_path).await?,
         None => None,
     };
     if let Some(remote) = &remote_sha
@@ -555,6 +423,198 @@ pub async fn copy_disk(
         verified_remotely: remote_sha.is_some(),
         bytes_read: bytes_read.load(Ordering::Relaxed),
     })
+}
+
+/// How one extent is cut into chunks.
+#[derive(Clone, Copy, Debug)]
+struct Layout {
+    chunk_size: u64,
+    size: u64,
+}
+
+impl Layout {
+    fn chunks(self) -> u64 {
+        self.size.div_ceil(self.chunk_size)
+    }
+}
+
+/// The previous run's sidecar when it describes this very source, chunking
+/// and epoch; otherwise a fresh one, after discarding what is on disk (a copy
+/// never appends to data it cannot vouch for).
+fn resume_or_start(
+    plan: &CopyPlan,
+    size: u64,
+    identity: &str,
+    chunk_size: u64,
+) -> Result<Sidecar, CopyError> {
+    match read_sidecar(&plan.local_path) {
+        Some(s)
+            if s.identity == identity
+                && s.size == size
+                && s.chunk_size == chunk_size
+                && s.epoch == plan.epoch
+                && plan.local_path.exists() =>
+        {
+            Ok(s)
+        }
+        _ => {
+            discard(&plan.local_path)?;
+            Ok(Sidecar {
+                source_path: plan.source_path.clone(),
+                identity: identity.to_string(),
+                size,
+                chunk_size,
+                done: BTreeSet::new(),
+                epoch: plan.epoch,
+            })
+        }
+    }
+}
+
+/// The hasher thread: follows the contiguous prefix of finished chunks
+/// (those already `done` and those sent on the returned channel), reading
+/// them back from the file. Ends with an empty digest if the channel closes
+/// before the last chunk.
+fn spawn_hasher(
+    file: Arc<File>,
+    done: &BTreeSet<u64>,
+    layout: Layout,
+) -> (mpsc::Sender<u64>, std::thread::JoinHandle<std::io::Result<String>>) {
+    let (hash_tx, hash_rx) = mpsc::channel::<u64>();
+    let mut ready = done.clone();
+    let hasher = std::thread::spawn(move || -> std::io::Result<String> {
+        let mut hasher = Sha256::new();
+        let mut next = 0u64;
+        let mut buf = vec![0u8; 4 << 20];
+        loop {
+            while ready.remove(&next) {
+                let start = next * layout.chunk_size;
+                let end = (start + layout.chunk_size).min(layout.size);
+                let mut pos = start;
+                while pos < end {
+                    let n = ((end - pos) as usize).min(buf.len());
+                    file.read_exact_at(&mut buf[..n], pos)?;
+                    hasher.update(&buf[..n]);
+                    pos += n as u64;
+                }
+                next += 1;
+            }
+            if next >= layout.chunks() {
+                break;
+            }
+            match hash_rx.recv() {
+                Ok(chunk) => {
+                    ready.insert(chunk);
+                }
+                Err(_) => return Ok(String::new()),
+            }
+        }
+        Ok(hasher.finalize().iter().map(|b| format!("{b:02x}")).collect())
+    });
+    (hash_tx, hasher)
+}
+
+/// The writer thread: positional writes, holes for zero blocks, the sidecar
+/// synced after each finished chunk and the chunk handed to the hasher. It
+/// holds the copy's lock until it ends, even if the copy is cancelled.
+fn spawn_writer(
+    file: Arc<File>,
+    local: PathBuf,
+    mut sidecar: Sidecar,
+    progress: Arc<AtomicU64>,
+    hash_tx: mpsc::Sender<u64>,
+    lock: Arc<File>,
+) -> (tokio::sync::mpsc::Sender<WriterMsg>, std::thread::JoinHandle<std::io::Result<()>>) {
+    let (write_tx, mut write_rx) = tokio::sync::mpsc::channel::<WriterMsg>(16);
+    let writer = std::thread::spawn(move || -> std::io::Result<()> {
+        let _lock = lock;
+        while let Some(msg) = write_rx.blocking_recv() {
+            match msg {
+                WriterMsg::Data { offset, bytes } => {
+                    for (i, block) in bytes.chunks(ZERO_BLOCK).enumerate() {
+                        if !is_zero(block) {
+                            file.write_all_at(block, offset + (i * ZERO_BLOCK) as u64)?;
+                        }
+                    }
+                    progress.fetch_add(bytes.len() as u64, Ordering::Relaxed);
+                }
+                WriterMsg::ChunkDone(chunk) => {
+                    file.sync_data()?;
+                    sidecar.done.insert(chunk);
+                    write_sidecar(&local, &sidecar)?;
+                    let _ = hash_tx.send(chunk);
+                }
+            }
+        }
+        Ok(())
+    });
+    (write_tx, writer)
+}
+
+/// The readers: `plan.streams` channels pulling runs of consecutive missing
+/// chunks from a shared queue; one `dd` per run, chunks recorded as the
+/// stream crosses them. Returns the first reader's error once all have ended.
+async fn read_missing(
+    session: &Arc<Session>,
+    plan: &CopyPlan,
+    missing: &[u64],
+    layout: Layout,
+    write_tx: tokio::sync::mpsc::Sender<WriterMsg>,
+    bytes_read: &Arc<AtomicU64>,
+    spawned: &mut AbortOnDrop,
+) -> Result<(), CopyError> {
+    let streams = plan.streams.max(1);
+    let queue = Arc::new(std::sync::Mutex::new(plan_runs(missing, streams).into_iter()));
+    let mut readers = Vec::new();
+    for _ in 0..streams {
+        let session = session.clone();
+        let queue = queue.clone();
+        let tx = write_tx.clone();
+        let path = plan.source_path.clone();
+        let bytes_read = bytes_read.clone();
+        let reader = tokio::spawn(async move {
+            loop {
+                let next = queue.lock().ok().and_then(|mut q| q.next());
+                let Some((first, count)) = next else { return Ok::<(), CopyError>(()) };
+                read_run(&session, &path, first, count, layout, &tx, &bytes_read).await?;
+            }
+        });
+        spawned.0.push(reader.abort_handle());
+        readers.push(reader);
+    }
+    drop(write_tx);
+    let mut first_error = None;
+    for reader in readers {
+        let result = match reader.await {
+            Ok(r) => r,
+            Err(e) => Err(CopyError::Io(std::io::Error::other(e.to_string()))),
+        };
+        if let Err(e) = result {
+            first_error.get_or_insert(e);
+        }
+    }
+    first_error.map_or(Ok(()), Err)
+}
+
+/// Waits for the host's own digest. The host reads its own disk faster than
+/// it sends it: past the copy's own time again (at least a minute), a hash
+/// still running is given up on (a stuck or hostile host), and the copy
+/// stands on its local digest alone, as on a host without a hash tool.
+async fn host_digest(
+    task: tokio::task::JoinHandle<Result<Option<String>, CopyError>>,
+    copy_took: std::time::Duration,
+    path: &str,
+) -> Result<Option<String>, CopyError> {
+    let grace = copy_took.max(REMOTE_HASH_MIN_GRACE);
+    let abort = task.abort_handle();
+    match tokio::time::timeout(grace, task).await {
+        Ok(joined) => joined.map_err(|e| std::io::Error::other(e.to_string()))?,
+        Err(_elapsed) => {
+            abort.abort();
+            tracing::warn!(path = %path, secs = grace.as_secs(), "the host's own sha256 did not finish in time; the copy is verified locally only");
+            Ok(None)
+        }
+    }
 }
 
 /// Groups missing chunks into runs of consecutive chunks `(first, count)`,
@@ -581,17 +641,16 @@ pub(crate) fn plan_runs(missing: &[u64], streams: usize) -> Vec<(u64, u64)> {
 
 /// Reads chunks `first..first+count` with one `dd`, handing bytes to the
 /// writer and marking each chunk done as the stream passes its end.
-#[allow(clippy::too_many_arguments)]
 async fn read_run(
     session: &Session,
     path: &str,
     first: u64,
     count: u64,
-    chunk_size: u64,
-    size: u64,
+    layout: Layout,
     tx: &tokio::sync::mpsc::Sender<WriterMsg>,
     bytes_read: &AtomicU64,
 ) -> Result<(), CopyError> {
+    let Layout { chunk_size, size } = layout;
     let blocks = chunk_size / BLOCK;
     let cmd = RemoteCommand::new("dd")?
         .arg(&format!("if={path}"))?
