@@ -54,6 +54,154 @@ pub(super) struct OverBudget {
     pub(super) message: String,
 }
 
+/// The budget's half of the walk: nodes so far, aliases expanded; per open
+/// collection its anchor and the count when it opened; per anchor the nodes
+/// it stands for.
+struct NodeCount {
+    budget: DocBudget,
+    nodes: u64,
+    anchored: Vec<(usize, u64)>,
+    anchor_nodes: HashMap<usize, u64>,
+}
+
+impl NodeCount {
+    /// Counts one event; past the budget, the line and why.
+    fn count(&mut self, event: &Event, line: usize) -> Result<(), OverBudget> {
+        match event {
+            Event::Alias(id) => {
+                self.nodes = self.nodes.saturating_add(self.anchor_nodes.get(id).copied().unwrap_or(1));
+            }
+            Event::Scalar(_, _, anchor, _) => {
+                self.nodes += 1;
+                if *anchor > 0 {
+                    self.anchor_nodes.insert(*anchor, 1);
+                }
+            }
+            Event::MappingStart(anchor, _) | Event::SequenceStart(anchor, _) => {
+                self.nodes += 1;
+                self.anchored.push((*anchor, self.nodes));
+                if self.anchored.len() > self.budget.depth {
+                    return Err(OverBudget {
+                        line,
+                        message: format!("nests deeper than {} levels (the limit)", self.budget.depth),
+                    });
+                }
+            }
+            Event::MappingEnd | Event::SequenceEnd => {
+                if let Some((anchor, start)) = self.anchored.pop()
+                    && anchor > 0
+                {
+                    self.anchor_nodes.insert(anchor, self.nodes - start + 1);
+                }
+            }
+            _ => {}
+        }
+        if self.nodes > self.budget.nodes {
+            let through = if self.anchor_nodes.is_empty() { "" } else { ", aliases expanded" };
+            return Err(OverBudget {
+                line,
+                message: format!("holds more than {} YAML nodes{through} (the limit)", self.budget.nodes),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// The index's half of the walk: the open collections and the path to the
+/// node being read (one segment per open collection that has a current key
+/// or item).
+struct Walk {
+    index: LineIndex,
+    open: Vec<Open>,
+    path: Vec<Seg>,
+}
+
+impl Walk {
+    /// Takes one event at `line`; breaks at the end of the stream.
+    fn visit(&mut self, event: Event, line: usize) -> std::ops::ControlFlow<()> {
+        use std::ops::ControlFlow::{Break, Continue};
+        let starts_node = matches!(
+            event,
+            Event::Scalar(..) | Event::Alias(_) | Event::MappingStart(..) | Event::SequenceStart(..)
+        );
+        if starts_node && self.index.first == 0 {
+            self.index.first = line;
+        }
+        if starts_node && self.open.iter().any(|o| matches!(o, Open::Skipped)) {
+            if matches!(event, Event::MappingStart(..) | Event::SequenceStart(..)) {
+                self.open.push(Open::Skipped);
+            }
+            return Continue(());
+        }
+        if matches!(self.open.last(), Some(Open::Mapping { key: None, .. })) {
+            match event {
+                Event::Scalar(ref value, ..) => {
+                    self.key(value, line);
+                    return Continue(());
+                }
+                Event::MappingStart(..) | Event::SequenceStart(..) | Event::Alias(_) => {
+                    // A collection or an alias as a key: not a field name; its
+                    // value is indexed under an empty key.
+                    if let Some(Open::Mapping { key, .. }) = self.open.last_mut() {
+                        *key = Some(String::new());
+                    }
+                    self.path.push(Seg::Key(String::new()));
+                    if !matches!(event, Event::Alias(_)) {
+                        self.open.push(Open::Skipped);
+                    }
+                    return Continue(());
+                }
+                _ => {}
+            }
+        }
+        if starts_node && let Some(Open::Sequence { next }) = self.open.last_mut() {
+            self.path.push(Seg::Index(*next));
+            *next += 1;
+            self.index.keys.entry(format_path(&self.path)).or_insert(line);
+        }
+        match event {
+            Event::MappingStart(..) => {
+                self.open.push(Open::Mapping { key: None, seen: HashSet::new() });
+                return Continue(());
+            }
+            Event::SequenceStart(..) => {
+                self.open.push(Open::Sequence { next: 0 });
+                return Continue(());
+            }
+            Event::MappingEnd | Event::SequenceEnd => {
+                // The end of a complex key leaves its (unnamed) key open for the value.
+                if matches!(self.open.pop(), Some(Open::Skipped)) {
+                    return Continue(());
+                }
+            }
+            Event::StreamEnd => return Break(()),
+            Event::Scalar(..) | Event::Alias(_) => {}
+            _ => return Continue(()),
+        }
+        // A node ended: the value of the enclosing key or item is done.
+        if let Some(Open::Mapping { key, .. }) = self.open.last_mut() {
+            if key.take().is_some() {
+                self.path.pop();
+            }
+        } else if let Some(Open::Sequence { .. }) = self.open.last() {
+            self.path.pop();
+        }
+        Continue(())
+    }
+
+    /// A scalar read as the next key of the open mapping.
+    fn key(&mut self, value: &str, line: usize) {
+        let Some(Open::Mapping { key, seen }) = self.open.last_mut() else { return };
+        self.path.push(Seg::Key(value.to_string()));
+        if seen.insert(value.to_string()) {
+            self.index.keys.entry(format_path(&self.path)).or_insert(line);
+        } else {
+            self.index.repeated.push((value.to_string(), self.path.clone(), line));
+        }
+        *key = Some(value.to_string());
+    }
+}
+
 impl LineIndex {
     /// Indexes one YAML document (first line `first_line` of its file) with no
     /// budget but the default one; tests only.
@@ -72,16 +220,8 @@ impl LineIndex {
         first_line: usize,
         budget: DocBudget,
     ) -> Result<(LineIndex, u64), OverBudget> {
-        let mut index = LineIndex { keys: HashMap::new(), repeated: Vec::new(), first: 0 };
-        let mut open: Vec<Open> = Vec::new();
-        // The path to the node being read: one segment per open collection
-        // that has a current key or item.
-        let mut path: Vec<Seg> = Vec::new();
-        // Nodes so far, aliases expanded; per open collection its anchor and
-        // the count when it opened; per anchor the nodes it stands for.
-        let mut nodes: u64 = 0;
-        let mut anchored: Vec<(usize, u64)> = Vec::new();
-        let mut anchor_nodes: HashMap<usize, u64> = HashMap::new();
+        let mut walk = Walk { index: LineIndex::default(), open: Vec::new(), path: Vec::new() };
+        let mut count = NodeCount { budget, nodes: 0, anchored: Vec::new(), anchor_nodes: HashMap::new() };
         let mut parser = Parser::new_from_str(text);
         loop {
             let (event, mark) = match parser.next_token() {
@@ -96,120 +236,16 @@ impl LineIndex {
                 Err(_) => break,
             };
             let line = first_line + mark.line().saturating_sub(1);
-            let starts_node = matches!(
-                event,
-                Event::Scalar(..) | Event::Alias(_) | Event::MappingStart(..) | Event::SequenceStart(..)
-            );
-            match &event {
-                Event::Alias(id) => nodes = nodes.saturating_add(anchor_nodes.get(id).copied().unwrap_or(1)),
-                Event::Scalar(_, _, anchor, _) => {
-                    nodes += 1;
-                    if *anchor > 0 {
-                        anchor_nodes.insert(*anchor, 1);
-                    }
-                }
-                Event::MappingStart(anchor, _) | Event::SequenceStart(anchor, _) => {
-                    nodes += 1;
-                    anchored.push((*anchor, nodes));
-                    if anchored.len() > budget.depth {
-                        return Err(OverBudget {
-                            line,
-                            message: format!("nests deeper than {} levels (the limit)", budget.depth),
-                        });
-                    }
-                }
-                Event::MappingEnd | Event::SequenceEnd => {
-                    if let Some((anchor, start)) = anchored.pop()
-                        && anchor > 0
-                    {
-                        anchor_nodes.insert(anchor, nodes - start + 1);
-                    }
-                }
-                _ => {}
-            }
-            if nodes > budget.nodes {
-                let through = if anchor_nodes.is_empty() { "" } else { ", aliases expanded" };
-                return Err(OverBudget {
-                    line,
-                    message: format!("holds more than {} YAML nodes{through} (the limit)", budget.nodes),
-                });
-            }
-            if starts_node && index.first == 0 {
-                index.first = line;
-            }
-            if starts_node && open.iter().any(|o| matches!(o, Open::Skipped)) {
-                match event {
-                    Event::MappingStart(..) | Event::SequenceStart(..) => open.push(Open::Skipped),
-                    _ => {}
-                }
-                continue;
-            }
-            match event {
-                Event::Scalar(ref value, ..)
-                    if matches!(open.last(), Some(Open::Mapping { key: None, .. })) =>
-                {
-                    let Some(Open::Mapping { key, seen }) = open.last_mut() else { unreachable!() };
-                    path.push(Seg::Key(value.clone()));
-                    if seen.insert(value.clone()) {
-                        index.keys.entry(format_path(&path)).or_insert(line);
-                    } else {
-                        index.repeated.push((value.clone(), path.clone(), line));
-                    }
-                    *key = Some(value.clone());
-                    continue;
-                }
-                Event::MappingStart(..) | Event::SequenceStart(..) | Event::Alias(_)
-                    if matches!(open.last(), Some(Open::Mapping { key: None, .. })) =>
-                {
-                    // A collection or an alias as a key: not a field name; its
-                    // value is indexed under an empty key.
-                    let Some(Open::Mapping { key, .. }) = open.last_mut() else { unreachable!() };
-                    *key = Some(String::new());
-                    path.push(Seg::Key(String::new()));
-                    if !matches!(event, Event::Alias(_)) {
-                        open.push(Open::Skipped);
-                    }
-                    continue;
-                }
-                _ => {}
-            }
-            if starts_node && let Some(Open::Sequence { next }) = open.last_mut() {
-                path.push(Seg::Index(*next));
-                *next += 1;
-                index.keys.entry(format_path(&path)).or_insert(line);
-            }
-            match event {
-                Event::MappingStart(..) => {
-                    open.push(Open::Mapping { key: None, seen: HashSet::new() });
-                    continue;
-                }
-                Event::SequenceStart(..) => {
-                    open.push(Open::Sequence { next: 0 });
-                    continue;
-                }
-                Event::MappingEnd | Event::SequenceEnd => {
-                    // The end of a complex key leaves its (unnamed) key open for the value.
-                    if matches!(open.pop(), Some(Open::Skipped)) {
-                        continue;
-                    }
-                }
-                Event::StreamEnd => break,
-                Event::Scalar(..) | Event::Alias(_) => {}
-                _ => continue,
-            }
-            // A node ended: the value of the enclosing key or item is done.
-            if let Some(Open::Mapping { key, .. }) = open.last_mut() {
-                if key.take().is_some() {
-                    path.pop();
-                }
-            } else if let Some(Open::Sequence { .. }) = open.last() {
-                path.pop();
+            count.count(&event, line)?;
+            if walk.visit(event, line).is_break() {
+                break;
             }
         }
+        let mut index = walk.index;
         if index.first == 0 {
             index.first = first_line;
         }
-        Ok((index, nodes))
+        Ok((index, count.nodes))
     }
 
     /// Where key `key` appears a second time in one mapping.
