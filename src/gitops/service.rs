@@ -743,6 +743,64 @@ fn token_env(url: &str, token: &str) -> Vec<(String, String)> {
     ]
 }
 
+/// Whose comments the bot may edit, known before the first plan. A forge
+/// that cannot say is a configuration error; one that is down is asked
+/// again before the first edit.
+async fn resolve_forge_account(forge: &dyn Forge) -> anyhow::Result<()> {
+    match forge.login().await {
+        Ok(login) => tracing::info!(%login, "forge: plan comments are written and edited as this account"),
+        Err(e) if !e.retryable() && matches!(e.status, Some(401 | 403 | 404)) => {
+            anyhow::bail!("resolving the forge account: {e}")
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "forge: cannot resolve the bot's account yet; no comment is edited until it is known")
+        }
+    }
+    Ok(())
+}
+
+/// The webhook receiver on `addr`, its secrets checked before it listens.
+async fn start_webhooks(
+    addr: std::net::SocketAddr,
+    opts: &GitopsOptions,
+    events: mpsc::Sender<WebhookEvent>,
+) -> anyhow::Result<WebhookServer> {
+    let config = WebhookConfig {
+        github_secret: opts.github_webhook_secret.clone(),
+        gitea_secret: opts.gitea_webhook_secret.clone(),
+        gitlab_token: opts.gitlab_webhook_token.clone(),
+    };
+    config.validate().map_err(anyhow::Error::msg)?;
+    let listener = crate::server::bind(addr).with_context(|| format!("binding {addr}"))?;
+    let server = WebhookServer::start(listener, config, events).await?;
+    tracing::info!(addr = %server.local_addr(), "webhook receiver listening");
+    Ok(server)
+}
+
+/// Where status is written (the status branch, or a folder of the tracked
+/// branch) and with which credentials: the fetcher's own, for the pushes.
+fn status_writer_config(opts: &GitopsOptions, metrics: Arc<Metrics>) -> anyhow::Result<StatusWriterConfig> {
+    let target = match &opts.status_dir {
+        Some(dir) => {
+            status_dir_is_safe(dir)?;
+            Target::Directory { branch: opts.branch.clone(), dir: dir.clone() }
+        }
+        None => Target::Branch(opts.status_branch.clone()),
+    };
+    let mut cfg = StatusWriterConfig::new(opts.repo.clone(), opts.cache_dir.join("status.git"));
+    cfg.target = target;
+    cfg.metrics = metrics;
+    if let Some(key) = &opts.ssh_key {
+        let auth = RepoAuth::SshKey { key: key.clone(), known_hosts: opts.known_hosts.clone() };
+        if let Some(cmd) = TrackedRepo::ssh_command(&auth) {
+            cfg.git_env.push(("GIT_SSH_COMMAND".into(), cmd));
+        }
+    } else if let Some(token) = &opts.git_token {
+        cfg.git_env.extend(token_env(&opts.repo, token));
+    }
+    Ok(cfg)
+}
+
 pub async fn start(
     client: Client,
     opts: GitopsOptions,
@@ -750,35 +808,11 @@ pub async fn start(
 ) -> anyhow::Result<GitopsHandle> {
     let gitops = Arc::new(Gitops::new(client.clone(), opts.clone())?.with_metrics(metrics.clone()));
     if let Some(forge) = &gitops.forge {
-        // Whose comments the bot may edit, known before the first plan. A
-        // forge that cannot say is a configuration error; one that is down
-        // is asked again before the first edit.
-        match forge.login().await {
-            Ok(login) => {
-                tracing::info!(%login, "forge: plan comments are written and edited as this account")
-            }
-            Err(e) if !e.retryable() && matches!(e.status, Some(401 | 403 | 404)) => {
-                anyhow::bail!("resolving the forge account: {e}")
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, "forge: cannot resolve the bot's account yet; no comment is edited until it is known")
-            }
-        }
+        resolve_forge_account(forge.as_ref()).await?;
     }
     let (events_tx, mut events) = mpsc::channel::<WebhookEvent>(64);
     let webhooks = match opts.webhook_listen {
-        Some(addr) => {
-            let config = WebhookConfig {
-                github_secret: opts.github_webhook_secret.clone(),
-                gitea_secret: opts.gitea_webhook_secret.clone(),
-                gitlab_token: opts.gitlab_webhook_token.clone(),
-            };
-            config.validate().map_err(anyhow::Error::msg)?;
-            let listener = crate::server::bind(addr).with_context(|| format!("binding {addr}"))?;
-            let server = WebhookServer::start(listener, config, events_tx.clone()).await?;
-            tracing::info!(addr = %server.local_addr(), "webhook receiver listening");
-            Some(server)
-        }
+        Some(addr) => Some(start_webhooks(addr, &opts, events_tx).await?),
         None => None,
     };
     let webhook_addr = webhooks.as_ref().map(|w| w.local_addr());
@@ -793,26 +827,7 @@ pub async fn start(
     let writer_task = if opts.no_status || opts.watch_path.is_some() {
         None
     } else {
-        let target = match &opts.status_dir {
-            Some(dir) => {
-                status_dir_is_safe(dir)?;
-                Target::Directory { branch: opts.branch.clone(), dir: dir.clone() }
-            }
-            None => Target::Branch(opts.status_branch.clone()),
-        };
-        let mut cfg = StatusWriterConfig::new(opts.repo.clone(), opts.cache_dir.join("status.git"));
-        cfg.target = target;
-        cfg.metrics = metrics;
-        if let Some(key) = &opts.ssh_key {
-            let auth = RepoAuth::SshKey { key: key.clone(), known_hosts: opts.known_hosts.clone() };
-            if let Some(cmd) = TrackedRepo::ssh_command(&auth) {
-                cfg.git_env.push(("GIT_SSH_COMMAND".into(), cmd));
-            }
-        } else if let Some(token) = &opts.git_token {
-            // The fetcher's HTTPS credentials, for the pushes.
-            cfg.git_env.extend(token_env(&opts.repo, token));
-        }
-        let writer = Arc::new(StatusWriter::new(cfg));
+        let writer = Arc::new(StatusWriter::new(status_writer_config(&opts, metrics)?));
         Some(tokio::spawn(run_coalescing(writer, status_rx, Duration::from_secs(opts.status_window_seconds))))
     };
     // Status needs the live migrations: one watch, only when status is written.
