@@ -93,7 +93,6 @@ async fn migrate(client: &kube::Client, emu: &EsxiEmulator, run: &str, mode: &st
         work_claim: None,
         instance: "cold-path".into(),
         leader_election: service::LeaderElectionOptions { lease_namespace: ns.clone(), ..Default::default() },
-        metrics_listen: "127.0.0.1:0".parse().unwrap(),
         destination_rules: Default::default(),
         max_reads_per_host: 2,
         host_reads: Vec::new(),

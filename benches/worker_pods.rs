@@ -106,7 +106,6 @@ fn main() {
             work_claim: None,
             instance: "pods-bench".into(),
             leader_election: service::LeaderElectionOptions { lease_namespace: ns.clone(), ..Default::default() },
-            metrics_listen: "127.0.0.1:0".parse().unwrap(),
             destination_rules: Default::default(),
             max_reads_per_host: cap,
             host_reads: Vec::new(),

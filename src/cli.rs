@@ -25,16 +25,16 @@ pub enum Command {
         #[command(flatten)]
         controller: crate::controller::service::ControllerOptions,
         #[command(flatten)]
+        serve: crate::process::ServeOptions,
+        #[command(flatten)]
         tenancy: TenancyOptions,
     },
     /// Watch a Git repository, apply its migrations and write status back.
     Gitops {
         #[command(flatten)]
         gitops: crate::gitops::service::GitopsOptions,
-        /// Address of the metrics server (`/metrics`, `/healthz`, `/readyz`);
-        /// `vmmigrate run` takes the controller's flag of the same name.
-        #[arg(long, env = "VMMIGRATE_METRICS_LISTEN", default_value = crate::metrics::DEFAULT_LISTEN)]
-        metrics_listen: std::net::SocketAddr,
+        #[command(flatten)]
+        serve: crate::process::ServeOptions,
         #[command(flatten)]
         tenancy: TenancyOptions,
     },
@@ -44,6 +44,8 @@ pub enum Command {
         gitops: crate::gitops::service::GitopsOptions,
         #[command(flatten)]
         controller: crate::controller::service::ControllerOptions,
+        #[command(flatten)]
+        serve: crate::process::ServeOptions,
         #[command(flatten)]
         tenancy: TenancyOptions,
     },
@@ -188,22 +190,18 @@ struct NotBuiltIn(&'static str);
 pub fn run(cli: Cli) -> ExitCode {
     let result = match cli.command {
         Command::Crd { output } => write_crd(output),
-        Command::Controller { controller: c, tenancy } => tenancy.rules().and_then(|rules| {
+        Command::Controller { controller: c, serve, tenancy } => tenancy.rules().and_then(|rules| {
             init_logging();
-            crate::process::controller(c.with_destinations(rules))
+            crate::process::controller(c.with_destinations(rules), serve)
         }),
-        Command::Gitops { gitops: g, metrics_listen, tenancy } => tenancy.rules().and_then(|rules| {
+        Command::Gitops { gitops: g, serve, tenancy } => tenancy.rules().and_then(|rules| {
             init_logging();
-            crate::process::gitops(
-                g.with_destinations(rules).with_tenants(tenancy.tenants()?),
-                metrics_listen,
-                None,
-            )
+            crate::process::gitops(g.with_destinations(rules).with_tenants(tenancy.tenants()?), serve, None)
         }),
-        Command::Run { gitops: g, controller: c, tenancy } => tenancy.rules().and_then(|rules| {
+        Command::Run { gitops: g, controller: c, serve, tenancy } => tenancy.rules().and_then(|rules| {
             let g = g.with_destinations(rules.clone()).with_tenants(tenancy.tenants()?);
             init_logging();
-            crate::process::gitops(g, c.metrics_listen, Some(c.with_destinations(rules)))
+            crate::process::gitops(g, serve, Some(c.with_destinations(rules)))
         }),
         Command::Render { repo, namespace, tenancy, limits } => {
             tenancy.render_options(&namespace, limits).and_then(|o| render_local(&repo, &o, true))

@@ -411,7 +411,7 @@ impl Drop for ReadinessGuard {
     }
 }
 
-/// `configured` (the controller's `--metrics-listen`), else
+/// `configured` (`--metrics-listen`, `process::ServeOptions`), else
 /// `VMMIGRATE_METRICS_LISTEN`, else [`DEFAULT_LISTEN`].
 pub(crate) fn listen_addr(configured: Option<SocketAddr>) -> io::Result<SocketAddr> {
     if let Some(addr) = configured {

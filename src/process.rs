@@ -4,6 +4,14 @@
 //! logging and dispatches here; the controller's and the worker's own
 //! assembly (`controller::service`, `worker::process`) are called from here.
 
+/// What every long-running process but a worker serves beside its work.
+#[derive(Clone, Debug, clap::Args)]
+pub struct ServeOptions {
+    /// Address of the metrics server (`/metrics`, `/healthz`, `/readyz`).
+    #[arg(long, env = "VMMIGRATE_METRICS_LISTEN", default_value = crate::metrics::DEFAULT_LISTEN)]
+    pub metrics_listen: std::net::SocketAddr,
+}
+
 /// Runs one migration's worker until SIGTERM.
 pub(crate) fn worker(opts: crate::worker::process::WorkerOptions) -> anyhow::Result<()> {
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
@@ -11,15 +19,36 @@ pub(crate) fn worker(opts: crate::worker::process::WorkerOptions) -> anyhow::Res
 }
 
 /// Runs the controller with the real adapters until Ctrl-C or SIGTERM.
-pub(crate) fn controller(opts: crate::controller::service::ControllerOptions) -> anyhow::Result<()> {
+pub(crate) fn controller(
+    opts: crate::controller::service::ControllerOptions,
+    serve: ServeOptions,
+) -> anyhow::Result<()> {
+    use crate::controller::service as ctl;
+    use anyhow::Context as _;
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
-    runtime.block_on(crate::controller::service::run(opts))
+    runtime.block_on(async move {
+        let metrics = std::sync::Arc::new(crate::metrics::Metrics::new());
+        let _server = crate::metrics::serve_configured(Some(serve.metrics_listen), metrics.clone()).await?;
+        let client =
+            crate::ports::kube_client("controller").await.context("connecting to the Kubernetes API")?;
+        let staging = ctl::start_staging(&opts, &metrics).await?;
+        let adapters = ctl::adapters(client.clone(), &opts, &staging, &metrics)?;
+        tracing::info!(
+            staging = %staging.local_addr(),
+            work_dir = %opts.work_dir.display(),
+            "controller starting"
+        );
+        let config = opts.reconciler_config(metrics, None);
+        let result = ctl::run_reconciler(client, adapters, config, &opts.leader_election).await;
+        drop(staging);
+        result
+    })
 }
 
 /// The gitops side, and with `controller` the controller too, in one process.
 pub(crate) fn gitops(
     opts: crate::gitops::service::GitopsOptions,
-    metrics_listen: std::net::SocketAddr,
+    serve: ServeOptions,
     controller: Option<crate::controller::service::ControllerOptions>,
 ) -> anyhow::Result<()> {
     use crate::controller::service as ctl;
@@ -35,7 +64,7 @@ pub(crate) fn gitops(
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     runtime.block_on(async move {
         let metrics = std::sync::Arc::new(crate::metrics::Metrics::new());
-        let _server = crate::metrics::serve_configured(Some(metrics_listen), metrics.clone()).await?;
+        let _server = crate::metrics::serve_configured(Some(serve.metrics_listen), metrics.clone()).await?;
         let part = if controller.is_some() { "run" } else { "gitops" };
         let client = crate::ports::kube_client(part).await?;
         // `run` elects with the controller's flags; `gitops` alone runs one replica.

@@ -89,9 +89,6 @@ pub struct ControllerOptions {
     /// Disks read at once in the whole cluster (default: only the per-host caps).
     #[arg(long, env = "VMMIGRATE_MAX_READS", value_parser = clap::value_parser!(u32).range(1..))]
     pub max_reads: Option<u32>,
-    /// Address of the metrics server (`/metrics`, `/healthz`, `/readyz`).
-    #[arg(long, env = "VMMIGRATE_METRICS_LISTEN", default_value = crate::metrics::DEFAULT_LISTEN)]
-    pub metrics_listen: SocketAddr,
     #[command(flatten)]
     pub leader_election: LeaderElectionOptions,
     /// The administrator's destination rules (`--allow-destination` of the subcommand).
@@ -284,24 +281,6 @@ impl ControllerOptions {
             lease_fence,
         }
     }
-}
-
-/// Runs the controller until Ctrl-C or SIGTERM.
-pub(crate) async fn run(opts: ControllerOptions) -> anyhow::Result<()> {
-    let metrics = Arc::new(Metrics::new());
-    let _server = crate::metrics::serve_configured(Some(opts.metrics_listen), metrics.clone()).await?;
-    let client = crate::ports::kube_client("controller").await.context("connecting to the Kubernetes API")?;
-    let staging = start_staging(&opts, &metrics).await?;
-    let adapters = adapters(client.clone(), &opts, &staging, &metrics)?;
-    tracing::info!(
-        staging = %staging.local_addr(),
-        work_dir = %opts.work_dir.display(),
-        "controller starting"
-    );
-    let config = opts.reconciler_config(metrics, None);
-    let result = run_reconciler(client, adapters, config, &opts.leader_election).await;
-    drop(staging);
-    result
 }
 
 /// Runs the reconciler until Ctrl-C or SIGTERM; with `--leader-elect` only

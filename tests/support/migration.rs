@@ -313,7 +313,6 @@ impl Migration {
                 lease_namespace: ns.clone(),
                 ..Default::default()
             },
-            metrics_listen: "127.0.0.1:0".parse().unwrap(),
             destination_rules: Default::default(),
             max_reads_per_host: 2,
             host_reads: Vec::new(),
