@@ -63,7 +63,7 @@ pub enum Command {
         #[command(flatten)]
         tenancy: TenancyOptions,
         #[command(flatten)]
-        limits: crate::gitops::render::TreeLimits,
+        limits: crate::gitops::service::TreeLimitFlags,
     },
     /// Show what merging a branch would change: render, validate, diff, read-only discovery.
     ///
@@ -80,7 +80,7 @@ pub enum Command {
         #[command(flatten)]
         tenancy: TenancyOptions,
         #[command(flatten)]
-        limits: crate::gitops::render::TreeLimits,
+        limits: crate::gitops::service::TreeLimitFlags,
         /// Do not contact the cluster (every migration shows as new).
         #[arg(long)]
         offline: bool,
@@ -99,7 +99,7 @@ pub enum Command {
         #[command(flatten)]
         tenancy: TenancyOptions,
         #[command(flatten)]
-        limits: crate::gitops::render::TreeLimits,
+        limits: crate::gitops::service::TreeLimitFlags,
     },
     /// Print the CustomResourceDefinition YAML.
     Crd {
@@ -441,10 +441,10 @@ impl TenancyOptions {
     fn render_options(
         &self,
         namespace: &str,
-        limits: crate::gitops::render::TreeLimits,
+        limits: crate::gitops::service::TreeLimitFlags,
     ) -> anyhow::Result<crate::gitops::render::RenderOptions> {
         Ok(crate::gitops::render::RenderOptions::new(namespace, &self.rules()?)
-            .with_limits(limits)
+            .with_limits(limits.into())
             .with_tenants(self.tenants()?))
     }
 }

@@ -38,6 +38,62 @@ const PREFIXES: &[&str] = &["migrations/", "providers/"];
 /// Longest one render of one commit may take (within the limits it takes milliseconds).
 const RENDER_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(20);
 
+/// The command-line flags of [`TreeLimits`] (`render` stays free of the
+/// command line).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::Args)]
+pub struct TreeLimitFlags {
+    /// Largest manifest, defaults or provider file, in bytes.
+    #[arg(long = "max-file-bytes", env = "VMMIGRATE_MAX_FILE_BYTES", default_value_t = TreeLimits::DEFAULT.file_bytes)]
+    pub file_bytes: u64,
+    /// Largest total of those files in one commit, in bytes.
+    #[arg(long = "max-repo-bytes", env = "VMMIGRATE_MAX_REPO_BYTES", default_value_t = TreeLimits::DEFAULT.tree_bytes)]
+    pub tree_bytes: u64,
+    /// Most files under migrations/ and providers/ in one commit.
+    #[arg(long = "max-files", env = "VMMIGRATE_MAX_FILES", default_value_t = TreeLimits::DEFAULT.files)]
+    pub files: usize,
+    /// Deepest folder nesting under migrations/.
+    #[arg(long = "max-folder-depth", env = "VMMIGRATE_MAX_FOLDER_DEPTH", default_value_t = TreeLimits::DEFAULT.folder_depth)]
+    pub folder_depth: usize,
+    /// Deepest nesting of YAML collections in one document.
+    #[arg(long = "max-yaml-depth", env = "VMMIGRATE_MAX_YAML_DEPTH", default_value_t = TreeLimits::DEFAULT.yaml_depth)]
+    pub yaml_depth: usize,
+    /// Most YAML nodes in one document, aliases expanded.
+    #[arg(long = "max-yaml-nodes", env = "VMMIGRATE_MAX_YAML_NODES", default_value_t = TreeLimits::DEFAULT.doc_nodes)]
+    pub doc_nodes: u64,
+    /// Most YAML nodes in one commit, aliases expanded.
+    #[arg(long = "max-repo-yaml-nodes", env = "VMMIGRATE_MAX_REPO_YAML_NODES", default_value_t = TreeLimits::DEFAULT.tree_nodes)]
+    pub tree_nodes: u64,
+}
+
+impl From<TreeLimitFlags> for TreeLimits {
+    fn from(f: TreeLimitFlags) -> TreeLimits {
+        TreeLimits {
+            file_bytes: f.file_bytes,
+            tree_bytes: f.tree_bytes,
+            files: f.files,
+            folder_depth: f.folder_depth,
+            yaml_depth: f.yaml_depth,
+            doc_nodes: f.doc_nodes,
+            tree_nodes: f.tree_nodes,
+        }
+    }
+}
+
+impl Default for TreeLimitFlags {
+    fn default() -> TreeLimitFlags {
+        let d = TreeLimits::DEFAULT;
+        TreeLimitFlags {
+            file_bytes: d.file_bytes,
+            tree_bytes: d.tree_bytes,
+            files: d.files,
+            folder_depth: d.folder_depth,
+            yaml_depth: d.yaml_depth,
+            doc_nodes: d.doc_nodes,
+            tree_nodes: d.tree_nodes,
+        }
+    }
+}
+
 /// Settings of the gitops side (flags and `VMMIGRATE_*` environment).
 #[derive(Clone, Debug, clap::Args)]
 pub struct GitopsOptions {
@@ -121,7 +177,7 @@ pub struct GitopsOptions {
     #[arg(skip)]
     pub tenants: crate::machine::tenancy::TenantBindings,
     #[command(flatten)]
-    pub limits: TreeLimits,
+    pub limits: TreeLimitFlags,
     /// Largest pack one fetch of the repository may bring, in bytes; past it
     /// the fetch is stopped and nothing of it is kept.
     #[arg(long, env = "VMMIGRATE_MAX_FETCH_BYTES", default_value_t = super::repo::DEFAULT_MAX_FETCH_BYTES)]
@@ -282,7 +338,7 @@ impl Gitops {
 
     fn render_options(&self) -> RenderOptions {
         RenderOptions::new(&self.opts.manifest_namespace, &self.opts.destinations)
-            .with_limits(self.opts.limits)
+            .with_limits(TreeLimits::from(self.opts.limits))
             .with_tenants(self.opts.tenants.clone())
     }
 
@@ -294,7 +350,7 @@ impl Gitops {
     async fn files_at(&self, commit: &str) -> anyhow::Result<RepoTree> {
         let repo = self.repo.clone();
         let commit = commit.to_owned();
-        let limits = self.opts.limits;
+        let limits = TreeLimits::from(self.opts.limits);
         Ok(tokio::task::spawn_blocking(move || repo.files_at(&commit, &limits)).await??)
     }
 
@@ -332,7 +388,7 @@ impl Gitops {
         let (commit, local_files) = match &self.opts.watch_path {
             Some(path) => {
                 let path = path.clone();
-                let limits = self.opts.limits;
+                let limits = TreeLimits::from(self.opts.limits);
                 let tree = tokio::task::spawn_blocking(move || super::render::read_dir_files(&path, &limits))
                     .await??;
                 (working_tree_id(&tree.files), Some(tree))

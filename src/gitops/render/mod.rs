@@ -45,29 +45,16 @@ pub(crate) const MIGRATION_KIND: &str = "VirtualMachineMigration";
 /// before reading past a file or tree limit; the YAML walk stops at the
 /// first node past a document's budget, before serde_yaml builds anything.
 /// Over a limit is an error naming the file and the limit; nothing of that
-/// commit is applied.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::Args)]
+/// commit is applied. Each field is what the `--max-*` flag of its name sets;
+/// `gitops::service::TreeLimitFlags` says what each means.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct TreeLimits {
-    /// Largest manifest, defaults or provider file, in bytes.
-    #[arg(long = "max-file-bytes", env = "VMMIGRATE_MAX_FILE_BYTES", default_value_t = TreeLimits::DEFAULT.file_bytes)]
     pub file_bytes: u64,
-    /// Largest total of those files in one commit, in bytes.
-    #[arg(long = "max-repo-bytes", env = "VMMIGRATE_MAX_REPO_BYTES", default_value_t = TreeLimits::DEFAULT.tree_bytes)]
     pub tree_bytes: u64,
-    /// Most files under migrations/ and providers/ in one commit.
-    #[arg(long = "max-files", env = "VMMIGRATE_MAX_FILES", default_value_t = TreeLimits::DEFAULT.files)]
     pub files: usize,
-    /// Deepest folder nesting under migrations/.
-    #[arg(long = "max-folder-depth", env = "VMMIGRATE_MAX_FOLDER_DEPTH", default_value_t = TreeLimits::DEFAULT.folder_depth)]
     pub folder_depth: usize,
-    /// Deepest nesting of YAML collections in one document.
-    #[arg(long = "max-yaml-depth", env = "VMMIGRATE_MAX_YAML_DEPTH", default_value_t = TreeLimits::DEFAULT.yaml_depth)]
     pub yaml_depth: usize,
-    /// Most YAML nodes in one document, aliases expanded.
-    #[arg(long = "max-yaml-nodes", env = "VMMIGRATE_MAX_YAML_NODES", default_value_t = TreeLimits::DEFAULT.doc_nodes)]
     pub doc_nodes: u64,
-    /// Most YAML nodes in one commit, aliases expanded.
-    #[arg(long = "max-repo-yaml-nodes", env = "VMMIGRATE_MAX_REPO_YAML_NODES", default_value_t = TreeLimits::DEFAULT.tree_nodes)]
     pub tree_nodes: u64,
 }
 
