@@ -8,9 +8,10 @@ use std::sync::atomic::AtomicU64;
 use std::time::Duration;
 use vmmigrate::api::{Firmware, SourcePowerState, VirtualMachineMigration};
 use vmmigrate::ports::{EsxiHost, PowerObservation};
-use vmmigrate::source::esxi::adapter::{CredentialSource, EsxiSource, StoreConfig};
 use vmmigrate::source::esxi::copy::{self, CopyPlan};
+use vmmigrate::source::esxi::hosts::{CredentialSource, EsxiHosts};
 use vmmigrate::source::esxi::ssh::{Credentials, RemoteCommand, Secret, Session, SshError, Target};
+use vmmigrate::source::esxi::store::{EsxiDiskStore, StoreConfig};
 
 fn migration(emu: &EsxiEmulator, vm_name: &str) -> VirtualMachineMigration {
     let mut vmm: VirtualMachineMigration = serde_json::from_value(serde_json::json!({
@@ -34,20 +35,25 @@ fn password(emu: &EsxiEmulator) -> Credentials {
     Credentials { username: emu.username.clone(), secret: Secret::Password(emu.password.clone()) }
 }
 
-fn source(_emu: &EsxiEmulator, credentials: Credentials) -> (EsxiSource, tempfile::TempDir) {
+fn source(_emu: &EsxiEmulator, credentials: Credentials) -> (Arc<EsxiHosts>, tempfile::TempDir) {
     let store = tempfile::tempdir().expect("store");
+    (Arc::new(EsxiHosts::new(CredentialSource::Fixed(credentials))), store)
+}
+
+/// The disk store over `hosts`, in `root`.
+fn disk_store(hosts: &Arc<EsxiHosts>, root: &std::path::Path) -> EsxiDiskStore {
     let config = StoreConfig {
-        root: store.path().to_path_buf(),
+        root: root.to_path_buf(),
         streams: 4,
         chunk_size: 4 << 20,
         metrics: Default::default(),
     };
-    (EsxiSource::new(CredentialSource::Fixed(credentials), config), store)
+    EsxiDiskStore::new(hosts.clone(), config)
 }
 
 /// The migration of `vm_name` with its discovered inventory recorded, as the
 /// controller has it once Discovering is done.
-async fn discovered(esxi: &EsxiSource, emu: &EsxiEmulator, vm_name: &str) -> VirtualMachineMigration {
+async fn discovered(esxi: &EsxiHosts, emu: &EsxiEmulator, vm_name: &str) -> VirtualMachineMigration {
     let mut vmm = migration(emu, vm_name);
     let inventory = esxi.discover(&vmm).await.expect("discovery");
     vmm.status = Some(vmmigrate::api::VirtualMachineMigrationStatus {
@@ -284,14 +290,7 @@ async fn credentials_come_from_the_kubernetes_secret_and_a_missing_one_needs_a_h
     }))
     .unwrap();
     Api::<KubeSecret>::namespaced(client.clone(), &ns).create(&PostParams::default(), &secret).await.unwrap();
-    let store = tempfile::tempdir().unwrap();
-    let config = StoreConfig {
-        root: store.path().to_path_buf(),
-        streams: 2,
-        chunk_size: 4 << 20,
-        metrics: Default::default(),
-    };
-    let esxi = EsxiSource::new(CredentialSource::Kubernetes(client), config);
+    let esxi = EsxiHosts::new(CredentialSource::Kubernetes(client));
     let mut vmm = migration(&emu, "web 01");
     vmm.metadata.namespace = Some(ns.clone());
     vmm.spec.source.credentials_secret_ref.name = "esxi01".into();
@@ -374,14 +373,7 @@ async fn a_manifest_pointing_a_teams_secret_at_another_host_never_connects_to_it
         .unwrap();
         secrets.create(&PostParams::default(), &secret).await.unwrap();
     }
-    let store = tempfile::tempdir().unwrap();
-    let config = StoreConfig {
-        root: store.path().to_path_buf(),
-        streams: 1,
-        chunk_size: 4 << 20,
-        metrics: Default::default(),
-    };
-    let esxi = EsxiSource::new(CredentialSource::Kubernetes(client), config);
+    let esxi = EsxiHosts::new(CredentialSource::Kubernetes(client));
     let mut vmm = migration(&finance, "web 01");
     vmm.metadata.namespace = Some(ns.clone());
     vmm.spec.source.credentials_secret_ref.name = "finance".into();
@@ -417,14 +409,7 @@ async fn a_migration_never_rides_a_session_opened_with_another_namespaces_creden
     use kube::api::{Api, PostParams};
     let emu = EsxiEmulator::start(EsxiOptions::default()).expect("emulator");
     let client = crate::support::KubeEnv::shared().client().await;
-    let store = tempfile::tempdir().unwrap();
-    let config = StoreConfig {
-        root: store.path().to_path_buf(),
-        streams: 1,
-        chunk_size: 4 << 20,
-        metrics: Default::default(),
-    };
-    let esxi = EsxiSource::new(CredentialSource::Kubernetes(client.clone()), config);
+    let esxi = EsxiHosts::new(CredentialSource::Kubernetes(client.clone()));
     // Two teams, one host, one Secret name: only the first knows the password.
     let mut migrations = Vec::new();
     for (prefix, password) in [("esxi-team-a", emu.password.clone()), ("esxi-team-b", "guessed".to_owned())] {
@@ -518,18 +503,19 @@ async fn the_disk_store_wakes_the_controller_when_a_copy_ends_and_then_reports_i
     use vmmigrate::machine::CopyState;
     use vmmigrate::ports::DiskStore;
     let emu = EsxiEmulator::start(EsxiOptions::default()).expect("emulator");
-    let (esxi, _store) = source(&emu, password(&emu));
+    let (esxi, store) = source(&emu, password(&emu));
     let vmm = discovered(&esxi, &emu, "web 01").await;
+    let disks = disk_store(&esxi, store.path());
     let (tx, mut woken) = tokio::sync::mpsc::unbounded_channel::<(String, String)>();
-    esxi.notify_on_finish(Arc::new(move |ns: &str, name: &str| {
+    disks.notify_on_finish(Arc::new(move |ns: &str, name: &str| {
         let _ = tx.send((ns.to_owned(), name.to_owned()));
     }));
-    esxi.start_copy(&vmm, 0).await.expect("start copy");
+    disks.start_copy(&vmm, 0).await.expect("start copy");
     let who =
         tokio::time::timeout(Duration::from_secs(60), woken.recv()).await.expect("woken").expect("wake");
     assert_eq!(who, ("ns".to_owned(), "m".to_owned()));
     // Looked at right after the wake, not a poll later: the copy is done.
-    match esxi.copy_state(&vmm, 0).await {
+    match disks.copy_state(&vmm, 0).await {
         CopyState::Complete { sha256, .. } => assert_eq!(sha256, emu.disk_files("1")[0].2),
         other => panic!("expected Complete right after the wake, got {other:?}"),
     }

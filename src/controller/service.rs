@@ -14,7 +14,8 @@ use crate::destination::verify::VerifySettings;
 use crate::machine::tenancy::DestinationRules;
 use crate::metrics::Metrics;
 use crate::ports::{Adapters, Converter, DiskStore, Staging};
-use crate::source::esxi::adapter::{CredentialSource, EsxiSource, StoreConfig};
+use crate::source::esxi::hosts::{CredentialSource, EsxiHosts};
+use crate::source::esxi::store::{EsxiDiskStore, StoreConfig};
 use crate::worker::plane::{WorkerPlane, WorkerSettings};
 use anyhow::Context as _;
 use kube::Client;
@@ -218,19 +219,22 @@ pub fn adapters(
         },
         Some(client.clone()),
     ));
-    let source = Arc::new(EsxiSource::new(
-        CredentialSource::Kubernetes(client.clone()),
-        StoreConfig {
-            root: crate::ports::workdir::copies_root(&opts.work_dir),
-            streams: opts.copy_streams.max(1),
-            chunk_size: crate::source::esxi::copy::DEFAULT_CHUNK_SIZE,
-            metrics: metrics.clone(),
-        },
-    ));
+    let hosts = Arc::new(EsxiHosts::new(CredentialSource::Kubernetes(client.clone())));
     let (disks, converter, staging): (Arc<dyn DiskStore>, Arc<dyn Converter>, Arc<dyn Staging>) = match opts
         .data_plane
     {
-        DataPlane::Process => (source.clone(), store.clone(), store),
+        DataPlane::Process => {
+            let copies = EsxiDiskStore::new(
+                hosts.clone(),
+                StoreConfig {
+                    root: crate::ports::workdir::copies_root(&opts.work_dir),
+                    streams: opts.copy_streams.max(1),
+                    chunk_size: crate::source::esxi::copy::DEFAULT_CHUNK_SIZE,
+                    metrics: metrics.clone(),
+                },
+            );
+            (Arc::new(copies), store.clone(), store)
+        }
         DataPlane::Pods => {
             let image =
                 opts.job_image.clone().context("--data-plane pods needs --job-image (the worker's image)")?;
@@ -248,7 +252,7 @@ pub fn adapters(
         }
     };
     Ok(Adapters {
-        esxi: source,
+        esxi: hosts,
         disks,
         converter,
         staging,

@@ -7,7 +7,7 @@
 //!   `Converter` and `Staging` ports by creating the worker's objects (a
 //!   Service, a Secret with the worker's identity, a PersistentVolumeClaim
 //!   for the copies and a Job) and calling the worker's control API.
-//! - `process`: `vmmigrate worker`, what the Job runs: the same `EsxiSource`
+//! - `process`: `vmmigrate worker`, what the Job runs: the same `EsxiDiskStore`
 //!   copies, `ArtifactStore` conversions and staging server as the
 //!   in-process data plane, on the claim, behind the control API.
 //! - `protocol`: what the two say to each other.

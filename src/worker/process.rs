@@ -1,5 +1,5 @@
 //! `vmmigrate worker`: one migration's data plane in a pod of its own. It
-//! assembles the in-process data plane's adapters (`EsxiSource` copies,
+//! assembles the in-process data plane's adapters (`EsxiDiskStore` copies,
 //! `ArtifactStore` conversions, the staging server) on the work volume the
 //! controller made for this migration, and answers the controller's calls
 //! (`protocol`) on a TLS listener.
@@ -17,7 +17,8 @@ use crate::machine::Failure;
 use crate::metrics::Metrics;
 use crate::ports::{Converter, DiskStore, Staging};
 use crate::server::{self, Body, Server, ServerLimits};
-use crate::source::esxi::adapter::{CredentialSource, EsxiSource, StoreConfig};
+use crate::source::esxi::hosts::{CredentialSource, EsxiHosts};
+use crate::source::esxi::store::{EsxiDiskStore, StoreConfig};
 use anyhow::Context as _;
 use http::{Request as HttpRequest, Response, StatusCode, header};
 use hyper::body::Incoming;
@@ -76,7 +77,7 @@ pub fn read_identity(dir: &Path) -> anyhow::Result<WorkerIdentity> {
 pub struct Worker {
     uid: String,
     access: Arc<StagingAccess>,
-    source: Arc<EsxiSource>,
+    disks: Arc<EsxiDiskStore>,
     store: Arc<ArtifactStore>,
 }
 
@@ -121,8 +122,8 @@ pub async fn start(opts: &WorkerOptions, metrics: Arc<Metrics>) -> anyhow::Resul
         },
         None,
     ));
-    let source = Arc::new(EsxiSource::new(
-        CredentialSource::Directory(opts.credentials_dir.clone()),
+    let disks = Arc::new(EsxiDiskStore::new(
+        Arc::new(EsxiHosts::new(CredentialSource::Directory(opts.credentials_dir.clone()))),
         StoreConfig {
             root: crate::ports::workdir::copies_root(&opts.work_dir),
             streams: opts.copy_streams.max(1),
@@ -130,7 +131,7 @@ pub async fn start(opts: &WorkerOptions, metrics: Arc<Metrics>) -> anyhow::Resul
             metrics,
         },
     ));
-    let worker = Arc::new(Worker { uid: opts.uid.clone(), access: access.clone(), source, store });
+    let worker = Arc::new(Worker { uid: opts.uid.clone(), access: access.clone(), disks, store });
     let listener =
         server::bind(opts.listen).with_context(|| format!("binding the control API to {}", opts.listen))?;
     let budget = Arc::new(Semaphore::new(4 * MAX_REQUEST_BYTES));
@@ -203,10 +204,10 @@ impl Worker {
             })
         };
         match call {
-            Call::CopyState { disk } => json(serde_json::to_value(self.source.copy_state(vmm, *disk).await)),
-            Call::StartCopy { disk } => json(serde_json::to_value(self.source.start_copy(vmm, *disk).await)),
+            Call::CopyState { disk } => json(serde_json::to_value(self.disks.copy_state(vmm, *disk).await)),
+            Call::StartCopy { disk } => json(serde_json::to_value(self.disks.start_copy(vmm, *disk).await)),
             Call::DiscardCopy { disk } => {
-                json(serde_json::to_value(self.source.discard_copy(vmm, *disk).await))
+                json(serde_json::to_value(self.disks.discard_copy(vmm, *disk).await))
             }
             Call::ArtifactState { disk } => {
                 json(serde_json::to_value(self.store.artifact_state(vmm, *disk).await))

@@ -8,10 +8,11 @@
 //! assembled locally (`convert::chain`). Creating is idempotent by name (a
 //! retry after a crash finds the snapshot it made), removing likewise.
 
-use super::adapter::{EsxiSource, delta_key_uid, disk_file, extent_file, head, join, parent, vim_fault};
 use super::copy::{self, CopyError, CopyPlan, CopyResult};
+use super::hosts::{EsxiHosts, disk_file, extent_file, head, join, parent, vim_fault};
 use super::parse;
 use super::ssh::Session;
+use super::store::{EsxiDiskStore, delta_key_uid};
 use crate::api::{Reason, VirtualMachineMigration};
 use crate::images::chain::{self, DeltaKind};
 use crate::machine::{CopyState, Failure};
@@ -51,7 +52,7 @@ fn valid_snapshot_name(name: &str) -> bool {
         && name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'.')
 }
 
-impl EsxiSource {
+impl EsxiHosts {
     /// The source VM's snapshots.
     pub async fn snapshots(&self, vmm: &VirtualMachineMigration) -> Result<Vec<SnapshotInfo>, Failure> {
         let vmid = self.vmid_or_find(vmm).await?;
@@ -226,7 +227,7 @@ fn read_assembled(local: &Path) -> Option<copy::CopyMarker> {
     (copy == assembled).then_some(assembled)
 }
 
-impl EsxiSource {
+impl EsxiDiskStore {
     pub(super) async fn warm_delta_state(&self, vmm: &VirtualMachineMigration, disk: usize) -> CopyState {
         let key = (delta_key_uid(&vmm.metadata.uid.clone().unwrap_or_default()), disk);
         // A failed delta copy never discards: the base copy under it is good.
@@ -270,7 +271,7 @@ impl EsxiSource {
         let source = Self::disk_of(vmm, disk).ok_or_else(|| {
             Failure::retryable(Reason::InventoryMissing, format!("no disk {disk} in the inventory"))
         })?;
-        let chains = self.disk_chains(vmm).await?;
+        let chains = self.hosts.disk_chains(vmm).await?;
         let chain = chains.get(disk).cloned().ok_or_else(|| {
             Failure::needs_human(Reason::SnapshotChainUnexpected, format!("the .vmx has no disk {disk} now"))
         })?;
@@ -308,8 +309,8 @@ impl EsxiSource {
             ));
         }
         let capacity = base.capacity_bytes;
-        let session = self.session(vmm).await?;
-        let (chunk_size, streams) = (self.store.chunk_size, self.store.streams);
+        let session = self.hosts.session(vmm).await?;
+        let (chunk_size, streams) = (self.config.chunk_size, self.config.streams);
         let epoch = vmm.status.as_ref().map_or(0, |s| s.epoch);
         self.spawn_copy(vmm, reservation, 0, move |progress| async move {
             let strides = (chunk_size, streams);
