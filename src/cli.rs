@@ -382,7 +382,7 @@ fn convert(req: ConversionRequest) -> anyhow::Result<()> {
 }
 
 /// Exit code of `verify-volume` when the volume differs from the copy.
-pub const VOLUME_DIFFERS: u8 = 3;
+pub(crate) const VOLUME_DIFFERS: u8 = 3;
 
 fn verify_volume(path: &std::path::Path, size: u64, sha256: &str) -> ExitCode {
     let digest = match crate::images::digest::volume_digest(path, size) {

@@ -96,7 +96,7 @@ impl Default for ServerLimits {
 
 /// Counters of one server.
 #[derive(Debug, Default)]
-pub struct ServerStats {
+pub(crate) struct ServerStats {
     /// Connections closed at once because [`ServerLimits::max_connections`] were open.
     pub refused_connections: AtomicU64,
     /// Requests answered 408 because they outlived [`ServerLimits::request_timeout`].

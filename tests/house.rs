@@ -34,7 +34,8 @@ fn code_of(path: &Path) -> String {
         Some(at) => &text[..at],
         None => &text,
     };
-    code.lines().filter(|l| !l.trim_start().starts_with("//")).collect::<Vec<_>>().join("\n")
+    // A comment line stays, empty: line numbers are the file's.
+    code.lines().map(|l| if l.trim_start().starts_with("//") { "" } else { l }).collect::<Vec<_>>().join("\n")
 }
 
 /// The top-level modules a file names as `crate::<module>::`.
@@ -168,4 +169,118 @@ fn every_cargo_command_the_documents_name_runs_a_target_that_exists() {
     }
     assert!(seen > 10, "the documents name {seen} commands: the reader is broken");
     assert!(wrong.is_empty(), "commands naming no target:\n  {}", wrong.join("\n  "));
+}
+
+/// `pub` items outside `api/` that nothing outside `src/` names, public only
+/// because a public item's signature holds them: rustc refuses them narrower
+/// (`private_interfaces`).
+const IN_PUBLIC_SIGNATURES: &[&str] = &[
+    "ApplyReport",
+    "ChainError",
+    "ChainLevel",
+    "Decision",
+    "DemoOptions",
+    "EventType",
+    "FleetGates",
+    "GitopsHandle",
+    "ImageInfo",
+    "MapRange",
+    "Member",
+    "MetricsServer",
+    "PlanEntry",
+    "PullRequest",
+    "QemuError",
+    "Queue",
+    "RuleError",
+    "ServeOptions",
+    "ServeStats",
+    "SnapshotInfo",
+    "Step",
+    "TenancyOptions",
+    "TreeLimitFlags",
+    "UnknownFormat",
+    "VolumeDigest",
+    "Wait",
+    "WebhookStats",
+    "WorkerIdentity",
+];
+
+/// The `pub` items (`fn`, type, trait, `const`, `static`, `mod`) a file
+/// declares, as `(line, name)`; `pub(crate)` and narrower are not `pub`.
+fn public_items(code: &str) -> Vec<(usize, String)> {
+    const KINDS: &[&str] = &["fn ", "struct ", "enum ", "trait ", "type ", "const ", "static ", "mod "];
+    let mut items = Vec::new();
+    for (n, line) in code.lines().enumerate() {
+        let Some(mut rest) = line.trim_start().strip_prefix("pub ") else { continue };
+        for qualifier in ["async ", "unsafe "] {
+            rest = rest.strip_prefix(qualifier).unwrap_or(rest);
+        }
+        let Some(kind) = KINDS.iter().find(|k| rest.starts_with(**k)) else { continue };
+        let name: String =
+            rest[kind.len()..].chars().take_while(|c| c.is_alphanumeric() || *c == '_').collect();
+        items.push((n + 1, name));
+    }
+    items
+}
+
+/// Every word of the code that uses the library from outside: the tests
+/// (but this one), benches, harness and fuzz targets, `main.rs`, and the
+/// fuzzing entry points.
+fn words_used_outside() -> BTreeSet<String> {
+    let mut files = vec![root().join("src/main.rs")];
+    for dir in ["tests", "benches", "tools/harness", "tools/fuzz"] {
+        files_under(&root().join(dir), "rs", &mut files);
+    }
+    // This file names items to list them, not to use them.
+    files.retain(|f| !f.ends_with("tests/house.rs"));
+    let mut text: Vec<String> = files.iter().map(|f| std::fs::read_to_string(f).unwrap()).collect();
+    let lib = std::fs::read_to_string(root().join("src/lib.rs")).unwrap();
+    text.push(lib[lib.find("pub mod fuzzing").expect("the fuzzing module")..].to_owned());
+    let mut words = BTreeSet::new();
+    for t in &text {
+        words.extend(t.split(|c: char| !(c.is_alphanumeric() || c == '_')).map(str::to_owned));
+    }
+    words
+}
+
+/// The surface is what is used: an item that only the crate uses is
+/// `pub(crate)` (or narrower), so a reader sees at its declaration that
+/// nothing outside depends on it.
+#[test]
+fn every_public_item_outside_api_is_used_outside_the_crate_or_held_by_a_public_signature() {
+    let used = words_used_outside();
+    let mut files = Vec::new();
+    files_under(&root().join("src"), "rs", &mut files);
+    let mut unused = Vec::new();
+    let mut declared = BTreeSet::new();
+    for file in files {
+        let rel = file.strip_prefix(root()).unwrap().to_string_lossy().into_owned();
+        if rel.starts_with("src/api/") || rel == "src/lib.rs" || rel == "src/main.rs" {
+            continue;
+        }
+        for (line, name) in public_items(&code_of(&file)) {
+            declared.insert(name.clone());
+            if !used.contains(&name) && !IN_PUBLIC_SIGNATURES.contains(&name.as_str()) {
+                unused.push(format!("{rel}:{line}: pub {name}"));
+            }
+        }
+    }
+    assert!(
+        unused.is_empty(),
+        "public, yet named nowhere outside src/: make these pub(crate):\n{}",
+        unused.join("\n")
+    );
+    let stale: Vec<&&str> =
+        IN_PUBLIC_SIGNATURES.iter().filter(|n| !declared.contains(**n) || used.contains(**n)).collect();
+    assert!(
+        stale.is_empty(),
+        "IN_PUBLIC_SIGNATURES lists items no longer declared pub or now used: {stale:?}"
+    );
+}
+
+#[test]
+fn the_public_item_reader_sees_pub_but_not_pub_crate() {
+    let code = "pub fn a() {}\npub(crate) fn b() {}\n    pub async fn c() {}\npub struct D;\nfn e() {}\n";
+    let names: Vec<String> = public_items(code).into_iter().map(|(_, n)| n).collect();
+    assert_eq!(names, ["a", "c", "D"]);
 }

@@ -346,7 +346,7 @@ impl LeaderElector {
     /// earliest). The reconciler asks it right before a power-off or a
     /// destructive action, and leaves the action for the next reconcile (of
     /// this leader or its successor) when it is closed.
-    pub fn holds_lease_now(&self) -> bool {
+    pub(crate) fn holds_lease_now(&self) -> bool {
         self.is_leader() && self.hold.holds(Instant::now())
     }
 

@@ -77,7 +77,7 @@ pub struct ControllerConfig {
 }
 
 /// Answers whether this process may still act as the leader.
-pub type LeaseFence = Arc<dyn Fn() -> bool + Send + Sync>;
+pub(crate) type LeaseFence = Arc<dyn Fn() -> bool + Send + Sync>;
 
 impl std::fmt::Debug for ControllerConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {

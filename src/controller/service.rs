@@ -99,7 +99,7 @@ pub struct ControllerOptions {
 
 impl ControllerOptions {
     /// These options under the administrator's destination rules.
-    pub fn with_destinations(mut self, rules: DestinationRules) -> ControllerOptions {
+    pub(crate) fn with_destinations(mut self, rules: DestinationRules) -> ControllerOptions {
         self.destination_rules = rules;
         self
     }

@@ -136,7 +136,7 @@ impl StagingAccess {
     }
 
     /// A worker's access from what its Secret holds.
-    pub fn from_worker(identity: &WorkerIdentity) -> anyhow::Result<StagingAccess> {
+    pub(crate) fn from_worker(identity: &WorkerIdentity) -> anyhow::Result<StagingAccess> {
         use rustls::pki_types::pem::PemObject as _;
         let key = unhex(identity.key_hex.trim())
             .filter(|b| b.len() == 32)
@@ -163,7 +163,7 @@ impl StagingAccess {
 
     /// Whether an `Authorization` header carries this worker's control token
     /// (compared in constant time).
-    pub fn allows_control(&self, authorization: Option<&[u8]>) -> bool {
+    pub(crate) fn allows_control(&self, authorization: Option<&[u8]>) -> bool {
         let Some(value) = authorization.and_then(|v| std::str::from_utf8(v).ok()) else { return false };
         let Some(token) = value.trim().strip_prefix("Bearer ").and_then(|t| unhex(t.trim())) else {
             return false;

@@ -168,7 +168,7 @@ impl KubeCluster {
 
     /// Lets this cluster read imported volumes back with Jobs of this image
     /// where CDI cannot check a checksum (`super::verify`).
-    pub fn with_volume_checks(mut self, settings: VerifySettings) -> KubeCluster {
+    pub(crate) fn with_volume_checks(mut self, settings: VerifySettings) -> KubeCluster {
         self.verify = Some(settings);
         self
     }

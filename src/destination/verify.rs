@@ -24,7 +24,7 @@ pub(crate) const DATA_VOLUME_CRD: &str = "datavolumes.cdi.kubevirt.io";
 
 /// How verify Jobs run.
 #[derive(Clone, Debug)]
-pub struct VerifySettings {
+pub(crate) struct VerifySettings {
     /// The controller image (it holds `vmmigrate`).
     pub image: String,
     /// uid and gid of the Job (the controller's); `None`: the image's user.

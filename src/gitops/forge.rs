@@ -40,7 +40,7 @@ const STATUS_DESCRIPTION_CHARS: usize = 140;
 const USER_AGENT: &str = "vmmigrate";
 /// The longest a rate limit keeps us quiet, whatever the forge asks: a
 /// misconfigured proxy's `Retry-After: 86400` must not silence plans for a day.
-pub const MAX_RATE_LIMIT_WAIT: Duration = Duration::from_secs(15 * 60);
+pub(crate) const MAX_RATE_LIMIT_WAIT: Duration = Duration::from_secs(15 * 60);
 /// How long to wait after a rate-limit answer that does not say (GitHub's
 /// documentation: "wait for at least one minute").
 const DEFAULT_RATE_LIMIT_WAIT: Duration = Duration::from_secs(60);
@@ -206,7 +206,7 @@ impl GitHub {
 
     /// The account the token comments as, when `GET /user` cannot say (an
     /// app installation token comments as `<app-slug>[bot]`).
-    pub fn with_login(self, login: Option<String>) -> Self {
+    pub(crate) fn with_login(self, login: Option<String>) -> Self {
         GitHub(self.0.with_login(login))
     }
 }
@@ -222,7 +222,7 @@ impl Gitea {
     }
 
     /// The account the token comments as, instead of asking `GET /user`.
-    pub fn with_login(self, login: Option<String>) -> Self {
+    pub(crate) fn with_login(self, login: Option<String>) -> Self {
         Gitea(self.0.with_login(login))
     }
 }

@@ -35,11 +35,11 @@ pub const ANNOTATION_PATH: &str = "migration.platform.example/git-path";
 /// Set on a live migration by whoever may edit it, with the path of the
 /// manifest allowed to take it over (a migration created with kubectl, or
 /// from another repository, that Git is to manage from now on).
-pub const ANNOTATION_ADOPT: &str = "migration.platform.example/adopt";
+pub(crate) const ANNOTATION_ADOPT: &str = "migration.platform.example/adopt";
 /// The sha256 of the spec a migration was created with from Git: an
 /// approval (`spec.cutover.approved: true`) counts only from a later change
 /// of the manifest, never from the change that created it.
-pub const ANNOTATION_CREATED_SPEC: &str = "migration.platform.example/created-spec";
+pub(crate) const ANNOTATION_CREATED_SPEC: &str = "migration.platform.example/created-spec";
 /// Label on every object the gitops side applied (prune and orphan detection).
 pub const LABEL_GITOPS: &str = "migration.platform.example/gitops";
 /// Annotation set when the manifest of a live migration left Git.

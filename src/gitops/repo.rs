@@ -17,9 +17,9 @@ use std::time::{Duration, Instant};
 /// Largest pack one fetch may bring, by default: a repository of manifests
 /// is a few MiB, so this leaves room for years of history and stops a pull
 /// request that pushes gigabytes before it fills the cache volume.
-pub const DEFAULT_MAX_FETCH_BYTES: u64 = 256 << 20;
+pub(crate) const DEFAULT_MAX_FETCH_BYTES: u64 = 256 << 20;
 /// Longest one fetch may take, by default.
-pub const DEFAULT_FETCH_TIMEOUT: Duration = Duration::from_secs(300);
+pub(crate) const DEFAULT_FETCH_TIMEOUT: Duration = Duration::from_secs(300);
 /// How often the fetch watchdog looks at the pack being written.
 const WATCH_EVERY: Duration = Duration::from_millis(20);
 

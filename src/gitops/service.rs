@@ -190,7 +190,7 @@ pub struct GitopsOptions {
 
 impl GitopsOptions {
     /// These options under the administrator's destination rules.
-    pub fn with_destinations(mut self, rules: DestinationRules) -> GitopsOptions {
+    pub(crate) fn with_destinations(mut self, rules: DestinationRules) -> GitopsOptions {
         self.destinations = rules;
         self
     }

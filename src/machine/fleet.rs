@@ -59,7 +59,7 @@ impl Default for ReadCaps {
 }
 
 /// Two streams keep one ESXi host's SSH busy without stretching every downtime.
-pub const DEFAULT_READS_PER_HOST: u32 = 2;
+pub(crate) const DEFAULT_READS_PER_HOST: u32 = 2;
 
 impl ReadCaps {
     pub fn host(&self, host: &str) -> u32 {
@@ -107,7 +107,7 @@ impl Member {
 
 /// Whether a migration in `phase` (with this retry bookkeeping) is reading its
 /// disks or will be again without passing the queue.
-pub fn holds_slot_in(status: &VirtualMachineMigrationStatus) -> bool {
+pub(crate) fn holds_slot_in(status: &VirtualMachineMigrationStatus) -> bool {
     match status.phase {
         Phase::Preparing => true,
         Phase::Retryable => {
@@ -128,7 +128,7 @@ type Plans = HashMap<(String, String), BTreeMap<i32, WaveState>>;
 
 /// The waves of every plan, indexed once per look at the fleet.
 #[derive(Clone, Debug, Default)]
-pub struct WaveIndex {
+pub(crate) struct WaveIndex {
     plans: Plans,
 }
 
@@ -148,7 +148,7 @@ impl WaveIndex {
 
     /// The wave gate: every migration of an earlier wave of the same plan, in
     /// the same namespace, must have Completed.
-    pub fn gate(&self, me: &Member) -> Option<Wait> {
+    pub(crate) fn gate(&self, me: &Member) -> Option<Wait> {
         let (plan, number) = me.wave.as_ref()?;
         let waves = self.plans.get(&(me.namespace.clone(), plan.clone()))?;
         let earlier: Vec<(&i32, &WaveState)> = waves.range(..*number).collect();
@@ -174,11 +174,6 @@ impl WaveIndex {
     }
 }
 
-/// The wave gate of one migration (indexes the fleet for one question).
-pub fn wave_gate(members: &[Member], me: &Member) -> Option<Wait> {
-    WaveIndex::new(members).gate(me)
-}
-
 fn list(names: &[String]) -> String {
     const SHOWN: usize = 5;
     let mut text = names.iter().take(SHOWN).cloned().collect::<Vec<_>>().join(", ");
@@ -190,7 +185,7 @@ fn list(names: &[String]) -> String {
 
 /// The cutover gate. Open once the source's power-off was asked for or seen
 /// (the irreversible step happened), else as `spec.cutover` says.
-pub fn cutover_gate(
+pub(crate) fn cutover_gate(
     spec: &VirtualMachineMigrationSpec,
     status: &VirtualMachineMigrationStatus,
     now: Timestamp,
@@ -241,7 +236,7 @@ fn invalid_window(message: &str) -> Failure {
 }
 
 /// The window's start and end as instants. Errors name the field.
-pub fn window_bounds(window: &CutoverWindow) -> Result<(Timestamp, Timestamp), String> {
+pub(crate) fn window_bounds(window: &CutoverWindow) -> Result<(Timestamp, Timestamp), String> {
     let zone = jiff::tz::TimeZone::get(&window.time_zone)
         .map_err(|_| format!("timeZone {:?} is not a known IANA time zone", window.time_zone))?;
     let at = |field: &str, value: &str| -> Result<Timestamp, String> {
@@ -358,7 +353,7 @@ pub fn queue(members: &[Member], limits: &ReadCaps) -> Queue {
 }
 
 /// `1st`, `2nd`, `3rd`, `4th`, `11th`, `21st`.
-pub fn ordinal(n: u32) -> String {
+pub(crate) fn ordinal(n: u32) -> String {
     let suffix = match (n % 10, n % 100) {
         (_, 11..=13) => "th",
         (1, _) => "st",

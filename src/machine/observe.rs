@@ -37,7 +37,7 @@ impl Failure {
     /// full file system is `WorkDirectoryFull`, waited out until there is
     /// room again; anything else is `reason`. Both are retryable, and what
     /// was written so far is kept.
-    pub fn local_write(reason: Reason, message: impl Into<String>) -> Failure {
+    pub(crate) fn local_write(reason: Reason, message: impl Into<String>) -> Failure {
         let message = message.into();
         if reports_full_file_system(&message) {
             let message = format!(
@@ -56,11 +56,11 @@ impl Failure {
 /// API server says goes into status, Events and Git through it, and a host
 /// may say megabytes (a status past etcd's limit would stick the migration;
 /// an Event's note is refused past 1 KiB).
-pub const MAX_MESSAGE_BYTES: usize = 1024;
+pub(crate) const MAX_MESSAGE_BYTES: usize = 1024;
 
 /// `message` cut to [`MAX_MESSAGE_BYTES`] on a character boundary, saying
 /// how much was cut.
-pub fn capped(message: String) -> String {
+pub(crate) fn capped(message: String) -> String {
     if message.len() <= MAX_MESSAGE_BYTES {
         return message;
     }
@@ -230,7 +230,7 @@ pub enum DataVolumeState {
 /// checks `spec.source.http.checksum` (read only while a DataVolume is to be
 /// made), and the verify Job of every disk whose import CDI cannot check.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ImportingFacts {
+pub(crate) struct ImportingFacts {
     pub volumes: Vec<DataVolumeState>,
     pub cdi_verifies_checksum: Option<bool>,
     /// One per disk; `None` where no verify Job is looked for.
@@ -239,7 +239,8 @@ pub struct ImportingFacts {
 
 impl ImportingFacts {
     /// DataVolumes on a CDI that checks checksums (nothing else to look at).
-    pub fn volumes(volumes: Vec<DataVolumeState>) -> ImportingFacts {
+    #[cfg(test)]
+    pub(crate) fn volumes(volumes: Vec<DataVolumeState>) -> ImportingFacts {
         let checks = vec![None; volumes.len()];
         ImportingFacts { volumes, cdi_verifies_checksum: Some(true), checks }
     }

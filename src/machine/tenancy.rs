@@ -77,7 +77,7 @@ impl DestinationRules {
     }
 
     /// Closes the controller's own namespace too (where its Secrets and Leases live).
-    pub fn with_system_namespace(mut self, namespace: &str) -> DestinationRules {
+    pub(crate) fn with_system_namespace(mut self, namespace: &str) -> DestinationRules {
         self.system_namespace = Some(namespace.to_owned());
         self
     }
@@ -116,7 +116,7 @@ impl DestinationRules {
     /// `None` when a migration in `migration_ns` may attach its VM to the
     /// NetworkAttachmentDefinition `network_name` (`name`, or `namespace/name`
     /// of a namespace these rules let it write into), else why not.
-    pub fn network_refusal(
+    pub(crate) fn network_refusal(
         &self,
         migration_ns: &str,
         destination_ns: &str,
@@ -154,7 +154,7 @@ pub struct TenantBindings {
 
 /// The tenant a manifest belongs to.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Tenant {
+pub(crate) struct Tenant {
     /// Its bound folder, as the repository shows it (`migrations/apps`).
     pub folder: String,
     pub namespace: String,
@@ -210,7 +210,7 @@ impl TenantBindings {
 
     /// The tenant of the manifest at `path` (`migrations/apps/web.yaml`):
     /// the longest bound folder that holds it, whole segments only.
-    pub fn tenant_of(&self, path: &str) -> Option<Tenant> {
+    pub(crate) fn tenant_of(&self, path: &str) -> Option<Tenant> {
         let rest = path.strip_prefix("migrations/")?;
         self.folders
             .iter()
@@ -259,7 +259,7 @@ pub const CREDENTIAL_HOSTS_ANNOTATION: &str = "migration.platform.example/esxi-h
 /// log in to `host:port` with pinned key `host_key`, if it may not. Checked
 /// before any connection: a manifest that points a Secret at a host of its
 /// own choosing never receives the password.
-pub fn credential_refusal(
+pub(crate) fn credential_refusal(
     secret: &str,
     hosts: Option<&str>,
     host: &str,

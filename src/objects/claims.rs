@@ -34,13 +34,13 @@ pub struct SourceClaims {
 
 /// What identifies the migration's source VM, from its recorded inventory.
 /// `None` before discovery.
-pub fn source_identity(vmm: &VirtualMachineMigration) -> Option<String> {
+pub(crate) fn source_identity(vmm: &VirtualMachineMigration) -> Option<String> {
     let inventory = vmm.status.as_ref()?.source_inventory.as_ref()?;
     Some(identity_of(inventory, &vmm.spec.source))
 }
 
 /// What identifies a discovered VM: its BIOS UUID, else host, port and vmid.
-pub fn identity_of(inventory: &SourceInventory, source: &SourceSpec) -> String {
+pub(crate) fn identity_of(inventory: &SourceInventory, source: &SourceSpec) -> String {
     if !inventory.bios_uuid.is_empty() {
         return format!("bios-uuid {}", inventory.bios_uuid);
     }
@@ -120,7 +120,7 @@ impl SourceClaims {
 
     /// Who holds the claim on `identity`, as `namespace/name`, when a
     /// migration that still exists does. Read only (a plan's question).
-    pub async fn holder_of(&self, identity: &str) -> Result<Option<String>, Failure> {
+    pub(crate) async fn holder_of(&self, identity: &str) -> Result<Option<String>, Failure> {
         let name = lease_name(identity);
         let Some(lease) =
             self.leases().get_opt(&name).await.map_err(|e| classify("reading a source claim", e))?
@@ -166,7 +166,7 @@ impl SourceClaims {
     /// (a ConfigMap per migration uid, [`LeftOnSource`]): it outlives the
     /// migration and its namespace, and the gitops side writes it to Git.
     /// Recording the same migration again is success.
-    pub async fn record_left(&self, left: &LeftOnSource) -> Result<(), Failure> {
+    pub(crate) async fn record_left(&self, left: &LeftOnSource) -> Result<(), Failure> {
         let api: Api<ConfigMap> = Api::namespaced(self.client.clone(), &self.namespace);
         match api.create(&PostParams::default(), &left.to_config_map(&self.namespace)).await {
             Ok(_) => Ok(()),

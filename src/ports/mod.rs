@@ -79,7 +79,7 @@ pub fn user_agent(component: &str) -> String {
 
 /// A client of the cluster this process runs in (or of the kubeconfig's
 /// context), whose requests say [`user_agent`]`(component)`.
-pub async fn kube_client(component: &str) -> anyhow::Result<kube::Client> {
+pub(crate) async fn kube_client(component: &str) -> anyhow::Result<kube::Client> {
     let mut config = kube::Config::infer().await?;
     config.headers.push((http::header::USER_AGENT, http::HeaderValue::from_str(&user_agent(component))?));
     Ok(kube::Client::try_from(config)?)

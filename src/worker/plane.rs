@@ -50,7 +50,7 @@ const BACKOFF_LIMIT: i32 = 6;
 
 /// Settings of the worker pods (the controller's flags).
 #[derive(Clone, Debug)]
-pub struct WorkerSettings {
+pub(crate) struct WorkerSettings {
     /// The image (the controller's own).
     pub image: String,
     /// User and group the worker runs as (the controller's own).
@@ -66,7 +66,7 @@ pub struct WorkerSettings {
 }
 
 /// `DiskStore`, `Converter` and `Staging` through worker pods.
-pub struct WorkerPlane {
+pub(crate) struct WorkerPlane {
     client: Client,
     settings: WorkerSettings,
     /// The controller's staging access: it signs the workers' certificates
@@ -84,12 +84,12 @@ pub struct WorkerPlane {
 const UNANSWERED_LIMIT: u32 = 15;
 
 /// The names of one migration's worker objects.
-pub fn worker_name(vmm: &VirtualMachineMigration) -> String {
+pub(crate) fn worker_name(vmm: &VirtualMachineMigration) -> String {
     bounded_name(&vmm.name_any(), "-vmm-worker")
 }
 
 /// The work claim of one migration.
-pub fn claim_name(vmm: &VirtualMachineMigration) -> String {
+pub(crate) fn claim_name(vmm: &VirtualMachineMigration) -> String {
     bounded_name(&vmm.name_any(), "-vmm-work")
 }
 

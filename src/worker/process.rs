@@ -60,7 +60,7 @@ pub struct WorkerOptions {
 }
 
 /// Reads the identity the controller put in the worker's Secret.
-pub fn read_identity(dir: &Path) -> anyhow::Result<WorkerIdentity> {
+pub(crate) fn read_identity(dir: &Path) -> anyhow::Result<WorkerIdentity> {
     let read = |name: &str| {
         std::fs::read_to_string(dir.join(name))
             .with_context(|| format!("reading {}", dir.join(name).display()))
@@ -92,7 +92,7 @@ impl Running {
         self.control.local_addr()
     }
 
-    pub fn staging_addr(&self) -> SocketAddr {
+    pub(crate) fn staging_addr(&self) -> SocketAddr {
         self.staging.local_addr()
     }
 }
@@ -249,4 +249,4 @@ pub(crate) async fn run(opts: WorkerOptions) -> anyhow::Result<()> {
 }
 
 /// The exit code of a worker stopped by SIGTERM (128 + 15).
-pub const STOPPED_EXIT_CODE: i32 = 143;
+pub(crate) const STOPPED_EXIT_CODE: i32 = 143;

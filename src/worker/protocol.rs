@@ -10,9 +10,9 @@ use crate::api::VirtualMachineMigration;
 use serde::{Deserialize, Serialize};
 
 /// The port the control API listens on in the worker pod.
-pub const CONTROL_PORT: u16 = 9443;
+pub(crate) const CONTROL_PORT: u16 = 9443;
 /// The port the staging server listens on in the worker pod.
-pub const STAGING_PORT: u16 = 8443;
+pub(crate) const STAGING_PORT: u16 = 8443;
 /// The path of calls.
 pub const CALL_PATH: &str = "/v1/call";
 /// The readiness path.

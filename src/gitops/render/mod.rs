@@ -61,7 +61,7 @@ pub struct TreeLimits {
 impl TreeLimits {
     /// A migration is about 1 KB and 100 nodes: these leave room for
     /// thousands of them and keep a hostile commit within tens of MiB.
-    pub const DEFAULT: TreeLimits = TreeLimits {
+    pub(crate) const DEFAULT: TreeLimits = TreeLimits {
         file_bytes: 1 << 20,
         tree_bytes: 32 << 20,
         files: 10_000,
@@ -114,7 +114,7 @@ impl RenderOptions {
         }
     }
 
-    pub fn with_limits(mut self, limits: TreeLimits) -> RenderOptions {
+    pub(crate) fn with_limits(mut self, limits: TreeLimits) -> RenderOptions {
         self.limits = limits;
         self
     }

@@ -327,3 +327,8 @@ fn a_providers_cap_lowers_its_hosts_cap_for_its_migrations_and_never_raises_it()
     let q = queue(&[reading, member("apps", "n", "esx-08", 1)], &limits);
     assert!(q.admitted.is_empty(), "a reader of 5 disks holds the host's 3 reads, not 5 or 10");
 }
+
+/// The wave gate of one migration (indexes the fleet for one question).
+fn wave_gate(members: &[Member], me: &Member) -> Option<Wait> {
+    WaveIndex::new(members).gate(me)
+}
