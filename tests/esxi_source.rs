@@ -659,3 +659,29 @@ async fn someone_elses_snapshot_is_never_removed_and_a_chain_through_it_is_follo
     assert_eq!(left.len(), 1);
     assert_eq!(left[0].name, "before-upgrade", "the user's snapshot stays");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hardware_a_kubevirt_vm_cannot_carry_is_read_from_the_vmx_and_named_in_the_inventory() {
+    let emu = EsxiEmulator::start(EsxiOptions::default()).expect("emulator");
+    let (esxi, _store) = source(&emu, password(&emu));
+    let vmm = migration(&emu, "web 01");
+    let plain = esxi.discover(&vmm).await.expect("the VM as it is");
+    assert!(
+        plain.hardware.is_empty(),
+        "the emulator's VM has nothing beyond disks and NICs: {:?}",
+        plain.hardware
+    );
+    let vmx =
+        emu.host_path(&format!("/vmfs/volumes/datastore1/{}", plain.vmx_path.split("] ").nth(1).unwrap()));
+    let original = std::fs::read_to_string(&vmx).unwrap();
+    // What a VM administrator adds in the host client: a GPU, a TPM, an ISO.
+    let added = "pciPassthru0.present = \"TRUE\"\npciPassthru0.vgpu = \"grid_t4-2q\"\nvtpm.present = \"TRUE\"\n\
+                 ide1:0.present = \"TRUE\"\nide1:0.deviceType = \"cdrom-image\"\n\
+                 ide1:0.fileName = \"/vmfs/volumes/datastore1/iso/tools.iso\"\n";
+    std::fs::write(&vmx, format!("{original}{added}")).unwrap();
+    let inventory = esxi.discover(&vmm).await.expect("discovered");
+    assert_eq!(inventory.hardware.passthrough, ["pciPassthru0 (vGPU grid_t4-2q)"]);
+    assert!(inventory.hardware.tpm);
+    assert_eq!(inventory.hardware.cdrom_images, ["ide1:0: /vmfs/volumes/datastore1/iso/tools.iso"]);
+    assert_eq!(inventory.disks, plain.disks, "an ISO is not a disk");
+}

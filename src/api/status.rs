@@ -51,6 +51,10 @@ pub struct VirtualMachineMigrationStatus {
     /// Reasons validation did not pass; empty once it does.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub blockers: Vec<Blocker>,
+    /// What moves with a caveat (a virtual TPM's keys, a CD-ROM image, …),
+    /// found at Validated: each a reason and what stays behind.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub warnings: Vec<Blocker>,
     /// Per-disk evidence: checksums, artifact locations, DataVolume names.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub disks: Vec<DiskStatus>,
@@ -335,6 +339,61 @@ pub struct SourceInventory {
     pub nics: Vec<SourceNic>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub ip_addresses: Vec<String>,
+    /// What the VM has beyond CPU, memory, disks and NICs that a KubeVirt VM
+    /// cannot carry, or carries only in part (docs/compatibility.md).
+    #[serde(default, skip_serializing_if = "SourceHardware::is_empty")]
+    pub hardware: SourceHardware,
+}
+
+/// The source VM's devices and settings beyond CPU, memory, disks and NICs,
+/// as its `.vmx` shows them. Each list names the devices (`pciPassthru0`,
+/// `scsi1:0 (multi-writer)`); pre-flight decides what each means.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct SourceHardware {
+    /// A virtual TPM (`vtpm.present`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub tpm: bool,
+    /// VM encryption (`encryption.keySafe` / `encryption.data`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub encrypted: bool,
+    /// Persistent memory (`nvdimm0.present`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub persistent_memory: bool,
+    /// PCI (DirectPath, vGPU) and SCSI passthrough devices.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub passthrough: Vec<String>,
+    /// SR-IOV network adapters.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub sriov_nics: Vec<String>,
+    /// Disks shared with other VMs (multi-writer) and SCSI bus sharing.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub shared_disks: Vec<String>,
+    /// CD-ROMs backed by an image file, connected at power-on.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub cdrom_images: Vec<String>,
+    /// USB devices attached to a USB controller (not its hubs and input devices).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub usb_devices: Vec<String>,
+    /// CPU and memory hot-plug that is enabled.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub hot_plug: Vec<String>,
+    /// CPU or NUMA affinity.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub affinity: Vec<String>,
+    /// Nested virtualization, a virtual IOMMU, Windows VBS.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub virtualization: Vec<String>,
+    /// Serial and parallel ports to files, pipes, devices or the network; floppy images.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub ports: Vec<String>,
+}
+
+impl SourceHardware {
+    /// Nothing beyond CPU, memory, disks and NICs.
+    pub fn is_empty(&self) -> bool {
+        *self == SourceHardware::default()
+    }
 }
 
 /// `bios` or `efi`.

@@ -762,7 +762,7 @@ fn summary(inv: &crate::api::SourceInventory) -> String {
         .collect();
     let nics: Vec<String> =
         inv.nics.iter().map(|n| format!("{} on {:?} ({})", n.model, n.network, n.mac_address)).collect();
-    format!(
+    let mut text = format!(
         "VM {:?} (vmid {}), {:?}, {} vCPU, {} MiB, {:?} firmware, snapshots {}; disks: {}; NICs: {}",
         inv.name,
         inv.vmid,
@@ -773,7 +773,16 @@ fn summary(inv: &crate::api::SourceInventory) -> String {
         inv.snapshots,
         disks.join(", "),
         nics.join(", ")
-    )
+    );
+    // What its hardware means, as Validated will decide it.
+    let found = crate::machine::compatibility::findings(inv);
+    for (what, list) in [("blocks the move", &found.blockers), ("moves with a caveat", &found.warnings)] {
+        if !list.is_empty() {
+            let items: Vec<String> = list.iter().map(|b| format!("{}: {}", b.reason, b.message)).collect();
+            text.push_str(&format!("; {what}: {}", items.join("; ")));
+        }
+    }
+    text
 }
 
 /// Whether a repository URL holds credentials: any user information in an
@@ -1072,6 +1081,18 @@ fn status_dir_is_safe(dir: &str) -> anyhow::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_plans_source_line_says_what_the_hardware_blocks_and_what_it_leaves_behind() {
+        let mut inv = crate::api::SourceInventory { name: "gpu-box".into(), ..Default::default() };
+        assert!(!summary(&inv).contains("blocks"), "{}", summary(&inv));
+        inv.hardware.passthrough = vec!["pciPassthru0".into()];
+        inv.hardware.tpm = true;
+        let line = summary(&inv);
+        assert!(line.contains("blocks the move: PassthroughDevice: "), "{line}");
+        assert!(line.contains("pciPassthru0"), "{line}");
+        assert!(line.contains("moves with a caveat: TpmNotMigrated: "), "{line}");
+    }
 
     #[test]
     fn the_forge_token_never_travels_in_clear_and_status_never_lands_among_manifests() {

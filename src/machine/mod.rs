@@ -12,6 +12,7 @@
 //! The specification is shared/seeds/000_82a04c1365667313.txt; docs/state-machine.md
 //! explains it for operators.
 
+pub(crate) mod compatibility;
 pub mod conditions;
 mod destination;
 pub mod fleet;

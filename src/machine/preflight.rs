@@ -134,6 +134,8 @@ pub(crate) fn blockers(
             format!("StorageClass {:?} does not exist", spec.destination.storage_class_name),
         );
     }
+    // What the VM's hardware rules out (passthrough, shared disks, …).
+    out.extend(super::compatibility::findings(inventory).blockers);
     out
 }
 

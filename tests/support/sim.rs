@@ -727,6 +727,7 @@ impl EsxiHost for SimWorld {
                 mac_address: "00:50:56:01:02:03".into(),
             }],
             ip_addresses: vec![],
+            hardware: Default::default(),
         })
     }
 

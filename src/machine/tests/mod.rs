@@ -11,6 +11,7 @@ const NAME: &str = "web-01";
 
 mod gates;
 mod rehearsal;
+mod validation;
 mod warm;
 mod world;
 
@@ -278,81 +279,6 @@ fn preflight_ok() -> PreflightFacts {
         data_plane_blocked: None,
     }
 }
-
-#[test]
-fn validation_passing_sets_validated_true_and_advances_to_preparing() {
-    let d = Run::at(Phase::Validated).decide_at(Observed::Preflight(Ok(preflight_ok())), t(0));
-    assert_eq!(d.status.phase, Phase::Preparing);
-    assert_eq!(cond(&d.status, condition::VALIDATED).unwrap().0, ConditionStatus::True);
-    assert!(!has_power_action(&d), "validation itself never touches power");
-}
-
-#[test]
-fn each_preflight_rule_blocks_with_its_reason_and_needs_a_human() {
-    type Mutate = fn(&mut Run, &mut PreflightFacts);
-    let cases: Vec<(&str, Mutate)> = vec![
-        ("SnapshotsPresent", |r, _| r.status.source_inventory.as_mut().unwrap().snapshots = 2),
-        ("PendingQuestion", |r, _| {
-            r.status.source_inventory.as_mut().unwrap().pending_question = Some("msg.uuid.altered".into())
-        }),
-        ("UnsupportedDiskType", |r, _| {
-            r.status.source_inventory.as_mut().unwrap().disks[0].create_type = "vmfsRawDeviceMap".into()
-        }),
-        ("IndependentDisk", |r, _| {
-            r.status.source_inventory.as_mut().unwrap().disks[0].mode = "independent-persistent".into()
-        }),
-        ("NoDisks", |r, _| r.status.source_inventory.as_mut().unwrap().disks.clear()),
-        ("NetworkNotMapped", |r, _| r.spec.network_map.clear()),
-        ("InvalidDestinationName", |r, _| r.spec.destination.name = Some("Web_01".into())),
-        ("DestinationNameTaken", |_, f| f.destination_vm = DestinationOccupancy::Taken),
-        ("StorageClassNotFound", |_, f| f.storage_class_exists = false),
-        ("DestinationNamespaceNotFound", |_, f| f.destination_namespace_exists = false),
-        ("DestinationNamespaceNotAllowed", |_, f| f.destination_refused = Some("not allowed".into())),
-        ("SourceVMClaimed", |_, f| f.source_claimed_by = Some("apps/web-01-again".into())),
-        ("WorkerCannotStart", |_, f| {
-            f.data_plane_blocked =
-                Some("work claim apps/web-01-vmm-work exists and is not this migration's".into())
-        }),
-    ];
-    for (reason, mutate) in cases {
-        let mut run = Run::at(Phase::Validated);
-        let mut facts = preflight_ok();
-        mutate(&mut run, &mut facts);
-        let d = run.decide_at(Observed::Preflight(Ok(facts)), t(0));
-        assert_eq!(d.status.phase, Phase::ManualInterventionRequired, "{reason}");
-        assert!(d.status.blockers.iter().any(|b| b.reason == reason), "{reason}: {:?}", d.status.blockers);
-        assert_eq!(cond(&d.status, condition::VALIDATED).unwrap().0, ConditionStatus::False, "{reason}");
-        assert_eq!(cond(&d.status, condition::STALLED).unwrap().0, ConditionStatus::True, "{reason}");
-        // A retry re-reads the source VM first.
-        assert_eq!(d.status.failed_phase, Some(Phase::Discovering), "{reason}");
-        assert!(!has_power_action(&d));
-    }
-}
-
-#[test]
-fn two_nics_on_the_pod_network_are_blocked() {
-    let mut run = Run::at(Phase::Validated);
-    let inv = run.status.source_inventory.as_mut().unwrap();
-    let mut second = inv.nics[0].clone();
-    second.device = "ethernet1".into();
-    inv.nics.push(second);
-    let d = run.decide_at(Observed::Preflight(Ok(preflight_ok())), t(0));
-    assert!(d.status.blockers.iter().any(|b| b.message.contains("pod network")));
-    // Mapping the second network to Multus clears it.
-    let mut run = Run::at(Phase::Validated);
-    let inv = run.status.source_inventory.as_mut().unwrap();
-    let mut second = inv.nics[0].clone();
-    second.network = "DMZ".into();
-    inv.nics.push(second);
-    run.spec.network_map.push(NetworkMapping {
-        source: "DMZ".into(),
-        kind: NetworkKind::Multus,
-        network_name: Some("dmz".into()),
-    });
-    assert_eq!(run.decide_at(Observed::Preflight(Ok(preflight_ok())), t(0)).status.phase, Phase::Preparing);
-}
-
-// ---- Preparing: power ----
 
 #[test]
 fn power_is_never_touched_without_validated_true() {

@@ -442,6 +442,7 @@ impl EsxiHost for EsxiHosts {
             ip_addresses: guest
                 .map(|g| g.nics.iter().flat_map(|n| n.ip_addresses.clone()).collect())
                 .unwrap_or_default(),
+            hardware: facts.hardware.clone(),
         })
     }
 

@@ -134,6 +134,8 @@ pub(crate) struct VmxFacts {
     pub disks: Vec<VmxDisk>,
     /// `ethernetN` with `present` not false, ordered by N.
     pub nics: Vec<VmxNic>,
+    /// What the VM has beyond CPU, memory, disks and NICs.
+    pub hardware: crate::api::SourceHardware,
 }
 
 const DISK_BUSES: [&str; 4] = ["scsi", "sata", "nvme", "ide"];
@@ -243,5 +245,142 @@ pub(crate) fn vmx_facts(vmx: &Vmx) -> VmxFacts {
         bios_uuid: vmx.get("uuid.bios").map(bios_uuid).unwrap_or_default(),
         disks: disks.into_iter().map(|(_, d)| d).collect(),
         nics,
+        hardware: hardware(vmx),
     }
+}
+
+/// The `N` of `<prefix>N.<rest>` keys (e.g. `pcipassthru`), each once, ordered.
+fn numbered(vmx: &Vmx, prefix: &str) -> BTreeSet<u32> {
+    vmx.entries
+        .keys()
+        .filter_map(|k| k.strip_prefix(prefix)?.split_once('.')?.0.parse::<u32>().ok())
+        .collect()
+}
+
+/// The devices and settings a KubeVirt VM cannot carry, or carries only in
+/// part, as the `.vmx` shows them; an absent or `present = FALSE` device is
+/// not there. Read from the keys ESXi writes (docs/compatibility.md lists
+/// each with what vmmigrate decides).
+fn hardware(vmx: &Vmx) -> crate::api::SourceHardware {
+    let on = |k: &str| vmx.get_bool(k) == Some(true);
+    let text = |k: &str| vmx.get(k).map(str::trim).unwrap_or("").to_string();
+    let mut hw = crate::api::SourceHardware {
+        tpm: on("vtpm.present"),
+        encrypted: vmx.get("encryption.keySafe").is_some() || vmx.get("encryption.data").is_some(),
+        persistent_memory: on("nvdimm0.present"),
+        ..Default::default()
+    };
+    for n in numbered(vmx, "pcipassthru") {
+        let dev = format!("pciPassthru{n}");
+        if !on(&format!("{dev}.present")) {
+            continue;
+        }
+        if vmx.get(&format!("{dev}.pfId")).is_some() {
+            hw.sriov_nics.push(dev);
+        } else if let Some(vgpu) = vmx.get(&format!("{dev}.vgpu")) {
+            hw.passthrough.push(format!("{dev} (vGPU {})", vgpu.trim()));
+        } else {
+            hw.passthrough.push(dev);
+        }
+    }
+    for n in numbered(vmx, "ethernet") {
+        let dev = format!("ethernet{n}");
+        if vmx.get_bool(&format!("{dev}.present")) != Some(false)
+            && vmx.get(&format!("{dev}.virtualDev")).is_some_and(|m| m.trim().eq_ignore_ascii_case("sriov"))
+        {
+            hw.sriov_nics.push(dev);
+        }
+    }
+    for (key, value) in &vmx.entries {
+        let Some(dev) = key.strip_suffix(".devicetype") else { continue };
+        let Some((_, bus, controller, _)) = parse_disk_device(dev) else { continue };
+        let absent = vmx.get_bool(&format!("{dev}.present")) == Some(false)
+            || vmx.get_bool(&format!("{bus}{controller}.present")) == Some(false);
+        if absent {
+            continue;
+        }
+        let kind = value.trim().to_ascii_lowercase();
+        if kind == "scsi-passthru" {
+            hw.passthrough.push(format!("{dev} (SCSI passthrough)"));
+        } else if kind == "cdrom-image" && vmx.get_bool(&format!("{dev}.startConnected")) != Some(false) {
+            let file = text(&format!("{dev}.fileName"));
+            if !file.is_empty() {
+                hw.cdrom_images.push(format!("{dev}: {file}"));
+            }
+        }
+    }
+    for (key, value) in &vmx.entries {
+        if let Some(dev) = key.strip_suffix(".sharing")
+            && parse_disk_device(dev).is_some()
+            && value.trim().eq_ignore_ascii_case("multi-writer")
+            && vmx.get_bool(&format!("{dev}.present")) != Some(false)
+        {
+            hw.shared_disks.push(format!("{dev} (multi-writer)"));
+        }
+        if let Some(bus) = key.strip_suffix(".sharedbus")
+            && bus
+                .strip_prefix("scsi")
+                .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+            && !value.trim().eq_ignore_ascii_case("none")
+            && vmx.get_bool(&format!("{bus}.present")) != Some(false)
+        {
+            hw.shared_disks.push(format!("{bus} (bus sharing {})", value.trim()));
+        }
+    }
+    for (key, what) in [
+        ("vcpu.hotadd", "CPU hot-add"),
+        ("vcpu.hotremove", "CPU hot-remove"),
+        ("mem.hotadd", "memory hot-add"),
+    ] {
+        if on(key) {
+            hw.hot_plug.push(what.to_string());
+        }
+    }
+    let cpu_affinity = text("sched.cpu.affinity");
+    if !cpu_affinity.is_empty() && !cpu_affinity.eq_ignore_ascii_case("all") {
+        hw.affinity.push(format!("CPUs {cpu_affinity}"));
+    }
+    let numa = text("numa.nodeAffinity");
+    if !numa.is_empty() {
+        hw.affinity.push(format!("NUMA nodes {numa}"));
+    }
+    for (key, what) in [
+        ("vhv.enable", "nested hardware virtualization"),
+        ("vvtd.enable", "a virtual IOMMU"),
+        ("windows.vbs.enabled", "Windows virtualization-based security"),
+    ] {
+        if on(key) {
+            hw.virtualization.push(what.to_string());
+        }
+    }
+    for (prefix, name) in [("serial", "serial"), ("parallel", "parallel")] {
+        for n in numbered(vmx, prefix) {
+            let dev = format!("{prefix}{n}");
+            let backing = text(&format!("{dev}.fileType")).to_ascii_lowercase();
+            if on(&format!("{dev}.present"))
+                && ["file", "network", "pipe", "device"].contains(&backing.as_str())
+            {
+                hw.ports.push(format!("{dev} ({name} port to a {backing})"));
+            }
+        }
+    }
+    if on("floppy0.present") && text("floppy0.fileType").eq_ignore_ascii_case("file") {
+        hw.ports.push(format!("floppy0 (image {})", text("floppy0.fileName")));
+    }
+    for controller in ["usb", "usb_xhci"] {
+        if vmx.get_bool(&format!("{controller}.present")) != Some(true) {
+            continue;
+        }
+        let devices: BTreeSet<u32> = numbered(vmx, &format!("{controller}:"));
+        for n in devices {
+            let dev = format!("{controller}:{n}");
+            let kind = text(&format!("{dev}.deviceType")).to_ascii_lowercase();
+            if vmx.get_bool(&format!("{dev}.present")) == Some(true)
+                && !matches!(kind.as_str(), "hid" | "hub")
+            {
+                hw.usb_devices.push(if kind.is_empty() { dev } else { format!("{dev} ({kind})") });
+            }
+        }
+    }
+    hw
 }

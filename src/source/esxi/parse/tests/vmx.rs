@@ -40,6 +40,13 @@ fn vmx_sample_facts() {
                 network: "VM Network".into(),
                 mac_address: "00:50:56:9b:5f:0d".into(),
             }],
+            // Its installer ISO, connected at power-on, is not migrated.
+            hardware: crate::api::SourceHardware {
+                cdrom_images: vec![
+                    "sata0:0: /vmfs/volumes/5458b680-…/ISOs/Fedora-20-x86_64-netinst.iso".into()
+                ],
+                ..Default::default()
+            },
         }
     );
 }
@@ -171,5 +178,78 @@ fn vmx_present_false_skips_disks_and_nics() {
     assert_eq!(
         f.nics.iter().map(|n| (n.device.as_str(), n.mac_address.as_str())).collect::<Vec<_>>(),
         [("ethernet1", "00:0c:29:ab:cd:ef")]
+    );
+}
+
+#[test]
+fn vmx_hardware_names_what_a_kubevirt_vm_cannot_carry_and_skips_what_is_absent() {
+    let text = r#"
+vtpm.present = "TRUE"
+encryption.keySafe = "vmware:key/list/(pair/(null/vmware%3akey%2ffqid))"
+nvdimm0.present = "FALSE"
+pciPassthru0.present = "TRUE"
+pciPassthru0.id = "00000:059:00.0"
+pciPassthru1.present = "TRUE"
+pciPassthru1.vgpu = "grid_t4-2q"
+pciPassthru2.present = "TRUE"
+pciPassthru2.pfId = "00000:094:00.0"
+pciPassthru3.present = "FALSE"
+ethernet0.present = "TRUE"
+ethernet0.virtualDev = "vmxnet3"
+ethernet1.virtualDev = "sriov"
+scsi0.present = "TRUE"
+scsi0:0.fileName = "web.vmdk"
+scsi0:1.fileName = "shared.vmdk"
+scsi0:1.sharing = "multi-writer"
+scsi1.present = "TRUE"
+scsi1.sharedBus = "physical"
+scsi2.present = "TRUE"
+scsi2.sharedBus = "none"
+scsi0:5.deviceType = "scsi-passthru"
+ide1:0.present = "TRUE"
+ide1:0.deviceType = "cdrom-image"
+ide1:0.fileName = "/vmfs/volumes/ds1/iso/app.iso"
+sata0:1.deviceType = "cdrom-image"
+sata0:1.fileName = "/vmfs/volumes/ds1/iso/later.iso"
+sata0:1.startConnected = "FALSE"
+vcpu.hotadd = "TRUE"
+mem.hotadd = "FALSE"
+sched.cpu.affinity = "all"
+numa.nodeAffinity = "0"
+vhv.enable = "TRUE"
+serial0.present = "TRUE"
+serial0.fileType = "network"
+serial1.present = "TRUE"
+serial1.fileType = "thinprint"
+floppy0.present = "TRUE"
+floppy0.fileType = "file"
+floppy0.fileName = "drivers.flp"
+usb_xhci.present = "TRUE"
+usb_xhci:4.present = "TRUE"
+usb_xhci:4.deviceType = "hid"
+usb_xhci:6.present = "TRUE"
+usb_xhci:6.deviceType = "hub"
+usb_xhci:7.present = "TRUE"
+usb_xhci:7.deviceType = "pvscsi-dongle"
+usb.present = "FALSE"
+usb:1.present = "TRUE"
+"#;
+    let hw = vmx_facts(&parse_vmx(text)).hardware;
+    assert!(hw.tpm && hw.encrypted && !hw.persistent_memory);
+    assert_eq!(
+        hw.passthrough,
+        ["pciPassthru0", "pciPassthru1 (vGPU grid_t4-2q)", "scsi0:5 (SCSI passthrough)"]
+    );
+    assert_eq!(hw.sriov_nics, ["pciPassthru2", "ethernet1"]);
+    assert_eq!(hw.shared_disks, ["scsi0:1 (multi-writer)", "scsi1 (bus sharing physical)"]);
+    assert_eq!(hw.cdrom_images, ["ide1:0: /vmfs/volumes/ds1/iso/app.iso"], "a disconnected image is not");
+    assert_eq!(hw.hot_plug, ["CPU hot-add"]);
+    assert_eq!(hw.affinity, ["NUMA nodes 0"], "affinity \"all\" is the default, not an affinity");
+    assert_eq!(hw.virtualization, ["nested hardware virtualization"]);
+    assert_eq!(hw.ports, ["serial0 (serial port to a network)", "floppy0 (image drivers.flp)"]);
+    assert_eq!(
+        hw.usb_devices,
+        ["usb_xhci:7 (pvscsi-dongle)"],
+        "hubs, input devices and an absent controller's devices are not"
     );
 }

@@ -1,0 +1,232 @@
+//! What the source VM's hardware means for its move, as its `.vmx` shows it
+//! (`SourceHardware`, the guest OS): what stops a migration at Validated and
+//! what moves with a caveat. The rules follow what Forklift's VMware
+//! policies check, decided for a copy over SSH (docs/compatibility.md has
+//! each with its reason). Pure.
+
+use crate::api::{Blocker, Reason, SourceInventory};
+
+/// The hardware's findings: what blocks, and what is not carried.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub(crate) struct Findings {
+    pub(crate) blockers: Vec<Blocker>,
+    pub(crate) warnings: Vec<Blocker>,
+}
+
+fn finding(reason: Reason, message: String) -> Blocker {
+    Blocker { reason: reason.to_string(), message }
+}
+
+fn names(list: &[String]) -> String {
+    list.join(", ")
+}
+
+/// Every finding of the inventory's hardware and guest OS, in a stable order.
+pub(crate) fn findings(inventory: &SourceInventory) -> Findings {
+    let hw = &inventory.hardware;
+    let mut out = Findings::default();
+    let mut block = |reason, message| out.blockers.push(finding(reason, message));
+    if !hw.passthrough.is_empty() {
+        block(
+            Reason::PassthroughDevice,
+            format!(
+                "the VM has passthrough devices ({}): the host's hardware cannot follow it; remove them on the host, then retry",
+                names(&hw.passthrough)
+            ),
+        );
+    }
+    if !hw.shared_disks.is_empty() {
+        block(
+            Reason::SharedDisk,
+            format!(
+                "the VM shares disks with other VMs ({}): a clustered disk moves with all its VMs at once, which vmmigrate does not do; unshare them, then retry",
+                names(&hw.shared_disks)
+            ),
+        );
+    }
+    if hw.encrypted {
+        block(
+            Reason::EncryptedVM,
+            "the VM is encrypted (encryption.keySafe in its .vmx): its disk files hold ciphertext only the key server can open; decrypt the VM on the host, then retry".to_owned(),
+        );
+    }
+    if hw.persistent_memory {
+        block(
+            Reason::PersistentMemory,
+            "the VM has persistent memory (nvdimm0): its data is not in a virtual disk; move it to a disk, then retry".to_owned(),
+        );
+    }
+    let mut warn = |reason, message| out.warnings.push(finding(reason, message));
+    if hw.tpm {
+        warn(
+            Reason::TpmNotMigrated,
+            "the VM has a virtual TPM: its keys stay behind, so BitLocker asks for its recovery key and a TPM-sealed LUKS volume for its passphrase".to_owned(),
+        );
+    }
+    let lists = [
+        (
+            Reason::SriovNicNotMigrated,
+            &hw.sriov_nics,
+            "SR-IOV network adapters are not migrated; add an SR-IOV interface to the new VM",
+        ),
+        (
+            Reason::CdromImageNotMigrated,
+            &hw.cdrom_images,
+            "CD-ROM images are not migrated; the new VM has no CD-ROM",
+        ),
+        (Reason::UsbDeviceNotMigrated, &hw.usb_devices, "USB devices are not migrated"),
+        (
+            Reason::HotPlugNotCarried,
+            &hw.hot_plug,
+            "hot-plug is not carried over; set the new VM's maximum sockets or memory to hot-plug there",
+        ),
+        (
+            Reason::AffinityNotCarried,
+            &hw.affinity,
+            "affinity is not carried over; the new VM runs where the scheduler puts it",
+        ),
+        (
+            Reason::NestedVirtualization,
+            &hw.virtualization,
+            "these need nested virtualization on the nodes; the new VM does not ask for it",
+        ),
+        (
+            Reason::PortNotMigrated,
+            &hw.ports,
+            "serial, parallel and floppy backings are not migrated; the new VM has a serial console only",
+        ),
+    ];
+    for (reason, list, what) in lists {
+        if !list.is_empty() {
+            warn(reason, format!("{what}: {}", names(list)));
+        }
+    }
+    if let Some(family) = not_convertible(&inventory.guest_os) {
+        warn(
+            Reason::GuestOSNotConvertible,
+            format!(
+                "guest OS {:?} ({family}) is not one virt-v2v converts: it moves as it is, with no virtio drivers added",
+                inventory.guest_os
+            ),
+        );
+    }
+    out
+}
+
+/// The family of a guest OS (the `.vmx`'s `guestOS`, or the vim guest id)
+/// that virt-v2v 2.x cannot convert; `None` for the Linux families and
+/// Windows versions it converts, and for an unknown or empty one.
+pub(crate) fn not_convertible(guest_os: &str) -> Option<&'static str> {
+    let os = guest_os.to_ascii_lowercase();
+    const FAMILIES: &[(&str, &str)] = &[
+        ("freebsd", "FreeBSD"),
+        ("solaris", "Solaris"),
+        ("darwin", "macOS"),
+        ("netware", "NetWare"),
+        ("vmkernel", "ESXi"),
+        ("vmware-photon", "Photon OS"),
+        ("vmwarephoton", "Photon OS"),
+        ("coreos", "CoreOS"),
+        ("dos", "DOS"),
+        ("os2", "OS/2"),
+        ("ecomstation", "eComStation"),
+        ("openserver", "OpenServer"),
+        ("unixware", "UnixWare"),
+        ("win31", "Windows 3.1"),
+        ("win95", "Windows 95"),
+        ("win98", "Windows 98"),
+        ("winme", "Windows Me"),
+        ("winnt", "Windows NT"),
+        ("win2000", "Windows 2000"),
+    ];
+    FAMILIES.iter().find(|(prefix, _)| os.starts_with(prefix)).map(|(_, family)| *family)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::api::SourceHardware;
+
+    fn inventory(hardware: SourceHardware, guest_os: &str) -> SourceInventory {
+        SourceInventory { hardware, guest_os: guest_os.into(), ..Default::default() }
+    }
+
+    fn reasons(list: &[Blocker]) -> Vec<&str> {
+        list.iter().map(|b| b.reason.as_str()).collect()
+    }
+
+    #[test]
+    fn a_plain_vm_has_no_findings() {
+        assert_eq!(findings(&inventory(SourceHardware::default(), "debian12-64")), Findings::default());
+    }
+
+    #[test]
+    fn passthrough_shared_disks_encryption_and_persistent_memory_block_and_name_their_devices() {
+        let hw = SourceHardware {
+            passthrough: vec!["pciPassthru0 (vGPU grid_t4-2q)".into()],
+            shared_disks: vec!["scsi1:0 (multi-writer)".into()],
+            encrypted: true,
+            persistent_memory: true,
+            ..Default::default()
+        };
+        let f = findings(&inventory(hw, "rhel8-64"));
+        assert_eq!(
+            reasons(&f.blockers),
+            ["PassthroughDevice", "SharedDisk", "EncryptedVM", "PersistentMemory"]
+        );
+        assert!(f.blockers[0].message.contains("pciPassthru0 (vGPU grid_t4-2q)"));
+        assert!(f.blockers[1].message.contains("scsi1:0 (multi-writer)"));
+        assert!(f.warnings.is_empty());
+    }
+
+    #[test]
+    fn what_moves_with_a_caveat_is_a_warning_naming_what_stays_behind() {
+        let hw = SourceHardware {
+            tpm: true,
+            sriov_nics: vec!["pciPassthru1".into()],
+            cdrom_images: vec!["ide1:0: /vmfs/volumes/ds1/iso/app.iso".into()],
+            usb_devices: vec!["usb:1 (dongle)".into()],
+            hot_plug: vec!["CPU hot-add".into()],
+            affinity: vec!["CPUs 0,2".into()],
+            virtualization: vec!["nested hardware virtualization".into()],
+            ports: vec!["serial0 (serial port to a network)".into()],
+            ..Default::default()
+        };
+        let f = findings(&inventory(hw, "windows2019srv-64"));
+        assert!(f.blockers.is_empty(), "{:?}", f.blockers);
+        assert_eq!(
+            reasons(&f.warnings),
+            [
+                "TpmNotMigrated",
+                "SriovNicNotMigrated",
+                "CdromImageNotMigrated",
+                "UsbDeviceNotMigrated",
+                "HotPlugNotCarried",
+                "AffinityNotCarried",
+                "NestedVirtualization",
+                "PortNotMigrated"
+            ]
+        );
+        assert!(f.warnings[2].message.contains("app.iso"));
+    }
+
+    #[test]
+    fn guests_virt_v2v_cannot_convert_are_named_and_the_ones_it_converts_are_not() {
+        for os in ["freeBSD12-64", "solaris11-64", "darwin19-64", "vmware-photon-64", "win98", "winNT"] {
+            let f = findings(&inventory(SourceHardware::default(), os));
+            assert_eq!(reasons(&f.warnings), ["GuestOSNotConvertible"], "{os}");
+        }
+        for os in [
+            "rhel9-64",
+            "debian11-64",
+            "ubuntu-64",
+            "sles15-64",
+            "windows9srv-64",
+            "windows11-64",
+            "winXPPro",
+            "",
+        ] {
+            assert_eq!(not_convertible(os), None, "{os}");
+        }
+    }
+}
