@@ -78,6 +78,7 @@ reasons! {
     NestedVirtualization,
     PortNotMigrated,
     GuestOSNotConvertible,
+    WindowsWithoutVirtio,
     // Waiting before the cutover (status.waiting), in the order they are asked
     WaitingForWave,
     WaveHeld,

@@ -5,7 +5,8 @@
 //! Bus mapping (documented in docs/state-machine.md): SCSI and SATA disks
 //! become `virtio` unless the guest may lack virtio drivers (IDE/SATA kept as
 //! `sata`); NVMe becomes `virtio`. NICs: vmxnet3 → virtio, e1000/e1000e kept;
-//! the MAC address is preserved.
+//! the MAC address is preserved. A Windows guest that is not converted has
+//! no virtio drivers: every disk goes on `sata` and every NIC is `e1000e`.
 
 use crate::api::{Firmware, ImportVerification, MigrationMode, NetworkKind, VirtualMachineMigration};
 use crate::machine::{data_volume_name, destination_name};
@@ -138,10 +139,12 @@ pub(crate) fn virtual_machine(vmm: &VirtualMachineMigration) -> Value {
     } else {
         json!({})
     };
+    let emulated = crate::machine::compatibility::needs_emulated_devices(&vmm.spec, &inventory.guest_os);
     let mut disks = Vec::new();
     let mut volumes = Vec::new();
     for (i, disk) in inventory.disks.iter().enumerate() {
         let bus = match disk.bus.as_str() {
+            _ if emulated => "sata",
             "ide" | "sata" => "sata",
             _ => "virtio",
         };
@@ -167,6 +170,7 @@ pub(crate) fn virtual_machine(vmm: &VirtualMachineMigration) -> Value {
         }
         let mapping = vmm.spec.network_map.iter().find(|m| m.source == nic.network);
         let model = match nic.model.as_str() {
+            _ if emulated => "e1000e",
             "e1000" | "e1000e" => nic.model.as_str(),
             _ => "virtio",
         };
@@ -329,5 +333,32 @@ mod tests {
         let secure = with_firmware(Firmware::Efi, true);
         assert_eq!(secure["firmware"]["bootloader"]["efi"]["secureBoot"], true);
         assert_eq!(secure["features"]["smm"]["enabled"], true);
+    }
+
+    #[test]
+    fn a_windows_guest_without_conversion_gets_sata_disks_and_e1000e_nics_and_with_it_virtio() {
+        let mut vmm = test_migration();
+        let disk = |bus: &str| crate::api::SourceDisk { bus: bus.into(), ..Default::default() };
+        let nic = crate::api::SourceNic { model: "vmxnet3".into(), ..Default::default() };
+        vmm.status = Some(crate::api::VirtualMachineMigrationStatus {
+            source_inventory: Some(SourceInventory {
+                guest_os: "windows2019srv-64".into(),
+                disks: vec![disk("scsi"), disk("nvme")],
+                nics: vec![nic],
+                ..Default::default()
+            }),
+            ..Default::default()
+        });
+        let devices = |vmm: &VirtualMachineMigration| {
+            virtual_machine(vmm)["spec"]["template"]["spec"]["domain"]["devices"].clone()
+        };
+        let emulated = devices(&vmm);
+        assert_eq!(emulated["disks"][0]["disk"]["bus"], "sata");
+        assert_eq!(emulated["disks"][1]["disk"]["bus"], "sata");
+        assert_eq!(emulated["interfaces"][0]["model"], "e1000e");
+        vmm.spec.conversion.virt_v2v = true;
+        let converted = devices(&vmm);
+        assert_eq!(converted["disks"][0]["disk"]["bus"], "virtio");
+        assert_eq!(converted["interfaces"][0]["model"], "virtio");
     }
 }

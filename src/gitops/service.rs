@@ -560,8 +560,9 @@ impl Gitops {
                     {
                         input.errors.push(format!("{}: spec.source.credentialsSecretRef: {why}", r.path));
                     }
-                    entry.discovery =
-                        found.as_ref().map(|f| f.as_ref().map(|(_, inv)| summary(inv)).map_err(Clone::clone));
+                    entry.discovery = found
+                        .as_ref()
+                        .map(|f| f.as_ref().map(|(vmm, inv)| summary(&vmm.spec, inv)).map_err(Clone::clone));
                     if let Some(Ok((vmm, inventory))) = &found
                         && let Some(holder) = self.claim_holder(vmm, inventory).await
                         && holder != format!("{}/{}", r.namespace, r.name)
@@ -754,7 +755,7 @@ impl Drop for GitopsHandle {
 /// Starts the gitops side: webhook receiver, status writer, poll loop, all
 /// recording into `metrics`.
 /// One line on a discovered VM for the plan comment.
-fn summary(inv: &crate::api::SourceInventory) -> String {
+fn summary(spec: &crate::api::VirtualMachineMigrationSpec, inv: &crate::api::SourceInventory) -> String {
     let disks: Vec<String> = inv
         .disks
         .iter()
@@ -775,7 +776,7 @@ fn summary(inv: &crate::api::SourceInventory) -> String {
         nics.join(", ")
     );
     // What its hardware means, as Validated will decide it.
-    let found = crate::machine::compatibility::findings(inv);
+    let found = crate::machine::compatibility::findings(spec, inv);
     for (what, list) in [("blocks the move", &found.blockers), ("moves with a caveat", &found.warnings)] {
         if !list.is_empty() {
             let items: Vec<String> = list.iter().map(|b| format!("{}: {}", b.reason, b.message)).collect();
@@ -1084,11 +1085,12 @@ mod tests {
 
     #[test]
     fn the_plans_source_line_says_what_the_hardware_blocks_and_what_it_leaves_behind() {
+        let spec = crate::destination::render::test_migration().spec;
         let mut inv = crate::api::SourceInventory { name: "gpu-box".into(), ..Default::default() };
-        assert!(!summary(&inv).contains("blocks"), "{}", summary(&inv));
+        assert!(!summary(&spec, &inv).contains("blocks"), "{}", summary(&spec, &inv));
         inv.hardware.passthrough = vec!["pciPassthru0".into()];
         inv.hardware.tpm = true;
-        let line = summary(&inv);
+        let line = summary(&spec, &inv);
         assert!(line.contains("blocks the move: PassthroughDevice: "), "{line}");
         assert!(line.contains("pciPassthru0"), "{line}");
         assert!(line.contains("moves with a caveat: TpmNotMigrated: "), "{line}");

@@ -21,8 +21,12 @@ fn names(list: &[String]) -> String {
     list.join(", ")
 }
 
-/// Every finding of the inventory's hardware and guest OS, in a stable order.
-pub(crate) fn findings(inventory: &SourceInventory) -> Findings {
+/// Every finding of the inventory's hardware and guest OS, in a stable order;
+/// `spec` says whether the guest is converted.
+pub(crate) fn findings(
+    spec: &crate::api::VirtualMachineMigrationSpec,
+    inventory: &SourceInventory,
+) -> Findings {
     let hw = &inventory.hardware;
     let mut out = Findings::default();
     let mut block = |reason, message| out.blockers.push(finding(reason, message));
@@ -101,6 +105,15 @@ pub(crate) fn findings(inventory: &SourceInventory) -> Findings {
             warn(reason, format!("{what}: {}", names(list)));
         }
     }
+    if needs_emulated_devices(spec, &inventory.guest_os) {
+        warn(
+            Reason::WindowsWithoutVirtio,
+            format!(
+                "guest OS {:?} has no virtio drivers and is not converted: its disks go on SATA and its NICs become e1000e, which are slower; set spec.conversion.virtV2v to install virtio drivers (virt-v2v needs virtio-win for that)",
+                inventory.guest_os
+            ),
+        );
+    }
     if let Some(family) = not_convertible(&inventory.guest_os) {
         warn(
             Reason::GuestOSNotConvertible,
@@ -111,6 +124,20 @@ pub(crate) fn findings(inventory: &SourceInventory) -> Findings {
         );
     }
     out
+}
+
+/// A Windows guest (the `.vmx`'s `guestOS` `windows…`, `win…`, `longhorn…`,
+/// or the vim guest id): it has no virtio drivers of its own.
+pub(crate) fn is_windows(guest_os: &str) -> bool {
+    let os = guest_os.to_ascii_lowercase();
+    os.starts_with("win") || os.starts_with("longhorn")
+}
+
+/// A guest that moves without conversion and has no virtio drivers of its
+/// own: its disks go on SATA and its NICs become e1000e, which it has
+/// drivers for (Windows since Vista).
+pub(crate) fn needs_emulated_devices(spec: &crate::api::VirtualMachineMigrationSpec, guest_os: &str) -> bool {
+    !spec.conversion.virt_v2v && is_windows(guest_os)
 }
 
 /// The family of a guest OS (the `.vmx`'s `guestOS`, or the vim guest id)
@@ -147,6 +174,10 @@ mod tests {
     use super::*;
     use crate::api::SourceHardware;
 
+    fn cold() -> crate::api::VirtualMachineMigrationSpec {
+        crate::destination::render::test_migration().spec
+    }
+
     fn inventory(hardware: SourceHardware, guest_os: &str) -> SourceInventory {
         SourceInventory { hardware, guest_os: guest_os.into(), ..Default::default() }
     }
@@ -157,7 +188,10 @@ mod tests {
 
     #[test]
     fn a_plain_vm_has_no_findings() {
-        assert_eq!(findings(&inventory(SourceHardware::default(), "debian12-64")), Findings::default());
+        assert_eq!(
+            findings(&cold(), &inventory(SourceHardware::default(), "debian12-64")),
+            Findings::default()
+        );
     }
 
     #[test]
@@ -169,7 +203,7 @@ mod tests {
             persistent_memory: true,
             ..Default::default()
         };
-        let f = findings(&inventory(hw, "rhel8-64"));
+        let f = findings(&cold(), &inventory(hw, "rhel8-64"));
         assert_eq!(
             reasons(&f.blockers),
             ["PassthroughDevice", "SharedDisk", "EncryptedVM", "PersistentMemory"]
@@ -192,7 +226,7 @@ mod tests {
             ports: vec!["serial0 (serial port to a network)".into()],
             ..Default::default()
         };
-        let f = findings(&inventory(hw, "windows2019srv-64"));
+        let f = findings(&cold(), &inventory(hw, "rhel8-64"));
         assert!(f.blockers.is_empty(), "{:?}", f.blockers);
         assert_eq!(
             reasons(&f.warnings),
@@ -213,8 +247,9 @@ mod tests {
     #[test]
     fn guests_virt_v2v_cannot_convert_are_named_and_the_ones_it_converts_are_not() {
         for os in ["freeBSD12-64", "solaris11-64", "darwin19-64", "vmware-photon-64", "win98", "winNT"] {
-            let f = findings(&inventory(SourceHardware::default(), os));
-            assert_eq!(reasons(&f.warnings), ["GuestOSNotConvertible"], "{os}");
+            let f = findings(&cold(), &inventory(SourceHardware::default(), os));
+            assert_eq!(reasons(&f.warnings).last(), Some(&"GuestOSNotConvertible"), "{os}");
+            assert!(f.blockers.is_empty(), "{os}");
         }
         for os in [
             "rhel9-64",
@@ -228,5 +263,26 @@ mod tests {
         ] {
             assert_eq!(not_convertible(os), None, "{os}");
         }
+    }
+
+    #[test]
+    fn a_windows_guest_without_conversion_gets_sata_and_e1000e_and_is_told_why() {
+        for os in
+            ["windows2019srv-64", "windows9-64", "winNetEnterprise", "longhorn-64", "windows9Server64Guest"]
+        {
+            assert!(is_windows(os), "{os}");
+        }
+        for os in ["rhel9-64", "debian12-64", "freeBSD13-64", ""] {
+            assert!(!is_windows(os), "{os}");
+        }
+        let mut spec = cold();
+        let f = findings(&spec, &inventory(SourceHardware::default(), "windows2019srv-64"));
+        assert_eq!(reasons(&f.warnings), ["WindowsWithoutVirtio"]);
+        assert!(f.warnings[0].message.contains("SATA") && f.warnings[0].message.contains("virtio-win"));
+        spec.conversion.virt_v2v = true;
+        assert!(!needs_emulated_devices(&spec, "windows2019srv-64"), "virt-v2v installs virtio drivers");
+        assert!(
+            findings(&spec, &inventory(SourceHardware::default(), "windows2019srv-64")).warnings.is_empty()
+        );
     }
 }

@@ -28,7 +28,7 @@ pub(super) fn validated(ctx: &mut Ctx<'_>, observed: Observed, input: &Gating) {
         return ctx.enter(Phase::Discovering);
     };
     let blockers = preflight::blockers(ctx.spec, &ctx.destination, &inventory, &facts);
-    ctx.status.warnings = super::compatibility::findings(&inventory).warnings;
+    ctx.status.warnings = super::compatibility::findings(ctx.spec, &inventory).warnings;
     if blockers.is_empty() {
         ctx.status.blockers.clear();
         ctx.condition(condition::VALIDATED, true, "ChecksPassed", "all pre-flight checks passed");

@@ -135,7 +135,7 @@ pub(crate) fn blockers(
         );
     }
     // What the VM's hardware rules out (passthrough, shared disks, …).
-    out.extend(super::compatibility::findings(inventory).blockers);
+    out.extend(super::compatibility::findings(spec, inventory).blockers);
     out
 }
 
