@@ -149,6 +149,8 @@ pub(crate) const TENANT_CALLS: &[Call] = &[
     ("delete", "batch", "jobs", "", TENANT),
     ("get", "", "pods", "", TENANT),
     ("list", "", "pods", "", TENANT),
+    // The migrated guest's console (its launcher's guest-console-log).
+    ("get", "", "pods", "log", TENANT),
     // A migration's worker pod, its Service and work claim.
     ("get", "", "services", "", TENANT),
     ("create", "", "services", "", TENANT),

@@ -41,6 +41,7 @@ reasons! {
     DestinationVMNotConverging,
     StartTimeout,
     ApplicationCheckFailed,
+    GuestRootDiskNotFound,
     ValidationTimeout,
     InventoryMissing,
     ObservationMismatch,

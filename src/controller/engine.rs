@@ -230,6 +230,25 @@ async fn observe_checks(adapters: &Adapters, vmm: &VirtualMachineMigration) -> V
     results
 }
 
+/// The destination guest's console while it starts and is checked, once it
+/// was asked to run. Best effort: a console that cannot be read (an older
+/// KubeVirt, its log container turned off) is `None`, and the checks decide.
+async fn observe_console(adapters: &Adapters, vmm: &VirtualMachineMigration) -> Option<String> {
+    let status = vmm.status.as_ref()?;
+    if !matches!(status.phase, Phase::Starting | Phase::Validating)
+        || status.timestamps.start_requested.is_none()
+    {
+        return None;
+    }
+    match bounded("guest console read", CALL_TIMEOUT, adapters.cluster.guest_console(vmm)).await {
+        Ok(console) => console,
+        Err(failure) => {
+            tracing::debug!(reason = %failure.reason, message = %failure.message, "the guest console could not be read");
+            None
+        }
+    }
+}
+
 /// The source's power after Preparing, until the destination is started:
 /// read for a migration that recorded its source off (never for a rehearsal).
 /// The extents of the disks whose copy recorded a stat are stated first,
@@ -465,6 +484,7 @@ pub async fn step(
         shutdown_seen_for: input.shutdown_seen_for,
         watched_for: input.watched_for,
         orphan_hold: input.orphan_hold,
+        console: None,
     };
     // Held at a gate after validating: nothing to look at until it opens.
     let held = status.phase == Phase::Validated && machine::held_at_gate(&make_input(Observed::Nothing));
@@ -491,7 +511,8 @@ pub async fn step(
     if interrupt(&CrashPoint::Observed) {
         return None;
     }
-    let mut decision = machine::decide(Input { source, extents, ..make_input(observed) });
+    let console = observe_console(adapters, vmm).await;
+    let mut decision = machine::decide(Input { source, extents, console, ..make_input(observed) });
     if let Some(asked) = changed_mode
         && decision.status.phase != status.phase
     {

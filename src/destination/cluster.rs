@@ -23,6 +23,12 @@ use kube::core::ApiResource;
 use kube::{Client, ResourceExt};
 use serde_json::{Value, json};
 
+/// KubeVirt's container that logs the guest's serial console beside the VMI.
+const GUEST_CONSOLE_CONTAINER: &str = "guest-console-log";
+/// How much of the console is read at a look: its last lines, bounded.
+const GUEST_CONSOLE_LINES: i64 = 200;
+const GUEST_CONSOLE_BYTES: i64 = 64 * 1024;
+
 /// Field manager of every write the controller makes.
 pub(crate) const FIELD_MANAGER: &str = "vmmigrate-controller";
 
@@ -602,6 +608,46 @@ impl Cluster for KubeCluster {
             }
         };
         Ok(StartingFacts { run_strategy_set, vmi })
+    }
+
+    async fn guest_console(&self, vmm: &VirtualMachineMigration) -> Result<Option<String>, Failure> {
+        use k8s_openapi::api::core::v1::Pod;
+        let name = Self::vm_name(vmm);
+        let Some(vmi) = self.get(vmm, &virtual_machine_instance_resource(), &name).await? else {
+            return Ok(None);
+        };
+        let Some(vmi_uid) = vmi.metadata.uid.clone() else { return Ok(None) };
+        let pods: Api<Pod> = Api::namespaced(self.client.clone(), &vmm.spec.destination.namespace);
+        let selector = format!("kubevirt.io/created-by={vmi_uid}");
+        let listed = pods
+            .list(&kube::api::ListParams::default().labels(&selector))
+            .await
+            .map_err(|e| classify(&format!("listing the launcher pod of VMI {name}"), e))?;
+        // The VMI's own launcher: owned by it, not a pod that only wears its
+        // label. KubeVirt runs the console container as a native sidecar (an
+        // init container that keeps running); a plain container is read too.
+        let launcher = listed.items.into_iter().find(|p| {
+            let logs_console = p.spec.as_ref().is_some_and(|s| {
+                s.containers
+                    .iter()
+                    .chain(s.init_containers.iter().flatten())
+                    .any(|c| c.name == GUEST_CONSOLE_CONTAINER)
+            });
+            logs_console
+                && p.owner_references().iter().any(|o| o.kind == "VirtualMachineInstance" && o.uid == vmi_uid)
+        });
+        let Some(launcher) = launcher else { return Ok(None) };
+        let params = kube::api::LogParams {
+            container: Some(GUEST_CONSOLE_CONTAINER.into()),
+            tail_lines: Some(GUEST_CONSOLE_LINES),
+            limit_bytes: Some(GUEST_CONSOLE_BYTES),
+            ..Default::default()
+        };
+        let text = pods
+            .logs(&launcher.name_any(), &params)
+            .await
+            .map_err(|e| classify(&format!("reading the console of VMI {name}"), e))?;
+        Ok(Some(text))
     }
 
     async fn set_run_strategy(&self, vmm: &VirtualMachineMigration) -> Result<(), Failure> {

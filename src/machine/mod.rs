@@ -14,6 +14,7 @@
 
 pub(crate) mod compatibility;
 pub mod conditions;
+mod console;
 mod destination;
 pub mod fleet;
 mod gates;
@@ -102,6 +103,10 @@ pub(crate) struct Input<'a> {
     /// The migration's manifest left Git (orphaned) and no person confirmed
     /// it may go on: it takes no irreversible step.
     pub orphan_hold: bool,
+    /// The destination guest's serial console (its last lines), read in
+    /// Starting and Validating once the VM was asked to run; `None` where
+    /// not read or not available.
+    pub console: Option<String>,
 }
 
 /// One idempotent external action. Performed in order, before the status write.
@@ -552,6 +557,21 @@ pub(crate) fn decide(input: Input<'_>) -> Decision {
             }
             _ => {}
         }
+    }
+    // A guest asked to run whose console shows its initramfs gave up on the
+    // root disk will not come up by waiting: a person (or a conversion) must.
+    if matches!(phase, Phase::Starting | Phase::Validating)
+        && ctx.status.timestamps.start_requested.is_some()
+        && let Some(lines) = input.console.as_deref().and_then(console::root_disk_not_found)
+    {
+        let failure = Failure::needs_human(
+            Reason::GuestRootDiskNotFound,
+            format!(
+                "the guest's kernel cannot find its root disk (its initramfs has no driver for the disk's bus; convert the guest with virt-v2v, or give it the bus it has a driver for); its console: {lines}"
+            ),
+        );
+        ctx.fail(phase, failure);
+        return ctx.into_decision();
     }
     match phase {
         Phase::Pending => {

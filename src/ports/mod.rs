@@ -209,6 +209,11 @@ pub trait Cluster: Send + Sync {
     /// Updates our VirtualMachine to the rendered spec.
     async fn update_vm(&self, vmm: &VirtualMachineMigration) -> Result<(), Failure>;
     async fn starting(&self, vmm: &VirtualMachineMigration) -> Result<StartingFacts, Failure>;
+    /// The last lines the destination guest printed on its serial console
+    /// (KubeVirt's `guest-console-log`); `None` where there is none to read.
+    async fn guest_console(&self, _vmm: &VirtualMachineMigration) -> Result<Option<String>, Failure> {
+        Ok(None)
+    }
     async fn set_run_strategy(&self, vmm: &VirtualMachineMigration) -> Result<(), Failure>;
     /// Deletes the DataVolumes and the VirtualMachine this migration created.
     async fn delete_destination(&self, vmm: &VirtualMachineMigration) -> Result<(), Failure>;

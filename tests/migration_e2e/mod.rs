@@ -414,6 +414,12 @@ async fn a_bios_guest_boots_from_the_copied_bytes_on_real_kubevirt_and_its_own_p
     assert_the_three_checks_passed(&status);
     let guest = m.guest_facts().await;
     assert!(guest.console.contains("vmmigrate-guest: booted firmware bios"), "console:\n{}", guest.console);
+    // The controller reads the same console, from the VMI's own launcher pod
+    // and with its own rights (the tenant Role's pods/log).
+    let cluster = vmmigrate::destination::cluster::KubeCluster::new(m.controller_client.clone(), &m.ns);
+    let read = vmmigrate::ports::Cluster::guest_console(&cluster, &vmm).await.expect("console read");
+    let read = read.expect("a console to read");
+    assert!(read.contains("vmmigrate-guest: booted firmware bios"), "the controller's read:\n{read}");
     assert!(
         guest.page.contains("vmmigrate-guest app-bios") && guest.page.contains("firmware: bios"),
         "{}",

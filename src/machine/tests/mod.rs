@@ -74,6 +74,7 @@ struct Run {
     /// The copied extents' stats as read after Preparing (`None`: not read).
     extents: Option<Result<Vec<(usize, String)>, Failure>>,
     orphan_hold: bool,
+    console: Option<String>,
     shutdown_seen_for: Option<Duration>,
     watched_for: Option<Duration>,
 }
@@ -89,6 +90,7 @@ impl Run {
             source: Some(Ok(SourcePowerState::PoweredOff)),
             extents: None,
             orphan_hold: false,
+            console: None,
             shutdown_seen_for: None,
             watched_for: None,
         }
@@ -145,6 +147,7 @@ impl Run {
             shutdown_seen_for: self.shutdown_seen_for,
             watched_for: self.watched_for,
             orphan_hold: self.orphan_hold,
+            console: self.console.clone(),
         }
     }
 
@@ -943,6 +946,7 @@ fn action_failure_is_recorded_against_the_phase_that_asked_for_it() {
             shutdown_seen_for: None,
             watched_for: None,
             orphan_hold: false,
+            console: None,
         },
         Phase::Importing,
         Failure::retryable(Reason::APIError, "admission webhook timed out"),

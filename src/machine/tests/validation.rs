@@ -103,3 +103,56 @@ fn two_nics_on_the_pod_network_are_blocked() {
 }
 
 // ---- Preparing: power ----
+
+/// What a Debian guest whose initramfs holds only `vmw_pvscsi` prints on a
+/// virtio disk (../shared/guest-conversion-facts.md).
+const GAVE_UP: &str = "Gave up waiting for root file system device.  Common problems:\n\
+    ALERT!  UUID=6f1c1b2e-0d5a-4c8e-9d1e-3b8f2a7c9e10 does not exist.  Dropping to a shell!\n";
+
+#[test]
+fn a_guest_whose_initramfs_gave_up_on_its_root_disk_needs_a_person_at_once_with_its_console_lines() {
+    for phase in [Phase::Starting, Phase::Validating] {
+        let mut run = Run::at(phase);
+        run.status.timestamps.start_requested = Some(api_time(t(0)));
+        run.console = Some(format!("SeaBIOS\nBooting from Hard Disk...\n{GAVE_UP}"));
+        let observed = match phase {
+            Phase::Starting => {
+                Observed::Starting(Ok(StartingFacts { run_strategy_set: true, vmi: VmiState::Running }))
+            }
+            _ => Observed::Validating(Ok(vec![CheckResult::NotYet { message: "refused".into() }])),
+        };
+        let d = run.decide_at(observed, t(60));
+        assert_eq!(
+            d.status.phase,
+            Phase::ManualInterventionRequired,
+            "{phase:?}: not a wait for the timeout"
+        );
+        let error = d.status.errors.last().unwrap();
+        assert_eq!(error.reason, Reason::GuestRootDiskNotFound);
+        assert!(
+            error.message.contains("ALERT!  UUID=6f1c1b2e-0d5a-4c8e-9d1e-3b8f2a7c9e10 does not exist"),
+            "{}",
+            error.message
+        );
+        assert!(!has_power_action(&d));
+    }
+}
+
+#[test]
+fn a_console_that_booted_or_was_not_read_leaves_the_checks_to_decide() {
+    let checks = || Observed::Validating(Ok(vec![CheckResult::NotYet { message: "refused".into() }]));
+    let mut run = Run::at(Phase::Validating);
+    run.status.timestamps.start_requested = Some(api_time(t(0)));
+    run.console = Some("vmmigrate-guest: booted\nvmmigrate-guest: ready\n".into());
+    assert_eq!(run.decide_at(checks(), t(60)).status.phase, Phase::Validating);
+    run.console = None;
+    assert_eq!(run.decide_at(checks(), t(60)).status.phase, Phase::Validating);
+    // Before the VM was asked to run, no console is judged.
+    let mut run = Run::at(Phase::Starting);
+    run.console = Some(GAVE_UP.into());
+    let d = run.decide_at(
+        Observed::Starting(Ok(StartingFacts { run_strategy_set: false, vmi: VmiState::Absent })),
+        t(0),
+    );
+    assert_ne!(d.status.phase, Phase::ManualInterventionRequired);
+}

@@ -327,15 +327,15 @@ fn hardware(vmx: &Vmx) -> crate::api::SourceHardware {
             hw.shared_disks.push(format!("{bus} (bus sharing {})", value.trim()));
         }
     }
-    for (key, what) in [
+    // What each switch that is on stands for.
+    let switched_on = |switches: &[(&str, &str)]| -> Vec<String> {
+        switches.iter().filter(|(key, _)| on(key)).map(|(_, what)| what.to_string()).collect()
+    };
+    hw.hot_plug = switched_on(&[
         ("vcpu.hotadd", "CPU hot-add"),
         ("vcpu.hotremove", "CPU hot-remove"),
         ("mem.hotadd", "memory hot-add"),
-    ] {
-        if on(key) {
-            hw.hot_plug.push(what.to_string());
-        }
-    }
+    ]);
     let cpu_affinity = text("sched.cpu.affinity");
     if !cpu_affinity.is_empty() && !cpu_affinity.eq_ignore_ascii_case("all") {
         hw.affinity.push(format!("CPUs {cpu_affinity}"));
@@ -344,15 +344,11 @@ fn hardware(vmx: &Vmx) -> crate::api::SourceHardware {
     if !numa.is_empty() {
         hw.affinity.push(format!("NUMA nodes {numa}"));
     }
-    for (key, what) in [
+    hw.virtualization = switched_on(&[
         ("vhv.enable", "nested hardware virtualization"),
         ("vvtd.enable", "a virtual IOMMU"),
         ("windows.vbs.enabled", "Windows virtualization-based security"),
-    ] {
-        if on(key) {
-            hw.virtualization.push(what.to_string());
-        }
-    }
+    ]);
     for (prefix, name) in [("serial", "serial"), ("parallel", "parallel")] {
         for n in numbered(vmx, prefix) {
             let dev = format!("{prefix}{n}");
