@@ -3,6 +3,7 @@
 
 pub mod api;
 pub mod cli;
+mod commands;
 pub mod controller;
 pub mod convert;
 #[cfg(feature = "demo")]
