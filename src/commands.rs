@@ -94,7 +94,7 @@ pub(crate) fn convert(req: ConversionRequest) -> anyhow::Result<()> {
 }
 
 /// Exit code of `verify-volume` when the volume differs from the copy.
-pub(crate) const VOLUME_DIFFERS: u8 = 3;
+const VOLUME_DIFFERS: u8 = 3;
 
 pub(crate) fn verify_volume(path: &std::path::Path, size: u64, sha256: &str) -> ExitCode {
     let digest = match crate::images::digest::volume_digest(path, size) {
@@ -119,7 +119,7 @@ pub(crate) fn verify_volume(path: &std::path::Path, size: u64, sha256: &str) -> 
 /// The repository's manifests were rendered and found wrong (each error printed already).
 #[derive(Debug, thiserror::Error)]
 #[error("{0} error(s) in the repository")]
-pub(crate) struct InvalidRepository(pub usize);
+struct InvalidRepository(usize);
 
 /// `render` (print the YAML) and `validate` (print a count) of a local directory.
 pub(crate) fn render_local(
@@ -158,7 +158,7 @@ pub(crate) fn render_local(
 
 /// `git rev-parse HEAD` of a clean work tree, else `working-tree`: a commit
 /// annotation must name a commit that holds exactly what was rendered.
-pub(crate) fn local_commit(root: &std::path::Path) -> String {
+fn local_commit(root: &std::path::Path) -> String {
     let git = |args: &[&str]| {
         std::process::Command::new("git")
             .arg("-C")
