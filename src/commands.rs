@@ -7,16 +7,22 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::atomic::AtomicU64;
 
+/// A local repository's root: the folder that holds `migrations/`.
+fn repository_root(repo: &str) -> anyhow::Result<&std::path::Path> {
+    let root = std::path::Path::new(repo);
+    if !root.join("migrations").is_dir() {
+        anyhow::bail!("{repo}: no migrations/ directory (point at the repository's root)");
+    }
+    Ok(root)
+}
+
 /// `vmmigrate plan`: the pull-request comment for a local work tree.
 pub(crate) fn plan(
     repo: &str,
     opts: &crate::gitops::render::RenderOptions,
     offline: bool,
 ) -> anyhow::Result<()> {
-    let root = std::path::Path::new(repo);
-    if !root.join("migrations").is_dir() {
-        anyhow::bail!("{repo}: no migrations/ directory (point at the repository's root)");
-    }
+    let root = repository_root(repo)?;
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     let (text, ok) = runtime.block_on(async {
         let client = if offline {
@@ -132,9 +138,7 @@ pub(crate) fn render_local(
     if !root.is_dir() {
         anyhow::bail!("{repo}: not a directory (remote URLs: use `vmmigrate gitops`)");
     }
-    if !root.join("migrations").is_dir() {
-        anyhow::bail!("{repo}: no migrations/ directory (point at the repository's root)");
-    }
+    repository_root(repo)?;
     let files = read_dir_files(root, &opts.limits).map_err(|e| anyhow::anyhow!("cannot read {repo}: {e}"))?;
     let provenance = crate::gitops::Provenance { repo_url: repo.to_owned(), commit: local_commit(root) };
     match render_tree(&files, &provenance, opts) {

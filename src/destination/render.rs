@@ -234,26 +234,10 @@ pub(crate) fn virtual_machine(vmm: &VirtualMachineMigration) -> Value {
     })
 }
 
-/// A migration `apps/web` without status, for the destination's unit tests.
-#[cfg(test)]
-pub(crate) fn test_migration() -> VirtualMachineMigration {
-    serde_json::from_value(json!({
-        "apiVersion": "migration.platform.example/v1alpha1",
-        "kind": "VirtualMachineMigration",
-        "metadata": { "name": "web", "namespace": "apps", "uid": "u-1" },
-        "spec": {
-            "source": { "host": "esxi", "hostKey": format!("SHA256:{}", "A".repeat(43)),
-                        "credentialsSecretRef": { "name": "s" }, "vm": { "name": "web" } },
-            "destination": { "namespace": "apps", "storageClassName": "fast" },
-        },
-    }))
-    .expect("test migration")
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::api::SourceInventory;
+    use crate::api::{SourceInventory, test_migration};
 
     fn with_firmware(firmware: Firmware, secure_boot: bool) -> Value {
         let mut vmm = test_migration();

@@ -111,7 +111,7 @@ mod tests {
     use super::*;
 
     fn vmm() -> VirtualMachineMigration {
-        let mut vmm = crate::destination::render::test_migration();
+        let mut vmm = crate::api::test_migration();
         vmm.status = Some(crate::api::VirtualMachineMigrationStatus {
             disks: vec![crate::api::DiskStatus {
                 size_bytes: 1 << 30,

@@ -1085,7 +1085,7 @@ mod tests {
 
     #[test]
     fn the_plans_source_line_says_what_the_hardware_blocks_and_what_it_leaves_behind() {
-        let spec = crate::destination::render::test_migration().spec;
+        let spec = crate::api::test_migration().spec;
         let mut inv = crate::api::SourceInventory { name: "gpu-box".into(), ..Default::default() };
         assert!(!summary(&spec, &inv).contains("blocks"), "{}", summary(&spec, &inv));
         inv.hardware.passthrough = vec!["pciPassthru0".into()];

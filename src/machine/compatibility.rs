@@ -175,7 +175,7 @@ mod tests {
     use crate::api::SourceHardware;
 
     fn cold() -> crate::api::VirtualMachineMigrationSpec {
-        crate::destination::render::test_migration().spec
+        crate::api::test_migration().spec
     }
 
     fn inventory(hardware: SourceHardware, guest_os: &str) -> SourceInventory {
