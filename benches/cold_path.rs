@@ -87,6 +87,7 @@ async fn migrate(client: &kube::Client, emu: &EsxiEmulator, run: &str, mode: &st
         staging_listen: "127.0.0.1:0".parse().unwrap(),
         staging_url: None,
         conversions: 2,
+        guest_conversion_tcg: false,
         copy_streams: 1,
         job_image: None,
         job_namespace: None,

@@ -100,6 +100,7 @@ fn main() {
             staging_listen: std::net::SocketAddr::new(node_ip.into(), 0),
             staging_url: None,
             conversions: 2,
+            guest_conversion_tcg: false,
             copy_streams: 1,
             job_image: Some(image),
             job_namespace: None,

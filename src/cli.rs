@@ -151,9 +151,6 @@ pub enum Command {
         /// The artifact's format.
         #[arg(long, value_parser = ["raw", "qcow2"])]
         format: String,
-        /// Convert the guest with virt-v2v.
-        #[arg(long)]
-        virt_v2v: bool,
     },
     /// One migration's data plane (what its worker Job runs with
     /// `--data-plane pods`): copies, conversions and staging on the
@@ -222,7 +219,7 @@ pub fn run(cli: Cli) -> ExitCode {
             crate::process::worker(worker)
         }
         Command::VerifyVolume { path, size, sha256 } => return commands::verify_volume(&path, size, &sha256),
-        Command::Convert { input, input_sha256, input_marker, expected_size, output, format, virt_v2v } => {
+        Command::Convert { input, input_sha256, input_marker, expected_size, output, format } => {
             format.parse().map_err(anyhow::Error::from).and_then(|format| {
                 commands::convert(ConversionRequest {
                     input,
@@ -231,7 +228,6 @@ pub fn run(cli: Cli) -> ExitCode {
                     expected_virtual_size: expected_size,
                     output,
                     format,
-                    virt_v2v,
                 })
             })
         }

@@ -213,6 +213,7 @@ spec:
   conversion:
     format: qcow2
     runner: job
+    guest: none
   strategy:
     backoff:
       initialSeconds: 1

@@ -1,5 +1,6 @@
 //! Producing artifacts from acquired raw disks with the real qemu-img.
-//! virt-v2v is not installed here; only its absence is tested.
+//! How a whole-guest conversion that cannot work is reported (its runs are
+//! `migration_e2e::vmware_guests`).
 
 use std::fs;
 use std::os::unix::fs::MetadataExt;
@@ -48,7 +49,6 @@ fn request(disk: &Disk, format: OutputFormat) -> ConversionRequest {
         expected_virtual_size: DISK_SIZE,
         output: disk.artifacts.join(format!("disk-0.{format}")),
         format,
-        virt_v2v: false,
     }
 }
 
@@ -179,28 +179,6 @@ async fn missing_input_is_reported_as_a_missing_copy() {
     assert_eq!(err.failure().reason, "AcquiredCopyMissing");
 }
 
-#[tokio::test]
-async fn virt_v2v_requested_but_absent_needs_a_human() {
-    if vmmigrate::images::qemu::virt_v2v_path().is_some() {
-        eprintln!("virt-v2v is installed here; its absence cannot be tested");
-        return;
-    }
-    let disk = disk();
-    let req = ConversionRequest { virt_v2v: true, ..request(&disk, OutputFormat::Qcow2) };
-    let err = produce(&req, &AtomicU64::new(0)).await.unwrap_err();
-
-    assert!(matches!(err, ConvertError::VirtV2vMissing), "{err:?}");
-    let failure = err.failure();
-    assert_eq!(failure.class, FailureClass::NeedsHuman);
-    assert_eq!(failure.reason, "VirtV2vNotInstalled");
-    assert_eq!(
-        failure.message,
-        "spec.conversion.virtV2v is true but virt-v2v is not installed in the controller image; \
-         install it or set virtV2v: false"
-    );
-    assert!(!disk.artifacts.exists(), "nothing is touched for a configuration error");
-}
-
 #[test]
 fn convert_command_prints_the_marker_and_fails_with_the_reason() {
     let disk = disk();
@@ -275,4 +253,30 @@ async fn qcow2_with_broken_refcounts_fails_its_check() {
     let err = vmmigrate::images::qemu::check(&image, "qcow2").await.unwrap_err();
     assert!(err.to_string().contains("the image is corrupt"), "{err}");
     vmmigrate::images::qemu::check(&disk.input, "raw").await.unwrap();
+}
+
+#[test]
+fn a_guest_conversion_that_cannot_work_needs_a_person_and_says_what_to_change() {
+    use vmmigrate::convert::guest::GuestConversionError;
+    let missing = ConvertError::Guest(GuestConversionError::NotInstalled).failure();
+    assert_eq!((missing.class, missing.reason.as_str()), (FailureClass::NeedsHuman, "VirtV2vNotInstalled"));
+    let unsigned_grub = ConvertError::Guest(GuestConversionError::Failed {
+        log: "/work/artifacts/u/virt-v2v.log".into(),
+        tail: "virt-v2v: error: no bootloader detected".into(),
+    })
+    .failure();
+    assert_eq!(
+        (unsigned_grub.class, unsigned_grub.reason.as_str()),
+        (FailureClass::NeedsHuman, "VirtV2vFailed")
+    );
+    assert!(unsigned_grub.message.contains("/work/artifacts/u/virt-v2v.log"), "{}", unsigned_grub.message);
+    assert!(unsigned_grub.message.contains("/boot/efi/EFI"), "{}", unsigned_grub.message);
+    let other = ConvertError::Guest(GuestConversionError::Failed {
+        log: "l".into(),
+        tail: "virt-v2v: error: inspection could not detect the source guest".into(),
+    })
+    .failure();
+    assert!(!other.message.contains("/boot/efi/EFI"), "{}", other.message);
+    let io = ConvertError::Guest(GuestConversionError::Io(std::io::Error::other("disk full"))).failure();
+    assert_eq!(io.reason, "ConversionIoError");
 }

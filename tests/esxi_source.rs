@@ -97,6 +97,7 @@ async fn discovery_reads_exact_inventories_of_the_emulator_vms() {
     assert_eq!(web.nics.len(), 1);
     assert_eq!((web.nics[0].model.as_str(), web.nics[0].network.as_str()), ("vmxnet3", "VM Network"));
     assert!(!web.nics[0].mac_address.is_empty());
+    assert_eq!(web.nics[0].pci_slot, Some(192), "the slot that names it ens192 in the guest");
 
     let db = esxi.discover(&migration(&emu, "db-02")).await.expect("db-02");
     assert_eq!(db.firmware, Firmware::Efi);

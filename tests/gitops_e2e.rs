@@ -146,6 +146,8 @@ spec:
   networkMap:
     - source: VM Network
       type: Pod
+  conversion:
+    guest: none
   powerOffPolicy: GracefulThenForce
   strategy:
     backoff:

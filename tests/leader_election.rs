@@ -142,6 +142,9 @@ impl DiskStore for Counting {
 
 #[async_trait]
 impl Converter for Counting {
+    fn guest_converter(&self) -> vmmigrate::machine::GuestConverterFacts {
+        self.inner.converter.guest_converter()
+    }
     async fn artifact_state(&self, vmm: &Vmm, disk: usize) -> ArtifactState {
         self.tick();
         self.inner.converter.artifact_state(vmm, disk).await

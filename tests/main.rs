@@ -19,6 +19,7 @@ mod fleet;
 mod forge;
 mod gitops_e2e;
 mod gitops_render;
+mod guest_conversion;
 mod harness_janitor;
 mod house;
 mod http_check;

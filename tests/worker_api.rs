@@ -51,6 +51,7 @@ async fn start_worker(dir: &std::path::Path) -> (vmmigrate::worker::process::Run
         staging_listen: "127.0.0.1:0".parse().unwrap(),
         staging_url: format!("https://{HOST}:8443"),
         copy_streams: 1,
+        guest_conversion_tcg: false,
         conversions: 1,
     };
     let worker = start(&opts, Arc::new(Metrics::new())).await.expect("the worker starts");

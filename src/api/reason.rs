@@ -124,6 +124,7 @@ reasons! {
     VirtualSizeMismatch,
     InvalidArtifact,
     VirtV2vNotInstalled,
+    VirtioWinMissing,
     VirtV2vFailed,
     QemuImgFailed,
     QemuImgNotInstalled,

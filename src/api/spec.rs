@@ -452,9 +452,34 @@ pub struct ConversionSpec {
     /// Where conversion runs: `local` (in the controller) or `job` (a batch/v1 Job per disk).
     #[serde(default)]
     pub runner: ConversionRunner,
-    /// Run virt-v2v (guest driver injection) when it is installed; a clear status when it is not.
-    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
-    pub virt_v2v: bool,
+    /// Whether the guest itself is converted: `auto` (the default: a guest
+    /// virt-v2v knows, Linux or Windows, is converted, since one installed on
+    /// ESXi has no virtio drivers where it boots), `virtV2v` (always;
+    /// Validated refuses a guest it cannot convert) or `none` (the disks move
+    /// as they are; a Windows guest gets SATA disks and e1000e NICs).
+    #[serde(default)]
+    pub guest: GuestConversionMode,
+}
+
+/// Whether the guest is converted with virt-v2v (`spec.conversion.guest`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub enum GuestConversionMode {
+    #[default]
+    Auto,
+    VirtV2v,
+    None,
+}
+
+impl GuestConversionMode {
+    /// As `spec.conversion.guest` spells it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            GuestConversionMode::Auto => "auto",
+            GuestConversionMode::VirtV2v => "virtV2v",
+            GuestConversionMode::None => "none",
+        }
+    }
 }
 
 /// Format of a staged disk artifact.

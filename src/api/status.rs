@@ -58,6 +58,10 @@ pub struct VirtualMachineMigrationStatus {
     /// Per-disk evidence: checksums, artifact locations, DataVolume names.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub disks: Vec<DiskStatus>,
+    /// What converting the guest did (`spec.conversion.guest`), recorded
+    /// when its converted disks were staged; absent when it was not converted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub guest_conversion: Option<GuestConversion>,
     /// The KubeVirt VirtualMachine this migration created.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[serde(rename = "destinationVM")]
@@ -454,6 +458,39 @@ pub struct SourceNic {
     pub network: String,
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub mac_address: String,
+    /// The PCI slot ESXi gave it (`pciSlotNumber`); a guest with predictable
+    /// interface names calls the NIC `ens<slot>`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pci_slot: Option<u32>,
+}
+
+/// What converting the guest did (virt-v2v over all of its disks, then its
+/// interface names pinned), for the status and the Git status file.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct GuestConversion {
+    /// The tool and its version, e.g. `virt-v2v 2.2.0`.
+    pub tool: String,
+    /// The operating system it converted, as it named it.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub guest: String,
+    /// The virtio devices the guest was given drivers for.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub drivers: Vec<String>,
+    /// VMware Tools afterwards: `not installed` (removed, or never there),
+    /// `still installed`, or `not checked` (Windows).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub vmware_tools: String,
+    /// `<mac>=<name>` for each NIC whose name inside the guest was pinned.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub interface_names: Vec<String>,
+    /// `kvm` or `tcg`: what libguestfs's appliance ran on.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub accelerator: String,
+    pub seconds: u64,
+    /// Where the conversion's log was kept.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub log: String,
 }
 
 /// A reason validation did not pass.

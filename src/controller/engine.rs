@@ -8,8 +8,8 @@ use crate::api::snapshot_name;
 use crate::api::{MigrationMode, Phase, VirtualMachineMigration};
 use crate::machine::tenancy::DestinationRules;
 use crate::machine::{
-    self, Action, ArtifactState, CopyState, DataVolumeState, Decision, Failure, ImportingFacts, Input,
-    Observed,
+    self, Action, ArtifactState, ConvertingFacts, CopyState, DataVolumeState, Decision, Failure,
+    ImportingFacts, Input, Observed,
 };
 use crate::ports::Adapters;
 use k8s_openapi::jiff::Timestamp;
@@ -75,6 +75,7 @@ pub(crate) async fn observe(adapters: &Adapters, vmm: &VirtualMachineMigration) 
                 bounded("the data plane's pre-flight", CALL_TIMEOUT, adapters.disks.preflight(vmm)).await;
             Observed::Preflight(facts.and_then(|mut facts| {
                 facts.data_plane_blocked = blocked?;
+                facts.guest_converter = adapters.converter.guest_converter();
                 Ok(facts)
             }))
         }
@@ -166,7 +167,7 @@ async fn observe_converting(
     adapters: &Adapters,
     vmm: &VirtualMachineMigration,
     disks: usize,
-) -> Result<Vec<ArtifactState>, Failure> {
+) -> Result<ConvertingFacts, Failure> {
     let mut artifacts = Vec::with_capacity(disks);
     for disk in 0..disks {
         let state = tokio::time::timeout(CALL_TIMEOUT, adapters.converter.artifact_state(vmm, disk))
@@ -181,7 +182,14 @@ async fn observe_converting(
             other => other,
         });
     }
-    Ok(artifacts)
+    // What converting the guest did is read once every disk is staged.
+    let staged = artifacts.iter().all(|a| matches!(a, ArtifactState::Complete { staged_url: Some(_), .. }));
+    let guest = if staged && !artifacts.is_empty() {
+        tokio::time::timeout(CALL_TIMEOUT, adapters.converter.guest_conversion(vmm)).await.ok().flatten()
+    } else {
+        None
+    };
+    Ok(ConvertingFacts { artifacts, guest })
 }
 
 /// Importing: each DataVolume, the proof of a finished import, and before

@@ -44,6 +44,12 @@ pub struct ControllerOptions {
     /// Conversions at once in this process (runner `local`).
     #[arg(long, env = "VMMIGRATE_CONVERSIONS", default_value_t = 2)]
     pub conversions: usize,
+    /// Run virt-v2v's appliance under software emulation (TCG) even where
+    /// `/dev/kvm` exists: for nodes whose `/dev/kvm` opens but cannot run a
+    /// guest (nested or paravirtual). Slower; without it libguestfs picks KVM
+    /// when it can.
+    #[arg(long, env = "VMMIGRATE_GUEST_CONVERSION_TCG")]
+    pub guest_conversion_tcg: bool,
     /// Parallel SSH streams per disk copy.
     #[arg(long, env = "VMMIGRATE_COPY_STREAMS", default_value_t = 1)]
     pub copy_streams: usize,
@@ -214,6 +220,7 @@ pub fn adapters(
             staging_url: staging.url().to_owned(),
             access: staging.access(),
             local_concurrency: opts.conversions,
+            force_tcg: opts.guest_conversion_tcg,
             jobs,
             metrics: metrics.clone(),
         },
@@ -246,6 +253,7 @@ pub fn adapters(
                 memory_limit: opts.worker_memory_limit.clone(),
                 storage_class: opts.worker_storage_class.clone(),
                 copy_streams: opts.copy_streams.max(1),
+                guest_conversion_tcg: opts.guest_conversion_tcg,
             };
             let plane = Arc::new(WorkerPlane::new(client.clone(), settings, staging.access())?);
             (plane.clone(), plane.clone(), plane)

@@ -45,7 +45,6 @@ pub(crate) struct JobInput {
     pub expected_size: u64,
     pub output: PathBuf,
     pub format: String,
-    pub virt_v2v: bool,
 }
 
 /// The Job's name: `<migration>-convert-<n>`, at most 63 characters.
@@ -64,7 +63,7 @@ fn path_arg(p: &Path) -> String {
 
 /// The `vmmigrate convert` argument list (after the command name).
 pub(crate) fn convert_args(input: &JobInput) -> Vec<String> {
-    let mut args = vec![
+    vec![
         "convert".to_owned(),
         "--input".to_owned(),
         path_arg(&input.input),
@@ -78,11 +77,7 @@ pub(crate) fn convert_args(input: &JobInput) -> Vec<String> {
         path_arg(&input.output),
         "--format".to_owned(),
         input.format.clone(),
-    ];
-    if input.virt_v2v {
-        args.push("--virt-v2v".to_owned());
-    }
-    args
+    ]
 }
 
 /// What of the work volume the Job sees: its migration's copy folder, read
@@ -196,7 +191,6 @@ mod tests {
             expected_size: 1 << 30,
             output: "/work/artifacts/u-1/disk-0.qcow2".into(),
             format: "qcow2".into(),
-            virt_v2v: false,
         }
     }
 

@@ -4,10 +4,12 @@
 //!
 //! The artifact is complete only once its `.sha256` marker exists: every
 //! attempt first removes what an earlier one left, writes through
-//! `<output>.partial` (or a work directory for virt-v2v), validates, renames,
+//! `<output>.partial` (or virt-v2v's work directory), validates, renames,
 //! and writes the marker last.
 
 use super::artifact::{self, Marker};
+use super::guest::{GuestConversionError, GuestInput, convert_guest};
+use crate::api::GuestConversion;
 use crate::api::Reason;
 use crate::images::qemu::{self, QemuError};
 use crate::machine::Failure;
@@ -16,7 +18,6 @@ use std::future::Future;
 use std::io;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
-use std::process::Stdio;
 use std::str::FromStr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -82,8 +83,6 @@ pub struct ConversionRequest {
     /// The artifact, e.g. `.../artifacts/<uid>/disk-0.qcow2`.
     pub output: PathBuf,
     pub format: OutputFormat,
-    /// Convert the guest with virt-v2v instead of copying the image as is.
-    pub virt_v2v: bool,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -100,12 +99,8 @@ pub enum ConvertError {
     SizeMismatch { expected: u64, actual: u64 },
     #[error("the converted image is not valid: {0}")]
     InvalidOutput(String),
-    #[error(
-        "spec.conversion.virtV2v is true but virt-v2v is not installed in the controller image; install it or set virtV2v: false"
-    )]
-    VirtV2vMissing,
-    #[error("virt-v2v failed: {0}")]
-    VirtV2vFailed(String),
+    #[error(transparent)]
+    Guest(#[from] GuestConversionError),
     #[error(transparent)]
     Qemu(#[from] QemuError),
     #[error("conversion I/O error: {0}")]
@@ -121,9 +116,26 @@ impl ConvertError {
             ConvertError::InputMissing(_) => Failure::retryable(Reason::AcquiredCopyMissing, message),
             ConvertError::SizeMismatch { .. } => Failure::needs_human(Reason::VirtualSizeMismatch, message),
             ConvertError::InvalidOutput(_) => Failure::retryable(Reason::InvalidArtifact, message),
-            ConvertError::VirtV2vMissing => Failure::needs_human(Reason::VirtV2vNotInstalled, message),
+            ConvertError::Guest(GuestConversionError::NotInstalled) => {
+                Failure::needs_human(Reason::VirtV2vNotInstalled, message)
+            }
+            ConvertError::Guest(GuestConversionError::Io(_)) => {
+                Failure::local_write(Reason::ConversionIoError, message)
+            }
+            // virt-v2v 2.2 finds a UEFI guest's GRUB only by a grub.cfg under
+            // /boot/efi/EFI, where distributions' installers put one.
+            ConvertError::Guest(GuestConversionError::Failed { tail, .. })
+                if tail.contains("no bootloader detected") =>
+            {
+                Failure::needs_human(
+                    Reason::VirtV2vFailed,
+                    format!(
+                        "{message} (virt-v2v looks for a UEFI guest's grub.cfg under /boot/efi/EFI/<distribution>/, where Debian's and RHEL's installers put one; a guest whose only grub.cfg is /boot/grub/grub.cfg needs one there: see docs/compatibility.md)"
+                    ),
+                )
+            }
             // Its usual failures (guest not recognised, no drivers for it) do not go away on retry.
-            ConvertError::VirtV2vFailed(_) => Failure::needs_human(Reason::VirtV2vFailed, message),
+            ConvertError::Guest(_) => Failure::needs_human(Reason::VirtV2vFailed, message),
             ConvertError::Qemu(QemuError::NotInstalled) => {
                 Failure::needs_human(Reason::QemuImgNotInstalled, message)
             }
@@ -136,9 +148,25 @@ impl ConvertError {
 /// Produces the artifact for `req` and returns its marker (already written).
 /// `progress` receives the bytes of the input done so far.
 pub async fn produce(req: &ConversionRequest, progress: &AtomicU64) -> Result<Marker, ConvertError> {
-    // A configuration problem: fail before touching anything.
-    let virt_v2v =
-        if req.virt_v2v { Some(qemu::virt_v2v_path().ok_or(ConvertError::VirtV2vMissing)?) } else { None };
+    let input_size = prepare(req).await?;
+    let marker = match req.format {
+        OutputFormat::Raw => {
+            let marker = link_raw(req, input_size).await?;
+            progress.store(input_size, Ordering::Relaxed);
+            marker
+        }
+        // Progress comes from qemu-img's own report.
+        OutputFormat::Qcow2 => convert_qcow2(req, input_size, progress).await?,
+    };
+    artifact::write_marker(&req.output, &marker)?;
+    tracing::info!(output = %req.output.display(), format = %req.format, size = marker.size, "artifact produced");
+    Ok(marker)
+}
+
+/// Removes what an earlier attempt left of `req`'s output and checks its
+/// input (there, still what was copied, of the source disk's size); returns
+/// the input's size in bytes.
+async fn prepare(req: &ConversionRequest) -> Result<u64, ConvertError> {
     if req.output == req.input {
         return Err(ConvertError::InvalidOutput(format!(
             "the output {} is the acquired copy itself",
@@ -153,13 +181,10 @@ pub async fn produce(req: &ConversionRequest, progress: &AtomicU64) -> Result<Ma
         }
         Err(e) => return Err(e.into()),
     };
-
     artifact::remove_with_markers(&req.output)?;
-    remove_dir_if_present(&v2v_work_dir(&req.output)).await?;
     if let Some(parent) = req.output.parent().filter(|p| !p.as_os_str().is_empty()) {
         tokio::fs::DirBuilder::new().recursive(true).mode(DIR_MODE).create(parent).await?;
     }
-
     verify_input(req).await?;
     let input = qemu::info(&req.input, Some("raw")).await?;
     if input.virtual_size != req.expected_virtual_size {
@@ -168,24 +193,83 @@ pub async fn produce(req: &ConversionRequest, progress: &AtomicU64) -> Result<Ma
             actual: input.virtual_size,
         });
     }
+    Ok(input_size)
+}
 
-    let marker = match (virt_v2v, req.format) {
-        (Some(virt_v2v), format) => {
-            let marker = via_virt_v2v(&virt_v2v, req, format).await?;
-            progress.store(input_size, Ordering::Relaxed);
-            marker
-        }
-        (None, OutputFormat::Raw) => {
-            let marker = link_raw(req, input_size).await?;
-            progress.store(input_size, Ordering::Relaxed);
-            marker
-        }
-        // Progress comes from qemu-img's own report.
-        (None, OutputFormat::Qcow2) => convert_qcow2(req, input_size, progress).await?,
+/// A whole guest to convert: one request per disk, in the inventory's order.
+pub struct GuestRequest<'a> {
+    pub disks: &'a [ConversionRequest],
+    pub inventory: &'a crate::api::SourceInventory,
+    /// See [`GuestInput::force_tcg`].
+    pub force_tcg: bool,
+    /// Where virt-v2v works; emptied first and removed at the end.
+    pub work: PathBuf,
+    /// Where the report (JSON) is written, beside the artifacts, before
+    /// their markers.
+    pub report: PathBuf,
+}
+
+/// Converts a guest over all of its disks at once (virt-v2v, then its NICs'
+/// names pinned) and turns each converted disk into its request's artifact,
+/// validated, hashed and marked like any other; virt-v2v's log is kept as
+/// `virt-v2v.log` beside the report. Returns the markers and what was done.
+pub async fn produce_guest(guest: &GuestRequest<'_>) -> Result<(Vec<Marker>, GuestConversion), ConvertError> {
+    let virt_v2v = qemu::virt_v2v_path().ok_or(GuestConversionError::NotInstalled)?;
+    let Some(first) = guest.disks.first() else {
+        return Err(ConvertError::InvalidOutput("a guest without disks".into()));
     };
-    artifact::write_marker(&req.output, &marker)?;
-    tracing::info!(output = %req.output.display(), format = %req.format, size = marker.size, "artifact produced");
-    Ok(marker)
+    artifact::remove_if_present(&guest.report)?;
+    for req in guest.disks {
+        prepare(req).await?;
+    }
+    let inputs: Vec<PathBuf> = guest.disks.iter().map(|r| r.input.clone()).collect();
+    let input = GuestInput {
+        name: "guest",
+        inventory: guest.inventory,
+        disks: &inputs,
+        format: first.format,
+        force_tcg: guest.force_tcg,
+    };
+    // virt-v2v's log outlives its work directory, whatever happened.
+    let kept_log = guest.report.with_file_name("virt-v2v.log");
+    artifact::remove_if_present(&kept_log)?;
+    let result = async {
+        let converted = convert_guest(&virt_v2v, &input, &guest.work).await;
+        let _ = tokio::fs::rename(guest.work.join("virt-v2v.log"), &kept_log).await;
+        let (converted, mut report) = match converted {
+            Ok(converted) => (converted.disks, converted.report),
+            Err(GuestConversionError::Failed { tail, .. }) => {
+                let log = kept_log.display().to_string();
+                return Err(GuestConversionError::Failed { log, tail }.into());
+            }
+            Err(e) => return Err(e.into()),
+        };
+        report.log = kept_log.display().to_string();
+        let mut sealed = Vec::with_capacity(guest.disks.len());
+        for (produced, req) in converted.iter().zip(guest.disks) {
+            sealed.push((finish(produced, req.format, req).await?, req));
+        }
+        let json = serde_json::to_vec_pretty(&report).map_err(io::Error::other)?;
+        tokio::fs::write(&guest.report, json).await?;
+        // The markers last: a guest is converted once every disk has one.
+        let mut markers = Vec::with_capacity(sealed.len());
+        for (marker, req) in sealed {
+            artifact::write_marker(&req.output, &marker)?;
+            markers.push(marker);
+        }
+        Ok::<_, ConvertError>((markers, report))
+    }
+    .await;
+    remove_dir_if_present(&guest.work).await?;
+    let (markers, report) = result?;
+    tracing::info!(disks = markers.len(), seconds = report.seconds, guest = %report.guest, "guest converted");
+    Ok((markers, report))
+}
+
+/// What [`produce_guest`] reported, read back (`None` when absent or unreadable).
+pub fn read_guest_report(path: &Path) -> Option<GuestConversion> {
+    let bytes = std::fs::read(path).ok()?;
+    serde_json::from_slice(&bytes).ok()
 }
 
 /// Hashes the input again when it was written after its marker: the recorded
@@ -249,46 +333,6 @@ async fn convert_qcow2(
     result
 }
 
-/// virt-v2v rewrites the guest (drivers, boot configuration), so its output is
-/// validated and hashed like a qemu-img conversion. Not tested here: virt-v2v
-/// is not installed in the development environment.
-async fn via_virt_v2v(
-    virt_v2v: &Path,
-    req: &ConversionRequest,
-    format: OutputFormat,
-) -> Result<Marker, ConvertError> {
-    let work = v2v_work_dir(&req.output);
-    let result = async {
-        tokio::fs::DirBuilder::new().recursive(true).mode(DIR_MODE).create(&work).await?;
-        let name = req.output.file_stem().map(|s| s.to_os_string()).unwrap_or_else(|| "disk".into());
-        let mut cmd = tokio::process::Command::new(virt_v2v);
-        cmd.args(["-i", "disk", "-if", "raw"])
-            .arg(&req.input)
-            .args(["-o", "local", "-os"])
-            .arg(&work)
-            .args(["-of", format.as_str(), "-on"])
-            .arg(&name)
-            .stdin(Stdio::null())
-            .kill_on_drop(true);
-        // In a container there is no libvirtd to launch the appliance through.
-        if std::env::var_os("LIBGUESTFS_BACKEND").is_none() {
-            cmd.env("LIBGUESTFS_BACKEND", "direct");
-        }
-        let out = cmd.output().await?;
-        if !out.status.success() {
-            let stderr = String::from_utf8_lossy(&out.stderr);
-            return Err(ConvertError::VirtV2vFailed(tail(stderr.trim(), 2000).to_owned()));
-        }
-        // `-o local` names the first disk `<name>-sda`.
-        let mut produced = name;
-        produced.push("-sda");
-        finish(&work.join(produced), format, req).await
-    }
-    .await;
-    let _ = remove_dir_if_present(&work).await;
-    result
-}
-
 /// Validates a freshly written image, hashes it and renames it to the output.
 async fn finish(
     produced: &Path,
@@ -343,13 +387,6 @@ async fn mirrored<T>(
     out
 }
 
-/// `<output>.v2v/`: where virt-v2v writes before the result is renamed.
-fn v2v_work_dir(output: &Path) -> PathBuf {
-    let mut name = output.file_name().map(|n| n.to_os_string()).unwrap_or_default();
-    name.push(".v2v");
-    output.with_file_name(name)
-}
-
 async fn remove_dir_if_present(dir: &Path) -> io::Result<()> {
     match tokio::fs::remove_dir_all(dir).await {
         Err(e) if e.kind() != io::ErrorKind::NotFound => Err(e),
@@ -357,8 +394,8 @@ async fn remove_dir_if_present(dir: &Path) -> io::Result<()> {
     }
 }
 
-/// The last `max` bytes of `text`, on a character boundary.
-fn tail(text: &str, max: usize) -> &str {
+/// The end of `text`, at most `max` bytes, cut on a character boundary.
+pub(super) fn tail(text: &str, max: usize) -> &str {
     let mut start = text.len().saturating_sub(max);
     while !text.is_char_boundary(start) {
         start += 1;

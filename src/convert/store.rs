@@ -42,6 +42,8 @@ pub(crate) struct StoreSettings {
     pub access: Arc<super::access::StagingAccess>,
     /// Conversions running at once in the controller process.
     pub local_concurrency: usize,
+    /// libguestfs's appliance runs under TCG (`--guest-conversion-tcg`).
+    pub force_tcg: bool,
     /// The `job` runner; `None` refuses migrations that ask for it.
     pub jobs: Option<JobSettings>,
     /// Where in-process conversions count the bytes they wrote.
@@ -54,8 +56,11 @@ struct LocalTask {
     /// Set when the work is done, before the migration is woken (the
     /// handle may not read finished yet when the woken reconcile looks).
     ended: Arc<std::sync::atomic::AtomicBool>,
-    handle: tokio::task::JoinHandle<Result<artifact::Marker, produce::ConvertError>>,
+    handle: tokio::task::JoinHandle<Result<(), produce::ConvertError>>,
 }
+
+/// The task key of a migration's whole-guest conversion (one for all its disks).
+const GUEST_TASK: usize = usize::MAX;
 
 /// Converter + Staging over the work directory.
 pub(crate) struct ArtifactStore {
@@ -112,6 +117,28 @@ impl ArtifactStore {
         copy_path(&copies_root(&self.settings.work_dir), vmm, disk)
     }
 
+    /// Whether the guest is converted as a whole (`spec.conversion.guest`).
+    fn converts_guest(&self, vmm: &VirtualMachineMigration) -> bool {
+        let inventory = vmm.status.as_ref().and_then(|s| s.source_inventory.as_ref());
+        inventory
+            .is_some_and(|inventory| crate::machine::compatibility::guest_plan(&vmm.spec, inventory).convert)
+    }
+
+    /// `<work>/artifacts/<uid>/guest.v2v`: virt-v2v's work while it converts.
+    fn guest_work(&self, vmm: &VirtualMachineMigration) -> PathBuf {
+        self.settings.work_dir.join("artifacts").join(uid_of(vmm)).join("guest.v2v")
+    }
+
+    /// `<work>/artifacts/<uid>/guest-conversion.json`: what converting did.
+    fn guest_report(&self, vmm: &VirtualMachineMigration) -> PathBuf {
+        self.settings.work_dir.join("artifacts").join(uid_of(vmm)).join("guest-conversion.json")
+    }
+
+    /// The key of the local task that makes disk `disk`'s artifact.
+    fn task_key(&self, vmm: &VirtualMachineMigration, disk: usize) -> (String, usize) {
+        (uid_of(vmm), if self.converts_guest(vmm) { GUEST_TASK } else { disk })
+    }
+
     fn lock_tasks(&self) -> std::sync::MutexGuard<'_, HashMap<(String, usize), LocalTask>> {
         self.tasks.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -142,7 +169,6 @@ impl ArtifactStore {
                 DiskFormat::Raw => OutputFormat::Raw,
                 DiskFormat::Qcow2 => OutputFormat::Qcow2,
             },
-            virt_v2v: vmm.spec.conversion.virt_v2v,
         })
     }
 
@@ -183,6 +209,11 @@ impl ArtifactStore {
         }
         if partial_path(&artifact).exists() {
             return ArtifactState::Invalid { reason: "partial output of an interrupted conversion".into() };
+        }
+        if self.converts_guest(vmm) && self.guest_work(vmm).exists() {
+            return ArtifactState::Invalid {
+                reason: "partial output of an interrupted guest conversion".into(),
+            };
         }
         if !self.copy(vmm, disk).exists() {
             return ArtifactState::Failed(Failure::retryable(
@@ -237,6 +268,73 @@ impl ArtifactStore {
     }
 }
 
+impl ArtifactStore {
+    /// Starts the one task that converts the whole guest, unless it runs.
+    /// It runs in this process whatever `spec.conversion.runner` says (the
+    /// runner places per-disk conversions): virt-v2v reads the guest's
+    /// bytes inside libguestfs's appliance, a VM of its own.
+    fn start_guest_conversion(&self, vmm: &VirtualMachineMigration) -> Result<(), Failure> {
+        let disks = vmm.status.as_ref().map(|s| s.disks.len()).unwrap_or(0);
+        let requests = (0..disks).map(|disk| self.request(vmm, disk)).collect::<Result<Vec<_>, _>>()?;
+        let inventory = vmm.status.as_ref().and_then(|s| s.source_inventory.clone()).unwrap_or_default();
+        let key = (uid_of(vmm), GUEST_TASK);
+        let mut tasks = self.lock_tasks();
+        if tasks.contains_key(&key) {
+            return Ok(());
+        }
+        // Staged copies of an earlier conversion go with its artifacts.
+        for disk in 0..disks {
+            artifact::remove_with_markers(&self.staged_path(vmm, disk))
+                .map_err(|e| io_failure("removing a staged artifact", e))?;
+        }
+        let work = self.guest_work(vmm);
+        let report = self.guest_report(vmm);
+        let permits = self.permits.clone();
+        let metrics = self.settings.metrics.clone();
+        let wake = self.wake.get().cloned();
+        let (namespace, name) = (
+            vmm.metadata.namespace.clone().unwrap_or_default(),
+            vmm.metadata.name.clone().unwrap_or_default(),
+        );
+        let ended = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let task_ended = ended.clone();
+        let force_tcg = self.settings.force_tcg;
+        let handle = tokio::spawn(async move {
+            let permit = permits.acquire_owned().await;
+            let guest =
+                produce::GuestRequest { disks: &requests, inventory: &inventory, force_tcg, work, report };
+            let result = produce::produce_guest(&guest).await.map(|(markers, _)| {
+                for marker in markers {
+                    metrics.converted_bytes(marker.size);
+                }
+            });
+            drop(permit);
+            task_ended.store(true, Ordering::Release);
+            if let Some(wake) = wake {
+                wake(&namespace, &name);
+            }
+            result
+        });
+        let progress = Arc::new(AtomicU64::new(0));
+        tasks.insert(key, LocalTask { progress, total: 0, ended, handle });
+        Ok(())
+    }
+}
+
+/// What converts guests in this process's image: virt-v2v and guestfish on
+/// `PATH`, and virtio-win's drivers where virt-v2v looks for them
+/// (`/usr/share/virtio-win`, or `$VIRTIO_WIN`).
+pub(crate) fn installed_guest_converter() -> crate::machine::GuestConverterFacts {
+    use crate::images::qemu;
+    let virtio_win = std::env::var_os("VIRTIO_WIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("/usr/share/virtio-win"));
+    crate::machine::GuestConverterFacts {
+        virt_v2v: qemu::virt_v2v_path().is_some() && qemu::guestfish_path().is_some(),
+        virtio_win: virtio_win.exists(),
+    }
+}
+
 impl Drop for ArtifactStore {
     /// Conversions belong to the controller process: they stop with it.
     fn drop(&mut self) {
@@ -253,15 +351,18 @@ impl Converter for ArtifactStore {
     }
 
     async fn artifact_state(&self, vmm: &VirtualMachineMigration, disk: usize) -> ArtifactState {
-        let key = (uid_of(vmm), disk);
+        let key = self.task_key(vmm, disk);
         let finished = {
             let mut tasks = self.lock_tasks();
             match tasks.get(&key) {
                 Some(task) if !task.handle.is_finished() && !task.ended.load(Ordering::Acquire) => {
-                    return ArtifactState::InProgress {
-                        bytes_done: task.progress.load(Ordering::Relaxed).min(task.total) as i64,
-                        bytes_total: task.total as i64,
+                    // A guest's conversion reports no bytes: it is whole or nothing.
+                    let (done, total) = if key.1 == GUEST_TASK {
+                        (0, self.request(vmm, disk).map(|r| r.expected_virtual_size).unwrap_or(0))
+                    } else {
+                        (task.progress.load(Ordering::Relaxed).min(task.total), task.total)
                     };
+                    return ArtifactState::InProgress { bytes_done: done as i64, bytes_total: total as i64 };
                 }
                 Some(_) => tasks.remove(&key),
                 None => None,
@@ -289,11 +390,14 @@ impl Converter for ArtifactStore {
     }
 
     async fn start_conversion(&self, vmm: &VirtualMachineMigration, disk: usize) -> Result<(), Failure> {
+        if self.converts_guest(vmm) {
+            return self.start_guest_conversion(vmm);
+        }
         let request = self.request(vmm, disk)?;
-        // A raw artifact without virt-v2v is a hard link to the copy: nothing
-        // parses the guest's bytes, so nothing needs a Job's isolation, and a
-        // Job (copy and artifact on two mounts) could only copy it.
-        let parses = request.format != OutputFormat::Raw || request.virt_v2v;
+        // A raw artifact is a hard link to the copy: nothing parses the
+        // guest's bytes, so nothing needs a Job's isolation, and a Job (copy
+        // and artifact on two mounts) could only copy it.
+        let parses = request.format != OutputFormat::Raw;
         if vmm.spec.conversion.runner == ConversionRunner::Job && parses {
             let (api, settings) = self.jobs(vmm)?;
             // The Job mounts its artifact folder by subPath: made here, as
@@ -309,7 +413,6 @@ impl Converter for ArtifactStore {
                 expected_size: request.expected_virtual_size,
                 output: request.output.clone(),
                 format: request.format.as_str().to_owned(),
-                virt_v2v: request.virt_v2v,
             };
             let body = job::conversion_job(settings, vmm, disk, &input);
             let job: Job = serde_json::from_value(body)
@@ -339,10 +442,9 @@ impl Converter for ArtifactStore {
         let task_ended = ended.clone();
         let handle = tokio::spawn(async move {
             let permit = permits.acquire_owned().await;
-            let result = produce::produce(&request, &task_progress).await;
-            if let Ok(marker) = &result {
+            let result = produce::produce(&request, &task_progress).await.map(|marker| {
                 metrics.converted_bytes(marker.size);
-            }
+            });
             drop(permit);
             task_ended.store(true, Ordering::Release);
             // The migration looks again now (its conversion ended), not at its next poll.
@@ -355,8 +457,20 @@ impl Converter for ArtifactStore {
         Ok(())
     }
 
+    fn guest_converter(&self) -> crate::machine::GuestConverterFacts {
+        installed_guest_converter()
+    }
+
+    async fn guest_conversion(&self, vmm: &VirtualMachineMigration) -> Option<crate::api::GuestConversion> {
+        self.converts_guest(vmm).then(|| produce::read_guest_report(&self.guest_report(vmm))).flatten()
+    }
+
     async fn discard_artifact(&self, vmm: &VirtualMachineMigration, disk: usize) -> Result<(), Failure> {
-        if let Some(task) = self.lock_tasks().remove(&(uid_of(vmm), disk)) {
+        // A guest's conversion makes every disk at once and starts by
+        // removing them all: discarding one disk leaves it running.
+        if !self.converts_guest(vmm)
+            && let Some(task) = self.lock_tasks().remove(&(uid_of(vmm), disk))
+        {
             task.handle.abort();
         }
         if vmm.spec.conversion.runner == ConversionRunner::Job

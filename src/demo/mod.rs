@@ -774,6 +774,10 @@ spec:
     - source: DMZ
       type: Multus
       networkName: dmz
+  conversion:
+    # The demo's guest was built to boot anywhere (virtio drivers, DHCP).
+    # A guest installed on ESXi is converted by default (guest: auto).
+    guest: none
   powerOffPolicy: GracefulThenForce
   strategy:
     # Short waits between retries keep the demo quick (defaults: 10 s, up to 600 s).

@@ -390,6 +390,7 @@ impl Cluster for KubeCluster {
             destination_refused,
             data_plane_blocked: None,
             source_claimed_by,
+            guest_converter: Default::default(),
         })
     }
 

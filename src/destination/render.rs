@@ -139,7 +139,7 @@ pub(crate) fn virtual_machine(vmm: &VirtualMachineMigration) -> Value {
     } else {
         json!({})
     };
-    let emulated = crate::machine::compatibility::needs_emulated_devices(&vmm.spec, &inventory.guest_os);
+    let emulated = crate::machine::compatibility::guest_plan(&vmm.spec, &inventory).emulated_devices;
     let mut disks = Vec::new();
     let mut volumes = Vec::new();
     for (i, disk) in inventory.disks.iter().enumerate() {
@@ -262,6 +262,7 @@ mod tests {
             model: "vmxnet3".into(),
             network: "VM Network".into(),
             mac_address: mac.into(),
+            pci_slot: Some(192),
         };
         vmm.status = Some(crate::api::VirtualMachineMigrationStatus {
             source_inventory: Some(SourceInventory {
@@ -320,7 +321,7 @@ mod tests {
     }
 
     #[test]
-    fn a_windows_guest_without_conversion_gets_sata_disks_and_e1000e_nics_and_with_it_virtio() {
+    fn a_windows_guest_moved_as_it_is_gets_sata_disks_and_e1000e_nics_and_a_converted_one_virtio() {
         let mut vmm = test_migration();
         let disk = |bus: &str| crate::api::SourceDisk { bus: bus.into(), ..Default::default() };
         let nic = crate::api::SourceNic { model: "vmxnet3".into(), ..Default::default() };
@@ -336,11 +337,12 @@ mod tests {
         let devices = |vmm: &VirtualMachineMigration| {
             virtual_machine(vmm)["spec"]["template"]["spec"]["domain"]["devices"].clone()
         };
+        vmm.spec.conversion.guest = crate::api::GuestConversionMode::None;
         let emulated = devices(&vmm);
         assert_eq!(emulated["disks"][0]["disk"]["bus"], "sata");
         assert_eq!(emulated["disks"][1]["disk"]["bus"], "sata");
         assert_eq!(emulated["interfaces"][0]["model"], "e1000e");
-        vmm.spec.conversion.virt_v2v = true;
+        vmm.spec.conversion.guest = crate::api::GuestConversionMode::Auto;
         let converted = devices(&vmm);
         assert_eq!(converted["disks"][0]["disk"]["bus"], "virtio");
         assert_eq!(converted["interfaces"][0]["model"], "virtio");

@@ -752,8 +752,6 @@ impl Drop for GitopsHandle {
     }
 }
 
-/// Starts the gitops side: webhook receiver, status writer, poll loop, all
-/// recording into `metrics`.
 /// One line on a discovered VM for the plan comment.
 fn summary(spec: &crate::api::VirtualMachineMigrationSpec, inv: &crate::api::SourceInventory) -> String {
     let disks: Vec<String> = inv
@@ -775,6 +773,14 @@ fn summary(spec: &crate::api::VirtualMachineMigrationSpec, inv: &crate::api::Sou
         disks.join(", "),
         nics.join(", ")
     );
+    // What happens to the guest, and why (spec.conversion.guest).
+    let plan = crate::machine::compatibility::guest_plan(spec, inv);
+    let fate = match (plan.convert, plan.emulated_devices) {
+        (true, _) => "converted with virt-v2v",
+        (false, true) => "moved as it is on SATA disks and e1000e NICs",
+        (false, false) => "moved as it is",
+    };
+    text.push_str(&format!("; guest {:?}: {fate} ({})", inv.guest_os, plan.why));
     // What its hardware means, as Validated will decide it.
     let found = crate::machine::compatibility::findings(spec, inv);
     for (what, list) in [("blocks the move", &found.blockers), ("moves with a caveat", &found.warnings)] {
@@ -1094,6 +1100,22 @@ mod tests {
         assert!(line.contains("blocks the move: PassthroughDevice: "), "{line}");
         assert!(line.contains("pciPassthru0"), "{line}");
         assert!(line.contains("moves with a caveat: TpmNotMigrated: "), "{line}");
+    }
+
+    #[test]
+    fn the_plans_source_line_says_whether_the_guest_is_converted_and_why() {
+        let mut spec = crate::api::test_migration().spec;
+        let inv = crate::api::SourceInventory { guest_os: "debian12-64".into(), ..Default::default() };
+        let line = summary(&spec, &inv);
+        assert!(line.contains("guest \"debian12-64\": converted with virt-v2v ("), "{line}");
+        assert!(line.contains("VMware hardware"), "{line}");
+        spec.conversion.guest = crate::api::GuestConversionMode::None;
+        let line = summary(&spec, &inv);
+        assert!(line.contains(": moved as it is (spec.conversion.guest is none"), "{line}");
+        let windows =
+            crate::api::SourceInventory { guest_os: "windows2019srv-64".into(), ..Default::default() };
+        let line = summary(&spec, &windows);
+        assert!(line.contains("moved as it is on SATA disks and e1000e NICs"), "{line}");
     }
 
     #[test]

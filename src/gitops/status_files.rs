@@ -205,6 +205,10 @@ struct StatusFile<'a> {
     progress: Option<ProgressView>,
     #[serde(skip_serializing_if = "Vec::is_empty")]
     disks: Vec<DiskView<'a>>,
+    /// What converting the guest did: virt-v2v's version, the drivers it
+    /// installed, VMware Tools afterwards, the NIC names kept, the time.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    guest_conversion: Option<&'a crate::api::GuestConversion>,
     #[serde(skip_serializing_if = "Vec::is_empty")]
     validation_results: Vec<CheckView<'a>>,
     #[serde(skip_serializing_if = "no_timestamps")]
@@ -352,6 +356,7 @@ fn status_yaml(row: &Row<'_>) -> String {
                 imported_sha256: d.imported_sha256.as_deref(),
             })
             .collect(),
+        guest_conversion: status.guest_conversion.as_ref(),
         validation_results: status
             .validation_results
             .iter()
@@ -689,12 +694,36 @@ mod tests {
         // How the import was proven is in Git too, never just "succeeded".
         assert_eq!(value["disks"][0]["importVerification"], "VolumeSha256");
         assert_eq!(value["disks"][0]["importedSha256"], "aa".repeat(32).as_str());
+        assert!(value.get("guestConversion").is_none(), "a guest that was not converted says nothing");
         assert_eq!(value["errors"].as_sequence().unwrap().len(), ERRORS_SHOWN);
         assert_eq!(value["errors"][ERRORS_SHOWN - 1]["reason"], "Reason7");
         for text in files.values() {
             assert!(!text.contains("s3cr3t") && !text.contains("esxi-root-password"), "{text}");
             assert!(!text.contains("lastTransitionTime"), "{text}");
         }
+    }
+
+    #[test]
+    fn the_status_file_says_what_converting_the_guest_did() {
+        let mut m = migration("apps", "web-01", Phase::Importing);
+        m.status.as_mut().unwrap().guest_conversion = Some(crate::api::GuestConversion {
+            tool: "virt-v2v 2.2.0".into(),
+            guest: "debian 12 (12.15)".into(),
+            drivers: vec!["virtio_blk".into(), "virtio_net".into()],
+            vmware_tools: "not installed".into(),
+            interface_names: vec!["00:50:56:aa:bb:cc=ens192".into()],
+            accelerator: "tcg".into(),
+            seconds: 222,
+            log: "/var/lib/vmmigrate/artifacts/u/virt-v2v.log".into(),
+        });
+        let files = status_files(&input(vec![m]));
+        let value: serde_yaml::Value = serde_yaml::from_str(&files["apps/web-01.yaml"]).unwrap();
+        let guest = &value["guestConversion"];
+        assert_eq!(guest["tool"], "virt-v2v 2.2.0");
+        assert_eq!(guest["drivers"][1], "virtio_net");
+        assert_eq!(guest["vmwareTools"], "not installed");
+        assert_eq!(guest["interfaceNames"][0], "00:50:56:aa:bb:cc=ens192");
+        assert_eq!(guest["seconds"], 222);
     }
 
     fn left(uid: &str, recorded: &str) -> LeftOnSource {

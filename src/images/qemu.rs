@@ -165,6 +165,12 @@ pub fn virt_v2v_path() -> Option<PathBuf> {
     find_executable("virt-v2v", &std::env::var_os("PATH")?)
 }
 
+/// The first executable `guestfish` in an absolute `$PATH` directory
+/// (conversion pins the guest's interface names with it).
+pub fn guestfish_path() -> Option<PathBuf> {
+    find_executable("guestfish", &std::env::var_os("PATH")?)
+}
+
 fn find_executable(name: &str, path_var: &OsStr) -> Option<PathBuf> {
     std::env::split_paths(path_var)
         .filter(|dir| dir.is_absolute())

@@ -4,7 +4,8 @@
 //! policies check, decided for a copy over SSH (docs/compatibility.md has
 //! each with its reason). Pure.
 
-use crate::api::{Blocker, Reason, SourceInventory};
+use super::observe::GuestConverterFacts;
+use crate::api::{Blocker, GuestConversionMode, Reason, SourceInventory};
 
 /// The hardware's findings: what blocks, and what is not carried.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -105,23 +106,29 @@ pub(crate) fn findings(
             warn(reason, format!("{what}: {}", names(list)));
         }
     }
-    if needs_emulated_devices(spec, &inventory.guest_os) {
+    let plan = guest_plan(spec, inventory);
+    if plan.emulated_devices {
         warn(
             Reason::WindowsWithoutVirtio,
             format!(
-                "guest OS {:?} has no virtio drivers and is not converted: its disks go on SATA and its NICs become e1000e, which are slower; set spec.conversion.virtV2v to install virtio drivers (virt-v2v needs virtio-win for that)",
+                "guest OS {:?} has no virtio drivers and is not converted: its disks go on SATA and its NICs become e1000e, which are slower; set spec.conversion.guest to auto or virtV2v to install virtio drivers (virt-v2v needs virtio-win for that)",
                 inventory.guest_os
             ),
         );
     }
     if let Some(family) = not_convertible(&inventory.guest_os) {
-        warn(
-            Reason::GuestOSNotConvertible,
-            format!(
-                "guest OS {:?} ({family}) is not one virt-v2v converts: it moves as it is, with no virtio drivers added",
-                inventory.guest_os
-            ),
+        let message = format!(
+            "guest OS {:?} ({family}) is not one virt-v2v converts: it moves as it is, with no virtio drivers added",
+            inventory.guest_os
         );
+        if spec.conversion.guest == GuestConversionMode::VirtV2v {
+            out.blockers.push(finding(
+                Reason::GuestOSNotConvertible,
+                format!("{message}; spec.conversion.guest is virtV2v, so it cannot move (set guest: none to move it as it is)"),
+            ));
+        } else {
+            out.warnings.push(finding(Reason::GuestOSNotConvertible, message));
+        }
     }
     out
 }
@@ -133,11 +140,121 @@ pub(crate) fn is_windows(guest_os: &str) -> bool {
     os.starts_with("win") || os.starts_with("longhorn")
 }
 
-/// A guest that moves without conversion and has no virtio drivers of its
-/// own: its disks go on SATA and its NICs become e1000e, which it has
-/// drivers for (Windows since Vista).
-pub(crate) fn needs_emulated_devices(spec: &crate::api::VirtualMachineMigrationSpec, guest_os: &str) -> bool {
-    !spec.conversion.virt_v2v && is_windows(guest_os)
+/// What happens to the guest itself, decided from `spec.conversion.guest`
+/// and the guest OS alone (so every reconcile, the render and the plan
+/// comment agree): converted with virt-v2v, or moved as it is, on emulated
+/// devices where it has no virtio drivers.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct GuestPlan {
+    /// virt-v2v converts the guest over all of its disks at once.
+    pub(crate) convert: bool,
+    /// Moved as it is with no virtio drivers of its own: SATA disks and
+    /// e1000e NICs (a Windows guest that is not converted).
+    pub(crate) emulated_devices: bool,
+    /// Why, in a sentence for the plan comment and the status.
+    pub(crate) why: String,
+}
+
+/// The guest's [`GuestPlan`].
+pub(crate) fn guest_plan(
+    spec: &crate::api::VirtualMachineMigrationSpec,
+    inventory: &SourceInventory,
+) -> GuestPlan {
+    let os = &inventory.guest_os;
+    let windows = is_windows(os);
+    let (convert, why) = match spec.conversion.guest {
+        GuestConversionMode::None => {
+            (false, "spec.conversion.guest is none: the disks move as they are".to_owned())
+        }
+        GuestConversionMode::VirtV2v => (true, "spec.conversion.guest is virtV2v".to_owned()),
+        GuestConversionMode::Auto => match not_convertible(os) {
+            Some(family) => {
+                (false, format!("guest OS {os:?} ({family}) is not one virt-v2v converts: it moves as it is"))
+            }
+            None if !is_known(os) => (
+                false,
+                format!(
+                    "guest OS {os:?} is not one virt-v2v is known to convert (set spec.conversion.guest: virtV2v to try): it moves as it is"
+                ),
+            ),
+            None if windows => (
+                true,
+                format!(
+                    "guest OS {os:?} has no virtio drivers: virt-v2v installs them (from virtio-win) and removes VMware Tools"
+                ),
+            ),
+            None => (
+                true,
+                format!(
+                    "guest OS {os:?} was installed on VMware hardware, so its initramfs may hold no virtio drivers: virt-v2v adds them, removes VMware Tools, and its NICs keep their names"
+                ),
+            ),
+        },
+    };
+    GuestPlan { convert, emulated_devices: !convert && windows, why }
+}
+
+/// The guest OS families virt-v2v converts (the `.vmx`'s `guestOS` or the
+/// vim guest id): Windows and the Linux distributions it inspects.
+fn is_known(guest_os: &str) -> bool {
+    let os = guest_os.to_ascii_lowercase();
+    const LINUX: &[&str] = &[
+        "rhel",
+        "centos",
+        "oracle",
+        "almalinux",
+        "rocky",
+        "fedora",
+        "sles",
+        "suse",
+        "opensuse",
+        "debian",
+        "ubuntu",
+        "asianux",
+        "mandr",
+        "other3xlinux",
+        "other4xlinux",
+        "other5xlinux",
+        "other6xlinux",
+        "other26xlinux",
+        "otherlinux",
+        "amazonlinux",
+        "linux",
+    ];
+    is_windows(&os) || LINUX.iter().any(|family| os.starts_with(family))
+}
+
+/// What stops a guest the plan converts at Validated, before anything is
+/// powered off: no virt-v2v, or a Windows guest and no virtio-win.
+pub(crate) fn converter_blockers(
+    spec: &crate::api::VirtualMachineMigrationSpec,
+    inventory: &SourceInventory,
+    facts: GuestConverterFacts,
+) -> Vec<Blocker> {
+    let plan = guest_plan(spec, inventory);
+    let mut out = Vec::new();
+    if !plan.convert {
+        return out;
+    }
+    if !facts.virt_v2v {
+        out.push(finding(
+            Reason::VirtV2vNotInstalled,
+            format!(
+                "the guest is to be converted ({}) but virt-v2v is not installed where conversions run; install it (with guestfish) in the conversion image, or set spec.conversion.guest: none to move the disks as they are",
+                plan.why
+            ),
+        ));
+    }
+    if is_windows(&inventory.guest_os) && !facts.virtio_win {
+        out.push(finding(
+            Reason::VirtioWinMissing,
+            format!(
+                "guest OS {:?} is Windows: virt-v2v installs its virtio drivers from virtio-win (/usr/share/virtio-win), which is not installed where conversions run; install it, or set spec.conversion.guest: none (its disks then go on SATA and its NICs become e1000e)",
+                inventory.guest_os
+            ),
+        ));
+    }
+    out
 }
 
 /// The family of a guest OS (the `.vmx`'s `guestOS`, or the vim guest id)
@@ -266,7 +383,7 @@ mod tests {
     }
 
     #[test]
-    fn a_windows_guest_without_conversion_gets_sata_and_e1000e_and_is_told_why() {
+    fn a_windows_guest_moved_as_it_is_gets_sata_and_e1000e_and_is_told_why() {
         for os in
             ["windows2019srv-64", "windows9-64", "winNetEnterprise", "longhorn-64", "windows9Server64Guest"]
         {
@@ -276,13 +393,72 @@ mod tests {
             assert!(!is_windows(os), "{os}");
         }
         let mut spec = cold();
-        let f = findings(&spec, &inventory(SourceHardware::default(), "windows2019srv-64"));
+        spec.conversion.guest = GuestConversionMode::None;
+        let windows = inventory(SourceHardware::default(), "windows2019srv-64");
+        let f = findings(&spec, &windows);
         assert_eq!(reasons(&f.warnings), ["WindowsWithoutVirtio"]);
         assert!(f.warnings[0].message.contains("SATA") && f.warnings[0].message.contains("virtio-win"));
-        spec.conversion.virt_v2v = true;
-        assert!(!needs_emulated_devices(&spec, "windows2019srv-64"), "virt-v2v installs virtio drivers");
+        assert!(guest_plan(&spec, &windows).emulated_devices);
+        for mode in [GuestConversionMode::Auto, GuestConversionMode::VirtV2v] {
+            spec.conversion.guest = mode;
+            let plan = guest_plan(&spec, &windows);
+            assert!(plan.convert && !plan.emulated_devices, "{mode:?}: virt-v2v installs virtio drivers");
+            assert!(findings(&spec, &windows).warnings.is_empty(), "{mode:?}");
+        }
+    }
+
+    #[test]
+    fn auto_converts_the_linux_and_windows_guests_virt_v2v_knows_and_moves_the_rest_as_they_are() {
+        let spec = cold();
+        assert_eq!(spec.conversion.guest, GuestConversionMode::Auto, "auto is the default");
+        for os in ["debian12-64", "rhel9-64", "ubuntu-64", "sles15-64", "otherLinux64", "windows2019srv-64"] {
+            let plan = guest_plan(&spec, &inventory(SourceHardware::default(), os));
+            assert!(plan.convert, "{os}");
+            assert!(plan.why.contains(os), "{os}: {}", plan.why);
+        }
+        for os in ["freeBSD13-64", "solaris11-64", "other-64", ""] {
+            let plan = guest_plan(&spec, &inventory(SourceHardware::default(), os));
+            assert!(!plan.convert && !plan.emulated_devices, "{os}");
+            assert!(plan.why.contains("moves as it is"), "{os}: {}", plan.why);
+        }
+    }
+
+    #[test]
+    fn virt_v2v_asked_for_a_guest_it_cannot_convert_blocks_and_none_moves_it_with_a_warning() {
+        let mut spec = cold();
+        let bsd = inventory(SourceHardware::default(), "freeBSD13-64");
+        spec.conversion.guest = GuestConversionMode::VirtV2v;
+        let f = findings(&spec, &bsd);
+        assert_eq!(reasons(&f.blockers), ["GuestOSNotConvertible"]);
+        assert!(f.blockers[0].message.contains("guest: none"), "{}", f.blockers[0].message);
+        spec.conversion.guest = GuestConversionMode::None;
+        let f = findings(&spec, &bsd);
+        assert!(f.blockers.is_empty());
+        assert_eq!(reasons(&f.warnings), ["GuestOSNotConvertible"]);
+    }
+
+    #[test]
+    fn a_guest_to_convert_is_blocked_without_virt_v2v_and_a_windows_one_without_virtio_win() {
+        let spec = cold();
+        let all = GuestConverterFacts { virt_v2v: true, virtio_win: true };
+        let linux = inventory(SourceHardware::default(), "debian12-64");
+        let windows = inventory(SourceHardware::default(), "windows2019srv-64");
+        assert!(converter_blockers(&spec, &linux, all).is_empty());
+        assert!(converter_blockers(&spec, &windows, all).is_empty());
+        let no_v2v = GuestConverterFacts { virt_v2v: false, virtio_win: true };
+        let b = converter_blockers(&spec, &linux, no_v2v);
+        assert_eq!(reasons(&b), ["VirtV2vNotInstalled"]);
+        assert!(b[0].message.contains("guest: none"), "{}", b[0].message);
+        let no_virtio_win = GuestConverterFacts { virt_v2v: true, virtio_win: false };
+        assert!(converter_blockers(&spec, &linux, no_virtio_win).is_empty(), "Linux needs no virtio-win");
+        let b = converter_blockers(&spec, &windows, no_virtio_win);
+        assert_eq!(reasons(&b), ["VirtioWinMissing"]);
+        assert!(b[0].message.contains("/usr/share/virtio-win") && b[0].message.contains("SATA"));
+        let mut none = cold();
+        none.conversion.guest = GuestConversionMode::None;
         assert!(
-            findings(&spec, &inventory(SourceHardware::default(), "windows2019srv-64")).warnings.is_empty()
+            converter_blockers(&none, &windows, GuestConverterFacts::default()).is_empty(),
+            "a guest moved as it is needs no converter"
         );
     }
 }

@@ -906,26 +906,35 @@ fn recorded_disks(ctx: &Ctx<'_>, copies: &[CopyState]) -> Vec<DiskStatus> {
 }
 
 fn converting(ctx: &mut Ctx<'_>, observed: Observed) {
-    let artifacts = match observed {
-        Observed::Converting(Ok(a)) => a,
+    let ConvertingFacts { artifacts, guest } = match observed {
+        Observed::Converting(Ok(facts)) => facts,
         Observed::Converting(Err(failure)) => return ctx.fail(Phase::Converting, failure),
         _ => return mismatch(ctx, Phase::Converting, "converting"),
     };
+    // A converted guest's raw artifacts are virt-v2v's disks, not the copies.
+    let converts_guest = ctx
+        .status
+        .source_inventory
+        .as_ref()
+        .is_some_and(|inventory| compatibility::guest_plan(ctx.spec, inventory).convert);
     let mut ready = Vec::new();
     let mut progress = Progress::default();
     for (disk, artifact) in artifacts.iter().enumerate() {
         // A raw artifact is the copy itself: any other sha256 means it is
         // not what was copied, whatever its marker says.
         let foreign_raw = match artifact {
-            ArtifactState::Complete { sha256, .. } if ctx.spec.conversion.format == DiskFormat::Raw => ctx
-                .status
-                .disks
-                .get(disk)
-                .and_then(|d| d.source_sha256.as_ref())
-                .filter(|copied| *copied != sha256)
-                .map(|copied| ArtifactState::Invalid {
-                    reason: format!("the raw artifact's sha256 {sha256} is not the copy's {copied}"),
-                }),
+            ArtifactState::Complete { sha256, .. }
+                if ctx.spec.conversion.format == DiskFormat::Raw && !converts_guest =>
+            {
+                ctx.status
+                    .disks
+                    .get(disk)
+                    .and_then(|d| d.source_sha256.as_ref())
+                    .filter(|copied| *copied != sha256)
+                    .map(|copied| ArtifactState::Invalid {
+                        reason: format!("the raw artifact's sha256 {sha256} is not the copy's {copied}"),
+                    })
+            }
             _ => None,
         };
         let artifact = foreign_raw.unwrap_or_else(|| artifact.clone());
@@ -980,6 +989,9 @@ fn converting(ctx: &mut Ctx<'_>, observed: Observed) {
                 d.artifact_url = Some(url.clone());
                 d.artifact_format = Some(format.clone());
             }
+        }
+        if converts_guest {
+            ctx.status.guest_conversion = guest;
         }
         ctx.condition(condition::DISK_CONVERTED, true, "Staged", "every artifact is valid and staged");
         ctx.advance(Phase::Importing);

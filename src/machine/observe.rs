@@ -100,7 +100,7 @@ pub(crate) enum Observed {
     /// Preparing: power state and the local copy of every disk.
     Preparing(Result<PreparingFacts, Failure>),
     /// Converting: the artifact of every disk.
-    Converting(Result<Vec<ArtifactState>, Failure>),
+    Converting(Result<ConvertingFacts, Failure>),
     /// Importing: the DataVolume of every disk and how imports are verified.
     Importing(Result<ImportingFacts, Failure>),
     /// CreatingVM: the destination VirtualMachine.
@@ -130,6 +130,25 @@ pub struct PreflightFacts {
     /// of a worker's name that is not the migration's). The controller fills
     /// it from its data plane, whatever the cluster adapter says.
     pub data_plane_blocked: Option<String>,
+    /// What converts guests here; the controller fills it from its
+    /// converter, whatever the cluster adapter says.
+    pub guest_converter: GuestConverterFacts,
+}
+
+/// What the place conversions run has: virt-v2v (with guestfish beside it)
+/// and virtio-win's drivers, which a Windows guest's conversion needs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct GuestConverterFacts {
+    pub virt_v2v: bool,
+    pub virtio_win: bool,
+}
+
+/// Converting: the artifact of every disk and, once the guest was
+/// converted, what its conversion did.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct ConvertingFacts {
+    pub artifacts: Vec<ArtifactState>,
+    pub guest: Option<crate::api::GuestConversion>,
 }
 
 /// Whether the destination VM name is free.

@@ -136,6 +136,8 @@ pub(crate) fn blockers(
     }
     // What the VM's hardware rules out (passthrough, shared disks, …).
     out.extend(super::compatibility::findings(spec, inventory).blockers);
+    // What converting the guest needs where conversions run.
+    out.extend(super::compatibility::converter_blockers(spec, inventory, facts.guest_converter));
     out
 }
 

@@ -10,9 +10,13 @@
 //! object as read from the API server; names they derive are deterministic
 //! (`machine::data_volume_name`, `machine::artifact_key`).
 
-use crate::api::{LeftOnSource, SourceInventory, SourcePowerState, ValidationCheck, VirtualMachineMigration};
+use crate::api::{
+    GuestConversion, LeftOnSource, SourceInventory, SourcePowerState, ValidationCheck,
+    VirtualMachineMigration,
+};
 use crate::machine::{
-    ArtifactState, CheckResult, CopyState, DataVolumeState, Failure, PreflightFacts, StartingFacts, VmState,
+    ArtifactState, CheckResult, CopyState, DataVolumeState, Failure, GuestConverterFacts, PreflightFacts,
+    StartingFacts, VmState,
 };
 use async_trait::async_trait;
 use std::sync::Arc;
@@ -145,6 +149,16 @@ pub trait Converter: Send + Sync {
     async fn artifact_state(&self, vmm: &VirtualMachineMigration, disk: usize) -> ArtifactState;
     async fn start_conversion(&self, vmm: &VirtualMachineMigration, disk: usize) -> Result<(), Failure>;
     async fn discard_artifact(&self, vmm: &VirtualMachineMigration, disk: usize) -> Result<(), Failure>;
+    /// Whether a guest can be converted where conversions run (virt-v2v,
+    /// virtio-win); asked at Validated, before anything is powered off.
+    fn guest_converter(&self) -> GuestConverterFacts {
+        GuestConverterFacts::default()
+    }
+    /// What converting the guest did, once its converted disks exist
+    /// (`None` when the guest was not converted, or not yet).
+    async fn guest_conversion(&self, _vmm: &VirtualMachineMigration) -> Option<GuestConversion> {
+        None
+    }
 }
 
 /// What CDI needs to fetch one artifact: the basic-auth pair for its Secret

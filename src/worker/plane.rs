@@ -63,6 +63,8 @@ pub(crate) struct WorkerSettings {
     pub storage_class: Option<String>,
     /// Parallel SSH streams per disk copy.
     pub copy_streams: usize,
+    /// `--guest-conversion-tcg`, passed on.
+    pub guest_conversion_tcg: bool,
 }
 
 /// `DiskStore`, `Converter` and `Staging` through worker pods.
@@ -515,6 +517,11 @@ fn job(settings: &WorkerSettings, vmm: &VirtualMachineMigration, cluster_ip: &st
             { "name": "tmp", "emptyDir": {} },
         ],
     });
+    if settings.guest_conversion_tcg
+        && let Some(args) = pod_spec["containers"][0]["args"].as_array_mut()
+    {
+        args.push(json!("--guest-conversion-tcg"));
+    }
     let mut context = pod_security_context(settings.run_as);
     if let Some((_, gid)) = settings.run_as {
         // The volumes' files belong to the worker's group.
@@ -675,6 +682,21 @@ impl Converter for WorkerPlane {
     async fn discard_artifact(&self, vmm: &VirtualMachineMigration, disk: usize) -> Result<(), Failure> {
         self.write(vmm, Call::DiscardArtifact { disk }).await
     }
+
+    /// The worker runs this process's own image: what converts guests
+    /// there is what is installed here.
+    fn guest_converter(&self) -> crate::machine::GuestConverterFacts {
+        crate::convert::store::installed_guest_converter()
+    }
+
+    async fn guest_conversion(&self, vmm: &VirtualMachineMigration) -> Option<crate::api::GuestConversion> {
+        match self.presence(vmm).await {
+            Ok(Presence::Ready(ip)) => {
+                self.call(vmm, &ip, Call::GuestConversion).await.ok().flatten().flatten()
+            }
+            _ => None,
+        }
+    }
 }
 
 #[async_trait]
@@ -753,6 +775,7 @@ mod tests {
             memory_limit: "1Gi".into(),
             storage_class: Some("fast-local".into()),
             copy_streams: 2,
+            guest_conversion_tcg: false,
         }
     }
 

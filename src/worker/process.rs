@@ -57,6 +57,9 @@ pub struct WorkerOptions {
     /// Conversions at once.
     #[arg(long, default_value_t = 2)]
     pub conversions: usize,
+    /// As the controller's `--guest-conversion-tcg`.
+    #[arg(long)]
+    pub guest_conversion_tcg: bool,
 }
 
 /// Reads the identity the controller put in the worker's Secret.
@@ -117,6 +120,7 @@ pub async fn start(opts: &WorkerOptions, metrics: Arc<Metrics>) -> anyhow::Resul
             staging_url: url,
             access: access.clone(),
             local_concurrency: opts.conversions,
+            force_tcg: opts.guest_conversion_tcg,
             jobs: None,
             metrics: metrics.clone(),
         },
@@ -222,6 +226,7 @@ impl Worker {
                 json(serde_json::to_value(self.store.staged_url(vmm, *disk, sha256).await))
             }
             Call::Stage { disk } => json(serde_json::to_value(self.store.stage(vmm, *disk).await)),
+            Call::GuestConversion => json(serde_json::to_value(self.store.guest_conversion(vmm).await)),
         }
     }
 }

@@ -36,6 +36,8 @@ pub enum Call {
     StartConversion { disk: usize },
     /// `Converter::discard_artifact` → `Result<(), Failure>`.
     DiscardArtifact { disk: usize },
+    /// `Converter::guest_conversion` → `Option<GuestConversion>`.
+    GuestConversion,
     /// `Staging::staged_url` → `Result<Option<String>, Failure>`.
     StagedUrl { disk: usize, sha256: String },
     /// `Staging::stage` → `Result<(), Failure>`.

@@ -181,7 +181,7 @@ async fn a_work_directory_that_fills_mid_conversion_waits_for_room_and_converts_
     let (fs, m) = on_a_small_file_system("e2e-enospc-conv").await;
     // The conversion Jobs wait for their work volume's claim (`work_volume`).
     m.create(|body| {
-        body["spec"]["conversion"] = json!({"format": "qcow2", "runner": "job"});
+        body["spec"]["conversion"] = json!({"format": "qcow2", "runner": "job", "guest": "none"});
         body["spec"]["strategy"]["retryLimit"] = json!(1);
     })
     .await;

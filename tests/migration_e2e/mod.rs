@@ -39,6 +39,7 @@ pub(crate) use crate::support::migration::*;
 mod faults;
 mod interference;
 mod rehearsal;
+mod vmware_guests;
 mod warm;
 mod worker_pods;
 
@@ -199,7 +200,7 @@ async fn controller_killed_during_converting_and_importing_completes_with_one_jo
     let (dvs_seen, dv_watch) = watch_uids(data_volumes);
     // The Jobs' pods wait for the work claim, created after the first kill.
     m.create(|body| {
-        body["spec"]["conversion"] = json!({"format": "qcow2", "runner": "job"});
+        body["spec"]["conversion"] = json!({"format": "qcow2", "runner": "job", "guest": "none"});
     })
     .await;
 

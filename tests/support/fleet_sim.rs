@@ -186,6 +186,7 @@ impl EsxiHost for FleetSim {
                 model: "vmxnet3".into(),
                 network: "VM Network".into(),
                 mac_address: "00:50:56:01:02:03".into(),
+                pci_slot: Some(192),
             }],
             ..Default::default()
         })
@@ -299,6 +300,10 @@ impl DiskStore for FleetSim {
 
 #[async_trait]
 impl Converter for FleetSim {
+    /// The simulated conversion converts Linux guests (it has no virtio-win).
+    fn guest_converter(&self) -> vmmigrate::machine::GuestConverterFacts {
+        vmmigrate::machine::GuestConverterFacts { virt_v2v: true, virtio_win: false }
+    }
     async fn artifact_state(&self, vmm: &VirtualMachineMigration, disk: usize) -> ArtifactState {
         ArtifactState::Complete { sha256: Self::sha(vmm, disk), staged_url: None }
     }
@@ -361,6 +366,7 @@ impl Cluster for FleetSim {
             destination_refused: None,
             data_plane_blocked: None,
             source_claimed_by: None,
+            guest_converter: Default::default(),
         })
     }
     async fn data_volume(

@@ -214,6 +214,18 @@ impl Migration {
         Migration::start(prefix, Setup { kubevirt: Kubevirt::Real, vm: (vm, vmid), ..setup }).await
     }
 
+    /// The VMware-shaped guest `vm` of the emulator's `VMWARE_GUEST_VMS`
+    /// (`tools/guest/vmware.sh`), on real KubeVirt.
+    pub(crate) async fn vmware_guest(prefix: &str, vm: &'static str) -> Migration {
+        let (vmid, vm) = esxi_emulator::VMWARE_GUEST_VMS
+            .iter()
+            .find(|(_, name)| *name == vm)
+            .copied()
+            .unwrap_or_else(|| panic!("{vm} is not a VMware-shaped guest VM of the emulator"));
+        Migration::start(prefix, Setup { kubevirt: Kubevirt::Real, vm: (vm, vmid), ..Default::default() })
+            .await
+    }
+
     pub(crate) async fn start(prefix: &str, setup: Setup) -> Migration {
         let Setup {
             cdi,
@@ -246,15 +258,23 @@ impl Migration {
         let controller_client = env.client_as(&vmmigrate::ports::user_agent("controller")).await;
         ensure_storage_class(&client).await;
         let ns = test_namespace(&client, prefix).await;
-        let guests = match kubevirt {
-            Kubevirt::Simulated => None,
-            Kubevirt::Real => Some(tokio::task::block_in_place(setup::guest_images).expect("guest images")),
+        let vmware = esxi_emulator::VMWARE_GUEST_VMS.iter().any(|(_, name)| *name == vm);
+        let (guests, vmware_guests) = match kubevirt {
+            Kubevirt::Simulated => (None, None),
+            Kubevirt::Real if vmware => (
+                None,
+                Some(tokio::task::block_in_place(setup::vmware_guest_images).expect("VMware-shaped guests")),
+            ),
+            Kubevirt::Real => {
+                (Some(tokio::task::block_in_place(setup::guest_images).expect("guest images")), None)
+            }
         };
         // Worker pods reach the host where pods reach the host: the node's veth.
         let also_listen = (data_plane == DataPlane::Pods).then_some(node_ip);
         let pair_disk_mib = (vm == "pair").then_some((24, 8));
         let emu = EsxiEmulator::start(EsxiOptions {
             guests,
+            vmware_guests,
             also_listen,
             pair_disk_mib,
             snapshot_format,
@@ -304,6 +324,8 @@ impl Migration {
             staging_url,
             conversions: 2,
             copy_streams: 2,
+            // This machine kind's /dev/kvm opens but runs no guest.
+            guest_conversion_tcg: true,
             job_image: Some(image),
             job_namespace: None,
             work_claim: Some("vmmigrate-work".into()),
@@ -434,6 +456,9 @@ impl Migration {
                 },
                 "destination": {"namespace": self.ns, "storageClassName": class},
                 "networkMap": networks,
+                // The test guests are built to boot anywhere (virtio, DHCP):
+                // nothing to convert them for.
+                "conversion": {"guest": "none"},
                 "strategy": {"backoff": {"initialSeconds": 1, "maxSeconds": 2}, "timeouts": {"sshSeconds": 20}},
                 "validation": {"checks": [
                     {"name": "status-page", "http": page},

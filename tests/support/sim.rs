@@ -725,6 +725,7 @@ impl EsxiHost for SimWorld {
                 model: "vmxnet3".into(),
                 network: "VM Network".into(),
                 mac_address: "00:50:56:01:02:03".into(),
+                pci_slot: Some(192),
             }],
             ip_addresses: vec![],
             hardware: Default::default(),
@@ -1065,6 +1066,10 @@ impl DiskStore for SimWorld {
 
 #[async_trait]
 impl Converter for SimWorld {
+    /// The simulated conversion converts Linux guests (it has no virtio-win).
+    fn guest_converter(&self) -> vmmigrate::machine::GuestConverterFacts {
+        vmmigrate::machine::GuestConverterFacts { virt_v2v: true, virtio_win: false }
+    }
     async fn artifact_state(&self, _vmm: &VirtualMachineMigration, disk: usize) -> ArtifactState {
         let mut w = self.lock();
         w.ledger.calls += 1;
@@ -1227,6 +1232,7 @@ impl Cluster for SimWorld {
             destination_refused: None,
             data_plane_blocked: None,
             source_claimed_by: None,
+            guest_converter: Default::default(),
         })
     }
 

@@ -2,7 +2,8 @@
 # Runs the image built by tools/image/build.sh once, the way the Deployment
 # runs it (uid 65532, read-only root, /tmp a tmpfs, no capabilities, no
 # network but loopback), and checks that vmmigrate starts and finds every
-# program it runs: git, ssh, qemu-img.
+# program it runs: git, ssh, qemu-img, virt-v2v and guestfish (whose
+# appliance it boots once).
 #
 #   tools/image/check.sh [LAYOUT[:TAG]]   default ~/.cache/vmmigrate/image/vmmigrate,
 #                                         its first tag (build.sh's OUT_DIR works too)
@@ -50,6 +51,12 @@ try "qemu-img --version" qemu-img --version
 try "ssh -G (passwd entry, config parsing)" sh -c "ssh -G -T -F none git.example.invalid </dev/null | grep -m1 \"^user \""
 try "git init and commit in /tmp" sh -c "git init -q /tmp/probe && git -C /tmp/probe -c user.name=probe -c user.email=probe@example.invalid commit -q --allow-empty -m probe && git -C /tmp/probe rev-parse HEAD"
 try "qemu-img create and info" sh -c "qemu-img create -q -f qcow2 /tmp/probe.qcow2 1M && qemu-img info /tmp/probe.qcow2 | grep -m1 \"file format\""
+try "virt-v2v --version" virt-v2v --version
+try "guestfish --version" guestfish --version
+# What converting a guest needs beyond --version: libguestfs builds its
+# appliance from the image (supermin, the kernel in /boot) and boots it,
+# under TCG here as where /dev/kvm cannot run guests.
+try "libguestfs appliance boots as 65532" sh -c "LIBGUESTFS_BACKEND=direct LIBGUESTFS_BACKEND_SETTINGS=force_tcg LIBGUESTFS_CACHEDIR=/tmp TMPDIR=/tmp timeout 600 guestfish -a /dev/null run : version | grep -m1 major"
 [ -s /etc/ssl/certs/ca-certificates.crt ] && pass "CA bundle present" || fail "no /etc/ssl/certs/ca-certificates.crt"
 touch /probe 2>/dev/null && fail "root filesystem is writable" || pass "root filesystem is read-only"
 for d in /var/lib/vmmigrate /var/cache/vmmigrate; do
@@ -101,7 +108,7 @@ runc)
     | .process.user = {uid: 65532, gid: 65532}
     | .process.noNewPrivileges = true
     | .process.capabilities = {bounding: [], effective: [], inheritable: [], permitted: [], ambient: []}
-    | .mounts += [{destination: "/tmp", type: "tmpfs", source: "tmpfs", options: ["nosuid", "nodev", "mode=1777", "size=65536k"]}]
+    | .mounts += [{destination: "/tmp", type: "tmpfs", source: "tmpfs", options: ["nosuid", "nodev", "mode=1777", "size=2g"]}]
     | if any(.linux.namespaces[]; .type == "network") then . else error("no network namespace") end
   ' "$work/bundle/config.json" > "$work/config.json"
   mv "$work/config.json" "$work/bundle/config.json"

@@ -54,6 +54,7 @@ fn inventory() -> SourceInventory {
             model: "vmxnet3".into(),
             network: "VM Network".into(),
             mac_address: "00:50:56:aa:bb:cc".into(),
+            pci_slot: Some(192),
         }],
         ..Default::default()
     }
@@ -272,6 +273,11 @@ fn rediscovery_overwrites_inventory_and_reports_drift() {
 
 // ---- Validated ----
 
+/// What the converter saw: these artifacts, no guest conversion report.
+fn converting(artifacts: Vec<ArtifactState>) -> ConvertingFacts {
+    ConvertingFacts { artifacts, guest: None }
+}
+
 fn preflight_ok() -> PreflightFacts {
     PreflightFacts {
         storage_class_exists: true,
@@ -280,6 +286,7 @@ fn preflight_ok() -> PreflightFacts {
         destination_refused: None,
         source_claimed_by: None,
         data_plane_blocked: None,
+        guest_converter: GuestConverterFacts { virt_v2v: true, virtio_win: false },
     }
 }
 
@@ -474,7 +481,7 @@ fn acquired_disks_record_their_checksums_in_the_status_that_advances() {
 #[test]
 fn converting_starts_resumes_cleans_and_stages_per_disk() {
     let run = Run::at(Phase::Converting);
-    let conv = |a: ArtifactState| run.decide_at(Observed::Converting(Ok(vec![a])), t(0));
+    let conv = |a: ArtifactState| run.decide_at(Observed::Converting(Ok(converting(vec![a]))), t(0));
     assert_eq!(conv(ArtifactState::Absent).actions, vec![Action::StartConversion { disk: 0 }]);
     assert!(conv(ArtifactState::InProgress { bytes_done: 1, bytes_total: 2 }).actions.is_empty());
     assert_eq!(
@@ -495,10 +502,10 @@ fn converting_starts_resumes_cleans_and_stages_per_disk() {
 #[test]
 fn staged_artifact_url_and_checksum_are_recorded_in_the_status_that_advances() {
     let d = Run::at(Phase::Converting).decide_at(
-        Observed::Converting(Ok(vec![ArtifactState::Complete {
+        Observed::Converting(Ok(converting(vec![ArtifactState::Complete {
             sha256: "ab".repeat(32),
             staged_url: Some("http://stage/artifacts/u/disk-0.raw".into()),
-        }])),
+        }]))),
         t(0),
     );
     assert_eq!(d.status.phase, Phase::Importing);
@@ -510,10 +517,10 @@ fn staged_artifact_url_and_checksum_are_recorded_in_the_status_that_advances() {
 #[test]
 fn a_raw_artifact_whose_sha256_is_not_the_copys_is_converted_again_whatever_its_marker_says() {
     let complete = |sha: &str| {
-        Observed::Converting(Ok(vec![ArtifactState::Complete {
+        Observed::Converting(Ok(converting(vec![ArtifactState::Complete {
             sha256: sha.into(),
             staged_url: Some("http://stage/artifacts/u/disk-0.raw".into()),
-        }]))
+        }])))
     };
     let d = Run::at(Phase::Converting).decide_at(complete(&"ee".repeat(32)), t(0));
     assert_eq!(d.status.phase, Phase::Converting, "never imported");
@@ -526,6 +533,31 @@ fn a_raw_artifact_whose_sha256_is_not_the_copys_is_converted_again_whatever_its_
     run.spec.conversion.format = crate::api::DiskFormat::Qcow2;
     let d = run.decide_at(complete(&"ee".repeat(32)), t(0));
     assert_eq!(d.status.phase, Phase::Importing);
+}
+
+#[test]
+fn a_converted_guests_raw_artifacts_are_virt_v2vs_and_what_it_did_is_recorded_when_they_are_staged() {
+    let report = crate::api::GuestConversion {
+        tool: "virt-v2v 2.2.0".into(),
+        guest: "debian 12 (12.15)".into(),
+        drivers: vec!["virtio_blk".into(), "virtio_net".into()],
+        vmware_tools: "not installed".into(),
+        interface_names: vec!["00:50:56:aa:bb:cc=ens192".into()],
+        accelerator: "tcg".into(),
+        seconds: 222,
+        log: "/work/artifacts/u/virt-v2v.log".into(),
+    };
+    let mut run = Run::at(Phase::Converting);
+    run.status.source_inventory.as_mut().unwrap().guest_os = "debian12-64".into();
+    let staged = ArtifactState::Complete {
+        sha256: "ee".repeat(32),
+        staged_url: Some("http://stage/artifacts/u/disk-0.raw".into()),
+    };
+    let facts = ConvertingFacts { artifacts: vec![staged], guest: Some(report.clone()) };
+    let d = run.decide_at(Observed::Converting(Ok(facts)), t(0));
+    assert_eq!(d.status.phase, Phase::Importing, "{:?}", d.actions);
+    assert_eq!(d.status.disks[0].artifact_sha256.as_deref(), Some("ee".repeat(32).as_str()));
+    assert_eq!(d.status.guest_conversion, Some(report));
 }
 
 // ---- Importing ----
@@ -571,10 +603,10 @@ fn failed_import_rechecks_the_artifact_in_converting_and_counts_against_the_impo
         ))])))
     };
     let staged = || {
-        Observed::Converting(Ok(vec![ArtifactState::Complete {
+        Observed::Converting(Ok(converting(vec![ArtifactState::Complete {
             sha256: "ab".repeat(32),
             staged_url: Some("http://stage/artifacts/u/disk-0.raw".into()),
-        }]))
+        }])))
     };
     let mut run = Run::at(Phase::Importing);
     let mut now = 0;
@@ -624,10 +656,10 @@ fn import_success_after_rework_clears_the_retry_bookkeeping() {
 fn corrupt_acquired_copy_is_discarded_and_copied_again_without_touching_power() {
     let mut run = Run::at(Phase::Converting);
     let d = run.step(
-        Observed::Converting(Ok(vec![ArtifactState::Failed(Failure::retryable(
+        Observed::Converting(Ok(converting(vec![ArtifactState::Failed(Failure::retryable(
             Reason::AcquiredCopyCorrupt,
             "disk-0.raw no longer matches the sha256 taken while copying",
-        ))])),
+        ))]))),
         t(0),
     );
     assert_eq!(d.actions, vec![Action::DiscardDiskCopy { disk: 0 }]);

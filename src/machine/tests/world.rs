@@ -292,7 +292,7 @@ fn a_host_that_answered_at_discovery_and_cannot_be_reached_now_is_waited_out() {
     assert!(run.status.source_inventory.is_some(), "discovered");
     let mut now = 0;
     for _ in 0..10 {
-        let d = run.step(Observed::Converting(Ok(vec![ArtifactState::Failed(lost())])), t(now));
+        let d = run.step(Observed::Converting(Ok(converting(vec![ArtifactState::Failed(lost())]))), t(now));
         assert_eq!(d.status.phase, Phase::Retryable, "{:?}", d.status.errors.last());
         now += 10_000;
         run.step(Observed::Nothing, t(now));
@@ -320,7 +320,8 @@ fn a_full_work_directory_is_waited_out_without_spending_the_budget_or_losing_the
     assert_eq!(full.reason, Reason::WorkDirectoryFull);
     let mut now = 0;
     for _ in 0..20 {
-        let d = run.step(Observed::Converting(Ok(vec![ArtifactState::Failed(full.clone())])), t(now));
+        let d =
+            run.step(Observed::Converting(Ok(converting(vec![ArtifactState::Failed(full.clone())]))), t(now));
         assert_eq!(d.status.phase, Phase::Retryable, "{:?}", d.status.errors.last());
         assert!(d.status.retry.as_ref().unwrap().attempt <= 2, "the budget is not spent");
         assert!(!d.actions.iter().any(|a| matches!(a, Action::DiscardDiskCopy { .. })), "{:?}", d.actions);

@@ -437,6 +437,7 @@ impl EsxiHost for EsxiHosts {
                     model: n.model.clone(),
                     network: n.network.clone(),
                     mac_address: n.mac_address.clone(),
+                    pci_slot: n.pci_slot,
                 })
                 .collect(),
             ip_addresses: guest

@@ -25,6 +25,7 @@ pub mod kubevirt_sim;
 pub mod netns;
 pub mod node;
 pub mod process;
+pub mod qemu_guest;
 pub mod setup;
 pub mod tls;
 pub mod vmdk_delta;

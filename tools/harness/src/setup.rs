@@ -58,6 +58,22 @@ pub const PACKAGES: &[&str] = &[
     "libpcre2-8-0",
 ];
 
+/// What converting and booting whole guests needs besides [`PACKAGES`]:
+/// virt-v2v with the nbdkit and nbdcopy it runs without depending on them,
+/// guestfish, a kernel in /boot for libguestfs's appliance, QEMU and OVMF.
+pub const GUEST_CONVERSION_PACKAGES: &[&str] =
+    &["virt-v2v", "nbdkit", "libnbd-bin", "guestfish", "linux-image-cloud-amd64", "qemu-system-x86", "ovmf"];
+
+/// Installs the missing [`GUEST_CONVERSION_PACKAGES`] (and [`PACKAGES`]) once
+/// per process.
+pub fn guest_conversion_packages() -> anyhow::Result<()> {
+    static DONE: OnceLock<Result<(), String>> = OnceLock::new();
+    packages()?;
+    DONE.get_or_init(|| ensure_packages(GUEST_CONVERSION_PACKAGES).map_err(|e| format!("{e:#}")))
+        .clone()
+        .map_err(anyhow::Error::msg)
+}
+
 /// Where the harness caches what it builds (`~/.cache/vmmigrate`).
 pub fn cache_root() -> PathBuf {
     let home = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("/root"));
@@ -188,6 +204,22 @@ pub fn guest_images() -> anyhow::Result<PathBuf> {
         let build = || -> anyhow::Result<PathBuf> {
             packages()?;
             run_build_script("guest", "tools/guest/build.sh", &[&cache_root().join("guest")])
+        };
+        build().map_err(|e| format!("{e:#}"))
+    })
+    .clone()
+    .map_err(anyhow::Error::msg)
+}
+
+/// The directory of the VMware-shaped guests (`vmware-bios.img`,
+/// `vmware-uefi.img`, `vmware-uefi-data.img`), built by
+/// `tools/guest/vmware.sh` on first use, under a lock.
+pub fn vmware_guest_images() -> anyhow::Result<PathBuf> {
+    static DIR: OnceLock<Result<PathBuf, String>> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let build = || -> anyhow::Result<PathBuf> {
+            guest_conversion_packages()?;
+            run_build_script("vmware-guest", "tools/guest/vmware.sh", &[&cache_root().join("vmware-guest")])
         };
         build().map_err(|e| format!("{e:#}"))
     })

@@ -112,6 +112,9 @@ pub(crate) struct VmxNic {
     pub network: String,
     /// Lowercase: `address` if `addressType = "static"`, else `generatedAddress`.
     pub mac_address: String,
+    /// `pciSlotNumber`: the slot ESXi put the NIC in, which names it inside a
+    /// guest with predictable interface names (`ens192` for slot 192).
+    pub pci_slot: Option<u32>,
 }
 
 /// What the migration needs from a `.vmx`.
@@ -226,6 +229,11 @@ pub(crate) fn vmx_facts(vmx: &Vmx) -> VmxFacts {
                 model: model.unwrap_or("e1000").to_string(),
                 network: get(&format!("{dev}.networkname")),
                 mac_address: mac.trim().to_ascii_lowercase(),
+                // ESXi writes -1 for a slot not yet assigned.
+                pci_slot: vmx
+                    .get(&format!("{dev}.pcislotnumber"))
+                    .and_then(|s| s.trim().parse::<u32>().ok())
+                    .filter(|slot| (1..=65_535).contains(slot)),
                 device: dev,
             }
         })

@@ -285,6 +285,9 @@ pub(super) fn vm_specs(opts: &EsxiOptions) -> Vec<VmSpec> {
     if let Some(images) = &opts.guests {
         vms.extend(guest_vms(images));
     }
+    if let Some(images) = &opts.vmware_guests {
+        vms.extend(vmware_guest_vms(images));
+    }
     if let Some((n, mib)) = opts.fleet {
         // Each emulator's fleet has BIOS UUIDs of its own.
         static HOSTS: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
@@ -450,6 +453,61 @@ pub(super) fn guest_vms(images: &Path) -> Vec<VmSpec> {
     ]
 }
 
+/// [`super::VMWARE_GUEST_VMS`]: the guests of `tools/guest/vmware.sh` on the
+/// hardware they were built for.
+pub(super) fn vmware_guest_vms(images: &Path) -> Vec<VmSpec> {
+    let image = |node, file: &str, name: &str, adapter| DiskSpec {
+        thin: true,
+        image: Some(images.join(name)),
+        ..disk(node, file, 0, adapter)
+    };
+    let nic =
+        |mac| NicSpec { device: "vmxnet3", network: "VM Network", address_type: "generated", mac, ips: &[] };
+    let base = |id, name: &'static str| VmSpec {
+        id,
+        name: name.into(),
+        dir: name.into(),
+        guest_os: "debian12-64",
+        guest_id: "debian12_64Guest",
+        guest_full: "Debian GNU/Linux 12 (64-bit)",
+        hw_version: 21,
+        memory_mb: 1024,
+        cpus: Some(1),
+        efi: false,
+        secure_boot: false,
+        power_on: true,
+        tools: "running",
+        hostname: name,
+        ip: Some("10.0.2.2"),
+        annotation: "",
+        controllers: vec![],
+        disks: vec![],
+        cdrom: None,
+        nics: vec![],
+        snapshot: false,
+        question: None,
+        uuid_tail: None,
+    };
+    vec![
+        VmSpec {
+            controllers: vec![("scsi0", "pvscsi")],
+            disks: vec![image("scsi0:0", "vmware-bios.vmdk", "vmware-bios.img", "lsilogic")],
+            nics: vec![nic("00:50:56:aa:bb:13")],
+            ..base("13", "vmware-bios")
+        },
+        VmSpec {
+            efi: true,
+            controllers: vec![("nvme0", "")],
+            disks: vec![
+                image("nvme0:0", "vmware-uefi.vmdk", "vmware-uefi.img", "nvme"),
+                image("nvme0:1", "vmware-uefi_1.vmdk", "vmware-uefi-data.img", "nvme"),
+            ],
+            nics: vec![nic("00:50:56:aa:bb:14")],
+            ..base("14", "vmware-uefi")
+        },
+    ]
+}
+
 pub(super) fn stem(file: &str) -> &str {
     file.strip_suffix(".vmdk").unwrap_or(file)
 }
@@ -507,6 +565,15 @@ pub(super) fn vmx_text(vm: &VmSpec) -> String {
         lines.push((format!("ethernet{i}.addressType"), nic.address_type.into()));
         let key = if nic.address_type == "static" { "address" } else { "generatedAddress" };
         lines.push((format!("ethernet{i}.{key}"), nic.mac.into()));
+        // The slots ESXi gives a VM's NICs in order (hardware version 7 on):
+        // a guest with predictable names calls them ens192, ens224, ...
+        let slot = match i {
+            0 => 192,
+            1 => 224,
+            2 => 256,
+            n => 1184 + 32 * (n - 3),
+        };
+        lines.push((format!("ethernet{i}.pciSlotNumber"), slot.to_string()));
     }
     lines.push((
         "sched.swap.derivedName".into(),

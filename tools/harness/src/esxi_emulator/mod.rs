@@ -98,6 +98,9 @@ pub struct EsxiOptions {
     /// The guest images of `tools/guest/build.sh` (`setup::guest_images`):
     /// adds the VMs whose disks are real bootable guests, [`GUEST_VMS`].
     pub guests: Option<PathBuf>,
+    /// The guests of `tools/guest/vmware.sh` (`setup::vmware_guest_images`),
+    /// shaped like guests installed on ESXi: adds [`VMWARE_GUEST_VMS`].
+    pub vmware_guests: Option<PathBuf>,
 }
 
 /// The VMs [`EsxiOptions::guests`] adds, by vmid and name: `app-bios` (8,
@@ -110,6 +113,13 @@ pub struct EsxiOptions {
 pub const GUEST_VMS: [(&str, &str); 4] =
     [("8", "app-bios"), ("9", "app-efi"), ("10", "no-os"), ("11", "app-secure")];
 
+/// The VMs [`EsxiOptions::vmware_guests`] adds, by vmid and name, each
+/// named as its guest calls itself: `vmware-bios` (13, SeaBIOS, its disk on
+/// PVSCSI) and `vmware-uefi` (14, UEFI without secure boot, two disks on
+/// NVMe). Each is `debian12-64`, 1 vCPU and 1 GiB, powered on with Tools
+/// running, one vmxnet3 NIC in PCI slot 192 (`ens192` in the guest).
+pub const VMWARE_GUEST_VMS: [(&str, &str); 2] = [("13", "vmware-bios"), ("14", "vmware-uefi")];
+
 impl Default for EsxiOptions {
     fn default() -> Self {
         EsxiOptions {
@@ -121,6 +131,7 @@ impl Default for EsxiOptions {
             also_listen: None,
             fleet: None,
             guests: None,
+            vmware_guests: None,
         }
     }
 }

@@ -104,6 +104,7 @@ ethernet0.virtualDev = "vmxnet3"
 ethernet0.networkName = "VM Network"
 ethernet0.addressType = "vpx"
 ethernet0.generatedAddress = "00:50:56:9b:5f:0d"
+ethernet0.pciSlotNumber = "192"
 uuid.bios = "42 1b 4b 87 e6 b7 d8 81-07 a0 c9 d2 21 cd 3c 6b"
 "#;
 

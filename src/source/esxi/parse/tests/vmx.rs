@@ -39,6 +39,7 @@ fn vmx_sample_facts() {
                 model: "vmxnet3".into(),
                 network: "VM Network".into(),
                 mac_address: "00:50:56:9b:5f:0d".into(),
+                pci_slot: Some(192),
             }],
             // Its installer ISO, connected at power-on, is not migrated.
             hardware: crate::api::SourceHardware {
@@ -86,9 +87,9 @@ fn vmx_booleans_are_case_insensitive() {
 }
 
 #[test]
-fn vmx_static_mac_is_used_and_lowercased() {
+fn vmx_static_mac_is_used_and_lowercased_and_an_unassigned_pci_slot_is_none() {
     let vmx = parse_vmx(
-        "ethernet1.present = \"TRUE\"\nethernet1.addressType = \"static\"\nethernet1.address = \"00:50:56:AA:BB:CC\"\nethernet1.generatedAddress = \"00:0c:29:00:00:01\"\nethernet1.networkName = \"Prod\"\n",
+        "ethernet1.present = \"TRUE\"\nethernet1.addressType = \"static\"\nethernet1.address = \"00:50:56:AA:BB:CC\"\nethernet1.generatedAddress = \"00:0c:29:00:00:01\"\nethernet1.networkName = \"Prod\"\nethernet1.pciSlotNumber = \"-1\"\n",
     );
     let nics = vmx_facts(&vmx).nics;
     assert_eq!(
@@ -98,6 +99,7 @@ fn vmx_static_mac_is_used_and_lowercased() {
             model: "e1000".into(),
             network: "Prod".into(),
             mac_address: "00:50:56:aa:bb:cc".into(),
+            pci_slot: None,
         }]
     );
 }
