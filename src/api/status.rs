@@ -491,6 +491,21 @@ pub struct GuestConversion {
     /// Where the conversion's log was kept.
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub log: String,
+    /// sha256 of each converted disk's raw bytes, in disk order: what its
+    /// volume holds once imported (the copies' sha256 no longer says).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub disk_sha256: Vec<String>,
+}
+
+impl VirtualMachineMigrationStatus {
+    /// The sha256 disk `disk`'s imported volume must have: its converted
+    /// bytes' when the guest was converted, else its copy's.
+    pub(crate) fn expected_volume_sha256(&self, disk: usize) -> Option<String> {
+        match &self.guest_conversion {
+            Some(converted) => converted.disk_sha256.get(disk).cloned(),
+            None => self.disks.get(disk).and_then(|d| d.source_sha256.clone()),
+        }
+    }
 }
 
 /// A reason validation did not pass.

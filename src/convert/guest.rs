@@ -35,7 +35,7 @@ const LOG_READ_LIMIT: u64 = 1 << 20;
 
 /// A guest to convert: its inventory and the acquired copies of its disks,
 /// in the inventory's disk order.
-pub struct GuestInput<'a> {
+pub(crate) struct GuestInput<'a> {
     /// The domain's name (and the output files' stem): lowercase letters,
     /// digits and `-`.
     pub name: &'a str,
@@ -52,7 +52,7 @@ pub struct GuestInput<'a> {
 /// What [`convert_guest`] made: one disk per input disk, in order, and what
 /// it did.
 #[derive(Debug)]
-pub struct ConvertedGuest {
+pub(crate) struct ConvertedGuest {
     pub disks: Vec<PathBuf>,
     pub report: GuestConversion,
 }
@@ -75,7 +75,7 @@ pub enum GuestConversionError {
 
 /// Converts the guest into `work` (emptied first): virt-v2v's disks, its
 /// domain description and log (`virt-v2v.log`), then the interface names.
-pub async fn convert_guest(
+pub(crate) async fn convert_guest(
     virt_v2v: &Path,
     input: &GuestInput<'_>,
     work: &Path,

@@ -197,7 +197,7 @@ async fn prepare(req: &ConversionRequest) -> Result<u64, ConvertError> {
 }
 
 /// A whole guest to convert: one request per disk, in the inventory's order.
-pub struct GuestRequest<'a> {
+pub(crate) struct GuestRequest<'a> {
     pub disks: &'a [ConversionRequest],
     pub inventory: &'a crate::api::SourceInventory,
     /// See [`GuestInput::force_tcg`].
@@ -213,11 +213,13 @@ pub struct GuestRequest<'a> {
 /// names pinned) and turns each converted disk into its request's artifact,
 /// validated, hashed and marked like any other; virt-v2v's log is kept as
 /// `virt-v2v.log` beside the report. Returns the markers and what was done.
-pub async fn produce_guest(guest: &GuestRequest<'_>) -> Result<(Vec<Marker>, GuestConversion), ConvertError> {
+pub(crate) async fn produce_guest(
+    guest: &GuestRequest<'_>,
+) -> Result<(Vec<Marker>, GuestConversion), ConvertError> {
     let virt_v2v = qemu::virt_v2v_path().ok_or(GuestConversionError::NotInstalled)?;
-    let Some(first) = guest.disks.first() else {
+    if guest.disks.is_empty() {
         return Err(ConvertError::InvalidOutput("a guest without disks".into()));
-    };
+    }
     artifact::remove_if_present(&guest.report)?;
     for req in guest.disks {
         prepare(req).await?;
@@ -227,7 +229,8 @@ pub async fn produce_guest(guest: &GuestRequest<'_>) -> Result<(Vec<Marker>, Gue
         name: "guest",
         inventory: guest.inventory,
         disks: &inputs,
-        format: first.format,
+        // Raw always: each disk's raw sha256 is what its volume will hold.
+        format: OutputFormat::Raw,
         force_tcg: guest.force_tcg,
     };
     // virt-v2v's log outlives its work directory, whatever happened.
@@ -247,7 +250,9 @@ pub async fn produce_guest(guest: &GuestRequest<'_>) -> Result<(Vec<Marker>, Gue
         report.log = kept_log.display().to_string();
         let mut sealed = Vec::with_capacity(guest.disks.len());
         for (produced, req) in converted.iter().zip(guest.disks) {
-            sealed.push((finish(produced, req.format, req).await?, req));
+            let (marker, raw_sha256) = seal_converted(produced, req).await?;
+            report.disk_sha256.push(raw_sha256);
+            sealed.push((marker, req));
         }
         let json = serde_json::to_vec_pretty(&report).map_err(io::Error::other)?;
         tokio::fs::write(&guest.report, json).await?;
@@ -266,8 +271,34 @@ pub async fn produce_guest(guest: &GuestRequest<'_>) -> Result<(Vec<Marker>, Gue
     Ok((markers, report))
 }
 
+/// Turns one of virt-v2v's raw disks into `req`'s artifact; returns its
+/// marker and the raw bytes' sha256 (the artifact's own for raw).
+async fn seal_converted(produced: &Path, req: &ConversionRequest) -> Result<(Marker, String), ConvertError> {
+    match req.format {
+        OutputFormat::Raw => {
+            let marker = finish(produced, OutputFormat::Raw, req).await?;
+            let raw = marker.sha256.clone();
+            Ok((marker, raw))
+        }
+        OutputFormat::Qcow2 => {
+            let (_, raw) = hash(produced).await?;
+            let partial = artifact::partial_path(&req.output);
+            let per_mille = AtomicU64::new(0);
+            let result = async {
+                qemu::convert(produced, "raw", &partial, "qcow2", &per_mille).await?;
+                finish(&partial, OutputFormat::Qcow2, req).await
+            }
+            .await;
+            if result.is_err() {
+                let _ = artifact::remove_if_present(&partial);
+            }
+            Ok((result?, raw))
+        }
+    }
+}
+
 /// What [`produce_guest`] reported, read back (`None` when absent or unreadable).
-pub fn read_guest_report(path: &Path) -> Option<GuestConversion> {
+pub(crate) fn read_guest_report(path: &Path) -> Option<GuestConversion> {
     let bytes = std::fs::read(path).ok()?;
     serde_json::from_slice(&bytes).ok()
 }

@@ -74,7 +74,7 @@ pub(crate) fn verify_job(settings: &VerifySettings, vmm: &VirtualMachineMigratio
                 "verify-volume",
                 "--path", "/volume/disk.img",
                 "--size", evidence.size_bytes.max(0).to_string(),
-                "--sha256", evidence.source_sha256.unwrap_or_default(),
+                "--sha256", status.expected_volume_sha256(disk).unwrap_or_default(),
             ],
             "terminationMessagePolicy": "FallbackToLogsOnError",
             "resources": { "requests": { "cpu": "100m", "memory": "64Mi" }, "limits": { "memory": "256Mi" } },

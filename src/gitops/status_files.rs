@@ -715,6 +715,7 @@ mod tests {
             accelerator: "tcg".into(),
             seconds: 222,
             log: "/var/lib/vmmigrate/artifacts/u/virt-v2v.log".into(),
+            disk_sha256: vec!["cc".repeat(32)],
         });
         let files = status_files(&input(vec![m]));
         let value: serde_yaml::Value = serde_yaml::from_str(&files["apps/web-01.yaml"]).unwrap();
@@ -724,6 +725,7 @@ mod tests {
         assert_eq!(guest["vmwareTools"], "not installed");
         assert_eq!(guest["interfaceNames"][0], "00:50:56:aa:bb:cc=ens192");
         assert_eq!(guest["seconds"], 222);
+        assert_eq!(guest["diskSha256"][0], "cc".repeat(32).as_str());
     }
 
     fn left(uid: &str, recorded: &str) -> LeftOnSource {

@@ -161,13 +161,13 @@ pub async fn map(path: &Path, format: &str) -> Result<Vec<MapRange>, QemuError> 
 }
 
 /// The first executable `virt-v2v` in an absolute `$PATH` directory.
-pub fn virt_v2v_path() -> Option<PathBuf> {
+pub(crate) fn virt_v2v_path() -> Option<PathBuf> {
     find_executable("virt-v2v", &std::env::var_os("PATH")?)
 }
 
 /// The first executable `guestfish` in an absolute `$PATH` directory
 /// (conversion pins the guest's interface names with it).
-pub fn guestfish_path() -> Option<PathBuf> {
+pub(crate) fn guestfish_path() -> Option<PathBuf> {
     find_executable("guestfish", &std::env::var_os("PATH")?)
 }
 

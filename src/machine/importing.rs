@@ -133,7 +133,7 @@ enum Verified {
 /// by CDI's own checksum check (`check` is `None`: the stored DataVolume
 /// kept `checksum`), or by the verify Job reading the volume.
 fn verify_import(ctx: &mut Ctx<'_>, disk: usize, name: &str, check: Option<VolumeCheck>) -> Verified {
-    let expected = ctx.status.disks.get(disk).and_then(|d| d.source_sha256.clone()).unwrap_or_default();
+    let expected = ctx.status.expected_volume_sha256(disk).unwrap_or_default();
     let record = |ctx: &mut Ctx<'_>, how: ImportVerification, sha: Option<String>| {
         if let Some(d) = ctx.status.disks.get_mut(disk) {
             d.import_verification = Some(how);

@@ -143,13 +143,25 @@ async fn assert_converted_and_chained(m: &Migration, status: &VirtualMachineMigr
     assert_eq!(report.interface_names, vec![format!("{mac}=ens192")]);
     assert_eq!(report.accelerator, "tcg");
 
-    // Copy (= source) → converted artifact → imported volume.
+    // Source = copy → converted disk (raw) = artifact → imported volume,
+    // proven at import, before the guest first wrote to it.
     let source = m.source_sha256_at_start();
     let copies: Vec<String> = status.disks.iter().map(|d| d.source_sha256.clone().unwrap()).collect();
     assert_eq!(copies, source, "the copies are the source's bytes");
+    assert_eq!(report.disk_sha256.len(), disks, "{report:?}");
+    assert_ne!(report.disk_sha256[0], copies[0], "the root disk was converted");
     let artifacts: Vec<String> = status.disks.iter().map(|d| d.artifact_sha256.clone().unwrap()).collect();
-    assert_ne!(artifacts[0], copies[0], "the root disk was converted");
-    assert_eq!(m.imported_sha256(disks).await, artifacts, "the volumes hold the converted bytes");
+    assert_eq!(artifacts, report.disk_sha256, "raw artifacts are the converted disks");
+    for (i, disk) in status.disks.iter().enumerate() {
+        match disk.import_verification {
+            // CDI checked what it downloaded against the artifact's sha256.
+            Some(vmmigrate::api::ImportVerification::CdiChecksum) => {}
+            Some(vmmigrate::api::ImportVerification::VolumeSha256) => {
+                assert_eq!(disk.imported_sha256.as_ref(), Some(&report.disk_sha256[i]), "disk {i}")
+            }
+            None => panic!("disk {i}'s import was not proven: {disk:?}"),
+        }
+    }
 
     // The guest's own page, at its own address, through the Service.
     assert_eq!(status.validation_results.len(), 1);

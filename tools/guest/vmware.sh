@@ -168,7 +168,7 @@ part-init /dev/sda gpt
 part-add /dev/sda p 2048 133119
 part-set-gpt-type /dev/sda 1 C12A7328-F81F-11D2-BA4B-00A0C93EC93B
 part-add /dev/sda p 133120 -34
-mkfs vfat /dev/sda1
+mkfs vfat /dev/sda1 label:VMMESP
 mke2fs /dev/sda2 fstype:ext4 label:vmmroot uuid:$UEFI_ROOT_UUID
 part-init /dev/sdb gpt
 part-add /dev/sdb p 2048 -34
@@ -182,8 +182,10 @@ mount /dev/sdb1 /srv/data
 write /srv/data/vmmigrate-data.txt "vmmigrate-data-disk-$UEFI_DATA_UUID"
 write /etc/initramfs-tools/modules "vmw_pvscsi\nnvme\nsd_mod\next4\n"
 command "update-initramfs -u -k all"
-write /etc/fstab "UUID=$UEFI_ROOT_UUID / ext4 errors=remount-ro 0 1\nUUID=$UEFI_DATA_UUID /srv/data ext4 defaults 0 2\n"
-command "sh -c 'echo UUID=\$(blkid -s UUID -o value /dev/sda1) /boot/efi vfat umask=0077 0 1 >> /etc/fstab'"
+# The ESP by its label: blkid run in the guest's tree here once named the
+# data disk's file system for /dev/sda1, and the guest then failed to mount
+# it ("bogus number of reserved sectors") and virt-v2v found no /boot/efi.
+write /etc/fstab "UUID=$UEFI_ROOT_UUID / ext4 errors=remount-ro 0 1\nUUID=$UEFI_DATA_UUID /srv/data ext4 defaults 0 2\nLABEL=VMMESP /boot/efi vfat umask=0077 0 1\n"
 -debug sh "udevadm settle --timeout=120"
 command "grub-install --target=x86_64-efi --efi-directory=/boot/efi --bootloader-id=debian --no-nvram"
 command "grub-install --target=x86_64-efi --efi-directory=/boot/efi --removable --no-nvram"

@@ -546,6 +546,7 @@ fn a_converted_guests_raw_artifacts_are_virt_v2vs_and_what_it_did_is_recorded_wh
         accelerator: "tcg".into(),
         seconds: 222,
         log: "/work/artifacts/u/virt-v2v.log".into(),
+        disk_sha256: vec!["ee".repeat(32)],
     };
     let mut run = Run::at(Phase::Converting);
     run.status.source_inventory.as_mut().unwrap().guest_os = "debian12-64".into();
@@ -558,6 +559,9 @@ fn a_converted_guests_raw_artifacts_are_virt_v2vs_and_what_it_did_is_recorded_wh
     assert_eq!(d.status.phase, Phase::Importing, "{:?}", d.actions);
     assert_eq!(d.status.disks[0].artifact_sha256.as_deref(), Some("ee".repeat(32).as_str()));
     assert_eq!(d.status.guest_conversion, Some(report));
+    // Its volume is proven against the converted bytes, not the copy's.
+    assert_ne!(d.status.disks[0].source_sha256.as_deref(), Some("ee".repeat(32).as_str()));
+    assert_eq!(d.status.expected_volume_sha256(0), Some("ee".repeat(32)));
 }
 
 // ---- Importing ----
