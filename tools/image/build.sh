@@ -67,11 +67,13 @@ dpkgopts=(
   'path-exclude=/usr/share/bash-completion/*' 'path-exclude=/usr/share/zsh/*'
 )
 # Run on the finished tree ($1). resolv.conf and hostname are the host's
-# otherwise; runtimes mount their own over them.
+# otherwise; runtimes mount their own over them. /var/tmp is /tmp (the one
+# writable directory): QEMU puts libguestfs's appliance overlay there.
 # shellcheck disable=SC2016
 cleanup='rm -rf "$1"/var/lib/apt/lists/* "$1"/var/cache/apt/* "$1"/var/cache/debconf/*-old \
   "$1"/var/lib/dpkg/*-old "$1"/var/log/*.log "$1"/var/log/apt/* "$1"/usr/share/info/* \
-  "$1"/usr/share/doc/*/README* && : > "$1"/etc/resolv.conf && : > "$1"/etc/hostname'
+  "$1"/usr/share/doc/*/README* && : > "$1"/etc/resolv.conf && : > "$1"/etc/hostname \
+  && rm -rf "$1"/var/tmp && ln -s /tmp "$1"/var/tmp'
 recipe=$(printf '%s\n' "suite=$suite" "variant=$variant" "arch=$(dpkg --print-architecture)" \
   "packages=${packages[*]}" "dpkgopts=${dpkgopts[*]}" "cleanup=$cleanup" "mmdebstrap=$(mmdebstrap --version)")
 key=$(printf '%s' "$recipe" | sha256sum | cut -c1-12)
