@@ -119,13 +119,14 @@ async fn a_vmware_uefi_guest_on_two_nvme_disks_converted_whole_boots_on_virtio_w
         started.elapsed().as_secs_f64(),
         status.guest_conversion.as_ref().map_or(0, |g| g.seconds)
     );
-    assert_converted_and_chained(&m, &status, 2).await;
     let guest = m.guest_facts().await;
     assert!(
         guest.page.contains("data vmmigrate-data-disk-"),
         "its data disk is mounted by UUID: {}",
         guest.page
     );
+    // Last: it halts the VM to read its volume.
+    assert_converted_and_chained(&m, &status, 2).await;
 }
 
 /// What every converted guest shows: what virt-v2v did, the hashes chained
