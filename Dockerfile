@@ -21,11 +21,16 @@ FROM debian:bookworm-slim
 ARG VERSION=0.1.0
 # qemu-utils: qemu-img (conversion, artifact checks); git and openssh-client:
 # the status branch is pushed with the git CLI, ssh:// repositories;
-# ca-certificates: HTTPS to forges and repositories.
+# ca-certificates: HTTPS to forges and repositories; virt-v2v, guestfish,
+# nbdkit, libnbd-bin and a kernel: whole-guest conversion (libguestfs's
+# appliance is built from the image at first use). /var/tmp is /tmp: QEMU
+# puts the appliance's overlay there and the root is read-only.
 RUN apt-get update \
  && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
       ca-certificates git openssh-client qemu-utils \
- && rm -rf /var/lib/apt/lists/* /var/cache/apt/* /var/log/*.log /var/log/apt/*
+      virt-v2v guestfish nbdkit libnbd-bin linux-image-cloud-amd64 \
+ && rm -rf /var/lib/apt/lists/* /var/cache/apt/* /var/log/*.log /var/log/apt/* \
+ && rm -rf /var/tmp && ln -s /tmp /var/tmp
 COPY --from=build /vmmigrate /usr/local/bin/vmmigrate
 # Non-root, numeric so runAsNonRoot can verify it. ssh refuses to run for a
 # uid without a passwd entry, hence the user; its home is /tmp, like $HOME in

@@ -102,6 +102,7 @@ async fn migrate(client: &kube::Client, emu: &EsxiEmulator, run: &str, mode: &st
         worker_cpu: "100m".into(),
         worker_memory: "64Mi".into(),
         worker_memory_limit: "512Mi".into(),
+        worker_guest_memory_limit: "3Gi".into(),
         worker_storage_class: None,
     };
     let metrics = Arc::new(Metrics::new());
@@ -126,6 +127,8 @@ async fn migrate(client: &kube::Client, emu: &EsxiEmulator, run: &str, mode: &st
                        "credentialsSecretRef": {"name": "esxi"}, "vm": {"name": "pair"}},
             "destination": {"namespace": ns, "storageClassName": "local-path"},
             "networkMap": [{"source": "VM Network", "type": "Pod"}],
+            // Patterned disks, not guests: the data path alone is measured.
+            "conversion": {"guest": "none"},
             "powerOffPolicy": "GracefulThenForce",
             "mode": mode,
         }

@@ -63,7 +63,7 @@ fn git(dir: &Path, args: &[&str]) -> String {
 
 fn manifest(ns: &str, name: &str, host: &str, wave: u64) -> String {
     format!(
-        "apiVersion: migration.platform.example/v1alpha1\nkind: VirtualMachineMigration\nmetadata:\n  name: {name}\n  namespace: {ns}\nspec:\n  wave:\n    plan: fleet\n    number: {wave}\n  source:\n    host: {host}\n    hostKey: SHA256:uNiVztksCsDhcc0u9e8BujQXVUpKZIDTMczCvj3tD2s\n    credentialsSecretRef:\n      name: esxi\n    vm:\n      name: {name}\n  destination:\n    namespace: {ns}\n    storageClassName: local-path\n  networkMap:\n  - source: VM Network\n    type: Pod\n  validation:\n    checks:\n    - name: agent\n      guestAgent: {{}}\n"
+        "apiVersion: migration.platform.example/v1alpha1\nkind: VirtualMachineMigration\nmetadata:\n  name: {name}\n  namespace: {ns}\nspec:\n  wave:\n    plan: fleet\n    number: {wave}\n  source:\n    host: {host}\n    hostKey: SHA256:uNiVztksCsDhcc0u9e8BujQXVUpKZIDTMczCvj3tD2s\n    credentialsSecretRef:\n      name: esxi\n    vm:\n      name: {name}\n  destination:\n    namespace: {ns}\n    storageClassName: local-path\n  networkMap:\n  - source: VM Network\n    type: Pod\n  conversion:\n    guest: none\n  validation:\n    checks:\n    - name: agent\n      guestAgent: {{}}\n"
     )
 }
 

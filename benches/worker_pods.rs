@@ -115,6 +115,7 @@ fn main() {
             worker_cpu: "100m".into(),
             worker_memory: "64Mi".into(),
             worker_memory_limit: "512Mi".into(),
+            worker_guest_memory_limit: "3Gi".into(),
             worker_storage_class: Some("local-path".into()),
         };
         let metrics = Arc::new(Metrics::new());
@@ -145,6 +146,7 @@ fn main() {
                                    "credentialsSecretRef": {"name": format!("esxi-{h}")}, "vm": {"name": vm}},
                         "destination": {"namespace": ns, "storageClassName": "local-path"},
                         "networkMap": [{"source": "VM Network", "type": "Pod"}],
+                        "conversion": {"guest": "none"},
                         "strategy": {"timeouts": {"sshSeconds": 30}},
                     }
                 });

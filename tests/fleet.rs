@@ -59,6 +59,8 @@ impl Fleet {
                 },
                 "destination": {"namespace": self.ns, "storageClassName": "local-path"},
                 "networkMap": [{"source": "VM Network", "type": "Pod"}],
+                // Patterned disks, not guests: nothing to convert.
+                "conversion": {"guest": "none"},
                 "validation": {"checks": [{"name": "agent", "guestAgent": {}}]}
             }
         });

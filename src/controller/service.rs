@@ -76,6 +76,10 @@ pub struct ControllerOptions {
     /// Memory limit of a worker pod.
     #[arg(long, env = "VMMIGRATE_WORKER_MEMORY_LIMIT", default_value = "1Gi")]
     pub worker_memory_limit: String,
+    /// Memory limit of a worker pod that converts a guest: virt-v2v's
+    /// appliance is a VM of about 2.5 GiB beside the worker.
+    #[arg(long, env = "VMMIGRATE_WORKER_GUEST_MEMORY_LIMIT", default_value = "4Gi")]
+    pub worker_guest_memory_limit: String,
     /// Storage class of the worker pods' work claims (default: the cluster's).
     #[arg(long, env = "VMMIGRATE_WORKER_STORAGE_CLASS")]
     pub worker_storage_class: Option<String>,
@@ -251,6 +255,7 @@ pub fn adapters(
                 cpu: opts.worker_cpu.clone(),
                 memory: opts.worker_memory.clone(),
                 memory_limit: opts.worker_memory_limit.clone(),
+                guest_memory_limit: opts.worker_guest_memory_limit.clone(),
                 storage_class: opts.worker_storage_class.clone(),
                 copy_streams: opts.copy_streams.max(1),
                 guest_conversion_tcg: opts.guest_conversion_tcg,

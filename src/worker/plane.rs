@@ -59,6 +59,8 @@ pub(crate) struct WorkerSettings {
     pub cpu: String,
     pub memory: String,
     pub memory_limit: String,
+    /// The memory limit instead when the migration's guest is converted.
+    pub guest_memory_limit: String,
     /// Storage class of the work claims (default: the cluster's default).
     pub storage_class: Option<String>,
     /// Parallel SSH streams per disk copy.
@@ -522,6 +524,15 @@ fn job(settings: &WorkerSettings, vmm: &VirtualMachineMigration, cluster_ip: &st
     {
         args.push(json!("--guest-conversion-tcg"));
     }
+    // A worker that converts the guest runs libguestfs's appliance too.
+    let converts_guest = vmm
+        .status
+        .as_ref()
+        .and_then(|s| s.source_inventory.as_ref())
+        .is_some_and(|inventory| crate::machine::compatibility::guest_plan(&vmm.spec, inventory).convert);
+    if converts_guest {
+        pod_spec["containers"][0]["resources"]["limits"]["memory"] = json!(settings.guest_memory_limit);
+    }
     let mut context = pod_security_context(settings.run_as);
     if let Some((_, gid)) = settings.run_as {
         // The volumes' files belong to the worker's group.
@@ -773,10 +784,26 @@ mod tests {
             cpu: "500m".into(),
             memory: "256Mi".into(),
             memory_limit: "1Gi".into(),
+            guest_memory_limit: "3Gi".into(),
             storage_class: Some("fast-local".into()),
             copy_streams: 2,
             guest_conversion_tcg: false,
         }
+    }
+
+    #[test]
+    fn a_worker_that_converts_a_guest_has_room_for_the_appliance_and_runs_it_as_told() {
+        let mut vmm = vmm("web", "raw");
+        vmm.status.as_mut().unwrap().source_inventory.as_mut().unwrap().guest_os = "debian12-64".into();
+        let tcg = WorkerSettings { guest_conversion_tcg: true, ..settings() };
+        let container = job(&tcg, &vmm, "10.96.0.7")["spec"]["template"]["spec"]["containers"][0].clone();
+        assert_eq!(container["resources"]["limits"], json!({ "memory": "3Gi" }));
+        assert_eq!(container["args"].as_array().unwrap().last().unwrap(), "--guest-conversion-tcg");
+        vmm.spec.conversion.guest = crate::api::GuestConversionMode::None;
+        let container =
+            job(&settings(), &vmm, "10.96.0.7")["spec"]["template"]["spec"]["containers"][0].clone();
+        assert_eq!(container["resources"]["limits"], json!({ "memory": "1Gi" }), "moved as it is");
+        assert!(!container["args"].as_array().unwrap().contains(&json!("--guest-conversion-tcg")));
     }
 
     #[test]

@@ -7,6 +7,7 @@
 
 use super::*;
 use vmmigrate::api::{GuestConversion, VirtualMachineMigrationStatus};
+use vmmigrate::controller::service::DataPlane;
 
 /// A conversion under TCG on a busy 2-core machine (222 to 402 s measured
 /// here), perhaps twice, then a boot under TCG.
@@ -127,6 +128,30 @@ async fn a_vmware_uefi_guest_on_two_nvme_disks_converted_whole_boots_on_virtio_w
     );
     // Last: it halts the VM to read its volume.
     assert_converted_and_chained(&m, &status, 2).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_vmware_guest_is_converted_in_its_worker_pod_from_the_release_image() {
+    let setup = Setup { data_plane: DataPlane::Pods, ..Default::default() };
+    let m = Migration::vmware_guest_with("e2e-vmw-pod", "vmware-bios", setup).await;
+    let started = Instant::now();
+    m.create(|body| {
+        body["spec"]["conversion"] = json!({ "guest": "auto" });
+        body["spec"]["validation"] = own_address_check();
+    })
+    .await;
+    let vmm = m.wait_for_within("the migration's end", CONVERTED, ended).await;
+    let status = vmm.status.clone().unwrap();
+    assert_eq!(phase_of(&vmm), Phase::Completed, "{:#?}", status.errors);
+    let report = status.guest_conversion.clone().expect("status.guestConversion");
+    eprintln!(
+        "VMware-shaped BIOS guest converted in its worker pod: {:.0} s to Completed; conversion {} s",
+        started.elapsed().as_secs_f64(),
+        report.seconds
+    );
+    // Converted there, not here: the log is on the worker's claim.
+    assert!(!report.log.starts_with(&m.work.path().display().to_string()), "{report:?}");
+    assert_converted_and_chained(&m, &status, 1).await;
 }
 
 /// What every converted guest shows: what virt-v2v did, the hashes chained

@@ -217,13 +217,17 @@ impl Migration {
     /// The VMware-shaped guest `vm` of the emulator's `VMWARE_GUEST_VMS`
     /// (`tools/guest/vmware.sh`), on real KubeVirt.
     pub(crate) async fn vmware_guest(prefix: &str, vm: &'static str) -> Migration {
+        Migration::vmware_guest_with(prefix, vm, Setup::default()).await
+    }
+
+    /// [`Self::vmware_guest`] with the rest of `setup`.
+    pub(crate) async fn vmware_guest_with(prefix: &str, vm: &'static str, setup: Setup) -> Migration {
         let (vmid, vm) = esxi_emulator::VMWARE_GUEST_VMS
             .iter()
             .find(|(_, name)| *name == vm)
             .copied()
             .unwrap_or_else(|| panic!("{vm} is not a VMware-shaped guest VM of the emulator"));
-        Migration::start(prefix, Setup { kubevirt: Kubevirt::Real, vm: (vm, vmid), ..Default::default() })
-            .await
+        Migration::start(prefix, Setup { kubevirt: Kubevirt::Real, vm: (vm, vmid), ..setup }).await
     }
 
     pub(crate) async fn start(prefix: &str, setup: Setup) -> Migration {
@@ -343,6 +347,7 @@ impl Migration {
             worker_cpu: "100m".into(),
             worker_memory: "64Mi".into(),
             worker_memory_limit: "512Mi".into(),
+            worker_guest_memory_limit: "4Gi".into(),
             worker_storage_class: Some("local-path".into()),
         };
         let metrics = Arc::new(Metrics::new());

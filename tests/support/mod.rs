@@ -83,6 +83,8 @@ pub fn sim_migration_json(ns: &str) -> serde_json::Value {
             },
             "destination": {"namespace": ns, "storageClassName": "local-path"},
             "networkMap": [{"source": "VM Network", "type": "Pod"}],
+            // Patterned disks, not guests: nothing to convert.
+            "conversion": {"guest": "none"},
             "powerOffPolicy": "GracefulThenForce",
             "strategy": {"backoff": {"initialSeconds": 1, "maxSeconds": 1}},
             "validation": {"checks": [{"name": "agent", "guestAgent": {}}, {"name": "address", "ip": {}}]}
