@@ -287,10 +287,33 @@ impl ArtifactStore {
             artifact::remove_with_markers(&self.staged_path(vmm, disk))
                 .map_err(|e| io_failure("removing a staged artifact", e))?;
         }
-        let work = self.guest_work(vmm);
-        let report = self.guest_report(vmm);
-        let permits = self.permits.clone();
+        let (work, report) = (self.guest_work(vmm), self.guest_report(vmm));
         let metrics = self.settings.metrics.clone();
+        let force_tcg = self.settings.force_tcg;
+        let task = self.spawn_local(vmm, 0, |_| async move {
+            let guest =
+                produce::GuestRequest { disks: &requests, inventory: &inventory, force_tcg, work, report };
+            produce::produce_guest(&guest).await.map(|(markers, _)| {
+                for marker in markers {
+                    metrics.converted_bytes(marker.size);
+                }
+            })
+        });
+        tasks.insert(key, task);
+        Ok(())
+    }
+
+    /// Runs `work` as a local task under the concurrency permits: it is
+    /// marked ended, then the migration is woken (it looks again at once,
+    /// not at its next poll). `work` gets the progress counter it fills.
+    fn spawn_local<F, W>(&self, vmm: &VirtualMachineMigration, total: u64, work: W) -> LocalTask
+    where
+        W: FnOnce(Arc<AtomicU64>) -> F,
+        F: std::future::Future<Output = Result<(), produce::ConvertError>> + Send + 'static,
+    {
+        let progress = Arc::new(AtomicU64::new(0));
+        let work = work(progress.clone());
+        let permits = self.permits.clone();
         let wake = self.wake.get().cloned();
         let (namespace, name) = (
             vmm.metadata.namespace.clone().unwrap_or_default(),
@@ -298,16 +321,9 @@ impl ArtifactStore {
         );
         let ended = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let task_ended = ended.clone();
-        let force_tcg = self.settings.force_tcg;
         let handle = tokio::spawn(async move {
             let permit = permits.acquire_owned().await;
-            let guest =
-                produce::GuestRequest { disks: &requests, inventory: &inventory, force_tcg, work, report };
-            let result = produce::produce_guest(&guest).await.map(|(markers, _)| {
-                for marker in markers {
-                    metrics.converted_bytes(marker.size);
-                }
-            });
+            let result = work.await;
             drop(permit);
             task_ended.store(true, Ordering::Release);
             if let Some(wake) = wake {
@@ -315,9 +331,7 @@ impl ArtifactStore {
             }
             result
         });
-        let progress = Arc::new(AtomicU64::new(0));
-        tasks.insert(key, LocalTask { progress, total: 0, ended, handle });
-        Ok(())
+        LocalTask { progress, total, ended, handle }
     }
 }
 
@@ -428,32 +442,12 @@ impl Converter for ArtifactStore {
         if tasks.contains_key(&key) {
             return Ok(());
         }
-        let progress = Arc::new(AtomicU64::new(0));
-        let permits = self.permits.clone();
-        let task_progress = progress.clone();
-        let total = request.expected_virtual_size;
         let metrics = self.settings.metrics.clone();
-        let wake = self.wake.get().cloned();
-        let (namespace, name) = (
-            vmm.metadata.namespace.clone().unwrap_or_default(),
-            vmm.metadata.name.clone().unwrap_or_default(),
-        );
-        let ended = Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let task_ended = ended.clone();
-        let handle = tokio::spawn(async move {
-            let permit = permits.acquire_owned().await;
-            let result = produce::produce(&request, &task_progress).await.map(|marker| {
-                metrics.converted_bytes(marker.size);
-            });
-            drop(permit);
-            task_ended.store(true, Ordering::Release);
-            // The migration looks again now (its conversion ended), not at its next poll.
-            if let Some(wake) = wake {
-                wake(&namespace, &name);
-            }
-            result
+        let total = request.expected_virtual_size;
+        let task = self.spawn_local(vmm, total, |progress| async move {
+            produce::produce(&request, &progress).await.map(|marker| metrics.converted_bytes(marker.size))
         });
-        tasks.insert(key, LocalTask { progress, total, ended, handle });
+        tasks.insert(key, task);
         Ok(())
     }
 
