@@ -291,6 +291,12 @@ async fn run_logged(
     if force_tcg {
         cmd.env("LIBGUESTFS_BACKEND_SETTINGS", "force_tcg");
     }
+    if std::env::var_os("TAR_OPTIONS").is_none() {
+        // supermin unpacks the appliance's base with tar, which as uid 0
+        // restores owners: without CAP_CHOWN (a pod that drops every
+        // capability yet runs as root) it fails, and the conversion with it.
+        cmd.env("TAR_OPTIONS", "--no-same-owner");
+    }
     let file = std::fs::OpenOptions::new().create(true).append(true).open(log)?;
     cmd.stdin(Stdio::null()).stdout(file.try_clone()?).stderr(file).process_group(0).kill_on_drop(true);
     let child = cmd.spawn().map_err(|e| match e.kind() {

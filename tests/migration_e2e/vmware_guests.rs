@@ -131,7 +131,6 @@ async fn a_vmware_uefi_guest_on_two_nvme_disks_converted_whole_boots_on_virtio_w
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-#[ignore = "issue 36: supermin exits 1 in the worker pod (it builds the appliance under runc as tools/image/check.sh runs it); run with --ignored"]
 async fn a_vmware_guest_is_converted_in_its_worker_pod_from_the_release_image() {
     let setup = Setup { data_plane: DataPlane::Pods, ..Default::default() };
     let m = Migration::vmware_guest_with("e2e-vmw-pod", "vmware-bios", setup).await;
