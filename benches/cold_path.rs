@@ -103,6 +103,7 @@ async fn migrate(client: &kube::Client, emu: &EsxiEmulator, run: &str, mode: &st
         worker_memory: "64Mi".into(),
         worker_memory_limit: "512Mi".into(),
         worker_guest_memory_limit: "3Gi".into(),
+        job_guest_memory_limit: "4Gi".into(),
         worker_storage_class: None,
     };
     let metrics = Arc::new(Metrics::new());

@@ -152,6 +152,18 @@ pub enum Command {
         #[arg(long, value_parser = ["raw", "qcow2"])]
         format: String,
     },
+    /// Convert a whole guest over all of its acquired disks with virt-v2v
+    /// (what a guest's conversion Job runs).
+    ///
+    /// Reads the request the controller wrote beside the artifacts; prints
+    /// what was done as a JSON line. On failure writes the classified
+    /// failure as JSON to /dev/termination-log, prints `error: <Reason>:
+    /// <message>` and exits 1.
+    ConvertGuest {
+        /// The request (`<work>/artifacts/<uid>/guest-request.json`).
+        #[arg(long)]
+        request: PathBuf,
+    },
     /// One migration's data plane (what its worker Job runs with
     /// `--data-plane pods`): copies, conversions and staging on the
     /// migration's work volume, answering the controller's calls.
@@ -219,6 +231,10 @@ pub fn run(cli: Cli) -> ExitCode {
             crate::process::worker(worker)
         }
         Command::VerifyVolume { path, size, sha256 } => return commands::verify_volume(&path, size, &sha256),
+        Command::ConvertGuest { request } => {
+            init_logging();
+            commands::convert_guest(&request)
+        }
         Command::Convert { input, input_sha256, input_marker, expected_size, output, format } => {
             format.parse().map_err(anyhow::Error::from).and_then(|format| {
                 commands::convert(ConversionRequest {

@@ -1,5 +1,5 @@
 //! The one-shot commands: what `render`, `validate`, `plan`, `status`,
-//! `crd`, `convert` and `verify-volume` do with their parsed arguments
+//! `crd`, `convert`, `convert-guest` and `verify-volume` do with their parsed arguments
 //! (`cli` parses and dispatches; `process` assembles the long-running ones).
 
 use crate::convert::produce::{ConversionRequest, produce};
@@ -99,6 +99,61 @@ pub(crate) fn convert(req: ConversionRequest) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Where the kubelet reads a container's termination message from.
+const TERMINATION_LOG: &str = "/dev/termination-log";
+
+/// Leaves `line` as the container's termination message, where the kubelet
+/// made the file (never creates one outside a pod).
+fn termination_message(line: &str) {
+    if let Ok(mut file) = std::fs::OpenOptions::new().write(true).truncate(true).open(TERMINATION_LOG) {
+        use std::io::Write as _;
+        let _ = file.write_all(line.as_bytes());
+    }
+}
+
+/// Converts a whole guest as the request at `request` says (what the
+/// guest's conversion Job runs) and prints what was done as a JSON line. A
+/// failure is written as the classified [`Failure`](crate::machine::Failure)
+/// in JSON to the termination log, so the controller keeps its class (a
+/// guest virt-v2v cannot convert waits for a person, a full disk is retried).
+pub(crate) fn convert_guest(request: &std::path::Path) -> anyhow::Result<()> {
+    use crate::convert::job::GuestJobRequest;
+    use crate::convert::produce::{GuestRequest, produce_guest};
+    let fail = |failure: crate::machine::Failure| {
+        termination_message(&serde_json::to_string(&failure).unwrap_or_default());
+        anyhow::Error::from(failure)
+    };
+    let guest = GuestJobRequest::read(request)
+        .map_err(|e| fail(crate::machine::Failure::terminal(crate::machine::Reason::JobRenderError, e)))?;
+    let mut disks = Vec::with_capacity(guest.disks.len());
+    for disk in &guest.disks {
+        disks.push(ConversionRequest {
+            input: disk.input.clone(),
+            input_sha256: disk.input_sha256.clone(),
+            input_marker: Some(disk.input_marker.clone()),
+            expected_virtual_size: disk.expected_size,
+            output: disk.output.clone(),
+            format: disk.format.parse()?,
+        });
+    }
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let request = GuestRequest {
+        disks: &disks,
+        inventory: &guest.inventory,
+        force_tcg: guest.force_tcg,
+        work: guest.work.clone(),
+        report: guest.report.clone(),
+    };
+    let (markers, report) = runtime.block_on(produce_guest(&request)).map_err(|e| fail(e.failure()))?;
+    let line = serde_json::json!({
+        "guest": report.guest,
+        "seconds": report.seconds,
+        "disks": markers.iter().map(|m| serde_json::json!({ "size": m.size, "sha256": m.sha256 })).collect::<Vec<_>>(),
+    });
+    println!("{line}");
+    Ok(())
+}
+
 /// Exit code of `verify-volume` when the volume differs from the copy.
 const VOLUME_DIFFERS: u8 = 3;
 
@@ -108,13 +163,13 @@ pub(crate) fn verify_volume(path: &std::path::Path, size: u64, sha256: &str) -> 
         Err(e) => {
             let line = format!("error: reading {}: {e}", path.display());
             eprintln!("{line}");
-            let _ = std::fs::write("/dev/termination-log", &line);
+            termination_message(&line);
             return ExitCode::FAILURE;
         }
     };
     let line = serde_json::to_string(&digest).unwrap_or_default();
     println!("{line}");
-    let _ = std::fs::write("/dev/termination-log", &line);
+    termination_message(&line);
     if digest.sha256 == sha256 && digest.nonzero_tail_bytes == 0 {
         ExitCode::SUCCESS
     } else {

@@ -62,6 +62,10 @@ pub struct ControllerOptions {
     /// PersistentVolumeClaim holding the work directory, mounted by conversion Jobs.
     #[arg(long, env = "VMMIGRATE_WORK_CLAIM")]
     pub work_claim: Option<String>,
+    /// Memory limit of a conversion Job that converts a guest whole:
+    /// virt-v2v's appliance is a VM of about 2.5 GiB beside it.
+    #[arg(long, env = "VMMIGRATE_JOB_GUEST_MEMORY_LIMIT", default_value = "4Gi")]
+    pub job_guest_memory_limit: String,
     /// Where copies, conversions and staging run: `process` (this process,
     /// on `--work-dir`) or `pods` (one worker Job per migration, on a claim
     /// of its own, from `--job-image`).
@@ -217,6 +221,7 @@ pub fn adapters(
         work_dir: opts.work_dir.clone(),
         service_account: None,
         run_as: own_ids(),
+        guest_memory_limit: opts.job_guest_memory_limit.clone(),
     });
     let store = Arc::new(ArtifactStore::new(
         StoreSettings {

@@ -1,11 +1,14 @@
-//! The `job` conversion runner's Kubernetes Job: one `batch/v1` Job per disk
-//! running `vmmigrate convert` from the controller image on the shared work
-//! volume. Pure rendering; `store` creates, reads and deletes the Jobs.
+//! The `job` conversion runner's Kubernetes Jobs, from the controller image
+//! on the shared work volume: one `batch/v1` Job per disk running `vmmigrate
+//! convert`, or, for a guest converted whole, one Job per migration running
+//! `vmmigrate convert-guest` over all of its disks. Pure rendering; `store`
+//! creates, reads and deletes the Jobs.
 //!
-//! The name is deterministic (`<migration>-convert-<n>`, shortened with a
-//! hash when the migration name is long), so a restarted controller finds the
-//! Job it created instead of starting a second one. `backoffLimit: 0`: the
-//! controller's own retry budget decides about retries, not the Job controller.
+//! The names are deterministic (`<migration>-convert-<n>`,
+//! `<migration>-convert-guest`, shortened with a hash when the migration name
+//! is long), so a restarted controller finds the Job it created instead of
+//! starting a second one. `backoffLimit: 0`: the controller's own retry budget
+//! decides about retries, not the Job controller.
 
 use crate::api::VirtualMachineMigration;
 use crate::objects::pods::{container_security_context, pod_security_context};
@@ -34,10 +37,17 @@ pub(crate) struct JobSettings {
     /// replace (65532 from the release image; whoever runs an out-of-cluster
     /// controller otherwise). `None`: the image's user.
     pub run_as: Option<(u32, u32)>,
+    /// The memory limit of a Job that converts a guest: libguestfs's
+    /// appliance is a VM of about 2.5 GiB beside `vmmigrate`.
+    pub guest_memory_limit: String,
 }
 
+/// The memory limit of a Job converting one disk.
+const DISK_MEMORY_LIMIT: &str = "1Gi";
+
 /// Everything one conversion needs, as paths on the work volume.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
 pub(crate) struct JobInput {
     pub input: PathBuf,
     pub input_sha256: String,
@@ -50,6 +60,81 @@ pub(crate) struct JobInput {
 /// The Job's name: `<migration>-convert-<n>`, at most 63 characters.
 pub(crate) fn job_name(vmm: &VirtualMachineMigration, disk: usize) -> String {
     bounded_name(&vmm.metadata.name.clone().unwrap_or_default(), &format!("-convert-{disk}"))
+}
+
+/// The guest-conversion Job's name: `<migration>-convert-guest`.
+pub(crate) fn guest_job_name(vmm: &VirtualMachineMigration) -> String {
+    bounded_name(&vmm.metadata.name.clone().unwrap_or_default(), "-convert-guest")
+}
+
+/// What `vmmigrate convert-guest` is asked to do, written by the controller
+/// into the migration's artifact folder as [`GUEST_REQUEST_FILE`] before its
+/// Job is created: every disk of the guest, in the inventory's order, and the
+/// inventory virt-v2v's description of the guest is written from.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub(crate) struct GuestJobRequest {
+    pub disks: Vec<JobInput>,
+    pub inventory: crate::api::SourceInventory,
+    /// libguestfs's appliance under TCG (`--guest-conversion-tcg`).
+    pub force_tcg: bool,
+    /// Where virt-v2v works and the report goes: in the artifact folder.
+    pub work: PathBuf,
+    pub report: PathBuf,
+}
+
+/// The request's file name in the artifact folder.
+pub(crate) const GUEST_REQUEST_FILE: &str = "guest-request.json";
+
+/// The most a request may weigh: an inventory of a few dozen disks and NICs
+/// is a few KiB.
+pub(crate) const GUEST_REQUEST_LIMIT: u64 = 1 << 20;
+
+impl GuestJobRequest {
+    /// Reads and checks a request: bounded in size, every file it names in
+    /// the request's own folder (outputs, work, report) or in one copy folder
+    /// (inputs and their markers), no `..` anywhere.
+    pub(crate) fn read(path: &Path) -> Result<GuestJobRequest, String> {
+        use std::io::Read as _;
+        let file = std::fs::File::open(path).map_err(|e| format!("{}: {e}", path.display()))?;
+        let mut text = Vec::new();
+        file.take(GUEST_REQUEST_LIMIT + 1)
+            .read_to_end(&mut text)
+            .map_err(|e| format!("{}: {e}", path.display()))?;
+        if text.len() as u64 > GUEST_REQUEST_LIMIT {
+            return Err(format!("{}: larger than {GUEST_REQUEST_LIMIT} bytes", path.display()));
+        }
+        let request: GuestJobRequest =
+            serde_json::from_slice(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+        let folder = path.parent().unwrap_or(Path::new("/"));
+        let plain = |p: &Path| {
+            p.is_absolute() && p.components().all(|c| !matches!(c, std::path::Component::ParentDir))
+        };
+        let in_folder = |p: &Path| plain(p) && p.parent() == Some(folder);
+        if request.disks.is_empty() {
+            return Err(format!("{}: disks: a guest without disks", path.display()));
+        }
+        let copies = request.disks[0].input.parent().map(Path::to_path_buf);
+        for (i, disk) in request.disks.iter().enumerate() {
+            let in_copies = |p: &Path| plain(p) && p.parent().map(Path::to_path_buf) == copies;
+            if !in_folder(&disk.output) || !in_copies(&disk.input) || !in_copies(&disk.input_marker) {
+                return Err(format!(
+                    "{}: disks[{i}]: its copy and marker must share one folder and its output be beside the request",
+                    path.display()
+                ));
+            }
+            if !crate::convert::artifact::is_sha256_hex(&disk.input_sha256) {
+                return Err(format!("{}: disks[{i}].inputSha256: not 64 hex digits", path.display()));
+            }
+            if disk.format.parse::<super::produce::OutputFormat>().is_err() {
+                return Err(format!("{}: disks[{i}].format: raw or qcow2", path.display()));
+            }
+        }
+        if !in_folder(&request.work) || !in_folder(&request.report) {
+            return Err(format!("{}: work and report must be beside the request", path.display()));
+        }
+        Ok(request)
+    }
 }
 
 /// The namespace the Job runs in.
@@ -80,28 +165,28 @@ pub(crate) fn convert_args(input: &JobInput) -> Vec<String> {
     ]
 }
 
-/// What of the work volume the Job sees: its migration's copy folder, read
+/// What of the work volume a Job sees: its migration's copy folder, read
 /// only, and its artifact folder, each at the path the controller has it
 /// (`subPath` mounts); not the other migrations' files, not the staging
-/// server's keys. The image `vmmigrate convert` parses comes from a host
-/// someone else administers. A path outside the work directory (never made
-/// by the store) mounts the whole volume, as before.
-fn work_mounts(work_dir: &Path, input: &JobInput) -> Value {
+/// server's keys. The image a conversion parses comes from a host someone
+/// else administers. A path outside the work directory (never made by the
+/// store), or copies in more than one folder, mount the whole volume.
+fn work_mounts(work_dir: &Path, copies: &[&Path], artifacts: &[&Path]) -> Value {
     let folder = |file: &Path| -> Option<(String, String)> {
         let dir = file.parent()?;
         let sub = dir.strip_prefix(work_dir).ok()?;
         let plain = sub.components().all(|c| matches!(c, std::path::Component::Normal(_)));
         (plain && !sub.as_os_str().is_empty()).then(|| (path_arg(dir), path_arg(sub)))
     };
-    match (folder(&input.input), folder(&input.output)) {
-        (Some((copies, copies_sub)), Some((artifacts, artifacts_sub)))
-            if folder(&input.input_marker).is_some_and(|(dir, _)| dir == copies) =>
-        {
-            json!([
-                { "name": "work", "mountPath": copies, "subPath": copies_sub, "readOnly": true },
-                { "name": "work", "mountPath": artifacts, "subPath": artifacts_sub },
-            ])
-        }
+    let one_folder = |files: &[&Path]| -> Option<(String, String)> {
+        let first = folder(files.first()?)?;
+        files.iter().all(|f| folder(f).as_ref() == Some(&first)).then_some(first)
+    };
+    match (one_folder(copies), one_folder(artifacts)) {
+        (Some((copies, copies_sub)), Some((artifacts, artifacts_sub))) => json!([
+            { "name": "work", "mountPath": copies, "subPath": copies_sub, "readOnly": true },
+            { "name": "work", "mountPath": artifacts, "subPath": artifacts_sub },
+        ]),
         _ => json!([{ "name": "work", "mountPath": path_arg(work_dir) }]),
     }
 }
@@ -113,10 +198,56 @@ pub(crate) fn conversion_job(
     disk: usize,
     input: &JobInput,
 ) -> Value {
+    let mounts = work_mounts(&settings.work_dir, &[&input.input, &input.input_marker], &[&input.output]);
+    let pod = JobPod {
+        name: job_name(vmm, disk),
+        disk: Some(disk),
+        args: convert_args(input),
+        mounts,
+        memory_limit: DISK_MEMORY_LIMIT,
+    };
+    render(settings, vmm, pod)
+}
+
+/// The Job converting the whole guest from the request at `request` (the
+/// file [`GuestJobRequest::read`] accepts).
+pub(crate) fn guest_conversion_job(
+    settings: &JobSettings,
+    vmm: &VirtualMachineMigration,
+    request: &Path,
+    guest: &GuestJobRequest,
+) -> Value {
+    let copies: Vec<&Path> =
+        guest.disks.iter().flat_map(|d| [d.input.as_path(), d.input_marker.as_path()]).collect();
+    let mut artifacts: Vec<&Path> = guest.disks.iter().map(|d| d.output.as_path()).collect();
+    artifacts.extend([request, guest.work.as_path(), guest.report.as_path()]);
+    let pod = JobPod {
+        name: guest_job_name(vmm),
+        disk: None,
+        args: vec!["convert-guest".to_owned(), "--request".to_owned(), path_arg(request)],
+        mounts: work_mounts(&settings.work_dir, &copies, &artifacts),
+        memory_limit: &settings.guest_memory_limit,
+    };
+    render(settings, vmm, pod)
+}
+
+/// What tells one conversion Job from another.
+struct JobPod<'a> {
+    name: String,
+    /// The disk it converts; `None`: every disk (a guest).
+    disk: Option<usize>,
+    args: Vec<String>,
+    mounts: Value,
+    memory_limit: &'a str,
+}
+
+fn render(settings: &JobSettings, vmm: &VirtualMachineMigration, pod: JobPod<'_>) -> Value {
     let namespace = job_namespace(settings, vmm);
     let mut labels = labels(vmm);
     labels.insert(LABEL_ROLE.into(), json!("convert"));
-    labels.insert(LABEL_DISK.into(), json!(disk.to_string()));
+    if let Some(disk) = pod.disk {
+        labels.insert(LABEL_DISK.into(), json!(disk.to_string()));
+    }
     let owners = owner_references(vmm, &namespace);
     let volume = match &settings.work_claim {
         Some(claim) => json!({ "name": "work", "persistentVolumeClaim": { "claimName": claim } }),
@@ -128,15 +259,15 @@ pub(crate) fn conversion_job(
             "name": "convert",
             "image": settings.image,
             "command": ["vmmigrate"],
-            "args": convert_args(input),
+            "args": pod.args,
             // The controller reads why a conversion failed from here.
             "terminationMessagePolicy": "FallbackToLogsOnError",
             "resources": {
                 "requests": { "cpu": "500m", "memory": "256Mi" },
-                "limits": { "memory": "1Gi" },
+                "limits": { "memory": pod.memory_limit },
             },
             "securityContext": container_security_context(false),
-            "volumeMounts": work_mounts(&settings.work_dir, input),
+            "volumeMounts": pod.mounts,
         }],
         "volumes": [volume],
     });
@@ -148,7 +279,7 @@ pub(crate) fn conversion_job(
         "apiVersion": "batch/v1",
         "kind": "Job",
         "metadata": {
-            "name": job_name(vmm, disk),
+            "name": pod.name,
             "namespace": namespace,
             "labels": labels.clone(),
             "ownerReferences": owners,
@@ -162,7 +293,6 @@ pub(crate) fn conversion_job(
         },
     })
 }
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -202,6 +332,26 @@ mod tests {
             work_dir: "/work".into(),
             service_account: None,
             run_as: Some((65532, 65532)),
+            guest_memory_limit: "4Gi".into(),
+        }
+    }
+
+    fn guest_request(dir: &Path) -> GuestJobRequest {
+        let copies = Path::new("/work/copies/apps/web/u-1");
+        let disk = |n: usize| JobInput {
+            input: copies.join(format!("disk-{n}.raw")),
+            input_sha256: "ab".repeat(32),
+            input_marker: copies.join(format!("disk-{n}.sha256")),
+            expected_size: 1 << 30,
+            output: dir.join(format!("disk-{n}.raw")),
+            format: "raw".into(),
+        };
+        GuestJobRequest {
+            disks: vec![disk(0), disk(1)],
+            inventory: crate::api::SourceInventory { guest_os: "debian12-64".into(), ..Default::default() },
+            force_tcg: true,
+            work: dir.join("guest.v2v"),
+            report: dir.join("guest-conversion.json"),
         }
     }
 
@@ -283,5 +433,86 @@ mod tests {
         let job = conversion_job(&settings(Some("vmmigrate-system")), &vmm("web"), 0, &input());
         assert_eq!(job["metadata"]["namespace"], "vmmigrate-system");
         assert_eq!(job["metadata"]["ownerReferences"], json!([]));
+    }
+
+    #[test]
+    fn a_guest_job_converts_every_disk_at_once_with_room_for_the_appliance() {
+        let dir = Path::new("/work/artifacts/u-1");
+        let request = dir.join(GUEST_REQUEST_FILE);
+        let job = guest_conversion_job(&settings(None), &vmm("web"), &request, &guest_request(dir));
+        assert_eq!(job["metadata"]["name"], "web-convert-guest");
+        assert_eq!(job["metadata"]["labels"][LABEL_ROLE], "convert");
+        assert!(job["metadata"]["labels"].get(LABEL_DISK).is_none(), "it is no one disk's");
+        assert_eq!(job["spec"]["backoffLimit"], 0);
+        let container = &job["spec"]["template"]["spec"]["containers"][0];
+        assert_eq!(
+            container["args"],
+            json!(["convert-guest", "--request", "/work/artifacts/u-1/guest-request.json"])
+        );
+        assert_eq!(container["resources"]["limits"]["memory"], "4Gi");
+        assert_eq!(
+            container["volumeMounts"],
+            json!([
+                { "name": "work", "mountPath": "/work/copies/apps/web/u-1",
+                  "subPath": "copies/apps/web/u-1", "readOnly": true },
+                { "name": "work", "mountPath": "/work/artifacts/u-1", "subPath": "artifacts/u-1" },
+            ]),
+            "every copy read-only, the artifact folder, nothing else"
+        );
+        // A disk Job keeps its smaller limit.
+        let disk = conversion_job(&settings(None), &vmm("web"), 0, &input());
+        assert_eq!(disk["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["memory"], "1Gi");
+        let long = guest_job_name(&vmm(&"a".repeat(70)));
+        assert!(long.len() <= 63 && long.ends_with("-convert-guest"), "{long}");
+    }
+
+    #[test]
+    fn a_guest_job_whose_copies_are_in_two_folders_mounts_the_volume_whole() {
+        let dir = Path::new("/work/artifacts/u-1");
+        let mut guest = guest_request(dir);
+        guest.disks[1].input = "/work/copies/apps/other/u-2/disk-1.raw".into();
+        let job = guest_conversion_job(&settings(None), &vmm("web"), &dir.join(GUEST_REQUEST_FILE), &guest);
+        let mounts = &job["spec"]["template"]["spec"]["containers"][0]["volumeMounts"];
+        assert_eq!(mounts, &json!([{ "name": "work", "mountPath": "/work" }]));
+    }
+
+    #[test]
+    fn a_guest_request_is_read_back_only_when_it_names_files_where_the_job_mounts_them() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("artifacts").join("u-1");
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join(GUEST_REQUEST_FILE);
+        let write = |r: &GuestJobRequest| std::fs::write(&path, serde_json::to_vec(r).unwrap()).unwrap();
+        let good = guest_request(&dir);
+        write(&good);
+        assert_eq!(GuestJobRequest::read(&path).unwrap(), good);
+
+        let mut outside = good.clone();
+        outside.disks[1].output = tmp.path().join("elsewhere.raw");
+        write(&outside);
+        assert!(GuestJobRequest::read(&path).unwrap_err().contains("disks[1]"));
+
+        let mut climbing = good.clone();
+        climbing.work = dir.join("..").join("u-2").join("guest.v2v");
+        write(&climbing);
+        assert!(GuestJobRequest::read(&path).unwrap_err().contains("work and report"));
+
+        let mut split = good.clone();
+        split.disks[1].input_marker = "/work/copies/apps/other/u-2/disk-1.sha256".into();
+        write(&split);
+        assert!(GuestJobRequest::read(&path).unwrap_err().contains("disks[1]"));
+
+        let mut bad_sha = good.clone();
+        bad_sha.disks[0].input_sha256 = "$(reboot)".into();
+        write(&bad_sha);
+        assert!(GuestJobRequest::read(&path).unwrap_err().contains("disks[0].inputSha256"));
+
+        let mut no_disks = good.clone();
+        no_disks.disks.clear();
+        write(&no_disks);
+        assert!(GuestJobRequest::read(&path).unwrap_err().contains("without disks"));
+
+        std::fs::write(&path, vec![b' '; GUEST_REQUEST_LIMIT as usize + 1]).unwrap();
+        assert!(GuestJobRequest::read(&path).unwrap_err().contains("larger than"));
     }
 }

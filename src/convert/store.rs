@@ -9,10 +9,12 @@
 //! Runners: `local` converts in the controller process (bounded concurrency;
 //! the task dies with the process and its `.partial` output is removed on the
 //! next attempt); `job` creates one Kubernetes Job per disk running
-//! `vmmigrate convert` (see `job`) and reads its status.
+//! `vmmigrate convert`, or one per migration running `vmmigrate
+//! convert-guest` when the guest is converted whole (see `job`), and reads
+//! its status.
 
 use super::artifact::{self, corrupt_path, marker_path, partial_path, read_marker};
-use super::job::{self, JobInput, JobSettings};
+use super::job::{self, GuestJobRequest, JobInput, JobSettings};
 use super::produce::{self, ConversionRequest, OutputFormat};
 use crate::api::{ConversionRunner, DiskFormat, VirtualMachineMigration};
 use crate::machine::{ArtifactState, Failure, Reason};
@@ -230,7 +232,7 @@ impl ArtifactStore {
             Err(failure) => return Some(ArtifactState::Failed(failure)),
         };
         let namespace = job::job_namespace(settings, vmm);
-        let job = match api.get_opt(&job::job_name(vmm, disk)).await {
+        let job = match api.get_opt(&self.job_name(vmm, disk)).await {
             Ok(job) => job?,
             Err(e) => return Some(ArtifactState::Failed(classify("reading the conversion Job", e))),
         };
@@ -247,46 +249,126 @@ impl ArtifactStore {
                 Some(line) => line,
                 None => failed.message.unwrap_or_else(|| failed.reason.unwrap_or_default()),
             };
-            return Some(ArtifactState::Failed(Failure::local_write(
-                Reason::ConversionJobFailed,
-                format!("Job {name}: {said}"),
-            )));
+            return Some(ArtifactState::Failed(job_failure(&name, &said)));
         }
         if condition("Complete").is_some() {
             return None; // the files speak
         }
         let total = self.request(vmm, disk).map(|r| r.expected_virtual_size).unwrap_or(0);
-        let done =
-            std::fs::metadata(partial_path(&self.artifact_path(vmm, disk))).map(|m| m.len()).unwrap_or(0);
+        // A guest's conversion reports no bytes: it is whole or nothing.
+        let done = if self.converts_guest(vmm) {
+            0
+        } else {
+            std::fs::metadata(partial_path(&self.artifact_path(vmm, disk))).map(|m| m.len()).unwrap_or(0)
+        };
         Some(ArtifactState::InProgress { bytes_done: done.min(total) as i64, bytes_total: total as i64 })
     }
 }
 
+/// Why conversion Job `name` failed, from the last line its pod left: the
+/// classified failure `vmmigrate convert-guest` writes (its class kept: a
+/// guest virt-v2v cannot convert waits for a person), or any other line as
+/// a retryable `ConversionJobFailed`.
+fn job_failure(name: &str, said: &str) -> Failure {
+    match serde_json::from_str::<Failure>(said) {
+        Ok(f) => {
+            let message = format!("Job {name}: {}", f.message);
+            match f.class {
+                crate::machine::FailureClass::Retryable => Failure::local_write(f.reason, message),
+                crate::machine::FailureClass::NeedsHuman => Failure::needs_human(f.reason, message),
+                crate::machine::FailureClass::Terminal => Failure::terminal(f.reason, message),
+            }
+        }
+        Err(_) => Failure::local_write(Reason::ConversionJobFailed, format!("Job {name}: {said}")),
+    }
+}
+
 impl ArtifactStore {
+    /// The Job that makes disk `disk`'s artifact: the guest's, when it is
+    /// converted whole.
+    fn job_name(&self, vmm: &VirtualMachineMigration, disk: usize) -> String {
+        if self.converts_guest(vmm) { job::guest_job_name(vmm) } else { job::job_name(vmm, disk) }
+    }
+
+    /// Creates a conversion Job; one that exists already is the one this
+    /// controller created before it restarted (its name says whose it is).
+    async fn create_job(
+        &self,
+        vmm: &VirtualMachineMigration,
+        body: serde_json::Value,
+    ) -> Result<(), Failure> {
+        let (api, _) = self.jobs(vmm)?;
+        let job: Job = serde_json::from_value(body)
+            .map_err(|e| Failure::terminal(Reason::JobRenderError, format!("rendering the Job: {e}")))?;
+        match api.create(&PostParams::default(), &job).await {
+            Ok(_) => Ok(()),
+            Err(kube::Error::Api(s)) if s.code == 409 => Ok(()),
+            Err(e) => Err(classify("creating the conversion Job", e)),
+        }
+    }
+
+    /// The guest's conversion Job: the request written beside the
+    /// artifacts (replaced whole, never half-written), then the Job.
+    async fn start_guest_job(
+        &self,
+        vmm: &VirtualMachineMigration,
+        requests: &[ConversionRequest],
+        inventory: crate::api::SourceInventory,
+    ) -> Result<(), Failure> {
+        let (_, settings) = self.jobs(vmm)?;
+        let guest = GuestJobRequest {
+            disks: requests.iter().map(job_input).collect(),
+            inventory,
+            force_tcg: self.settings.force_tcg,
+            work: self.guest_work(vmm),
+            report: self.guest_report(vmm),
+        };
+        let path = self.guest_report(vmm).with_file_name(job::GUEST_REQUEST_FILE);
+        let io = |e| io_failure("writing the guest's conversion request", e);
+        // The Job mounts its artifact folder by subPath: made here, as
+        // this process's user, not by the kubelet as root.
+        if let Some(dir) = path.parent() {
+            std::fs::create_dir_all(dir).map_err(io)?;
+        }
+        let text = serde_json::to_vec_pretty(&guest).map_err(|e| io(std::io::Error::other(e)))?;
+        let partial = partial_path(&path);
+        std::fs::write(&partial, text).map_err(io)?;
+        std::fs::rename(&partial, &path).map_err(io)?;
+        let body = job::guest_conversion_job(settings, vmm, &path, &guest);
+        self.create_job(vmm, body).await
+    }
+
     async fn pod_error(&self, namespace: &str, job: &str) -> Option<String> {
         crate::objects::pods::job_termination_line(self.client.as_ref()?, namespace, job).await
     }
 }
 
 impl ArtifactStore {
-    /// Starts the one task that converts the whole guest, unless it runs.
-    /// It runs in this process whatever `spec.conversion.runner` says (the
-    /// runner places per-disk conversions): virt-v2v reads the guest's
-    /// bytes inside libguestfs's appliance, a VM of its own.
-    fn start_guest_conversion(&self, vmm: &VirtualMachineMigration) -> Result<(), Failure> {
+    /// Starts the one conversion of the whole guest, unless it runs: a Job
+    /// with runner `job`, else a task of this process (virt-v2v reads the
+    /// guest's bytes inside libguestfs's appliance, a VM of its own).
+    async fn start_guest_conversion(&self, vmm: &VirtualMachineMigration) -> Result<(), Failure> {
         let disks = vmm.status.as_ref().map(|s| s.disks.len()).unwrap_or(0);
         let requests = (0..disks).map(|disk| self.request(vmm, disk)).collect::<Result<Vec<_>, _>>()?;
         let inventory = vmm.status.as_ref().and_then(|s| s.source_inventory.clone()).unwrap_or_default();
+        let remove_staged = || -> Result<(), Failure> {
+            // Staged copies of an earlier conversion go with its artifacts.
+            for disk in 0..disks {
+                artifact::remove_with_markers(&self.staged_path(vmm, disk))
+                    .map_err(|e| io_failure("removing a staged artifact", e))?;
+            }
+            Ok(())
+        };
+        if vmm.spec.conversion.runner == ConversionRunner::Job {
+            remove_staged()?;
+            return self.start_guest_job(vmm, &requests, inventory).await;
+        }
         let key = (uid_of(vmm), GUEST_TASK);
         let mut tasks = self.lock_tasks();
         if tasks.contains_key(&key) {
             return Ok(());
         }
-        // Staged copies of an earlier conversion go with its artifacts.
-        for disk in 0..disks {
-            artifact::remove_with_markers(&self.staged_path(vmm, disk))
-                .map_err(|e| io_failure("removing a staged artifact", e))?;
-        }
+        remove_staged()?;
         let (work, report) = (self.guest_work(vmm), self.guest_report(vmm));
         let metrics = self.settings.metrics.clone();
         let force_tcg = self.settings.force_tcg;
@@ -332,6 +414,18 @@ impl ArtifactStore {
             result
         });
         LocalTask { progress, total, ended, handle }
+    }
+}
+
+/// A conversion's request as the Job is given it.
+fn job_input(request: &ConversionRequest) -> JobInput {
+    JobInput {
+        input: request.input.clone(),
+        input_sha256: request.input_sha256.clone(),
+        input_marker: request.input_marker.clone().unwrap_or_default(),
+        expected_size: request.expected_virtual_size,
+        output: request.output.clone(),
+        format: request.format.as_str().to_owned(),
     }
 }
 
@@ -405,7 +499,7 @@ impl Converter for ArtifactStore {
 
     async fn start_conversion(&self, vmm: &VirtualMachineMigration, disk: usize) -> Result<(), Failure> {
         if self.converts_guest(vmm) {
-            return self.start_guest_conversion(vmm);
+            return self.start_guest_conversion(vmm).await;
         }
         let request = self.request(vmm, disk)?;
         // A raw artifact is a hard link to the copy: nothing parses the
@@ -413,29 +507,15 @@ impl Converter for ArtifactStore {
         // and artifact on two mounts) could only copy it.
         let parses = request.format != OutputFormat::Raw;
         if vmm.spec.conversion.runner == ConversionRunner::Job && parses {
-            let (api, settings) = self.jobs(vmm)?;
+            let (_, settings) = self.jobs(vmm)?;
             // The Job mounts its artifact folder by subPath: made here, as
             // this process's user, not by the kubelet as root.
             if let Some(dir) = request.output.parent() {
                 std::fs::create_dir_all(dir)
                     .map_err(|e| io_failure(&format!("creating {}", dir.display()), e))?;
             }
-            let input = JobInput {
-                input: request.input.clone(),
-                input_sha256: request.input_sha256.clone(),
-                input_marker: request.input_marker.clone().unwrap_or_default(),
-                expected_size: request.expected_virtual_size,
-                output: request.output.clone(),
-                format: request.format.as_str().to_owned(),
-            };
-            let body = job::conversion_job(settings, vmm, disk, &input);
-            let job: Job = serde_json::from_value(body)
-                .map_err(|e| Failure::terminal(Reason::JobRenderError, format!("rendering the Job: {e}")))?;
-            return match api.create(&PostParams::default(), &job).await {
-                Ok(_) => Ok(()),
-                Err(kube::Error::Api(s)) if s.code == 409 => Ok(()),
-                Err(e) => Err(classify("creating the conversion Job", e)),
-            };
+            let body = job::conversion_job(settings, vmm, disk, &job_input(&request));
+            return self.create_job(vmm, body).await;
         }
         let key = (uid_of(vmm), disk);
         let mut tasks = self.lock_tasks();
@@ -470,8 +550,10 @@ impl Converter for ArtifactStore {
         if vmm.spec.conversion.runner == ConversionRunner::Job
             && let Ok((api, _)) = self.jobs(vmm)
         {
-            // Only this migration's Job, by its uid: never another of that name.
-            let name = job::job_name(vmm, disk);
+            // Only this migration's Job, by its uid: never another of that
+            // name. A guest's Job goes with any of its disks: it makes them
+            // all again.
+            let name = self.job_name(vmm, disk);
             let found = api.get_opt(&name).await.map_err(|e| classify("reading the conversion Job", e))?;
             if let Some(found) =
                 found.filter(|j| j.labels().get(crate::api::labels::MIGRATION_UID) == Some(&uid_of(vmm)))
@@ -565,5 +647,36 @@ impl Staging for ArtifactStore {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::machine::FailureClass;
+
+    #[test]
+    fn a_guest_jobs_classified_failure_keeps_its_class_and_anything_else_is_retried() {
+        let said = Failure::needs_human(Reason::VirtV2vFailed, "virt-v2v: no bootloader detected");
+        let failure = job_failure("web-convert-guest", &serde_json::to_string(&said).unwrap());
+        assert_eq!((failure.class, failure.reason), (FailureClass::NeedsHuman, Reason::VirtV2vFailed));
+        assert_eq!(failure.message, "Job web-convert-guest: virt-v2v: no bootloader detected");
+
+        let full = Failure::retryable(Reason::ConversionIoError, "write: No space left on device");
+        let failure = job_failure("web-convert-guest", &serde_json::to_string(&full).unwrap());
+        assert_eq!(failure.reason, Reason::WorkDirectoryFull, "a full disk is waited out: {failure:?}");
+
+        let failure = job_failure("web-convert-0", "error: InvalidArtifact: qemu-img check failed");
+        assert_eq!((failure.class, failure.reason), (FailureClass::Retryable, Reason::ConversionJobFailed));
+        assert!(failure.message.ends_with("qemu-img check failed"), "{}", failure.message);
+
+        // A message longer than a status holds is cut as any other.
+        let long = Failure {
+            class: FailureClass::Terminal,
+            reason: Reason::JobRenderError,
+            message: "x".repeat(100_000),
+        };
+        let failure = job_failure("web-convert-guest", &serde_json::to_string(&long).unwrap());
+        assert!(failure.message.len() <= crate::machine::MAX_MESSAGE_BYTES, "{}", failure.message.len());
     }
 }

@@ -47,7 +47,9 @@ pub(crate) async fn job_termination_line(client: &Client, namespace: &str, job: 
                 .rev()
                 .map(str::trim)
                 .find(|l| !l.is_empty())
-                .map(|l| l.chars().take(1024).collect())
+                // The kubelet keeps at most 4096 bytes; a classified failure
+                // (JSON around a message of up to 1 KiB) fits whole.
+                .map(|l| l.chars().take(4096).collect())
         })
     })
 }

@@ -102,21 +102,43 @@ async fn a_vmware_bios_guest_converted_whole_boots_on_virtio_at_its_own_address_
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_vmware_uefi_guest_on_two_nvme_disks_converted_whole_boots_on_virtio_with_its_data_disk() {
+async fn a_vmware_uefi_guest_on_two_nvme_disks_converted_whole_in_one_job_boots_on_virtio_with_its_data_disk()
+{
     let m = Migration::vmware_guest("e2e-vmw-uefi", "vmware-uefi").await;
+    create_work_claim(&m.client, &m.ns).await;
     let started = Instant::now();
-    // No spec.conversion at all: the default converts a guest it knows.
+    // Only the runner: the default converts a guest it knows, here in a Job.
     m.create(|body| {
-        body["spec"].as_object_mut().unwrap().remove("conversion");
+        body["spec"]["conversion"] = json!({ "runner": "job" });
         body["spec"]["validation"] = own_address_check();
     })
     .await;
     assert_eq!(m.get().await.spec.conversion.guest, vmmigrate::api::GuestConversionMode::Auto);
+
+    // One Job converts the guest: both disks, every copy read-only.
+    let jobs: Api<Job> = Api::namespaced(m.client.clone(), &m.ns);
+    let name = format!("{}-convert-guest", m.vm);
+    let deadline = Instant::now() + CONVERTED;
+    let job = loop {
+        if let Some(job) = jobs.get_opt(&name).await.unwrap() {
+            break job;
+        }
+        let vmm = m.get().await;
+        assert!(!ended(&vmm) && Instant::now() < deadline, "no Job {name}: {:?}", vmm.status);
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    };
+    let pod = job.spec.unwrap().template.spec.unwrap();
+    let container = &pod.containers[0];
+    assert_eq!(container.args.as_ref().unwrap()[0], "convert-guest");
+    let mounts = container.volume_mounts.clone().unwrap();
+    assert_eq!(mounts.len(), 2, "{mounts:?}");
+    assert_eq!(mounts[0].read_only, Some(true), "the copies: {mounts:?}");
+
     let vmm = m.wait_for_within("the migration's end", CONVERTED, ended).await;
     let status = vmm.status.clone().unwrap();
     assert_eq!(phase_of(&vmm), Phase::Completed, "{:#?}", status.errors);
     eprintln!(
-        "VMware-shaped UEFI guest, two disks: {:.0} s to Completed; conversion {} s",
+        "VMware-shaped UEFI guest, two disks, converted in a Job: {:.0} s to Completed; conversion {} s",
         started.elapsed().as_secs_f64(),
         status.guest_conversion.as_ref().map_or(0, |g| g.seconds)
     );

@@ -333,6 +333,7 @@ impl Migration {
             job_image: Some(image),
             job_namespace: None,
             work_claim: Some("vmmigrate-work".into()),
+            job_guest_memory_limit: "4Gi".into(),
             instance: "e2e".into(),
             // The source-VM claims live in the controller's namespace: here the test's.
             leader_election: service::LeaderElectionOptions {
