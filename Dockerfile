@@ -22,13 +22,14 @@ ARG VERSION=0.1.0
 # qemu-utils: qemu-img (conversion, artifact checks); git and openssh-client:
 # the status branch is pushed with the git CLI, ssh:// repositories;
 # ca-certificates: HTTPS to forges and repositories; virt-v2v, guestfish,
-# nbdkit, libnbd-bin and a kernel: whole-guest conversion (libguestfs's
-# appliance is built from the image at first use). /var/tmp is /tmp: QEMU
+# nbdkit, libnbd-bin, a kernel and ovmf: whole-guest conversion (libguestfs's
+# appliance is built from the image at first use; virt-v2v names OVMF's
+# files in a UEFI guest's output). /var/tmp is /tmp: QEMU
 # puts the appliance's overlay there and the root is read-only.
 RUN apt-get update \
  && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
       ca-certificates git openssh-client qemu-utils \
-      virt-v2v guestfish nbdkit libnbd-bin linux-image-cloud-amd64 \
+      virt-v2v guestfish nbdkit libnbd-bin linux-image-cloud-amd64 ovmf \
  && rm -rf /var/lib/apt/lists/* /var/cache/apt/* /var/log/*.log /var/log/apt/* \
  && rm -rf /var/tmp && ln -s /tmp /var/tmp
 COPY --from=build /vmmigrate /usr/local/bin/vmmigrate

@@ -125,6 +125,7 @@ reasons! {
     InvalidArtifact,
     VirtV2vNotInstalled,
     VirtioWinMissing,
+    UefiFirmwareMissing,
     VirtV2vFailed,
     QemuImgFailed,
     QemuImgNotInstalled,

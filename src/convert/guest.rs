@@ -19,7 +19,7 @@
 //! for a guest without systemd or one that turned predictable names off
 //! (`net.ifnames=0`): those name NICs by MAC or order already.
 
-use super::produce::{OutputFormat, tail};
+use super::produce::OutputFormat;
 use crate::api::{Firmware, GuestConversion, SourceInventory};
 use std::io;
 use std::os::unix::ffi::OsStrExt;
@@ -28,10 +28,14 @@ use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::Instant;
 
-/// At most this much of virt-v2v's or guestfish's output is quoted in an error.
-const ERROR_TAIL: usize = 2000;
+/// At most this much of virt-v2v's or guestfish's output is quoted in an
+/// error: its last lines, so that with the log's path the message fits a
+/// status message (1 KiB) and the line that says what went wrong is kept.
+const ERROR_TAIL: usize = 600;
 /// At most this much of a log is read back (virt-v2v writes a few KiB).
 const LOG_READ_LIMIT: u64 = 1 << 20;
+/// At most this much of a log's end is read for an error's last words.
+const ERROR_READ_LIMIT: u64 = 64 << 10;
 
 /// A guest to convert: its inventory and the acquired copies of its disks,
 /// in the inventory's disk order.
@@ -103,7 +107,7 @@ pub(crate) async fn convert_guest(
     if !output.success {
         return Err(GuestConversionError::Failed {
             log: log.display().to_string(),
-            tail: tail(output.text.trim(), ERROR_TAIL).to_owned(),
+            tail: last_words(&output.end, ERROR_TAIL),
         });
     }
     let disks: Vec<PathBuf> = (0..input.disks.len())
@@ -273,7 +277,39 @@ fn esxi_interface_name(slot: u32) -> String {
 
 struct Logged {
     success: bool,
+    /// The log's head (what the report is read from).
     text: String,
+    /// The log's end (what an error quotes).
+    end: String,
+}
+
+/// The last lines of `log` that say something, at most `max` bytes: what a
+/// progress bar redrew (up to its last `\r`) and the bars themselves
+/// (`▝   0% [-----]`) are left out, so they cannot push the error out.
+fn last_words(log: &str, max: usize) -> String {
+    let mut kept: Vec<&str> = Vec::new();
+    let mut size = 0;
+    for line in log.lines().rev() {
+        let line = line.rsplit('\r').next().unwrap_or_default().trim();
+        let bar = line.contains("% [") && line.ends_with(']');
+        if line.is_empty() || bar {
+            continue;
+        }
+        if size + line.len() + 1 > max {
+            if kept.is_empty() {
+                let mut start = line.len() - max;
+                while !line.is_char_boundary(start) {
+                    start += 1;
+                }
+                kept.push(&line[start..]);
+            }
+            break;
+        }
+        size += line.len() + 1;
+        kept.push(line);
+    }
+    kept.reverse();
+    kept.join("\n")
 }
 
 /// Runs `cmd` in a process group of its own (virt-v2v starts QEMU and
@@ -316,7 +352,13 @@ async fn run_logged(
         &mut head,
     )?;
     let text = String::from_utf8_lossy(&head).into_owned();
-    Ok(Logged { success: status.success(), text })
+    let mut file = std::fs::File::open(log)?;
+    let len = file.metadata()?.len();
+    std::io::Seek::seek(&mut file, std::io::SeekFrom::Start(len.saturating_sub(ERROR_READ_LIMIT)))?;
+    let mut last = Vec::new();
+    std::io::Read::read_to_end(&mut std::io::Read::take(file, ERROR_READ_LIMIT), &mut last)?;
+    let end = String::from_utf8_lossy(&last).into_owned();
+    Ok(Logged { success: status.success(), text, end })
 }
 
 /// The file beside virt-v2v's log that names its process group while it runs.
@@ -475,7 +517,7 @@ async fn pin_interface_names(
         other => other,
     })?;
     if !out.success {
-        return Err(GuestConversionError::Pinning(tail(out.text.trim(), ERROR_TAIL).to_owned()));
+        return Err(GuestConversionError::Pinning(last_words(&out.end, ERROR_TAIL)));
     }
     let mut pinned = Vec::new();
     let mut tools_present = None;
@@ -517,6 +559,25 @@ fn pin_script(nics: &[crate::api::SourceNic]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_errors_last_words_leave_progress_bars_out_and_keep_the_line_that_failed() {
+        let log = "[ 111.8] Copying disk 1/2\n\
+                   \u{259d}   0% [--------------------------------]\r\u{259d}  12% [####----------------------------]\n\
+                   nbdcopy: write at offset 0 failed: No space left on device\n\
+                   virt-v2v: error: nbdcopy command failed\n\n";
+        let said = last_words(log, 600);
+        assert_eq!(
+            said,
+            "[ 111.8] Copying disk 1/2\nnbdcopy: write at offset 0 failed: No space left on device\nvirt-v2v: error: nbdcopy command failed"
+        );
+        // Bounded: the last lines that fit, the very last one cut from its start if it alone is too long.
+        assert_eq!(last_words(log, 40), "virt-v2v: error: nbdcopy command failed");
+        assert_eq!(last_words(&"x".repeat(5000), 10), "x".repeat(10));
+        let many: String = (0..1000).map(|i| format!("line {i}\n")).collect();
+        let said = last_words(&many, 600);
+        assert!(said.len() <= 600 && said.ends_with("line 999"), "{said}");
+    }
     use crate::api::{SourceDisk, SourceNic};
 
     fn inventory() -> SourceInventory {

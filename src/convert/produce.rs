@@ -424,12 +424,3 @@ async fn remove_dir_if_present(dir: &Path) -> io::Result<()> {
         _ => Ok(()),
     }
 }
-
-/// The end of `text`, at most `max` bytes, cut on a character boundary.
-pub(super) fn tail(text: &str, max: usize) -> &str {
-    let mut start = text.len().saturating_sub(max);
-    while !text.is_char_boundary(start) {
-        start += 1;
-    }
-    &text[start..]
-}

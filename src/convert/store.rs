@@ -429,9 +429,20 @@ fn job_input(request: &ConversionRequest) -> JobInput {
     }
 }
 
+/// Where distributions put OVMF's x86-64 firmware, among the places
+/// libguestfs looks for it (Debian and Ubuntu, Fedora and RHEL, SUSE).
+const OVMF_CODE: &[&str] = &[
+    "/usr/share/OVMF/OVMF_CODE.fd",
+    "/usr/share/OVMF/OVMF_CODE.secboot.fd",
+    "/usr/share/edk2/ovmf/OVMF_CODE.fd",
+    "/usr/share/edk2/ovmf/OVMF_CODE.secboot.fd",
+    "/usr/share/qemu/ovmf-x86_64-code.bin",
+    "/usr/share/qemu/ovmf-x86_64-ms-code.bin",
+];
+
 /// What converts guests in this process's image: virt-v2v and guestfish on
-/// `PATH`, and virtio-win's drivers where virt-v2v looks for them
-/// (`/usr/share/virtio-win`, or `$VIRTIO_WIN`).
+/// `PATH`, virtio-win's drivers where virt-v2v looks for them
+/// (`/usr/share/virtio-win`, or `$VIRTIO_WIN`), and OVMF.
 pub(crate) fn installed_guest_converter() -> crate::machine::GuestConverterFacts {
     use crate::images::qemu;
     let virtio_win = std::env::var_os("VIRTIO_WIN")
@@ -440,6 +451,7 @@ pub(crate) fn installed_guest_converter() -> crate::machine::GuestConverterFacts
     crate::machine::GuestConverterFacts {
         virt_v2v: qemu::virt_v2v_path().is_some() && qemu::guestfish_path().is_some(),
         virtio_win: virtio_win.exists(),
+        uefi_firmware: OVMF_CODE.iter().any(|p| Path::new(p).is_file()),
     }
 }
 

@@ -225,7 +225,8 @@ fn is_known(guest_os: &str) -> bool {
 }
 
 /// What stops a guest the plan converts at Validated, before anything is
-/// powered off: no virt-v2v, or a Windows guest and no virtio-win.
+/// powered off: no virt-v2v, a Windows guest and no virtio-win, or a UEFI
+/// guest and no OVMF (virt-v2v converts it, then stops at its last step).
 pub(crate) fn converter_blockers(
     spec: &crate::api::VirtualMachineMigrationSpec,
     inventory: &SourceInventory,
@@ -252,6 +253,12 @@ pub(crate) fn converter_blockers(
                 "guest OS {:?} is Windows: virt-v2v installs its virtio drivers from virtio-win (/usr/share/virtio-win), which is not installed where conversions run; install it, or set spec.conversion.guest: none (its disks then go on SATA and its NICs become e1000e)",
                 inventory.guest_os
             ),
+        ));
+    }
+    if inventory.firmware == crate::api::Firmware::Efi && !facts.uefi_firmware {
+        out.push(finding(
+            Reason::UefiFirmwareMissing,
+            "the guest boots with UEFI: virt-v2v describes a UEFI guest's output with OVMF's firmware files (/usr/share/OVMF), which are not installed where conversions run, and would stop after converting; install OVMF (Debian's ovmf package) in the conversion image, or set spec.conversion.guest: none".to_owned(),
         ));
     }
     out
@@ -440,16 +447,16 @@ mod tests {
     #[test]
     fn a_guest_to_convert_is_blocked_without_virt_v2v_and_a_windows_one_without_virtio_win() {
         let spec = cold();
-        let all = GuestConverterFacts { virt_v2v: true, virtio_win: true };
+        let all = GuestConverterFacts { virt_v2v: true, virtio_win: true, uefi_firmware: true };
         let linux = inventory(SourceHardware::default(), "debian12-64");
         let windows = inventory(SourceHardware::default(), "windows2019srv-64");
         assert!(converter_blockers(&spec, &linux, all).is_empty());
         assert!(converter_blockers(&spec, &windows, all).is_empty());
-        let no_v2v = GuestConverterFacts { virt_v2v: false, virtio_win: true };
+        let no_v2v = GuestConverterFacts { virt_v2v: false, ..all };
         let b = converter_blockers(&spec, &linux, no_v2v);
         assert_eq!(reasons(&b), ["VirtV2vNotInstalled"]);
         assert!(b[0].message.contains("guest: none"), "{}", b[0].message);
-        let no_virtio_win = GuestConverterFacts { virt_v2v: true, virtio_win: false };
+        let no_virtio_win = GuestConverterFacts { virtio_win: false, ..all };
         assert!(converter_blockers(&spec, &linux, no_virtio_win).is_empty(), "Linux needs no virtio-win");
         let b = converter_blockers(&spec, &windows, no_virtio_win);
         assert_eq!(reasons(&b), ["VirtioWinMissing"]);
@@ -460,5 +467,22 @@ mod tests {
             converter_blockers(&none, &windows, GuestConverterFacts::default()).is_empty(),
             "a guest moved as it is needs no converter"
         );
+    }
+
+    #[test]
+    fn a_uefi_guest_to_convert_is_blocked_without_ovmf_and_a_bios_one_is_not() {
+        let spec = cold();
+        let all = GuestConverterFacts { virt_v2v: true, virtio_win: true, uefi_firmware: true };
+        let no_ovmf = GuestConverterFacts { uefi_firmware: false, ..all };
+        let bios = inventory(SourceHardware::default(), "debian12-64");
+        let uefi = SourceInventory { firmware: crate::api::Firmware::Efi, ..bios.clone() };
+        assert!(converter_blockers(&spec, &uefi, all).is_empty());
+        assert!(converter_blockers(&spec, &bios, no_ovmf).is_empty(), "BIOS guests need no OVMF");
+        let b = converter_blockers(&spec, &uefi, no_ovmf);
+        assert_eq!(reasons(&b), ["UefiFirmwareMissing"]);
+        assert!(b[0].message.contains("ovmf") && b[0].message.contains("guest: none"), "{}", b[0].message);
+        let mut none = cold();
+        none.conversion.guest = GuestConversionMode::None;
+        assert!(converter_blockers(&none, &uefi, no_ovmf).is_empty(), "moved as it is, nothing converts it");
     }
 }

@@ -135,12 +135,14 @@ pub struct PreflightFacts {
     pub guest_converter: GuestConverterFacts,
 }
 
-/// What the place conversions run has: virt-v2v (with guestfish beside it)
-/// and virtio-win's drivers, which a Windows guest's conversion needs.
+/// What the place conversions run has: virt-v2v (with guestfish beside it),
+/// virtio-win's drivers, which a Windows guest's conversion needs, and
+/// OVMF, which virt-v2v needs to describe a UEFI guest's output.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct GuestConverterFacts {
     pub virt_v2v: bool,
     pub virtio_win: bool,
+    pub uefi_firmware: bool,
 }
 
 /// Converting: the artifact of every disk and, once the guest was

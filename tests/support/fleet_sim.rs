@@ -302,7 +302,7 @@ impl DiskStore for FleetSim {
 impl Converter for FleetSim {
     /// The simulated conversion converts Linux guests (it has no virtio-win).
     fn guest_converter(&self) -> vmmigrate::machine::GuestConverterFacts {
-        vmmigrate::machine::GuestConverterFacts { virt_v2v: true, virtio_win: false }
+        vmmigrate::machine::GuestConverterFacts { virt_v2v: true, virtio_win: false, uefi_firmware: true }
     }
     async fn artifact_state(&self, vmm: &VirtualMachineMigration, disk: usize) -> ArtifactState {
         ArtifactState::Complete { sha256: Self::sha(vmm, disk), staged_url: None }

@@ -1068,7 +1068,7 @@ impl DiskStore for SimWorld {
 impl Converter for SimWorld {
     /// The simulated conversion converts Linux guests (it has no virtio-win).
     fn guest_converter(&self) -> vmmigrate::machine::GuestConverterFacts {
-        vmmigrate::machine::GuestConverterFacts { virt_v2v: true, virtio_win: false }
+        vmmigrate::machine::GuestConverterFacts { virt_v2v: true, virtio_win: false, uefi_firmware: true }
     }
     async fn artifact_state(&self, _vmm: &VirtualMachineMigration, disk: usize) -> ArtifactState {
         let mut w = self.lock();

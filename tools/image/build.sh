@@ -52,9 +52,10 @@ created=$(date -u -d "@$SOURCE_DATE_EPOCH" +%Y-%m-%dT%H:%M:%SZ)
 # What the binary runs: git (status branch pushes, ssh:// and file://
 # repositories), ssh (git over ssh), qemu-img (conversion), CA roots (HTTPS),
 # and for converting whole guests virt-v2v with guestfish, the nbdkit and
-# nbdcopy it runs, and a kernel for libguestfs's appliance (supermin builds
-# the appliance from the image's own files at first use, under $TMPDIR).
-packages=(ca-certificates git openssh-client qemu-utils virt-v2v guestfish nbdkit libnbd-bin linux-image-cloud-amd64)
+# nbdcopy it runs, a kernel for libguestfs's appliance (supermin builds
+# the appliance from the image's own files at first use, under $TMPDIR), and
+# OVMF, whose files virt-v2v names when it describes a UEFI guest's output.
+packages=(ca-certificates git openssh-client qemu-utils virt-v2v guestfish nbdkit libnbd-bin linux-image-cloud-amd64 ovmf)
 suite=bookworm
 # essential: dpkg, coreutils, a shell; no apt (nothing installs at run time).
 variant=essential

@@ -286,7 +286,7 @@ fn preflight_ok() -> PreflightFacts {
         destination_refused: None,
         source_claimed_by: None,
         data_plane_blocked: None,
-        guest_converter: GuestConverterFacts { virt_v2v: true, virtio_win: false },
+        guest_converter: GuestConverterFacts { virt_v2v: true, virtio_win: false, uefi_firmware: true },
     }
 }
 
