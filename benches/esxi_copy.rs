@@ -9,7 +9,10 @@
 //! Rows: `ssh cat > /dev/null` (the transport's ceiling), `scp`, the shell way
 //! of doing our work (`ssh cat | tee copy | sha256sum`), and vmmigrate's copy
 //! (sha256 and write included) with 1 and 4 streams. Client CPU is the
-//! client's own user+system time (for the shell rows: ssh, tee, sha256sum).
+//! client's own user+system time (for the shell rows: ssh, tee, sha256sum);
+//! peak RSS is this process's own during the row (the shell rows' are
+//! other processes'), to show that a copy's memory does not grow with the
+//! disk.
 
 use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
@@ -28,6 +31,21 @@ struct Row {
     name: String,
     seconds: f64,
     cpu_seconds: f64,
+    /// Peak resident memory of this process during the row, MiB.
+    peak_rss_mib: Option<f64>,
+}
+
+/// Resets this process's peak resident set (`VmHWM`) to its current one.
+fn reset_peak_rss() {
+    let _ = std::fs::write("/proc/self/clear_refs", "5");
+}
+
+/// This process's peak resident set since the last reset, MiB.
+fn peak_rss_mib() -> Option<f64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kib: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib / 1024.0)
 }
 
 fn main() {
@@ -57,12 +75,17 @@ fn main() {
     };
 
     let (s, c) = median(&mut || shell(&format!("ssh {ssh_opts} {remote} cat {quoted} > /dev/null"), &errors));
-    rows.push(Row { name: "ssh cat > /dev/null (ceiling)".into(), seconds: s, cpu_seconds: c });
+    rows.push(Row {
+        name: "ssh cat > /dev/null (ceiling)".into(),
+        seconds: s,
+        cpu_seconds: c,
+        peak_rss_mib: None,
+    });
     let scp_target = work.path().join("scp.raw");
     let scp_opts = ssh_opts.replace("-p ", "-P ");
     let scp = format!("scp -q {scp_opts} {remote}:{quoted} {}", scp_target.display());
     let (s, c) = median(&mut || shell(&scp, &errors));
-    rows.push(Row { name: "scp".into(), seconds: s, cpu_seconds: c });
+    rows.push(Row { name: "scp".into(), seconds: s, cpu_seconds: c, peak_rss_mib: None });
     let _ = std::fs::remove_file(&scp_target);
     let tee_target = work.path().join("tee.raw");
     let tee = format!(
@@ -70,13 +93,19 @@ fn main() {
         tee_target.display()
     );
     let (s, c) = median(&mut || shell(&tee, &errors));
-    rows.push(Row { name: "ssh cat, tee, sha256sum (shell way)".into(), seconds: s, cpu_seconds: c });
+    rows.push(Row {
+        name: "ssh cat, tee, sha256sum (shell way)".into(),
+        seconds: s,
+        cpu_seconds: c,
+        peak_rss_mib: None,
+    });
     let _ = std::fs::remove_file(&tee_target);
 
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
     let chunk_mib = std::env::var("VMMIGRATE_BENCH_CHUNK_MIB").ok().and_then(|v| v.parse::<u64>().ok());
     for streams in [1usize, 4] {
         let local = work.path().join(format!("ours-{streams}.raw"));
+        reset_peak_rss();
         let (seconds, cpu_seconds) = median(&mut || {
             // A fresh copy every run (a leftover sidecar would make it a no-op resume).
             copy::discard(&local).expect("discard");
@@ -110,28 +139,32 @@ fn main() {
             name: format!("vmmigrate copy, {streams} stream(s), sha256 + write"),
             seconds,
             cpu_seconds,
+            peak_rss_mib: peak_rss_mib(),
         });
         copy::discard(&local).expect("discard");
     }
 
     let gib = size as f64 / (1u64 << 30) as f64;
+    let ceiling = rows[0].seconds;
     let shell_way = rows[2].seconds;
     println!("\nmedian of {repeat} runs per row");
     println!(
         "disk: {mib} MiB from the ESXi emulator over SSH on loopback ({} cores)",
         std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
     );
-    println!("| method | seconds | MB/s | vs shell way | client CPU s/GiB |");
-    println!("|---|---:|---:|---:|---:|");
+    println!("| method | seconds | MB/s | vs ssh cat | vs shell way | client CPU s/GiB | peak RSS MiB |");
+    println!("|---|---:|---:|---:|---:|---:|---:|");
     for row in &rows {
         let mbps = size as f64 / 1e6 / row.seconds;
         println!(
-            "| {} | {:.2} | {:.0} | {:.2}x | {:.2} |",
+            "| {} | {:.2} | {:.0} | {:.2}x | {:.2}x | {:.2} | {} |",
             row.name,
             row.seconds,
             mbps,
+            ceiling / row.seconds,
             shell_way / row.seconds,
-            row.cpu_seconds / gib
+            row.cpu_seconds / gib,
+            row.peak_rss_mib.map_or("–".to_owned(), |m| format!("{m:.0}")),
         );
     }
 }

@@ -61,7 +61,13 @@ fn page(guest: &QemuGuest) -> String {
 /// on a guest with a data disk, that disk mounted by UUID.
 fn serves_its_page_on_ens192(guest: &Guest, qemu: &QemuGuest, tools: &str) {
     qemu.wait_for_console(&["vmmigrate-guest: ready"], BOOT).unwrap();
-    let console = qemu.console();
+    // The serial line arrives a few bytes at a time under TCG: the whole line.
+    let mut console = String::new();
+    vmmigrate_harness::process::wait_until(Duration::from_secs(60), "the whole ready line", || {
+        console = qemu.console();
+        Ok(ready_line(&console).is_some())
+    })
+    .unwrap();
     let ready = ready_line(&console).unwrap();
     assert!(ready.contains("ens192=10.0.2.2/24") && ready.contains(&format!("tools={tools}")), "{ready}");
     let page = page(qemu);
@@ -72,9 +78,13 @@ fn serves_its_page_on_ens192(guest: &Guest, qemu: &QemuGuest, tools: &str) {
     }
 }
 
-/// The guest's ready line: `vmmigrate-guest: ready <host> ens192=<addr> tools=<..> data=<..>`.
+/// The guest's ready line, once whole (ended by its newline):
+/// `vmmigrate-guest: ready <host> ens192=<addr> tools=<..> data=<..>`.
 fn ready_line(console: &str) -> Option<&str> {
-    console.lines().find(|l| l.contains("vmmigrate-guest: ready ")).map(str::trim)
+    console
+        .split_inclusive('\n')
+        .find(|l| l.ends_with('\n') && l.contains("vmmigrate-guest: ready "))
+        .map(str::trim)
 }
 
 /// Runs `check` for each guest on a thread of its own (QEMU under TCG uses

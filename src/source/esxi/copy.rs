@@ -325,6 +325,39 @@ enum WriterMsg {
     ChunkDone(u64),
 }
 
+/// Where readers put what they read: the writer's queue, and the buffers
+/// it hands back.
+#[derive(Clone)]
+struct Sink {
+    tx: tokio::sync::mpsc::Sender<WriterMsg>,
+    buffers: Arc<Buffers>,
+}
+
+/// The batches' buffers, handed back by the writer once written: a copy
+/// reuses a few buffers instead of asking the allocator for 4 MiB per batch
+/// (which the kernel zeroes and maps again each time).
+#[derive(Default)]
+struct Buffers(std::sync::Mutex<Vec<Vec<u8>>>);
+
+impl Buffers {
+    /// Buffers kept: the writer's queue, one per stream filling, and slack.
+    const KEPT: usize = 24;
+
+    fn take(&self) -> Vec<u8> {
+        let kept = self.0.lock().ok().and_then(|mut b| b.pop());
+        kept.unwrap_or_else(|| Vec::with_capacity(WRITE_BATCH))
+    }
+
+    fn give(&self, mut buffer: Vec<u8>) {
+        buffer.clear();
+        if let Ok(mut kept) = self.0.lock()
+            && kept.len() < Self::KEPT
+        {
+            kept.push(buffer);
+        }
+    }
+}
+
 fn is_zero(buf: &[u8]) -> bool {
     buf.iter().all(|b| *b == 0)
 }
@@ -372,8 +405,16 @@ pub async fn copy_disk(
     write_sidecar(&plan.local_path, &sidecar)?;
 
     let (hash_tx, hasher) = spawn_hasher(file.clone(), &sidecar.done, layout);
-    let (write_tx, writer) =
-        spawn_writer(file, plan.local_path.clone(), sidecar, progress, hash_tx, lock.clone());
+    let buffers = Arc::new(Buffers::default());
+    let (write_tx, writer) = spawn_writer(
+        file,
+        plan.local_path.clone(),
+        sidecar,
+        progress,
+        hash_tx,
+        lock.clone(),
+        buffers.clone(),
+    );
 
     let copy_started = std::time::Instant::now();
     let mut spawned = AbortOnDrop(Vec::new());
@@ -385,7 +426,16 @@ pub async fn copy_disk(
         task
     });
     let bytes_read = Arc::new(AtomicU64::new(0));
-    let read = read_missing(&session, plan, &missing, layout, write_tx, &bytes_read, &mut spawned).await;
+    let read = read_missing(
+        &session,
+        plan,
+        &missing,
+        layout,
+        Sink { tx: write_tx, buffers },
+        &bytes_read,
+        &mut spawned,
+    )
+    .await;
     let written = writer.join().map_err(|_| std::io::Error::other("writer thread panicked"))?;
     let local_sha = hasher.join().map_err(|_| std::io::Error::other("hasher thread panicked"))?;
     if let Err(e) = read {
@@ -514,41 +564,78 @@ fn spawn_hasher(
     (hash_tx, hasher)
 }
 
-/// The writer thread: positional writes, holes for zero blocks, the sidecar
-/// synced after each finished chunk and the chunk handed to the hasher. It
-/// holds the copy's lock until it ends, even if the copy is cancelled.
+/// The writer thread: positional writes, holes for zero blocks; each
+/// finished chunk goes to the syncer. It holds the copy's lock until it (and
+/// the syncer) end, even if the copy is cancelled.
 fn spawn_writer(
     file: Arc<File>,
     local: PathBuf,
-    mut sidecar: Sidecar,
+    sidecar: Sidecar,
     progress: Arc<AtomicU64>,
     hash_tx: mpsc::Sender<u64>,
     lock: Arc<File>,
+    buffers: Arc<Buffers>,
 ) -> (tokio::sync::mpsc::Sender<WriterMsg>, std::thread::JoinHandle<std::io::Result<()>>) {
     let (write_tx, mut write_rx) = tokio::sync::mpsc::channel::<WriterMsg>(16);
     let writer = std::thread::spawn(move || -> std::io::Result<()> {
         let _lock = lock;
-        while let Some(msg) = write_rx.blocking_recv() {
-            match msg {
-                WriterMsg::Data { offset, bytes } => {
-                    for (i, block) in bytes.chunks(ZERO_BLOCK).enumerate() {
-                        if !is_zero(block) {
-                            file.write_all_at(block, offset + (i * ZERO_BLOCK) as u64)?;
+        let (sync_tx, sync_rx) = mpsc::channel::<u64>();
+        let syncer = spawn_syncer(file.clone(), local, sidecar, hash_tx, sync_rx);
+        let written = (|| -> std::io::Result<()> {
+            while let Some(msg) = write_rx.blocking_recv() {
+                match msg {
+                    WriterMsg::Data { offset, bytes } => {
+                        for (i, block) in bytes.chunks(ZERO_BLOCK).enumerate() {
+                            if !is_zero(block) {
+                                file.write_all_at(block, offset + (i * ZERO_BLOCK) as u64)?;
+                            }
+                        }
+                        progress.fetch_add(bytes.len() as u64, Ordering::Relaxed);
+                        buffers.give(bytes);
+                    }
+                    WriterMsg::ChunkDone(chunk) => {
+                        if sync_tx.send(chunk).is_err() {
+                            break; // the syncer failed: its error is the copy's
                         }
                     }
-                    progress.fetch_add(bytes.len() as u64, Ordering::Relaxed);
                 }
-                WriterMsg::ChunkDone(chunk) => {
-                    file.sync_data()?;
-                    sidecar.done.insert(chunk);
-                    write_sidecar(&local, &sidecar)?;
-                    let _ = hash_tx.send(chunk);
-                }
+            }
+            Ok(())
+        })();
+        drop(sync_tx);
+        let synced = syncer.join().map_err(|_| std::io::Error::other("syncer thread panicked"))?;
+        written.and(synced)
+    });
+    (write_tx, writer)
+}
+
+/// The syncer thread: makes finished chunks durable (`fdatasync`), then
+/// records them in the sidecar and hands them to the hasher. It runs beside
+/// the writer, so the disk's flush of one chunk overlaps the writing of the
+/// next (flushing in the writer made the copy wait for the disk at every
+/// chunk); chunks finished while it flushed are recorded together by the
+/// next flush. A chunk is in the sidecar only after a flush that followed
+/// its last write.
+fn spawn_syncer(
+    file: Arc<File>,
+    local: PathBuf,
+    mut sidecar: Sidecar,
+    hash_tx: mpsc::Sender<u64>,
+    finished: mpsc::Receiver<u64>,
+) -> std::thread::JoinHandle<std::io::Result<()>> {
+    std::thread::spawn(move || -> std::io::Result<()> {
+        while let Ok(first) = finished.recv() {
+            let mut chunks = vec![first];
+            chunks.extend(finished.try_iter());
+            file.sync_data()?;
+            sidecar.done.extend(chunks.iter().copied());
+            write_sidecar(&local, &sidecar)?;
+            for chunk in chunks {
+                let _ = hash_tx.send(chunk);
             }
         }
         Ok(())
-    });
-    (write_tx, writer)
+    })
 }
 
 /// The readers: `plan.streams` channels pulling runs of consecutive missing
@@ -559,7 +646,7 @@ async fn read_missing(
     plan: &CopyPlan,
     missing: &[u64],
     layout: Layout,
-    write_tx: tokio::sync::mpsc::Sender<WriterMsg>,
+    sink: Sink,
     bytes_read: &Arc<AtomicU64>,
     spawned: &mut AbortOnDrop,
 ) -> Result<(), CopyError> {
@@ -569,20 +656,20 @@ async fn read_missing(
     for _ in 0..streams {
         let session = session.clone();
         let queue = queue.clone();
-        let tx = write_tx.clone();
+        let sink = sink.clone();
         let path = plan.source_path.clone();
         let bytes_read = bytes_read.clone();
         let reader = tokio::spawn(async move {
             loop {
                 let next = queue.lock().ok().and_then(|mut q| q.next());
                 let Some((first, count)) = next else { return Ok::<(), CopyError>(()) };
-                read_run(&session, &path, first, count, layout, &tx, &bytes_read).await?;
+                read_run(&session, &path, first, count, layout, &sink, &bytes_read).await?;
             }
         });
         spawned.0.push(reader.abort_handle());
         readers.push(reader);
     }
-    drop(write_tx);
+    drop(sink);
     let mut first_error = None;
     for reader in readers {
         let result = match reader.await {
@@ -647,9 +734,10 @@ async fn read_run(
     first: u64,
     count: u64,
     layout: Layout,
-    tx: &tokio::sync::mpsc::Sender<WriterMsg>,
+    sink: &Sink,
     bytes_read: &AtomicU64,
 ) -> Result<(), CopyError> {
+    let tx = &sink.tx;
     let Layout { chunk_size, size } = layout;
     let blocks = chunk_size / BLOCK;
     let cmd = RemoteCommand::new("dd")?
@@ -664,7 +752,7 @@ async fn read_run(
     let want = end - start;
     let mut channel = session.exec_channel(&cmd).await?;
     let mut got = 0u64;
-    let mut batch = Vec::with_capacity(WRITE_BATCH);
+    let mut batch = sink.buffers.take();
     let mut status = None;
     while let Some(msg) = channel.wait().await {
         match msg {
@@ -680,7 +768,7 @@ async fn read_run(
                     got += n as u64;
                     let crossed = start + got == chunk_end;
                     if batch.len() >= WRITE_BATCH || crossed {
-                        let bytes = std::mem::replace(&mut batch, Vec::with_capacity(WRITE_BATCH));
+                        let bytes = std::mem::replace(&mut batch, sink.buffers.take());
                         let offset = start + got - bytes.len() as u64;
                         // Awaiting here is the backpressure when the disk is slower than the network.
                         tx.send(WriterMsg::Data { offset, bytes }).await.map_err(|_| stopped())?;
@@ -696,7 +784,9 @@ async fn read_run(
         }
     }
     bytes_read.fetch_add(got, Ordering::Relaxed);
-    if !batch.is_empty() {
+    if batch.is_empty() {
+        sink.buffers.give(batch);
+    } else {
         let offset = start + got - batch.len() as u64;
         tx.send(WriterMsg::Data { offset, bytes: batch }).await.map_err(|_| stopped())?;
     }
