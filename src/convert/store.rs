@@ -121,9 +121,7 @@ impl ArtifactStore {
 
     /// Whether the guest is converted as a whole (`spec.conversion.guest`).
     fn converts_guest(&self, vmm: &VirtualMachineMigration) -> bool {
-        let inventory = vmm.status.as_ref().and_then(|s| s.source_inventory.as_ref());
-        inventory
-            .is_some_and(|inventory| crate::machine::compatibility::guest_plan(&vmm.spec, inventory).convert)
+        crate::machine::compatibility::converts_guest(&vmm.spec, vmm.status.as_ref())
     }
 
     /// `<work>/artifacts/<uid>/guest.v2v`: virt-v2v's work while it converts.

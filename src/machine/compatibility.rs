@@ -155,6 +155,17 @@ pub(crate) struct GuestPlan {
     pub(crate) why: String,
 }
 
+/// Whether the migration's guest is converted whole: its plan, once
+/// discovery has recorded the inventory (before that, nothing converts it).
+pub(crate) fn converts_guest(
+    spec: &crate::api::VirtualMachineMigrationSpec,
+    status: Option<&crate::api::VirtualMachineMigrationStatus>,
+) -> bool {
+    status
+        .and_then(|s| s.source_inventory.as_ref())
+        .is_some_and(|inventory| guest_plan(spec, inventory).convert)
+}
+
 /// The guest's [`GuestPlan`].
 pub(crate) fn guest_plan(
     spec: &crate::api::VirtualMachineMigrationSpec,

@@ -912,11 +912,7 @@ fn converting(ctx: &mut Ctx<'_>, observed: Observed) {
         _ => return mismatch(ctx, Phase::Converting, "converting"),
     };
     // A converted guest's raw artifacts are virt-v2v's disks, not the copies.
-    let converts_guest = ctx
-        .status
-        .source_inventory
-        .as_ref()
-        .is_some_and(|inventory| compatibility::guest_plan(ctx.spec, inventory).convert);
+    let converts_guest = compatibility::converts_guest(ctx.spec, Some(&ctx.status));
     let mut ready = Vec::new();
     let mut progress = Progress::default();
     for (disk, artifact) in artifacts.iter().enumerate() {

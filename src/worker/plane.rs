@@ -525,12 +525,7 @@ fn job(settings: &WorkerSettings, vmm: &VirtualMachineMigration, cluster_ip: &st
         args.push(json!("--guest-conversion-tcg"));
     }
     // A worker that converts the guest runs libguestfs's appliance too.
-    let converts_guest = vmm
-        .status
-        .as_ref()
-        .and_then(|s| s.source_inventory.as_ref())
-        .is_some_and(|inventory| crate::machine::compatibility::guest_plan(&vmm.spec, inventory).convert);
-    if converts_guest {
+    if crate::machine::compatibility::converts_guest(&vmm.spec, vmm.status.as_ref()) {
         pod_spec["containers"][0]["resources"]["limits"]["memory"] = json!(settings.guest_memory_limit);
     }
     let mut context = pod_security_context(settings.run_as);
