@@ -53,7 +53,7 @@ try "git init and commit in /tmp" sh -c "git init -q /tmp/probe && git -C /tmp/p
 try "qemu-img create and info" sh -c "qemu-img create -q -f qcow2 /tmp/probe.qcow2 1M && qemu-img info /tmp/probe.qcow2 | grep -m1 \"file format\""
 try "virt-v2v --version" virt-v2v --version
 try "guestfish --version" guestfish --version
-[ -f /usr/share/OVMF/OVMF_CODE.fd ] && pass "OVMF for UEFI guests' conversions" || fail "no /usr/share/OVMF/OVMF_CODE.fd (virt-v2v cannot finish a UEFI guest)"
+[ -f /usr/share/OVMF/OVMF_CODE.fd ] && pass "OVMF for converting UEFI guests" || fail "no /usr/share/OVMF/OVMF_CODE.fd (virt-v2v cannot finish a UEFI guest)"
 # What converting a guest needs beyond --version: libguestfs builds its
 # appliance from the image (supermin, the kernel in /boot) and boots it,
 # under TCG here as where /dev/kvm cannot run guests.
