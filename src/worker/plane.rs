@@ -608,11 +608,10 @@ impl DiskStore for WorkerPlane {
     /// An object of a worker's name that is not this migration's stops the
     /// migration at validation, before its source is powered off.
     async fn preflight(&self, vmm: &VirtualMachineMigration) -> Result<Option<String>, Failure> {
-        if vmm.spec.mode.takes_snapshot() {
-            return Ok(Some(format!(
-                "spec.mode {:?} needs the in-process data plane (--data-plane process); the worker pods copy cold only (use spec.mode Cold)",
-                vmm.spec.mode
-            )));
+        if vmm.spec.mode == crate::api::MigrationMode::Rehearsal {
+            return Ok(Some(
+                "spec.mode Rehearsal needs the in-process data plane (--data-plane process); the worker pods copy cold or warm (use spec.mode Cold or Warm)".to_owned(),
+            ));
         }
         let name = worker_name(vmm);
         let checks = [
@@ -635,21 +634,15 @@ impl DiskStore for WorkerPlane {
     }
 
     async fn copy_state(&self, vmm: &VirtualMachineMigration, disk: usize) -> CopyState {
-        let state = match self.presence(vmm).await {
-            Ok(Presence::Absent) => CopyState::Absent,
-            Ok(Presence::Waiting) => self.last_known(vmm, disk),
-            Ok(Presence::Failed(failure)) => CopyState::Failed { failure, discard: false },
-            Err(failure) => CopyState::Failed { failure, discard: false },
-            Ok(Presence::Ready(ip)) => match self.call::<CopyState>(vmm, &ip, Call::CopyState { disk }).await
-            {
-                Ok(Some(state)) => state,
-                // A pod that was ready a moment ago: being replaced.
-                Ok(None) => self.last_known(vmm, disk),
-                Err(failure) => CopyState::Failed { failure, discard: false },
-            },
-        };
-        self.remember(vmm, disk, &state);
-        state
+        self.disk_state(vmm, disk, Call::CopyState { disk }).await
+    }
+
+    async fn delta_state(&self, vmm: &VirtualMachineMigration, disk: usize) -> CopyState {
+        self.disk_state(vmm, disk, Call::DeltaState { disk }).await
+    }
+
+    async fn start_delta_copy(&self, vmm: &VirtualMachineMigration, disk: usize) -> Result<(), Failure> {
+        self.write(vmm, Call::StartDeltaCopy { disk }).await
     }
 
     async fn start_copy(&self, vmm: &VirtualMachineMigration, disk: usize) -> Result<(), Failure> {
@@ -662,6 +655,27 @@ impl DiskStore for WorkerPlane {
 
     async fn remove_all(&self, vmm: &VirtualMachineMigration) -> Result<(), Failure> {
         self.teardown(vmm).await
+    }
+}
+
+impl WorkerPlane {
+    /// A disk's copy (or, warm after the cutover, delta) state as the
+    /// worker answers `call`; while its pod is replaced, what it last said.
+    async fn disk_state(&self, vmm: &VirtualMachineMigration, disk: usize, call: Call) -> CopyState {
+        let state = match self.presence(vmm).await {
+            Ok(Presence::Absent) => CopyState::Absent,
+            Ok(Presence::Waiting) => self.last_known(vmm, disk),
+            Ok(Presence::Failed(failure)) => CopyState::Failed { failure, discard: false },
+            Err(failure) => CopyState::Failed { failure, discard: false },
+            Ok(Presence::Ready(ip)) => match self.call::<CopyState>(vmm, &ip, call).await {
+                Ok(Some(state)) => state,
+                // A pod that was ready a moment ago: being replaced.
+                Ok(None) => self.last_known(vmm, disk),
+                Err(failure) => CopyState::Failed { failure, discard: false },
+            },
+        };
+        self.remember(vmm, disk, &state);
+        state
     }
 }
 

@@ -227,6 +227,10 @@ impl Worker {
             }
             Call::Stage { disk } => json(serde_json::to_value(self.store.stage(vmm, *disk).await)),
             Call::GuestConversion => json(serde_json::to_value(self.store.guest_conversion(vmm).await)),
+            Call::DeltaState { disk } => json(serde_json::to_value(self.disks.delta_state(vmm, *disk).await)),
+            Call::StartDeltaCopy { disk } => {
+                json(serde_json::to_value(self.disks.start_delta_copy(vmm, *disk).await))
+            }
         }
     }
 }

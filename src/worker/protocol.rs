@@ -42,6 +42,10 @@ pub enum Call {
     StagedUrl { disk: usize, sha256: String },
     /// `Staging::stage` → `Result<(), Failure>`.
     Stage { disk: usize },
+    /// `DiskStore::delta_state` → `CopyState` (warm mode, after the cutover).
+    DeltaState { disk: usize },
+    /// `DiskStore::start_delta_copy` → `Result<(), Failure>`.
+    StartDeltaCopy { disk: usize },
 }
 
 /// What the controller sends.

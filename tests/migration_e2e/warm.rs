@@ -1,11 +1,13 @@
 //! Warm migration (`spec.mode: Warm`) through the real controller, against
 //! the ESXi emulator with a guest writing to its disks the whole time: the
 //! snapshot, the bases copied while the VM runs, one power-off at the
-//! cutover, only the deltas after it, real CDI importing the assembled disks.
+//! cutover, only the deltas after it, real CDI importing the assembled disks;
+//! in the controller's process and in the migration's worker pod.
 
 use super::*;
 use crate::support::esxi_snapshots::GuestWrites;
 use crate::support::vmdk_delta::DeltaFormat;
+use vmmigrate::controller::service::DataPlane;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_warm_migration_of_a_changing_vm_imports_exactly_its_disks_at_power_off_and_copies_only_deltas_after_it()
@@ -19,8 +21,27 @@ async fn a_warm_migration_on_vmfs5_assembles_its_disks_from_vmfs_sparse_deltas_a
     warm_migration_of_a_changing_vm(DeltaFormat::VmfsSparse, "-delta.vmdk").await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_warm_migration_in_a_worker_pod_copies_the_bases_while_the_vm_runs_and_only_the_deltas_after_the_power_off()
+ {
+    let setup = Setup {
+        vm: ("pair", "12"),
+        snapshot_format: DeltaFormat::SeSparse,
+        data_plane: DataPlane::Pods,
+        ..Default::default()
+    };
+    let m = Migration::start("e2e-warm-pod", setup).await;
+    warm_migration_checks(m, "-sesparse.vmdk").await;
+}
+
 async fn warm_migration_of_a_changing_vm(format: DeltaFormat, delta_suffix: &str) {
     let m = Migration::pair_with(&format!("e2e-warm-{format:?}").to_lowercase(), format).await;
+    warm_migration_checks(m, delta_suffix).await;
+}
+
+/// A warm migration of `m` (the emulator's `pair`, its guest writing the
+/// whole time) and what it must show.
+async fn warm_migration_checks(m: Migration, delta_suffix: &str) {
     let writer = m.emu.start_guest_writes(m.vmid, GuestWrites { blocks_per_second: 500, seed: 3 });
     m.create(|body| body["spec"]["mode"] = json!("Warm")).await;
     let vmm = m.wait_completed().await;
