@@ -123,8 +123,10 @@ pub(crate) fn convert_guest(request: &std::path::Path) -> anyhow::Result<()> {
         termination_message(&serde_json::to_string(&failure).unwrap_or_default());
         anyhow::Error::from(failure)
     };
+    // A request this controller wrote that cannot be read back is a bug, not
+    // the guest's: a person looks (the source may be off by now).
     let guest = GuestJobRequest::read(request)
-        .map_err(|e| fail(crate::machine::Failure::terminal(crate::machine::Reason::JobRenderError, e)))?;
+        .map_err(|e| fail(crate::machine::Failure::needs_human(crate::machine::Reason::JobRenderError, e)))?;
     let mut disks = Vec::with_capacity(guest.disks.len());
     for disk in &guest.disks {
         disks.push(ConversionRequest {
