@@ -127,17 +127,7 @@ pub(crate) fn convert_guest(request: &std::path::Path) -> anyhow::Result<()> {
     // the guest's: a person looks (the source may be off by now).
     let guest = GuestJobRequest::read(request)
         .map_err(|e| fail(crate::machine::Failure::needs_human(crate::machine::Reason::JobRenderError, e)))?;
-    let mut disks = Vec::with_capacity(guest.disks.len());
-    for disk in &guest.disks {
-        disks.push(ConversionRequest {
-            input: disk.input.clone(),
-            input_sha256: disk.input_sha256.clone(),
-            input_marker: Some(disk.input_marker.clone()),
-            expected_virtual_size: disk.expected_size,
-            output: disk.output.clone(),
-            format: disk.format.parse()?,
-        });
-    }
+    let disks = guest.disks.iter().map(|d| d.request()).collect::<Result<Vec<_>, _>>()?;
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     let request = GuestRequest {
         disks: &disks,

@@ -279,7 +279,7 @@ struct Logged {
     success: bool,
     /// The log's head (what the report is read from).
     text: String,
-    /// The log's end (what an error quotes).
+    /// The log's end, what an error quotes: read only when it failed.
     end: String,
 }
 
@@ -352,12 +352,17 @@ async fn run_logged(
         &mut head,
     )?;
     let text = String::from_utf8_lossy(&head).into_owned();
-    let mut file = std::fs::File::open(log)?;
-    let len = file.metadata()?.len();
-    std::io::Seek::seek(&mut file, std::io::SeekFrom::Start(len.saturating_sub(ERROR_READ_LIMIT)))?;
-    let mut last = Vec::new();
-    std::io::Read::read_to_end(&mut std::io::Read::take(file, ERROR_READ_LIMIT), &mut last)?;
-    let end = String::from_utf8_lossy(&last).into_owned();
+    let end = match status.success() {
+        true => String::new(),
+        false => {
+            let mut file = std::fs::File::open(log)?;
+            let len = file.metadata()?.len();
+            std::io::Seek::seek(&mut file, std::io::SeekFrom::Start(len.saturating_sub(ERROR_READ_LIMIT)))?;
+            let mut last = Vec::new();
+            std::io::Read::read_to_end(&mut std::io::Read::take(file, ERROR_READ_LIMIT), &mut last)?;
+            String::from_utf8_lossy(&last).into_owned()
+        }
+    };
     Ok(Logged { success: status.success(), text, end })
 }
 
@@ -559,6 +564,7 @@ fn pin_script(nics: &[crate::api::SourceNic]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::api::{SourceDisk, SourceNic};
 
     #[test]
     fn an_errors_last_words_leave_progress_bars_out_and_keep_the_line_that_failed() {
@@ -578,7 +584,6 @@ mod tests {
         let said = last_words(&many, 600);
         assert!(said.len() <= 600 && said.ends_with("line 999"), "{said}");
     }
-    use crate::api::{SourceDisk, SourceNic};
 
     fn inventory() -> SourceInventory {
         SourceInventory {

@@ -57,6 +57,32 @@ pub(crate) struct JobInput {
     pub format: String,
 }
 
+impl JobInput {
+    /// What a Job is given for `request`.
+    pub(crate) fn of(request: &super::produce::ConversionRequest) -> JobInput {
+        JobInput {
+            input: request.input.clone(),
+            input_sha256: request.input_sha256.clone(),
+            input_marker: request.input_marker.clone().unwrap_or_default(),
+            expected_size: request.expected_virtual_size,
+            output: request.output.clone(),
+            format: request.format.as_str().to_owned(),
+        }
+    }
+
+    /// The conversion a Job was given.
+    pub(crate) fn request(&self) -> Result<super::produce::ConversionRequest, super::produce::UnknownFormat> {
+        Ok(super::produce::ConversionRequest {
+            input: self.input.clone(),
+            input_sha256: self.input_sha256.clone(),
+            input_marker: Some(self.input_marker.clone()),
+            expected_virtual_size: self.expected_size,
+            output: self.output.clone(),
+            format: self.format.parse()?,
+        })
+    }
+}
+
 /// The Job's name: `<migration>-convert-<n>`, at most 63 characters.
 pub(crate) fn job_name(vmm: &VirtualMachineMigration, disk: usize) -> String {
     bounded_name(&vmm.metadata.name.clone().unwrap_or_default(), &format!("-convert-{disk}"))

@@ -281,28 +281,23 @@ fn job_failure(name: &str, said: &str) -> Failure {
     }
 }
 
+/// Creates a conversion Job; one that exists already is the one this
+/// controller created before it restarted (its name says whose it is).
+async fn create_job(api: &Api<Job>, body: serde_json::Value) -> Result<(), Failure> {
+    let job: Job = serde_json::from_value(body)
+        .map_err(|e| Failure::terminal(Reason::JobRenderError, format!("rendering the Job: {e}")))?;
+    match api.create(&PostParams::default(), &job).await {
+        Ok(_) => Ok(()),
+        Err(kube::Error::Api(s)) if s.code == 409 => Ok(()),
+        Err(e) => Err(classify("creating the conversion Job", e)),
+    }
+}
+
 impl ArtifactStore {
     /// The Job that makes disk `disk`'s artifact: the guest's, when it is
     /// converted whole.
     fn job_name(&self, vmm: &VirtualMachineMigration, disk: usize) -> String {
         if self.converts_guest(vmm) { job::guest_job_name(vmm) } else { job::job_name(vmm, disk) }
-    }
-
-    /// Creates a conversion Job; one that exists already is the one this
-    /// controller created before it restarted (its name says whose it is).
-    async fn create_job(
-        &self,
-        vmm: &VirtualMachineMigration,
-        body: serde_json::Value,
-    ) -> Result<(), Failure> {
-        let (api, _) = self.jobs(vmm)?;
-        let job: Job = serde_json::from_value(body)
-            .map_err(|e| Failure::terminal(Reason::JobRenderError, format!("rendering the Job: {e}")))?;
-        match api.create(&PostParams::default(), &job).await {
-            Ok(_) => Ok(()),
-            Err(kube::Error::Api(s)) if s.code == 409 => Ok(()),
-            Err(e) => Err(classify("creating the conversion Job", e)),
-        }
     }
 
     /// The guest's conversion Job: the request written beside the
@@ -313,9 +308,9 @@ impl ArtifactStore {
         requests: &[ConversionRequest],
         inventory: crate::api::SourceInventory,
     ) -> Result<(), Failure> {
-        let (_, settings) = self.jobs(vmm)?;
+        let (api, settings) = self.jobs(vmm)?;
         let guest = GuestJobRequest {
-            disks: requests.iter().map(job_input).collect(),
+            disks: requests.iter().map(JobInput::of).collect(),
             inventory,
             force_tcg: self.settings.force_tcg,
             work: self.guest_work(vmm),
@@ -333,7 +328,7 @@ impl ArtifactStore {
         std::fs::write(&partial, text).map_err(io)?;
         std::fs::rename(&partial, &path).map_err(io)?;
         let body = job::guest_conversion_job(settings, vmm, &path, &guest);
-        self.create_job(vmm, body).await
+        create_job(&api, body).await
     }
 
     async fn pod_error(&self, namespace: &str, job: &str) -> Option<String> {
@@ -412,18 +407,6 @@ impl ArtifactStore {
             result
         });
         LocalTask { progress, total, ended, handle }
-    }
-}
-
-/// A conversion's request as the Job is given it.
-fn job_input(request: &ConversionRequest) -> JobInput {
-    JobInput {
-        input: request.input.clone(),
-        input_sha256: request.input_sha256.clone(),
-        input_marker: request.input_marker.clone().unwrap_or_default(),
-        expected_size: request.expected_virtual_size,
-        output: request.output.clone(),
-        format: request.format.as_str().to_owned(),
     }
 }
 
@@ -517,15 +500,15 @@ impl Converter for ArtifactStore {
         // and artifact on two mounts) could only copy it.
         let parses = request.format != OutputFormat::Raw;
         if vmm.spec.conversion.runner == ConversionRunner::Job && parses {
-            let (_, settings) = self.jobs(vmm)?;
+            let (api, settings) = self.jobs(vmm)?;
             // The Job mounts its artifact folder by subPath: made here, as
             // this process's user, not by the kubelet as root.
             if let Some(dir) = request.output.parent() {
                 std::fs::create_dir_all(dir)
                     .map_err(|e| io_failure(&format!("creating {}", dir.display()), e))?;
             }
-            let body = job::conversion_job(settings, vmm, disk, &job_input(&request));
-            return self.create_job(vmm, body).await;
+            let body = job::conversion_job(settings, vmm, disk, &JobInput::of(&request));
+            return create_job(&api, body).await;
         }
         let key = (uid_of(vmm), disk);
         let mut tasks = self.lock_tasks();
