@@ -13,7 +13,11 @@
 //! importer's writing step), and the real import from creating the
 //! DataVolume to `Succeeded` (claim binding by local-path's helper pod, the
 //! importer pod's start, nbdkit + qemu-img through the pod network, CDI
-//! noticing the end). Each import gets a namespace of its own, removed
+//! noticing the end), and beside it the other way to fill a volume that
+//! keeps a DataVolume per disk: a blank DataVolume and a Job running
+//! `vmmigrate fill-volume` (the release image), created together, from
+//! their creation to the Job's success (the volume's bytes hashed to the
+//! artifact's sha256). Each import gets a namespace of its own, removed
 //! afterwards. Needs root and the cluster's build (as `cargo test` does).
 
 use kube::api::{Api, DynamicObject, PostParams};
@@ -89,8 +93,13 @@ fn main() {
         .map(|i| runtime.block_on(import_once(env, &access, uid, &artifact_url, &sha256, size, i)))
         .collect();
     rows.push(("real CDI v1.65.0: DataVolume created → Succeeded", median(&mut runs)));
+    let image = env.controller_image().expect("the release image");
+    let mut runs: Vec<f64> = (0..repeat)
+        .map(|i| runtime.block_on(fill_once(env, &image, &access, uid, &artifact_url, &sha256, size, i)))
+        .collect();
+    rows.push(("blank DataVolume + `vmmigrate fill-volume` Job → Succeeded", median(&mut runs)));
     let served = server.stats().bytes_served.load(std::sync::atomic::Ordering::Relaxed);
-    assert!(served >= 2 * repeat as u64 * size, "every run got the whole artifact ({served} bytes served)");
+    assert!(served >= 3 * repeat as u64 * size, "every run got the whole artifact ({served} bytes served)");
 
     let gib = mib as f64 / 1024.0;
     println!("real CDI import, {mib} MiB artifact, median of {repeat}:");
@@ -106,21 +115,15 @@ fn main() {
     }
 }
 
-/// One DataVolume in a namespace of its own: its Secret and CA as the
-/// controller writes them, then the DataVolume; returns the seconds from
-/// its creation to `Succeeded`.
-async fn import_once(
-    env: &KubeEnv,
+/// A namespace of its own with the artifact's Secret and CA as the
+/// controller writes them.
+async fn namespace_with_access(
+    client: &kube::Client,
+    ns: &str,
     access: &StagingAccess,
     uid: &str,
-    url: &str,
-    sha256: &str,
-    size: u64,
-    run: usize,
-) -> f64 {
+) -> Api<k8s_openapi::api::core::v1::Namespace> {
     use k8s_openapi::api::core::v1::{ConfigMap, Namespace, Secret};
-    let client = env.client().await;
-    let ns = format!("bench-cdi-{}-{run}", std::process::id());
     let namespaces: Api<Namespace> = Api::all(client.clone());
     let namespace = serde_json::from_value(json!({ "metadata": { "name": ns } })).unwrap();
     namespaces.create(&PostParams::default(), &namespace).await.expect("namespace");
@@ -130,12 +133,29 @@ async fn import_once(
         "stringData": { "accessKeyId": credential.access_key_id, "secretKey": credential.secret_key },
     }))
     .unwrap();
-    Api::<Secret>::namespaced(client.clone(), &ns).create(&PostParams::default(), &secret).await.unwrap();
+    Api::<Secret>::namespaced(client.clone(), ns).create(&PostParams::default(), &secret).await.unwrap();
     let ca: ConfigMap = serde_json::from_value(json!({
         "metadata": { "name": "disk-0-import-ca" }, "data": { "ca.pem": access.ca_pem() },
     }))
     .unwrap();
-    Api::<ConfigMap>::namespaced(client.clone(), &ns).create(&PostParams::default(), &ca).await.unwrap();
+    Api::<ConfigMap>::namespaced(client.clone(), ns).create(&PostParams::default(), &ca).await.unwrap();
+    namespaces
+}
+
+/// One DataVolume importing over HTTPS in a namespace of its own; returns
+/// the seconds from its creation to `Succeeded`.
+async fn import_once(
+    env: &KubeEnv,
+    access: &StagingAccess,
+    uid: &str,
+    url: &str,
+    sha256: &str,
+    size: u64,
+    run: usize,
+) -> f64 {
+    let client = env.client().await;
+    let ns = format!("bench-cdi-{}-{run}", std::process::id());
+    let namespaces = namespace_with_access(&client, &ns, access, uid).await;
     let request = format!("{}Mi", size.div_ceil(1 << 20));
     let dv: DynamicObject = serde_json::from_value(json!({
         "apiVersion": "cdi.kubevirt.io/v1beta1", "kind": "DataVolume",
@@ -159,6 +179,88 @@ async fn import_once(
         }
         assert!(phase != "Failed", "the import failed: {}", dv.data["status"]);
         assert!(Instant::now() < deadline, "the import did not finish: {}", dv.data["status"]);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    namespaces.delete(&ns, &Default::default()).await.expect("namespace removal");
+    seconds
+}
+
+/// A blank DataVolume and, at the same moment, a Job that fills it with
+/// `vmmigrate fill-volume` (the release image, as the qemu user KubeVirt's
+/// launcher and CDI's importer write volumes as), in a namespace of its own;
+/// returns the seconds from their creation to the Job's success, which
+/// means the volume's bytes hash to the artifact's sha256.
+#[allow(clippy::too_many_arguments)]
+async fn fill_once(
+    env: &KubeEnv,
+    image: &str,
+    access: &StagingAccess,
+    uid: &str,
+    url: &str,
+    sha256: &str,
+    size: u64,
+    run: usize,
+) -> f64 {
+    use k8s_openapi::api::batch::v1::Job;
+    let client = env.client().await;
+    let ns = format!("bench-fill-{}-{run}", std::process::id());
+    let namespaces = namespace_with_access(&client, &ns, access, uid).await;
+    let request = format!("{}Mi", size.div_ceil(1 << 20));
+    let dv: DynamicObject = serde_json::from_value(json!({
+        "apiVersion": "cdi.kubevirt.io/v1beta1", "kind": "DataVolume",
+        "metadata": { "name": "disk-0" },
+        "spec": {
+            "source": { "blank": {} },
+            "storage": { "storageClassName": "local-path", "resources": { "requests": { "storage": request } } },
+        },
+    }))
+    .unwrap();
+    let job: Job = serde_json::from_value(json!({
+        "metadata": { "name": "disk-0-fill" },
+        "spec": { "backoffLimit": 0, "template": { "spec": {
+            "restartPolicy": "Never",
+            "securityContext": { "runAsUser": 107, "runAsGroup": 107, "runAsNonRoot": true,
+                                 "seccompProfile": { "type": "RuntimeDefault" } },
+            "containers": [{
+                "name": "fill", "image": image, "command": ["vmmigrate"],
+                "args": ["fill-volume", "--url", url, "--ca", "/ca/ca.pem", "--credentials", "/credentials",
+                         "--path", "/volume/disk.img", "--size", size.to_string(), "--sha256", sha256],
+                "securityContext": { "allowPrivilegeEscalation": false, "capabilities": { "drop": ["ALL"] },
+                                     "readOnlyRootFilesystem": true },
+                "volumeMounts": [
+                    { "name": "volume", "mountPath": "/volume" },
+                    { "name": "credentials", "mountPath": "/credentials", "readOnly": true },
+                    { "name": "ca", "mountPath": "/ca", "readOnly": true },
+                ],
+            }],
+            "volumes": [
+                { "name": "volume", "persistentVolumeClaim": { "claimName": "disk-0" } },
+                { "name": "credentials", "secret": { "secretName": "disk-0-import" } },
+                { "name": "ca", "configMap": { "name": "disk-0-import-ca" } },
+            ],
+        } } },
+    }))
+    .unwrap();
+    let dvs: Api<DynamicObject> = Api::namespaced_with(client.clone(), &ns, &data_volume_resource());
+    let jobs: Api<Job> = Api::namespaced(client.clone(), &ns);
+    let started = Instant::now();
+    dvs.create(&PostParams::default(), &dv).await.expect("DataVolume");
+    jobs.create(&PostParams::default(), &job).await.expect("fill Job");
+    let deadline = started + Duration::from_secs(1800);
+    let seconds = loop {
+        let job = jobs.get("disk-0-fill").await.expect("fill Job");
+        let status = job.status.unwrap_or_default();
+        if status.succeeded.unwrap_or(0) > 0 {
+            break started.elapsed().as_secs_f64();
+        }
+        let dv = dvs.get("disk-0").await.expect("DataVolume");
+        assert!(
+            status.failed.unwrap_or(0) == 0,
+            "the fill Job failed: {:?}; DataVolume: {}",
+            status.conditions,
+            dv.data["status"]
+        );
+        assert!(Instant::now() < deadline, "the fill did not finish: {}", dv.data["status"]);
         tokio::time::sleep(Duration::from_millis(100)).await;
     };
     namespaces.delete(&ns, &Default::default()).await.expect("namespace removal");

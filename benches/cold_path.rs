@@ -254,7 +254,11 @@ fn main() {
                 let before = emu.guest_blocks_written();
                 let writer = emu.start_guest_writes(
                     VMID,
-                    vmmigrate_harness::esxi_snapshots::GuestWrites { blocks_per_second, seed: run as u64 },
+                    vmmigrate_harness::esxi_snapshots::GuestWrites {
+                        blocks_per_second,
+                        seed: run as u64,
+                        ..Default::default()
+                    },
                 );
                 let t = migrate(&client, &emu, &format!("down-{}-{run}", mode.to_lowercase()), mode).await;
                 drop(writer);

@@ -176,6 +176,33 @@ pub enum Command {
     ///
     /// Prints the digest as a JSON line (also the container's termination
     /// message); exits 0 when it matches, 3 when it does not, 1 on an error.
+    /// Fill a destination volume with one staged artifact, without CDI's
+    /// importer: read it over HTTPS, write it in place, hash it on the way.
+    ///
+    /// Prints what it wrote as a JSON line (also the container's termination
+    /// message); exits 0 when the bytes match `--sha256`, 3 when they do
+    /// not, 1 on an error.
+    FillVolume {
+        /// The artifact's staging URL.
+        #[arg(long)]
+        url: String,
+        /// The staging server's CA certificate (PEM), the only one trusted.
+        #[arg(long)]
+        ca: PathBuf,
+        /// A folder holding the artifact's credentials as files
+        /// `accessKeyId` and `secretKey` (its import Secret, mounted).
+        #[arg(long)]
+        credentials: PathBuf,
+        /// The volume's image (`/volume/disk.img`) or block device.
+        #[arg(long)]
+        path: PathBuf,
+        /// The artifact's size in bytes.
+        #[arg(long)]
+        size: u64,
+        /// The artifact's sha256 (64 hex digits).
+        #[arg(long, value_parser = parse_sha256)]
+        sha256: String,
+    },
     VerifyVolume {
         /// The imported image (`/volume/disk.img`) or block device.
         #[arg(long)]
@@ -231,6 +258,9 @@ pub fn run(cli: Cli) -> ExitCode {
             crate::process::worker(worker)
         }
         Command::VerifyVolume { path, size, sha256 } => return commands::verify_volume(&path, size, &sha256),
+        Command::FillVolume { url, ca, credentials, path, size, sha256 } => {
+            return commands::fill_volume(&url, &ca, &credentials, &path, size, &sha256);
+        }
         Command::ConvertGuest { request } => {
             init_logging();
             commands::convert_guest(&request)

@@ -169,6 +169,44 @@ pub(crate) fn verify_volume(path: &std::path::Path, size: u64, sha256: &str) -> 
     }
 }
 
+pub(crate) fn fill_volume(
+    url: &str,
+    ca: &std::path::Path,
+    credentials: &std::path::Path,
+    path: &std::path::Path,
+    size: u64,
+    sha256: &str,
+) -> ExitCode {
+    let read =
+        |p: &std::path::Path| std::fs::read(p).map_err(|e| anyhow::anyhow!("reading {}: {e}", p.display()));
+    let filled = (|| {
+        let ca_pem = read(ca)?;
+        let username = String::from_utf8(read(&credentials.join("accessKeyId"))?)?;
+        let password = String::from_utf8(read(&credentials.join("secretKey"))?)?;
+        crate::destination::fill::fill_volume(&crate::destination::fill::FillRequest {
+            url,
+            ca_pem: &ca_pem,
+            username: username.trim(),
+            password: password.trim(),
+            path,
+            size,
+        })
+    })();
+    let report = match filled {
+        Ok(report) => report,
+        Err(e) => {
+            let line = format!("error: filling {}: {e:#}", path.display());
+            eprintln!("{line}");
+            termination_message(&line);
+            return ExitCode::FAILURE;
+        }
+    };
+    let line = serde_json::to_string(&report).unwrap_or_default();
+    println!("{line}");
+    termination_message(&line);
+    if report.sha256 == sha256 { ExitCode::SUCCESS } else { ExitCode::from(VOLUME_DIFFERS) }
+}
+
 /// The repository's manifests were rendered and found wrong (each error printed already).
 #[derive(Debug, thiserror::Error)]
 #[error("{0} error(s) in the repository")]

@@ -471,7 +471,8 @@ fn a_snapshot_freezes_the_base_qemu_img_reads_the_delta_chain_and_removal_consol
     {
         let emu =
             own(EsxiOptions { pair_disk_mib: Some((8, 4)), snapshot_format: format, ..Default::default() });
-        let writer = emu.start_guest_writes("12", GuestWrites { blocks_per_second: 2000, seed: 7 });
+        let writer = emu
+            .start_guest_writes("12", GuestWrites { blocks_per_second: 2000, seed: 7, ..Default::default() });
         wait_for_guest_blocks(&emu, 50);
         let created = run(&emu, "vim-cmd vmsvc/snapshot.create 12 vmmigrate-pair 'warm copy' 0 1");
         assert_eq!(created, "Create Snapshot:\n", "{format:?}");

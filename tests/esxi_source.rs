@@ -557,7 +557,8 @@ async fn a_warm_copy_of_a_changing_vm_assembles_exactly_the_disks_a_cold_copy_gi
             ..Default::default()
         })
         .expect("emulator");
-        let writer = emu.start_guest_writes("12", GuestWrites { blocks_per_second: 200, seed: 11 });
+        let writer = emu
+            .start_guest_writes("12", GuestWrites { blocks_per_second: 200, seed: 11, ..Default::default() });
         let (esxi, store) = source(&emu, password(&emu));
         let vmm = discovered(&esxi, &emu, "pair").await;
         let inventory = vmm.status.as_ref().unwrap().source_inventory.clone().unwrap();

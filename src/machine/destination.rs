@@ -243,7 +243,7 @@ pub(super) fn validating(ctx: &mut Ctx<'_>, observed: Observed) {
             ),
         );
     } else {
-        ctx.wait(POLL_CHECKS);
+        ctx.wait(checks_poll(waited));
     }
 }
 

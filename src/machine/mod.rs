@@ -55,8 +55,19 @@ pub(crate) const POLL_SHUTDOWN: Duration = Duration::from_secs(3);
 pub(crate) const POLL_POWER_ACTION: Duration = Duration::from_secs(1);
 /// How long after a shutdown request `POLL_POWER_ACTION` applies.
 const SHUTDOWN_FIRST_SECONDS: Duration = Duration::from_secs(5);
-/// How soon to re-run validation checks that are not passing yet.
+/// How soon at most to re-run validation checks that are not passing yet.
 pub(crate) const POLL_CHECKS: Duration = Duration::from_secs(10);
+/// How soon at least: a guest booting is often ready seconds after its first
+/// failed check, and each second until it is seen ready is downtime.
+pub(crate) const POLL_CHECKS_FIRST: Duration = Duration::from_secs(1);
+
+/// How soon to re-run checks that have been failing for `waited`: a fifth of
+/// that, between [`POLL_CHECKS_FIRST`] and [`POLL_CHECKS`] (every second for
+/// the first five, every 10 s after the first 50), so a guest is seen ready
+/// soon after it is, and one that takes long is not polled at that pace.
+pub(crate) fn checks_poll(waited: Duration) -> Duration {
+    (waited / 5).clamp(POLL_CHECKS_FIRST, POLL_CHECKS)
+}
 /// How soon a migration waiting before its cutover looks again by itself (the
 /// controller wakes it earlier when its wave or a slot opens).
 pub(crate) const POLL_WAITING: Duration = Duration::from_secs(60);

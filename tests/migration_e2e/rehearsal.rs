@@ -70,7 +70,9 @@ async fn a_rehearsal_of_a_changing_vm_imports_the_bytes_the_host_hashed_under_it
  {
     let m = Migration::pair("e2e-rehearsal").await;
     let vmx_before = vmx_of(&m);
-    let writer = m.emu.start_guest_writes(m.vmid, GuestWrites { blocks_per_second: 500, seed: 5 });
+    let writer = m
+        .emu
+        .start_guest_writes(m.vmid, GuestWrites { blocks_per_second: 500, seed: 5, ..Default::default() });
     m.create(|body| body["spec"]["mode"] = json!("Rehearsal")).await;
     let vmm = m.wait_completed().await;
     drop(writer);

@@ -42,7 +42,9 @@ async fn warm_migration_of_a_changing_vm(format: DeltaFormat, delta_suffix: &str
 /// A warm migration of `m` (the emulator's `pair`, its guest writing the
 /// whole time) and what it must show.
 async fn warm_migration_checks(m: Migration, delta_suffix: &str) {
-    let writer = m.emu.start_guest_writes(m.vmid, GuestWrites { blocks_per_second: 500, seed: 3 });
+    let writer = m
+        .emu
+        .start_guest_writes(m.vmid, GuestWrites { blocks_per_second: 500, seed: 3, ..Default::default() });
     m.create(|body| body["spec"]["mode"] = json!("Warm")).await;
     let vmm = m.wait_completed().await;
     drop(writer);

@@ -795,7 +795,14 @@ fn wrong_content_needs_a_human_and_not_ready_keeps_checking_until_the_timeout() 
     let mut run = Run::at(Phase::Validating);
     let d = run.step(Observed::Validating(Ok(vec![CheckResult::NotYet { message: "refused".into() }])), t(0));
     assert_eq!(d.status.phase, Phase::Validating);
-    assert_eq!(d.requeue, Some(POLL_CHECKS));
+    // The first look again comes soon: the guest may be ready in a second.
+    assert_eq!(d.requeue, Some(POLL_CHECKS_FIRST));
+    let d =
+        run.step(Observed::Validating(Ok(vec![CheckResult::NotYet { message: "refused".into() }])), t(20));
+    assert_eq!(d.requeue, Some(Duration::from_secs(4)), "a fifth of the 20 s waited");
+    let d =
+        run.step(Observed::Validating(Ok(vec![CheckResult::NotYet { message: "refused".into() }])), t(200));
+    assert_eq!(d.requeue, Some(POLL_CHECKS), "no faster than every 10 s once it takes long");
     let d =
         run.step(Observed::Validating(Ok(vec![CheckResult::NotYet { message: "refused".into() }])), t(900));
     assert_eq!(d.status.phase, Phase::Retryable);

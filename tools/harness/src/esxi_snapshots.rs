@@ -79,11 +79,13 @@ impl Vm {
 }
 
 /// A running guest's writes: `blocks_per_second` blocks of 4 KiB at
-/// pseudo-random block-aligned offsets of each disk in turn.
-#[derive(Clone, Copy, Debug)]
+/// pseudo-random block-aligned offsets of each disk in turn, or of disk
+/// `only_disk` alone (a data disk, when the others hold a guest that boots).
+#[derive(Clone, Copy, Debug, Default)]
 pub struct GuestWrites {
     pub blocks_per_second: u32,
     pub seed: u64,
+    pub only_disk: Option<usize>,
 }
 
 pub(crate) struct Engine {
@@ -376,23 +378,33 @@ impl Engine {
         std::thread::spawn(move || {
             let mut rng = writes.seed | 1;
             let mut n: u64 = 0;
-            let pause = Duration::from_secs_f64(1.0 / writes.blocks_per_second.max(1) as f64);
-            while running.load(Ordering::Relaxed) {
+            // The guest's pace: a tick of at least 5 ms (what a sleep can
+            // keep to), with as many blocks in each as the rate asks.
+            let rate = writes.blocks_per_second.max(1) as f64;
+            let pause = Duration::from_secs_f64((1.0 / rate).max(0.005));
+            let per_tick = (rate * pause.as_secs_f64()).round().max(1.0) as u64;
+            'ticks: while running.load(Ordering::Relaxed) {
                 let Some(engine) = weak.upgrade() else { break };
                 if engine.stop.load(Ordering::Relaxed) {
                     break;
                 }
-                if engine.power_on(&vmid) {
+                for _ in 0..per_tick {
+                    if !engine.power_on(&vmid) {
+                        break;
+                    }
                     let sizes: Vec<u64> = {
                         let vms = engine.vms.lock().unwrap_or_else(|e| e.into_inner());
                         vms.get(&vmid)
                             .map(|vm| vm.disks.iter().map(|d| d.sectors * 512).collect())
                             .unwrap_or_default()
                     };
-                    if sizes.is_empty() {
-                        break;
+                    let d = match writes.only_disk {
+                        Some(d) => d,
+                        None => (n % sizes.len().max(1) as u64) as usize,
+                    };
+                    if d >= sizes.len() {
+                        break 'ticks;
                     }
-                    let d = (n % sizes.len() as u64) as usize;
                     rng ^= rng << 13;
                     rng ^= rng >> 7;
                     rng ^= rng << 17;
@@ -405,7 +417,7 @@ impl Engine {
                     block[..header.len()].copy_from_slice(header.as_bytes());
                     if let Err(err) = engine.guest_write(&vmid, d, offset, &block) {
                         eprintln!("guest writer of VM {vmid}: {err:#}");
-                        break;
+                        break 'ticks;
                     }
                     n += 1;
                 }

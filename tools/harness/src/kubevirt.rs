@@ -112,6 +112,10 @@ pub fn install(env: &KubeEnv) -> anyhow::Result<()> {
     let operator = dir.path().join("kubevirt-operator.yaml");
     std::fs::write(&operator, operator_manifest(&built)?)?;
     env.kubectl(&["apply", "--server-side", "--force-conflicts", "-f", &operator.to_string_lossy()])?;
+    // The API server takes the KubeVirt resource only once its definition
+    // is established; applied before that, it is refused ("no matches for
+    // kind").
+    env.kubectl(&["wait", "--for=condition=Established", "--timeout=60s", "crd/kubevirts.kubevirt.io"])?;
     let cr = dir.path().join("kubevirt-cr.yaml");
     std::fs::write(&cr, KUBEVIRT_CR)?;
     env.kubectl(&["apply", "-f", &cr.to_string_lossy()])?;

@@ -283,7 +283,15 @@ pub(super) fn vm_specs(opts: &EsxiOptions) -> Vec<VmSpec> {
         },
     ];
     if let Some(images) = &opts.guests {
-        vms.extend(guest_vms(images));
+        let mut guests = guest_vms(images);
+        if let Some(data) = &opts.guest_data_disk {
+            let app_bios = guests.iter_mut().find(|vm| vm.id == "8").expect("app-bios");
+            app_bios.disks.push(DiskSpec {
+                image: Some(data.clone()),
+                ..disk("scsi0:1", "app-bios_1.vmdk", 0, "lsilogic")
+            });
+        }
+        vms.extend(guests);
     }
     if let Some(images) = &opts.vmware_guests {
         vms.extend(vmware_guest_vms(images));

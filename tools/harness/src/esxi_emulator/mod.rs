@@ -101,6 +101,9 @@ pub struct EsxiOptions {
     /// The guests of `tools/guest/vmware.sh` (`setup::vmware_guest_images`),
     /// shaped like guests installed on ESXi: adds [`VMWARE_GUEST_VMS`].
     pub vmware_guests: Option<PathBuf>,
+    /// With [`Self::guests`]: a second disk for `app-bios` (`scsi0:1`,
+    /// thick), this image's bytes: a data disk of a chosen size.
+    pub guest_data_disk: Option<PathBuf>,
 }
 
 /// The VMs [`EsxiOptions::guests`] adds, by vmid and name: `app-bios` (8,
@@ -132,6 +135,7 @@ impl Default for EsxiOptions {
             fleet: None,
             guests: None,
             vmware_guests: None,
+            guest_data_disk: None,
         }
     }
 }

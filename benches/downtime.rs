@@ -1,0 +1,431 @@
+//! Benchmark (not a test): the downtime a user sees, from the status
+//! recording the source powered off to every check passing (`GuestReady`),
+//! and the whole migration (create → Completed), for a real guest on real
+//! CDI and real KubeVirt, cold and warm, beside what the bytes and the boot
+//! cost alone in the same run: one bare `ssh host cat` of the disks, and the
+//! same guest booted to ready under plain QEMU.
+//!
+//! The guest is `app-bios` of `tools/guest/build.sh` (BIOS, its own disk
+//! of 20 MiB) with a second disk of `VMMIGRATE_BENCH_MIB` MiB holding an
+//! ext4 file system filled to 90 % with incompressible data. While the
+//! source runs, a guest writer changes 4 KiB blocks of that data disk at a
+//! rate meant to change about 5 % of its blocks during one read of the disk
+//! (the table says what it changed, and what was read after the power-off).
+//! The source is powered on before each run and shut down by the migration
+//! (`GracefulThenForce`).
+//!
+//!   cargo bench --bench downtime                       # 1024 and 4096 MiB, one run of each mode
+//!   VMMIGRATE_BENCH_MIB=1024 VMMIGRATE_BENCH_REPEAT=3 cargo bench --bench downtime
+//!   VMMIGRATE_BENCH_RATE_MIB=100 ...                   # the host serves each read at 100 MiB/s
+//!   VMMIGRATE_BENCH_TRACE=1 ...                        # every phase change seen, with its time
+//!
+//! The real controller (release build, the in-process data plane, the
+//! controller's default requeue) runs in this process against the test
+//! cluster's real API server; importer pods reach its staging server on the
+//! host end of the node's network. The phases are seen through a watch on
+//! the migration. Each run has a namespace of its own, deleted (the VM
+//! with it) before the next run. A run stops the benchmark unless it
+//! reaches Completed with every copy checked against the host's own sha256.
+//! Needs root and the cluster's build (as `cargo test` does).
+
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::{Namespace, Secret, Service};
+use kube::api::{Api, DeleteParams, PostParams};
+use kube::runtime::watcher;
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use vmmigrate::api::{Phase, VirtualMachineMigration};
+use vmmigrate::controller::reconciler::{self, ControllerConfig};
+use vmmigrate::controller::service::{self, ControllerOptions, DataPlane};
+use vmmigrate::metrics::Metrics;
+use vmmigrate_harness::KubeEnv;
+use vmmigrate_harness::esxi_emulator::{EsxiEmulator, EsxiOptions};
+use vmmigrate_harness::esxi_snapshots::GuestWrites;
+use vmmigrate_harness::qemu_guest::{Boot, Hardware, QemuGuest};
+
+const VMID: &str = "8";
+const VM: &str = "app-bios";
+/// The guest's line on its serial console once its address, web server
+/// and agent are up.
+const READY: &str = "vmmigrate-guest: ready";
+
+fn env_u64(name: &str, default: u64) -> u64 {
+    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+}
+
+/// An ext4 file system of `mib` MiB, 90 % of it one file of pseudo-random
+/// bytes (xorshift: nothing compresses it, nothing is a hole).
+fn data_disk(dir: &Path, mib: u64) -> PathBuf {
+    let content = dir.join("content");
+    std::fs::create_dir_all(&content).unwrap();
+    let mut file = std::io::BufWriter::with_capacity(
+        1 << 20,
+        std::fs::File::create(content.join("payload.bin")).expect("payload"),
+    );
+    let mut state: u64 = 0x2545_f491_4f6c_dd1d ^ mib;
+    let mut block = vec![0u8; 1 << 20];
+    for _ in 0..(mib * 9 / 10) {
+        for word in block.chunks_exact_mut(8) {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            word.copy_from_slice(&state.to_le_bytes());
+        }
+        file.write_all(&block).unwrap();
+    }
+    file.into_inner().unwrap().sync_all().unwrap();
+    let image = dir.join("data.img");
+    let out = std::process::Command::new("mkfs.ext4")
+        .args(["-q", "-F", "-L", "benchdata", "-d"])
+        .arg(&content)
+        .arg(&image)
+        .arg(format!("{mib}M"))
+        .output()
+        .expect("mkfs.ext4");
+    assert!(out.status.success(), "mkfs.ext4: {}", String::from_utf8_lossy(&out.stderr));
+    std::fs::remove_dir_all(&content).unwrap();
+    image
+}
+
+/// One bare `ssh host cat` of every disk of the guest, to `/dev/null`: seconds.
+fn bare_ssh_cat(emu: &EsxiEmulator) -> f64 {
+    let paths: Vec<String> = emu.disk_files(VMID).into_iter().map(|d| format!("'{}'", d.0)).collect();
+    let started = Instant::now();
+    let status = emu
+        .ssh_command()
+        .arg(format!("cat {}", paths.join(" ")))
+        .stdout(std::process::Stdio::null())
+        .status()
+        .expect("ssh cat");
+    assert!(status.success(), "ssh cat failed");
+    started.elapsed().as_secs_f64()
+}
+
+/// The guest's disks booted under plain QEMU (TCG, virtio, as KubeVirt
+/// gives them): seconds until its console says it is ready (its init says
+/// so once its address is leased and its web server and agent run).
+fn plain_qemu_boot(disks: &[PathBuf]) -> f64 {
+    let started = Instant::now();
+    let guest = QemuGuest::boot(&Boot {
+        name: "downtime-baseline",
+        disks,
+        efi: false,
+        hardware: Hardware::Virtio,
+        mac: "00:0c:29:aa:bb:08",
+        memory_mib: 256,
+    })
+    .expect("qemu");
+    guest.wait_for_console(&[READY], Duration::from_secs(300)).expect("the guest boots under QEMU");
+    started.elapsed().as_secs_f64()
+}
+
+/// When a migration got where, in seconds after its creation.
+#[derive(Default, Debug)]
+struct Times {
+    phases: BTreeMap<&'static str, f64>,
+    powered_off: Option<f64>,
+    guest_ready: Option<f64>,
+    completed: f64,
+}
+
+impl Times {
+    fn at(&self, phase: &str) -> f64 {
+        *self.phases.get(phase).unwrap_or_else(|| panic!("{phase} was never seen: {self:?}"))
+    }
+}
+
+fn phase_name(phase: Phase) -> &'static str {
+    match phase {
+        Phase::Pending => "Pending",
+        Phase::Discovering => "Discovering",
+        Phase::Validated => "Validated",
+        Phase::Preparing => "Preparing",
+        Phase::Converting => "Converting",
+        Phase::Importing => "Importing",
+        Phase::CreatingVm => "CreatingVM",
+        Phase::Starting => "Starting",
+        Phase::Validating => "Validating",
+        Phase::Completed => "Completed",
+        _ => "other",
+    }
+}
+
+/// Migrates `app-bios` of `emu` in `mode` (`Cold` or `Warm`) to Completed.
+async fn migrate(
+    client: &kube::Client,
+    cluster: &KubeEnv,
+    emu: &EsxiEmulator,
+    run: &str,
+    mode: &str,
+) -> Times {
+    let node_ip = cluster.node.as_ref().expect("the cluster has a node").host_ip;
+    let ns = format!("downtime-{}-{run}", std::process::id());
+    let namespace: Namespace = serde_json::from_value(serde_json::json!({"metadata": {"name": ns}})).unwrap();
+    let namespaces: Api<Namespace> = Api::all(client.clone());
+    namespaces.create(&PostParams::default(), &namespace).await.expect("namespace");
+    let secret: Secret = serde_json::from_value(serde_json::json!({
+        "metadata": {"name": "esxi", "annotations": {
+            vmmigrate::machine::tenancy::CREDENTIAL_HOSTS_ANNOTATION:
+                format!("127.0.0.1={}", emu.host_key_fingerprint())}},
+        "stringData": {"username": emu.username, "password": emu.password},
+    }))
+    .unwrap();
+    Api::<Secret>::namespaced(client.clone(), &ns).create(&PostParams::default(), &secret).await.unwrap();
+    // The guest's page, behind a Service on its launcher pod.
+    let web: Service = serde_json::from_value(serde_json::json!({
+        "metadata": {"name": "web"},
+        "spec": {"selector": {"kubevirt.io/domain": VM},
+                 "ports": [{"name": "http", "port": 80, "targetPort": 80}]},
+    }))
+    .unwrap();
+    Api::<Service>::namespaced(client.clone(), &ns).create(&PostParams::default(), &web).await.unwrap();
+
+    let work = tempfile::tempdir_in("/var/tmp").expect("work dir");
+    let opts = ControllerOptions {
+        namespace: Some(ns.clone()),
+        work_dir: work.path().to_path_buf(),
+        staging_listen: std::net::SocketAddr::new(node_ip.into(), 0),
+        staging_url: None,
+        conversions: 2,
+        guest_conversion_tcg: true,
+        copy_streams: 1,
+        job_image: None,
+        job_namespace: None,
+        work_claim: None,
+        instance: "downtime".into(),
+        leader_election: service::LeaderElectionOptions { lease_namespace: ns.clone(), ..Default::default() },
+        destination_rules: Default::default(),
+        max_reads_per_host: 2,
+        host_reads: Vec::new(),
+        max_reads: None,
+        data_plane: DataPlane::Process,
+        worker_cpu: "100m".into(),
+        worker_memory: "64Mi".into(),
+        worker_memory_limit: "512Mi".into(),
+        worker_guest_memory_limit: "3Gi".into(),
+        job_guest_memory_limit: "4Gi".into(),
+        worker_storage_class: None,
+    };
+    let metrics = Arc::new(Metrics::new());
+    let staging = service::start_staging(&opts, &metrics).await.expect("staging server");
+    let adapters = service::adapters(client.clone(), &opts, &staging, &metrics).expect("adapters");
+    let config = ControllerConfig {
+        namespace: Some(ns.clone()),
+        instance: "downtime".into(),
+        metrics: metrics.clone(),
+        ..Default::default()
+    };
+    let controller = tokio::spawn(reconciler::run(client.clone(), adapters, config, std::future::pending()));
+
+    let api: Api<VirtualMachineMigration> = Api::namespaced(client.clone(), &ns);
+    let mut events = std::pin::pin!(watcher(api.clone(), watcher::Config::default()));
+    let page = serde_json::json!({"service": "web", "port": 80, "path": "/", "expectedStatus": 200,
+                                  "bodyContains": format!("vmmigrate-guest {VM}")});
+    let body = serde_json::json!({
+        "apiVersion": "migration.platform.example/v1alpha1",
+        "kind": "VirtualMachineMigration",
+        "metadata": {"name": VM, "namespace": ns},
+        "spec": {
+            "source": {"host": "127.0.0.1", "port": emu.port, "hostKey": emu.host_key_fingerprint(),
+                       "credentialsSecretRef": {"name": "esxi"}, "vm": {"name": VM}},
+            "destination": {"namespace": ns, "storageClassName": "local-path"},
+            "networkMap": [{"source": "VM Network", "type": "Pod"}],
+            // Built to boot anywhere (virtio, DHCP): nothing to convert.
+            "conversion": {"guest": "none"},
+            "powerOffPolicy": "GracefulThenForce",
+            "mode": mode,
+            "validation": {"checks": [
+                {"name": "status-page", "http": page},
+                {"name": "agent", "guestAgent": {}},
+                {"name": "address", "ip": {}}
+            ]}
+        }
+    });
+    let vmm: VirtualMachineMigration = serde_json::from_value(body).unwrap();
+    let started = Instant::now();
+    api.create(&PostParams::default(), &vmm).await.expect("create migration");
+    let mut times = Times::default();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(1800);
+    loop {
+        let event = tokio::time::timeout_at(deadline, events.next())
+            .await
+            .expect("Completed within 30 minutes")
+            .expect("watch ended");
+        let Ok(watcher::Event::Apply(object) | watcher::Event::InitApply(object)) = event else { continue };
+        let status = object.status.unwrap_or_default();
+        let at = started.elapsed().as_secs_f64();
+        if status.timestamps.source_powered_off.is_some() {
+            times.powered_off.get_or_insert(at);
+        }
+        if status.conditions.iter().any(|c| {
+            c.type_ == vmmigrate::api::condition::GUEST_READY
+                && c.status == vmmigrate::api::ConditionStatus::True
+        }) {
+            times.guest_ready.get_or_insert(at);
+        }
+        if std::env::var_os("VMMIGRATE_BENCH_TRACE").is_some() {
+            eprintln!("{at:8.2} s {run} {}", status.phase);
+        }
+        times.phases.entry(phase_name(status.phase)).or_insert(at);
+        match status.phase {
+            Phase::Completed => {
+                assert!(
+                    status.disks.iter().all(|d| d.source_verified_remotely == Some(true)),
+                    "every copy verified by the host's own sha256: {:?}",
+                    status.disks
+                );
+                times.completed = at;
+                break;
+            }
+            Phase::Failed | Phase::ManualInterventionRequired | Phase::Retryable => {
+                panic!("the migration stopped in {}: {:#?}", status.phase, status.conditions)
+            }
+            _ => {}
+        }
+    }
+    // The VM goes with its namespace before the next run, so that no guest
+    // of an earlier run competes for the two cores. The migration goes first,
+    // while its controller still runs to release it.
+    let _ = api.delete(VM, &DeleteParams::default()).await;
+    let gone = tokio::time::Instant::now() + Duration::from_secs(120);
+    while api.get_opt(VM).await.ok().flatten().is_some() && tokio::time::Instant::now() < gone {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    controller.abort();
+    let _ = controller.await;
+    let _ = namespaces.delete(&ns, &DeleteParams::default()).await;
+    let gone = tokio::time::Instant::now() + Duration::from_secs(300);
+    while namespaces.get_opt(&ns).await.ok().flatten().is_some() {
+        if tokio::time::Instant::now() > gone {
+            eprintln!("namespace {ns} still there after 300 s; going on");
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    times
+}
+
+struct Row {
+    mib: u64,
+    run: u64,
+    mode: &'static str,
+    times: Times,
+    written: u64,
+    read_after_off: u64,
+}
+
+fn main() {
+    let sizes: Vec<u64> = std::env::var("VMMIGRATE_BENCH_MIB")
+        .ok()
+        .map(|v| v.split(',').filter_map(|s| s.trim().parse().ok()).collect())
+        .filter(|v: &Vec<u64>| !v.is_empty())
+        .unwrap_or_else(|| vec![1024, 4096]);
+    let repeat = env_u64("VMMIGRATE_BENCH_REPEAT", 1).max(1);
+    let rate_mib = env_u64("VMMIGRATE_BENCH_RATE_MIB", 0);
+    let cluster = KubeEnv::shared_kubevirt();
+    let guests = vmmigrate_harness::setup::guest_images().expect("guest images");
+    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+
+    let mut rows = Vec::new();
+    let mut baselines = Vec::new();
+    for &mib in &sizes {
+        let dir = tempfile::tempdir_in("/var/tmp").expect("scratch");
+        let made = Instant::now();
+        let data = data_disk(dir.path(), mib);
+        eprintln!("data disk of {mib} MiB made in {:.1} s", made.elapsed().as_secs_f64());
+        let emu = EsxiEmulator::start(EsxiOptions {
+            guests: Some(guests.clone()),
+            guest_data_disk: Some(data.clone()),
+            ..Default::default()
+        })
+        .expect("ESXi emulator");
+        if rate_mib > 0 {
+            emu.set_read_rate(Some(rate_mib << 20));
+        }
+        let cat = bare_ssh_cat(&emu);
+        let boot = plain_qemu_boot(&[guests.join("bios.img"), data.clone()]);
+        baselines.push((mib, cat, boot));
+        // About 5 % of the data disk's blocks during one read of it (the
+        // bare `cat` just measured) and the snapshot and look around it.
+        let blocks = (mib << 20) / 4096;
+        let blocks_per_second = ((blocks as f64 * 0.05) / (cat * 1.3 + 2.0)).ceil() as u32;
+        runtime.block_on(async {
+            let client = cluster.client().await;
+            for run in 1..=repeat {
+                for mode in ["Cold", "Warm"] {
+                    emu.set_power(VMID, true);
+                    let before = emu.guest_blocks_written();
+                    let writer = emu.start_guest_writes(
+                        VMID,
+                        GuestWrites { blocks_per_second, seed: run, only_disk: Some(1) },
+                    );
+                    let name = format!("{mib}-{}-{run}", mode.to_lowercase());
+                    let times = migrate(&client, cluster, &emu, &name, mode).await;
+                    drop(writer);
+                    let written = emu.guest_blocks_written() - before;
+                    let read_after_off: u64 =
+                        emu.disk_reads_after_power_off(VMID).iter().map(|r| r.delivered).sum();
+                    rows.push(Row { mib, run, mode, times, written, read_after_off });
+                }
+            }
+        });
+    }
+
+    println!("\nbaselines (same run): the guest's disks (20 MiB + the data disk)");
+    println!("| data disk | bare `ssh cat` of both disks | plain QEMU boot to ready | sum |");
+    println!("|---:|---:|---:|---:|");
+    for (mib, cat, boot) in &baselines {
+        println!("| {mib} MiB | {cat:.2} s | {boot:.2} s | {:.2} s |", cat + boot);
+    }
+    println!("\ndowntime (power-off → GuestReady) and its parts, seconds");
+    println!(
+        "| data disk | run | mode | before the power-off | copy or delta | conversion, staging | import | VM creation | start → running | checks pass | **downtime** | create → Completed | guest blocks written while on | bytes read after the power-off |"
+    );
+    println!("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    for r in &rows {
+        let t = &r.times;
+        let off = t.powered_off.expect("the source was powered off");
+        let ready = t.guest_ready.unwrap_or(t.completed);
+        let blocks = (r.mib << 20) / 4096;
+        println!(
+            "| {} MiB | {} | {} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | **{:.2}** | {:.2} | {} ({:.1} %) | {:.1} MiB |",
+            r.mib,
+            r.run,
+            r.mode,
+            off,
+            t.at("Converting") - off,
+            t.at("Importing") - t.at("Converting"),
+            t.at("CreatingVM") - t.at("Importing"),
+            t.at("Starting") - t.at("CreatingVM"),
+            t.at("Validating") - t.at("Starting"),
+            ready - t.at("Validating"),
+            ready - off,
+            t.completed,
+            r.written,
+            r.written as f64 / blocks as f64 * 100.0,
+            r.read_after_off as f64 / (1 << 20) as f64,
+        );
+    }
+    let median = |mib: u64, mode: &str, f: &dyn Fn(&Row) -> f64| {
+        let mut v: Vec<f64> = rows.iter().filter(|r| r.mib == mib && r.mode == mode).map(f).collect();
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let downtime = |r: &Row| r.times.guest_ready.unwrap_or(r.times.completed) - r.times.powered_off.unwrap();
+    println!(
+        "\n| data disk | cold downtime | warm downtime | warm / cold | cold create → Completed | ÷ (ssh cat + boot) |"
+    );
+    println!("|---:|---:|---:|---:|---:|---:|");
+    for (mib, cat, boot) in &baselines {
+        let (cold, warm) = (median(*mib, "Cold", &downtime), median(*mib, "Warm", &downtime));
+        let total = median(*mib, "Cold", &|r: &Row| r.times.completed);
+        println!(
+            "| {mib} MiB | {cold:.2} s | {warm:.2} s | {:.0} % | {total:.2} s | {:.2}× |",
+            warm / cold * 100.0,
+            total / (cat + boot)
+        );
+    }
+}

@@ -1,0 +1,239 @@
+//! Filling a destination volume from the staging server without CDI's
+//! importer: `vmmigrate fill-volume`, run in a pod that mounts the volume
+//! (a blank DataVolume's `disk.img`, or its block device), reads one staged
+//! artifact over HTTPS (the staging CA pinned, the artifact's own basic-auth
+//! credentials), writes it in place and hashes what it wrote on the way.
+//! Nothing after the disk's bytes is touched, and a block of zeros is
+//! written only where the volume does not already read as zeros, so a blank
+//! volume stays sparse where the disk is.
+//!
+//! The network read, the hash and the writes run on three threads joined by
+//! bounded queues of reused buffers, so none waits for the others while the
+//! queues have room.
+
+use sha2::{Digest, Sha256};
+use std::fs::{File, OpenOptions};
+use std::io::Read;
+use std::os::unix::fs::FileExt;
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::mpsc::{Receiver, SyncSender, sync_channel};
+
+/// One read from the network, handed to the hasher and the writer.
+const BUFFER: usize = 4 << 20;
+/// Buffers in flight between the reader and the writer.
+const IN_FLIGHT: usize = 6;
+/// The unit in which zeros are skipped.
+const ZERO_BLOCK: usize = 64 << 10;
+
+/// What to fill, from where.
+pub struct FillRequest<'a> {
+    /// The artifact's staging URL (`https://…/artifacts/<uid>/disk-<n>.<fmt>`).
+    pub url: &'a str,
+    /// The staging server's CA, PEM: the only certificate authority trusted.
+    pub ca_pem: &'a [u8],
+    pub username: &'a str,
+    pub password: &'a str,
+    /// The volume's image file or block device.
+    pub path: &'a Path,
+    /// The artifact's size in bytes; the served length must be this.
+    pub size: u64,
+}
+
+/// What `fill-volume` wrote.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct FillReport {
+    /// sha256 of the bytes written (the disk), hex.
+    pub sha256: String,
+    pub size: u64,
+    /// Bytes written; the rest were zeros the volume already held.
+    pub written: u64,
+}
+
+/// Reads the artifact and writes it into the volume; the sha256 is of the
+/// bytes received, which are the bytes written.
+pub fn fill_volume(request: &FillRequest<'_>) -> anyhow::Result<FillReport> {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let ca = reqwest::Certificate::from_pem(request.ca_pem)
+        .map_err(|e| anyhow::anyhow!("the staging CA is not a PEM certificate: {e}"))?;
+    let client = reqwest::blocking::Client::builder()
+        .tls_certs_only([ca])
+        .https_only(true)
+        .no_proxy()
+        .connect_timeout(std::time::Duration::from_secs(30))
+        .timeout(None)
+        .build()?;
+    let mut response = client
+        .get(request.url)
+        .basic_auth(request.username, Some(request.password))
+        .send()
+        .map_err(|e| anyhow::anyhow!("GET {}: {e}", request.url))?;
+    anyhow::ensure!(response.status().is_success(), "GET {}: {}", request.url, response.status());
+    let length = response.content_length();
+    anyhow::ensure!(
+        length == Some(request.size),
+        "{} serves {length:?} bytes; the disk has {}",
+        request.url,
+        request.size
+    );
+    let volume = open_volume(request.path, request.size)?;
+
+    let (to_hasher, hasher_rx) = sync_channel::<Arc<Vec<u8>>>(IN_FLIGHT);
+    let (to_writer, writer_rx) = sync_channel::<(u64, Arc<Vec<u8>>)>(IN_FLIGHT);
+    let (returned, free) = sync_channel::<Arc<Vec<u8>>>(IN_FLIGHT * 2 + 2);
+    let hasher = std::thread::spawn(move || hash(hasher_rx));
+    let writer = std::thread::spawn(move || write(&volume, writer_rx, returned));
+    let read = read_into(&mut response, request.size, &to_hasher, &to_writer, &free);
+    drop((to_hasher, to_writer));
+    let sha256 = hasher.join().map_err(|_| anyhow::anyhow!("the hasher panicked"))?;
+    let written = writer.join().map_err(|_| anyhow::anyhow!("the writer panicked"))??;
+    read?;
+    Ok(FillReport { sha256, size: request.size, written })
+}
+
+/// The volume opened for writing, never truncated; a file shorter than the
+/// disk (not a blank volume's image) is grown with a hole.
+fn open_volume(path: &Path, size: u64) -> anyhow::Result<File> {
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)
+        .map_err(|e| anyhow::anyhow!("opening {}: {e}", path.display()))?;
+    let meta = file.metadata()?;
+    if meta.is_file() && meta.len() < size {
+        file.set_len(size)?;
+    }
+    Ok(file)
+}
+
+fn read_into(
+    body: &mut impl Read,
+    size: u64,
+    to_hasher: &SyncSender<Arc<Vec<u8>>>,
+    to_writer: &SyncSender<(u64, Arc<Vec<u8>>)>,
+    free: &Receiver<Arc<Vec<u8>>>,
+) -> anyhow::Result<()> {
+    let mut offset = 0u64;
+    while offset < size {
+        // A buffer both others are done with, or a new one while few exist.
+        let mut buffer = free.try_recv().ok().and_then(|b| Arc::try_unwrap(b).ok()).unwrap_or_default();
+        buffer.resize(BUFFER.min((size - offset) as usize), 0);
+        let mut filled = 0;
+        while filled < buffer.len() {
+            let n = body.read(&mut buffer[filled..])?;
+            anyhow::ensure!(n > 0, "the artifact ended after {} of {size} bytes", offset + filled as u64);
+            filled += n;
+        }
+        let buffer = Arc::new(buffer);
+        to_hasher.send(buffer.clone()).map_err(|_| anyhow::anyhow!("the hasher stopped"))?;
+        to_writer.send((offset, buffer)).map_err(|_| anyhow::anyhow!("the writer stopped"))?;
+        offset += filled as u64;
+    }
+    let mut extra = [0u8; 1];
+    anyhow::ensure!(body.read(&mut extra)? == 0, "the artifact is longer than its {size} bytes");
+    Ok(())
+}
+
+fn hash(rx: Receiver<Arc<Vec<u8>>>) -> String {
+    let mut hasher = Sha256::new();
+    for buffer in rx {
+        hasher.update(&buffer[..]);
+    }
+    crate::images::digest::hex(&hasher.finalize())
+}
+
+/// Writes each buffer at its offset, zeros only where the volume is not
+/// zero already; flushes at the end. Returns the bytes written.
+fn write(
+    volume: &File,
+    rx: Receiver<(u64, Arc<Vec<u8>>)>,
+    returned: SyncSender<Arc<Vec<u8>>>,
+) -> anyhow::Result<u64> {
+    let mut written = 0u64;
+    let mut there = vec![0u8; ZERO_BLOCK];
+    for (offset, buffer) in rx {
+        let mut at = 0;
+        while at < buffer.len() {
+            // Runs of non-zero blocks go in one write.
+            let mut end = at;
+            while end < buffer.len() && !is_zero(&buffer[end..(end + ZERO_BLOCK).min(buffer.len())]) {
+                end = (end + ZERO_BLOCK).min(buffer.len());
+            }
+            if end > at {
+                volume.write_all_at(&buffer[at..end], offset + at as u64)?;
+                written += (end - at) as u64;
+                at = end;
+                continue;
+            }
+            let block = &buffer[at..(at + ZERO_BLOCK).min(buffer.len())];
+            let there = &mut there[..block.len()];
+            volume.read_exact_at(there, offset + at as u64)?;
+            if !is_zero(there) {
+                volume.write_all_at(block, offset + at as u64)?;
+                written += block.len() as u64;
+            }
+            at += block.len();
+        }
+        let _ = returned.try_send(buffer);
+    }
+    volume.sync_data()?;
+    Ok(written)
+}
+
+fn is_zero(bytes: &[u8]) -> bool {
+    bytes.iter().all(|b| *b == 0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn writing_leaves_zero_blocks_alone_where_the_volume_is_zero_and_overwrites_them_where_it_is_not() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("disk.img");
+        // A volume with old bytes in its second block and a tail after the disk.
+        let mut old = vec![0u8; 4 * ZERO_BLOCK + 100];
+        old[ZERO_BLOCK + 7] = 9;
+        old[4 * ZERO_BLOCK + 50] = 5;
+        std::fs::write(&path, &old).unwrap();
+        let volume = OpenOptions::new().read(true).write(true).open(&path).unwrap();
+        // The disk: data, zeros (over old bytes), zeros (over zeros), data.
+        let mut disk = vec![0u8; 4 * ZERO_BLOCK];
+        disk[..ZERO_BLOCK].fill(1);
+        disk[3 * ZERO_BLOCK..].fill(2);
+        let (tx, rx) = sync_channel(4);
+        let (returned, _free) = sync_channel(4);
+        tx.send((0, Arc::new(disk[..2 * ZERO_BLOCK].to_vec()))).unwrap();
+        tx.send((2 * ZERO_BLOCK as u64, Arc::new(disk[2 * ZERO_BLOCK..].to_vec()))).unwrap();
+        drop(tx);
+        let written = write(&volume, rx, returned).unwrap();
+        let now = std::fs::read(&path).unwrap();
+        assert_eq!(&now[..disk.len()], &disk[..], "the volume holds the disk");
+        assert_eq!(&now[disk.len()..], &old[disk.len()..], "what follows the disk is untouched");
+        // The first block, the second (zeros over its old byte), the last;
+        // not the third (zeros over zeros).
+        assert_eq!(written, 3 * ZERO_BLOCK as u64);
+    }
+
+    #[test]
+    fn a_body_shorter_or_longer_than_the_disk_is_refused() {
+        let (to_hasher, _h) = sync_channel(8);
+        let (to_writer, _w) = sync_channel(8);
+        let (_r, free) = sync_channel(1);
+        let short = read_into(&mut &[1u8; 10][..], 20, &to_hasher, &to_writer, &free).unwrap_err();
+        assert!(short.to_string().contains("ended after 10 of 20 bytes"), "{short}");
+        let long = read_into(&mut &[1u8; 30][..], 20, &to_hasher, &to_writer, &free).unwrap_err();
+        assert!(long.to_string().contains("longer than its 20 bytes"), "{long}");
+    }
+
+    #[test]
+    fn the_hash_is_of_the_bytes_in_order() {
+        let (tx, rx) = sync_channel(4);
+        tx.send(Arc::new(b"abc".to_vec())).unwrap();
+        tx.send(Arc::new(b"def".to_vec())).unwrap();
+        drop(tx);
+        let expected = crate::images::digest::hex(&Sha256::digest(b"abcdef"));
+        assert_eq!(hash(rx), expected);
+    }
+}
