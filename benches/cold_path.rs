@@ -104,6 +104,7 @@ async fn migrate(client: &kube::Client, emu: &EsxiEmulator, run: &str, mode: &st
         worker_memory_limit: "512Mi".into(),
         worker_guest_memory_limit: "3Gi".into(),
         job_guest_memory_limit: "4Gi".into(),
+        import_method: service::ImportMethod::Cdi,
         worker_storage_class: None,
     };
     let metrics = Arc::new(Metrics::new());

@@ -12,12 +12,15 @@
 //! rate meant to change about 5 % of its blocks during one read of the disk
 //! (the table says what it changed, and what was read after the power-off).
 //! The source is powered on before each run and shut down by the migration
-//! (`GracefulThenForce`).
+//! (`GracefulThenForce`). Each mode runs with each import method: CDI's
+//! importer (`--import-method cdi`) and a blank DataVolume that a Job of the
+//! release image fills (`fill`).
 //!
 //!   cargo bench --bench downtime                       # 1024 and 4096 MiB, one run of each mode
 //!   VMMIGRATE_BENCH_MIB=1024 VMMIGRATE_BENCH_REPEAT=3 cargo bench --bench downtime
 //!   VMMIGRATE_BENCH_RATE_MIB=100 ...                   # the host serves each read at 100 MiB/s
 //!   VMMIGRATE_BENCH_TRACE=1 ...                        # every phase change seen, with its time
+//!   VMMIGRATE_BENCH_IMPORT=fill ...                    # one import method (default: cdi,fill)
 //!
 //! The real controller (release build, the in-process data plane, the
 //! controller's default requeue) runs in this process against the test
@@ -39,7 +42,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use vmmigrate::api::{Phase, VirtualMachineMigration};
 use vmmigrate::controller::reconciler::{self, ControllerConfig};
-use vmmigrate::controller::service::{self, ControllerOptions, DataPlane};
+use vmmigrate::controller::service::{self, ControllerOptions, DataPlane, ImportMethod};
 use vmmigrate::metrics::Metrics;
 use vmmigrate_harness::KubeEnv;
 use vmmigrate_harness::esxi_emulator::{EsxiEmulator, EsxiOptions};
@@ -153,13 +156,15 @@ fn phase_name(phase: Phase) -> &'static str {
     }
 }
 
-/// Migrates `app-bios` of `emu` in `mode` (`Cold` or `Warm`) to Completed.
+/// Migrates `app-bios` of `emu` in `mode` (`Cold` or `Warm`) to Completed,
+/// its disks imported by `method`.
 async fn migrate(
     client: &kube::Client,
     cluster: &KubeEnv,
     emu: &EsxiEmulator,
     run: &str,
     mode: &str,
+    method: ImportMethod,
 ) -> Times {
     let node_ip = cluster.node.as_ref().expect("the cluster has a node").host_ip;
     let ns = format!("downtime-{}-{run}", std::process::id());
@@ -192,7 +197,8 @@ async fn migrate(
         conversions: 2,
         guest_conversion_tcg: true,
         copy_streams: 1,
-        job_image: None,
+        // The fill Jobs' image (and the verify Job's).
+        job_image: Some(cluster.controller_image().expect("the release image")),
         job_namespace: None,
         work_claim: None,
         instance: "downtime".into(),
@@ -207,6 +213,7 @@ async fn migrate(
         worker_memory_limit: "512Mi".into(),
         worker_guest_memory_limit: "3Gi".into(),
         job_guest_memory_limit: "4Gi".into(),
+        import_method: method,
         worker_storage_class: None,
     };
     let metrics = Arc::new(Metrics::new());
@@ -310,6 +317,7 @@ async fn migrate(
 
 struct Row {
     mib: u64,
+    method: &'static str,
     run: u64,
     mode: &'static str,
     times: Times,
@@ -325,6 +333,15 @@ fn main() {
         .unwrap_or_else(|| vec![1024, 4096]);
     let repeat = env_u64("VMMIGRATE_BENCH_REPEAT", 1).max(1);
     let rate_mib = env_u64("VMMIGRATE_BENCH_RATE_MIB", 0);
+    let methods: Vec<(&'static str, ImportMethod)> = std::env::var("VMMIGRATE_BENCH_IMPORT")
+        .unwrap_or_else(|_| "cdi,fill".into())
+        .split(',')
+        .filter_map(|m| match m.trim() {
+            "cdi" => Some(("cdi", ImportMethod::Cdi)),
+            "fill" => Some(("fill", ImportMethod::Fill)),
+            _ => None,
+        })
+        .collect();
     let cluster = KubeEnv::shared_kubevirt();
     let guests = vmmigrate_harness::setup::guest_images().expect("guest images");
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
@@ -355,20 +372,22 @@ fn main() {
         runtime.block_on(async {
             let client = cluster.client().await;
             for run in 1..=repeat {
-                for mode in ["Cold", "Warm"] {
+                for (mode, (method_name, method)) in
+                    methods.iter().flat_map(|m| ["Cold", "Warm"].into_iter().map(move |mode| (mode, *m)))
+                {
                     emu.set_power(VMID, true);
                     let before = emu.guest_blocks_written();
                     let writer = emu.start_guest_writes(
                         VMID,
                         GuestWrites { blocks_per_second, seed: run, only_disk: Some(1) },
                     );
-                    let name = format!("{mib}-{}-{run}", mode.to_lowercase());
-                    let times = migrate(&client, cluster, &emu, &name, mode).await;
+                    let name = format!("{mib}-{method_name}-{}-{run}", mode.to_lowercase());
+                    let times = migrate(&client, cluster, &emu, &name, mode, method).await;
                     drop(writer);
                     let written = emu.guest_blocks_written() - before;
                     let read_after_off: u64 =
                         emu.disk_reads_after_power_off(VMID).iter().map(|r| r.delivered).sum();
-                    rows.push(Row { mib, run, mode, times, written, read_after_off });
+                    rows.push(Row { mib, method: method_name, run, mode, times, written, read_after_off });
                 }
             }
         });
@@ -382,17 +401,18 @@ fn main() {
     }
     println!("\ndowntime (power-off → GuestReady) and its parts, seconds");
     println!(
-        "| data disk | run | mode | before the power-off | copy or delta | conversion, staging | import | VM creation | start → running | checks pass | **downtime** | create → Completed | guest blocks written while on | bytes read after the power-off |"
+        "| data disk | import | run | mode | before the power-off | copy or delta | conversion, staging | import | VM creation | start → running | checks pass | **downtime** | create → Completed | guest blocks written while on | bytes read after the power-off |"
     );
-    println!("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    println!("|---:|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     for r in &rows {
         let t = &r.times;
         let off = t.powered_off.expect("the source was powered off");
         let ready = t.guest_ready.unwrap_or(t.completed);
         let blocks = (r.mib << 20) / 4096;
         println!(
-            "| {} MiB | {} | {} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | **{:.2}** | {:.2} | {} ({:.1} %) | {:.1} MiB |",
+            "| {} MiB | {} | {} | {} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | **{:.2}** | {:.2} | {} ({:.1} %) | {:.1} MiB |",
             r.mib,
+            r.method,
             r.run,
             r.mode,
             off,
@@ -409,23 +429,27 @@ fn main() {
             r.read_after_off as f64 / (1 << 20) as f64,
         );
     }
-    let median = |mib: u64, mode: &str, f: &dyn Fn(&Row) -> f64| {
-        let mut v: Vec<f64> = rows.iter().filter(|r| r.mib == mib && r.mode == mode).map(f).collect();
+    let median = |mib: u64, method: &str, mode: &str, f: &dyn Fn(&Row) -> f64| {
+        let mut v: Vec<f64> =
+            rows.iter().filter(|r| r.mib == mib && r.method == method && r.mode == mode).map(f).collect();
         v.sort_by(f64::total_cmp);
         v[v.len() / 2]
     };
     let downtime = |r: &Row| r.times.guest_ready.unwrap_or(r.times.completed) - r.times.powered_off.unwrap();
     println!(
-        "\n| data disk | cold downtime | warm downtime | warm / cold | cold create → Completed | ÷ (ssh cat + boot) |"
+        "\n| data disk | import | cold downtime | warm downtime | warm / cold | cold create → Completed | ÷ (ssh cat + boot) |"
     );
-    println!("|---:|---:|---:|---:|---:|---:|");
+    println!("|---:|---|---:|---:|---:|---:|---:|");
     for (mib, cat, boot) in &baselines {
-        let (cold, warm) = (median(*mib, "Cold", &downtime), median(*mib, "Warm", &downtime));
-        let total = median(*mib, "Cold", &|r: &Row| r.times.completed);
-        println!(
-            "| {mib} MiB | {cold:.2} s | {warm:.2} s | {:.0} % | {total:.2} s | {:.2}× |",
-            warm / cold * 100.0,
-            total / (cat + boot)
-        );
+        for (method, _) in &methods {
+            let (cold, warm) =
+                (median(*mib, method, "Cold", &downtime), median(*mib, method, "Warm", &downtime));
+            let total = median(*mib, method, "Cold", &|r: &Row| r.times.completed);
+            println!(
+                "| {mib} MiB | {method} | {cold:.2} s | {warm:.2} s | {:.0} % | {total:.2} s | {:.2}× |",
+                warm / cold * 100.0,
+                total / (cat + boot)
+            );
+        }
     }
 }

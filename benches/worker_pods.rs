@@ -117,6 +117,7 @@ fn main() {
             worker_memory_limit: "512Mi".into(),
             worker_guest_memory_limit: "3Gi".into(),
             job_guest_memory_limit: "4Gi".into(),
+        import_method: service::ImportMethod::Cdi,
             worker_storage_class: Some("local-path".into()),
         };
         let metrics = Arc::new(Metrics::new());

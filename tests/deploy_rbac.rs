@@ -597,7 +597,7 @@ fn deployment_passes_only_flags_and_variables_that_vmmigrate_run_knows() {
 }
 
 #[test]
-fn the_network_policy_admits_the_staging_port_only_from_cdi_importer_pods() {
+fn the_network_policy_admits_the_staging_port_only_from_cdi_importer_pods_and_vmmigrates_fill_jobs() {
     let objects = kustomize(&deploy_dir("base"));
     let policy = find(&objects, "NetworkPolicy", "vmmigrate-controller");
     let deployment = find(&objects, "Deployment", "vmmigrate");
@@ -617,8 +617,12 @@ fn the_network_policy_admits_the_staging_port_only_from_cdi_importer_pods() {
         json!([{
             "namespaceSelector": {},
             "podSelector": { "matchLabels": { "app": "containerized-data-importer", "cdi.kubevirt.io": "importer" } },
+        }, {
+            "namespaceSelector": {},
+            "podSelector": { "matchLabels": {
+                "app.kubernetes.io/managed-by": "vmmigrate", "migration.platform.example/role": "fill" } },
         }]),
-        "only CDI importer pods reach the staging port"
+        "only CDI importer pods and fill Jobs reach the staging port"
     );
     assert_eq!(staging[0]["ports"].as_array().unwrap().len(), 1, "the importer rule opens nothing else");
     for open in ["webhooks", "metrics"] {

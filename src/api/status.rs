@@ -203,6 +203,11 @@ pub struct Timestamps {
     /// first seen approved. Set once.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cutover_approved: Option<Time>,
+    /// When the destination's blank DataVolumes were asked for, as Preparing
+    /// began, so that CDI provisions them while the disks are copied (where
+    /// the controller fills raw disks itself). Set once.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub volumes_requested: Option<Time>,
     /// When the finishing work of a terminal phase (releasing or deleting the
     /// destination, removing staged data) was done. Set once.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -543,7 +548,8 @@ pub struct DiskStatus {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub import_verification: Option<ImportVerification>,
     /// sha256 of the imported volume's disk bytes as the verify Job read
-    /// them (`VolumeSha256` only); equal to `sourceSha256`.
+    /// them (`VolumeSha256`) or the fill Job wrote them (`Filled`); equal
+    /// to the artifact's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub imported_sha256: Option<String>,
     /// The import's progress as last seen changing (CDI's phase and
@@ -573,6 +579,10 @@ pub enum ImportVerification {
     /// CDI cannot check (its DataVolume has no `checksum`): a Job read the
     /// volume after the import and compared its sha256 with the copy's.
     VolumeSha256,
+    /// vmmigrate filled a blank DataVolume itself (`vmmigrate fill-volume`
+    /// in a Job) and hashed the bytes it wrote: they are the staged
+    /// artifact's, compared with its sha256.
+    Filled,
 }
 
 /// The VirtualMachine created by this migration.

@@ -150,6 +150,7 @@ async fn observe_preparing(
         snapshot,
         deltas,
         inventory,
+        fills_volumes: adapters.cluster.fills_volumes().await,
     })
 }
 
@@ -202,6 +203,7 @@ async fn observe_importing(
     let mut facts = ImportingFacts {
         volumes: Vec::with_capacity(disks),
         cdi_verifies_checksum: None,
+        fills_volumes: None,
         checks: Vec::new(),
     };
     for disk in 0..disks {
@@ -222,6 +224,7 @@ async fn observe_importing(
             bounded("DataVolume definition read", CALL_TIMEOUT, adapters.cluster.cdi_verifies_checksum())
                 .await?;
         facts.cdi_verifies_checksum = Some(verifies);
+        facts.fills_volumes = Some(adapters.cluster.fills_volumes().await);
     }
     Ok(facts)
 }
@@ -390,7 +393,21 @@ pub(crate) async fn perform(
             bounded("DataVolume create", CALL_TIMEOUT, create).await
         }
         Action::StartVolumeCheck { disk } => {
-            bounded("verify Job create", CALL_TIMEOUT, adapters.cluster.start_volume_check(vmm, *disk)).await
+            let filled =
+                vmm.status.as_ref().and_then(|s| s.disks.get(*disk)).and_then(|d| d.import_verification)
+                    == Some(crate::api::ImportVerification::Filled);
+            if filled {
+                // The artifact's credentials and the CA, fresh: the staging
+                // key or CA may have changed since the volume was asked for.
+                let access =
+                    bounded("import access", CALL_TIMEOUT, adapters.staging.import_access(vmm, *disk))
+                        .await?;
+                let start = adapters.cluster.start_fill(vmm, *disk, &access);
+                bounded("fill Job create", CALL_TIMEOUT, start).await
+            } else {
+                bounded("verify Job create", CALL_TIMEOUT, adapters.cluster.start_volume_check(vmm, *disk))
+                    .await
+            }
         }
         Action::DeleteVolumeCheck { disk } => {
             bounded("verify Job delete", CALL_TIMEOUT, adapters.cluster.delete_volume_check(vmm, *disk)).await

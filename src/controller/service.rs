@@ -66,6 +66,12 @@ pub struct ControllerOptions {
     /// virt-v2v's appliance is a VM of about 2.5 GiB beside it.
     #[arg(long, env = "VMMIGRATE_JOB_GUEST_MEMORY_LIMIT", default_value = "4Gi")]
     pub job_guest_memory_limit: String,
+    /// How a staged raw disk gets into its DataVolume: `fill` (a blank
+    /// DataVolume filled by a Job of `--job-image`, which needs no importer
+    /// pod and hashes what it writes) or `cdi` (CDI's importer). Without
+    /// `--job-image`, and for qcow2 artifacts, CDI's importer.
+    #[arg(long, env = "VMMIGRATE_IMPORT_METHOD", value_enum, default_value_t = ImportMethod::Fill)]
+    pub import_method: ImportMethod,
     /// Where copies, conversions and staging run: `process` (this process,
     /// on `--work-dir`) or `pods` (one worker Job per migration, on a claim
     /// of its own, from `--job-image`).
@@ -131,6 +137,17 @@ impl ControllerOptions {
     pub fn destinations(&self) -> DestinationRules {
         self.destination_rules.clone().with_system_namespace(&self.leader_election.lease_namespace)
     }
+}
+
+/// How a staged raw disk gets into its DataVolume.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum ImportMethod {
+    /// CDI's importer downloads it (`source.http`).
+    Cdi,
+    /// A blank DataVolume that a Job of `--job-image` fills itself
+    /// (`vmmigrate fill-volume`), hashing what it writes; qcow2 artifacts
+    /// and controllers without `--job-image` still use CDI's importer.
+    Fill,
 }
 
 /// Where the data plane runs.
@@ -276,7 +293,8 @@ pub fn adapters(
         staging,
         cluster: Arc::new(match &opts.job_image {
             Some(image) => KubeCluster::new(client.clone(), &opts.leader_election.lease_namespace)
-                .with_volume_checks(VerifySettings { image: image.clone(), run_as: own_ids() }),
+                .with_volume_checks(VerifySettings { image: image.clone(), run_as: own_ids() })
+                .filling_volumes(opts.import_method == ImportMethod::Fill),
             None => KubeCluster::new(client.clone(), &opts.leader_election.lease_namespace),
         }),
         prober: Arc::new(KubeProber::new(client)),

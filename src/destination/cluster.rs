@@ -1,6 +1,7 @@
 //! The real `Cluster` and `Prober` adapters: CDI DataVolumes, the KubeVirt
 //! VirtualMachine and its VMI, through the Kubernetes API.
 
+use super::fill;
 use super::http_check::run_http_check;
 use super::render;
 use super::verify::{self, VerifySettings};
@@ -104,12 +105,20 @@ pub struct KubeCluster {
     client: Client,
     claims: SourceClaims,
     verify: Option<VerifySettings>,
+    /// Whether raw disks go into blank DataVolumes filled by Jobs of
+    /// `verify`'s image (`super::fill`).
+    fill: bool,
 }
 
 impl KubeCluster {
     /// `claims_namespace` holds the source-VM claims (the controller's own namespace).
     pub fn new(client: Client, claims_namespace: &str) -> KubeCluster {
-        KubeCluster { claims: SourceClaims::new(client.clone(), claims_namespace), client, verify: None }
+        KubeCluster {
+            claims: SourceClaims::new(client.clone(), claims_namespace),
+            client,
+            verify: None,
+            fill: false,
+        }
     }
 
     /// The last termination message of CDI's importer pod of DataVolume
@@ -177,6 +186,34 @@ impl KubeCluster {
     pub(crate) fn with_volume_checks(mut self, settings: VerifySettings) -> KubeCluster {
         self.verify = Some(settings);
         self
+    }
+
+    /// Lets this cluster fill blank DataVolumes itself with Jobs of the
+    /// image given to [`Self::with_volume_checks`] (`super::fill`).
+    pub(crate) fn filling_volumes(mut self, fill: bool) -> KubeCluster {
+        self.fill = fill;
+        self
+    }
+
+    /// Creates Job `name` from `body` in the destination namespace; one
+    /// already there (made before a restart) is the one.
+    async fn create_job(
+        &self,
+        vmm: &VirtualMachineMigration,
+        body: Value,
+        name: &str,
+    ) -> Result<(), Failure> {
+        let job: Job = serde_json::from_value(body)
+            .map_err(|e| Failure::terminal(Reason::RenderError, e.to_string()))?;
+        let jobs: Api<Job> = Api::namespaced(self.client.clone(), &vmm.spec.destination.namespace);
+        match jobs
+            .create(&PostParams { field_manager: Some(FIELD_MANAGER.into()), ..Default::default() }, &job)
+            .await
+        {
+            Ok(_) => Ok(()),
+            Err(kube::Error::Api(s)) if s.code == 409 => Ok(()),
+            Err(e) => Err(classify(&format!("creating Job {name}"), e)),
+        }
     }
 
     fn dynamic(&self, vmm: &VirtualMachineMigration, ar: &ApiResource) -> Api<DynamicObject> {
@@ -473,14 +510,18 @@ impl Cluster for KubeCluster {
         if dv.data["spec"]["source"]["http"].get("checksum").is_some_and(Value::is_string) {
             return Ok(None);
         }
-        let Some(settings) = &self.verify else {
-            return Ok(Some(VolumeCheck::Unavailable(
-                "no image for Jobs is configured (--job-image) to read the volume back".into(),
-            )));
-        };
-        let _ = settings;
+        let filled = dv.data["spec"]["source"].get("blank").is_some();
+        if self.verify.is_none() {
+            return Ok(Some(VolumeCheck::Unavailable(match filled {
+                true => "no image for Jobs is configured (--job-image) to fill the blank volume".into(),
+                false => "no image for Jobs is configured (--job-image) to read the volume back".into(),
+            })));
+        }
         let jobs: Api<Job> = Api::namespaced(self.client.clone(), &vmm.spec.destination.namespace);
-        let job_name = verify::job_name(vmm, disk);
+        let job_name = match filled {
+            true => fill::job_name(vmm, disk),
+            false => verify::job_name(vmm, disk),
+        };
         let job = match jobs.get_opt(&job_name).await {
             Ok(Some(job)) => job,
             Ok(None) => return Ok(Some(VolumeCheck::Absent)),
@@ -499,6 +540,19 @@ impl Cluster for KubeCluster {
         )
         .await
         .unwrap_or_default();
+        if filled {
+            return Ok(Some(match fill::parse_report(&said) {
+                Some(r) if finished("Complete") => VolumeCheck::Matches { sha256: r.sha256 },
+                Some(r) => VolumeCheck::Differs { sha256: r.sha256, nonzero_tail_bytes: 0 },
+                None => VolumeCheck::Failed(Failure::retryable(
+                    Reason::VolumeCheckFailed,
+                    format!(
+                        "Job {job_name} could not fill the volume: {}",
+                        if said.is_empty() { "no message" } else { said.as_str() }
+                    ),
+                )),
+            }));
+        }
         Ok(Some(match verify::parse_answer(&said) {
             Some(d) if finished("Complete") => VolumeCheck::Matches { sha256: d.sha256 },
             Some(d) => VolumeCheck::Differs { sha256: d.sha256, nonzero_tail_bytes: d.nonzero_tail_bytes },
@@ -512,23 +566,32 @@ impl Cluster for KubeCluster {
         }))
     }
 
+    async fn fills_volumes(&self) -> bool {
+        self.fill && self.verify.is_some()
+    }
+
     async fn start_volume_check(&self, vmm: &VirtualMachineMigration, disk: usize) -> Result<(), Failure> {
         let Some(settings) = &self.verify else { return Ok(()) };
-        let job: Job = serde_json::from_value(verify::verify_job(settings, vmm, disk))
-            .map_err(|e| Failure::terminal(Reason::RenderError, e.to_string()))?;
-        let jobs: Api<Job> = Api::namespaced(self.client.clone(), &vmm.spec.destination.namespace);
-        match jobs
-            .create(&PostParams { field_manager: Some(FIELD_MANAGER.into()), ..Default::default() }, &job)
-            .await
-        {
-            Ok(_) => Ok(()),
-            Err(kube::Error::Api(s)) if s.code == 409 => Ok(()),
-            Err(e) => Err(classify(&format!("creating Job {}", verify::job_name(vmm, disk)), e)),
-        }
+        self.create_job(vmm, verify::verify_job(settings, vmm, disk), &verify::job_name(vmm, disk)).await
+    }
+
+    async fn start_fill(
+        &self,
+        vmm: &VirtualMachineMigration,
+        disk: usize,
+        access: &ImportAccess,
+    ) -> Result<(), Failure> {
+        let Some(settings) = &self.verify else { return Ok(()) };
+        // The fill Job mounts both; applied, not created if absent, so a
+        // changed staging key or CA is what it finds.
+        self.apply(vmm, &secret_resource(), render::import_secret(vmm, disk, access)).await?;
+        self.apply(vmm, &config_map_resource(), render::import_ca(vmm, disk, access)).await?;
+        self.create_job(vmm, fill::fill_job(settings, vmm, disk), &fill::job_name(vmm, disk)).await
     }
 
     async fn delete_volume_check(&self, vmm: &VirtualMachineMigration, disk: usize) -> Result<(), Failure> {
-        self.delete_if_ours(vmm, &job_resource(), &verify::job_name(vmm, disk)).await
+        self.delete_if_ours(vmm, &job_resource(), &verify::job_name(vmm, disk)).await?;
+        self.delete_if_ours(vmm, &job_resource(), &fill::job_name(vmm, disk)).await
     }
 
     async fn delete_data_volume(&self, vmm: &VirtualMachineMigration, disk: usize) -> Result<(), Failure> {

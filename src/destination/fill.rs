@@ -11,6 +11,12 @@
 //! bounded queues of reused buffers, so none waits for the others while the
 //! queues have room.
 
+use crate::api::VirtualMachineMigration;
+use crate::destination::verify::VerifySettings;
+use crate::machine::{data_volume_name, destination_name};
+use crate::objects::pods::{container_security_context, pod_security_context};
+use crate::objects::{LABEL_ROLE, bounded_name, labels, owner_references};
+use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
 use std::fs::{File, OpenOptions};
 use std::io::Read;
@@ -48,6 +54,87 @@ pub struct FillReport {
     pub size: u64,
     /// Bytes written; the rest were zeros the volume already held.
     pub written: u64,
+}
+
+/// The uid and gid the fill Job writes as: the `qemu` user, which CDI's
+/// importer writes a volume's `disk.img` as and KubeVirt's launcher opens it
+/// as.
+pub(crate) const VOLUME_OWNER: u32 = 107;
+
+/// The fill Job's name: `<dv>-fill`, at most 63 characters.
+pub(crate) fn job_name(vmm: &VirtualMachineMigration, disk: usize) -> String {
+    bounded_name(&dv_name(vmm, disk), "-fill")
+}
+
+fn dv_name(vmm: &VirtualMachineMigration, disk: usize) -> String {
+    data_volume_name(&destination_name(&vmm.spec, vmm.metadata.name.as_deref().unwrap_or_default()), disk)
+}
+
+/// The Job filling disk `disk`'s blank DataVolume from its staged artifact:
+/// the volume mounted read-write, the artifact's import Secret and the
+/// staging CA (what CDI's importer would have been given) read-only. It
+/// runs as [`VOLUME_OWNER`], every capability dropped.
+pub(crate) fn fill_job(settings: &VerifySettings, vmm: &VirtualMachineMigration, disk: usize) -> Value {
+    let status = vmm.status.clone().unwrap_or_default();
+    let evidence = status.disks.get(disk).cloned().unwrap_or_default();
+    let dv = dv_name(vmm, disk);
+    let size = evidence.size_bytes.max(0) as u64;
+    let mut labels = labels(vmm);
+    labels.insert(LABEL_ROLE.into(), json!("fill"));
+    labels.insert(crate::api::labels::DISK.into(), json!(disk.to_string()));
+    let pod_spec = json!({
+        "restartPolicy": "Never",
+        "securityContext": pod_security_context(Some((VOLUME_OWNER, VOLUME_OWNER))),
+        "containers": [{
+            "name": "fill",
+            "image": settings.image,
+            "command": ["vmmigrate"],
+            "args": [
+                "fill-volume",
+                "--url", evidence.artifact_url.unwrap_or_default(),
+                "--ca", "/ca/ca.pem",
+                "--credentials", "/credentials",
+                "--path", "/volume/disk.img",
+                "--size", size.to_string(),
+                "--sha256", status.expected_volume_sha256(disk).unwrap_or_default(),
+            ],
+            "terminationMessagePolicy": "FallbackToLogsOnError",
+            "resources": { "requests": { "cpu": "100m", "memory": "64Mi" }, "limits": { "memory": "256Mi" } },
+            "securityContext": container_security_context(true),
+            "volumeMounts": [
+                { "name": "volume", "mountPath": "/volume" },
+                { "name": "credentials", "mountPath": "/credentials", "readOnly": true },
+                { "name": "ca", "mountPath": "/ca", "readOnly": true },
+            ],
+        }],
+        "volumes": [
+            { "name": "volume", "persistentVolumeClaim": { "claimName": dv } },
+            { "name": "credentials", "secret": { "secretName": crate::destination::render::import_secret_name(&dv) } },
+            { "name": "ca", "configMap": { "name": crate::destination::render::import_ca_name(&dv) } },
+        ],
+    });
+    json!({
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {
+            "name": job_name(vmm, disk),
+            "namespace": vmm.spec.destination.namespace,
+            "labels": labels.clone(),
+            "ownerReferences": owner_references(vmm, &vmm.spec.destination.namespace),
+        },
+        "spec": {
+            "backoffLimit": 0,
+            // Ten minutes and then 10 MiB/s at the least: a fill that has not
+            // ended by then has stopped moving.
+            "activeDeadlineSeconds": 600 + size / (10 << 20),
+            "template": { "metadata": { "labels": labels }, "spec": pod_spec },
+        },
+    })
+}
+
+/// What the fill Job's one line says.
+pub(crate) fn parse_report(line: &str) -> Option<FillReport> {
+    serde_json::from_str(line.trim()).ok()
 }
 
 /// Reads the artifact and writes it into the volume; the sha256 is of the
@@ -187,6 +274,86 @@ fn is_zero(bytes: &[u8]) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn vmm() -> VirtualMachineMigration {
+        let mut vmm = crate::api::test_migration();
+        vmm.status = Some(crate::api::VirtualMachineMigrationStatus {
+            disks: vec![crate::api::DiskStatus {
+                size_bytes: 1 << 30,
+                source_sha256: Some("ab".repeat(32)),
+                artifact_url: Some("https://stage:8443/artifacts/u/disk-0.raw".into()),
+                artifact_format: Some("raw".into()),
+                import_verification: Some(crate::api::ImportVerification::Filled),
+                ..Default::default()
+            }],
+            ..Default::default()
+        });
+        vmm
+    }
+
+    #[test]
+    fn the_fill_job_writes_the_volume_as_qemu_with_only_the_artifacts_credentials_and_ca() {
+        let settings = VerifySettings { image: "vmmigrate:1".into(), run_as: Some((65532, 65532)) };
+        let job = fill_job(&settings, &vmm(), 0);
+        assert_eq!(job["metadata"]["name"], "web-disk-0-fill");
+        assert_eq!(job["spec"]["backoffLimit"], 0);
+        assert_eq!(job["spec"]["activeDeadlineSeconds"], 600 + 102);
+        let pod = &job["spec"]["template"]["spec"];
+        assert_eq!(pod["securityContext"]["runAsUser"], VOLUME_OWNER);
+        assert_eq!(pod["securityContext"]["runAsNonRoot"], true);
+        assert_eq!(
+            pod["volumes"],
+            json!([
+                { "name": "volume", "persistentVolumeClaim": { "claimName": "web-disk-0" } },
+                { "name": "credentials", "secret": { "secretName": "web-disk-0-import" } },
+                { "name": "ca", "configMap": { "name": "web-disk-0-import-ca" } },
+            ])
+        );
+        let container = &pod["containers"][0];
+        assert_eq!(container["securityContext"]["capabilities"]["drop"], json!(["ALL"]));
+        assert_eq!(container["volumeMounts"][1]["readOnly"], true);
+        assert_eq!(container["volumeMounts"][2]["readOnly"], true);
+        let args: Vec<&str> =
+            container["args"].as_array().unwrap().iter().map(|a| a.as_str().unwrap()).collect();
+        assert_eq!(
+            args,
+            [
+                "fill-volume",
+                "--url",
+                "https://stage:8443/artifacts/u/disk-0.raw",
+                "--ca",
+                "/ca/ca.pem",
+                "--credentials",
+                "/credentials",
+                "--path",
+                "/volume/disk.img",
+                "--size",
+                "1073741824",
+                "--sha256",
+                &"ab".repeat(32),
+            ]
+        );
+    }
+
+    #[test]
+    fn a_volume_to_fill_is_a_blank_data_volume_with_no_download() {
+        let dv = crate::destination::render::data_volume(&vmm(), 0);
+        assert_eq!(dv["spec"]["source"], json!({ "blank": {} }));
+        assert_eq!(dv["spec"]["storage"]["resources"]["requests"]["storage"], "1024Mi");
+        let mut cdi = vmm();
+        cdi.status.as_mut().unwrap().disks[0].import_verification =
+            Some(crate::api::ImportVerification::CdiChecksum);
+        let dv = crate::destination::render::data_volume(&cdi, 0);
+        assert_eq!(dv["spec"]["source"]["http"]["url"], "https://stage:8443/artifacts/u/disk-0.raw");
+    }
+
+    #[test]
+    fn the_report_line_is_read_back() {
+        let report = FillReport { sha256: "ab".repeat(32), size: 5, written: 3 };
+        let line = serde_json::to_string(&report).unwrap();
+        assert_eq!(parse_report(&format!("{line}\n")), Some(report));
+        assert_eq!(parse_report("error: filling /volume/disk.img: GET …: 503"), None);
+    }
 
     #[test]
     fn writing_leaves_zero_blocks_alone_where_the_volume_is_zero_and_overwrites_them_where_it_is_not() {

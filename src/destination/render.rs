@@ -77,8 +77,16 @@ pub(crate) fn data_volume(vmm: &VirtualMachineMigration, disk: usize) -> Value {
         &destination_name(&vmm.spec, vmm.metadata.name.as_deref().unwrap_or_default()),
         disk,
     );
+    // Before Preparing records the disks (a blank volume asked for early),
+    // the size is the inventory's, and the volume is to be filled.
+    let early = status.disks.get(disk).is_none();
     let evidence = status.disks.get(disk).cloned().unwrap_or_default();
-    let size = evidence.size_bytes.max(1);
+    let inventory_size =
+        || status.source_inventory.as_ref().and_then(|i| i.disks.get(disk)).map(|d| d.capacity_bytes);
+    let size = match early {
+        true => inventory_size().unwrap_or(0).max(1),
+        false => evidence.size_bytes.max(1),
+    };
     // Whole MiB, rounded up: CDI sizes the PVC from this.
     let request = format!("{}Mi", (size + (1 << 20) - 1) >> 20);
     let mut labels = labels(vmm);
@@ -95,6 +103,13 @@ pub(crate) fn data_volume(vmm: &VirtualMachineMigration, disk: usize) -> Value {
     {
         http["checksum"] = json!(format!("sha256:{sha}"));
     }
+    // A volume vmmigrate fills itself (its fill Job) starts blank: CDI only
+    // provisions it.
+    let source = match evidence.import_verification {
+        _ if early => json!({ "blank": {} }),
+        Some(ImportVerification::Filled) => json!({ "blank": {} }),
+        _ => json!({ "http": http }),
+    };
     json!({
         "apiVersion": "cdi.kubevirt.io/v1beta1",
         "kind": "DataVolume",
@@ -108,7 +123,7 @@ pub(crate) fn data_volume(vmm: &VirtualMachineMigration, disk: usize) -> Value {
             "ownerReferences": owner_references(vmm, &vmm.spec.destination.namespace),
         },
         "spec": {
-            "source": { "http": http },
+            "source": source,
             "storage": {
                 "storageClassName": vmm.spec.destination.storage_class_name,
                 "resources": { "requests": { "storage": request } },

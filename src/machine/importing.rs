@@ -23,14 +23,30 @@ pub(super) fn importing(ctx: &mut Ctx<'_>, observed: Observed) {
             d.data_volume_name = Some(name.clone());
         }
         let size = ctx.status.disks.get(disk).map(|d| d.size_bytes).unwrap_or(0);
+        // A volume asked for blank as Preparing began is filled by vmmigrate.
+        let early = ctx.status.timestamps.volumes_requested.is_some();
+        if early
+            && *dv != DataVolumeState::Absent
+            && let Some(d) = ctx.status.disks.get_mut(disk)
+            && d.import_verification.is_none()
+            && d.artifact_format.as_deref() == Some("raw")
+        {
+            d.import_verification = Some(ImportVerification::Filled);
+        }
         let percent = match dv {
             DataVolumeState::Absent => {
                 // The checksum goes into the DataVolume only where CDI
                 // knows the field; otherwise the volume is read afterwards.
-                let planned = match facts.cdi_verifies_checksum {
-                    Some(true) => ImportVerification::CdiChecksum,
-                    Some(false) => ImportVerification::VolumeSha256,
-                    None => return mismatch(ctx, Phase::Importing, "CDI's checksum support"),
+                // A raw artifact goes into a blank volume that vmmigrate
+                // fills where this cluster does; CDI's importer converts
+                // anything else.
+                let raw =
+                    ctx.status.disks.get(disk).and_then(|d| d.artifact_format.as_deref()) == Some("raw");
+                let planned = match (facts.fills_volumes, facts.cdi_verifies_checksum) {
+                    (Some(true), Some(_)) if raw => ImportVerification::Filled,
+                    (_, Some(true)) => ImportVerification::CdiChecksum,
+                    (_, Some(false)) => ImportVerification::VolumeSha256,
+                    (_, None) => return mismatch(ctx, Phase::Importing, "CDI's checksum support"),
                 };
                 let now = ctx.now.clone();
                 if let Some(d) = ctx.status.disks.get_mut(disk) {
@@ -88,16 +104,20 @@ pub(super) fn importing(ctx: &mut Ctx<'_>, observed: Observed) {
         });
     }
     if succeeded == volumes.len() && !volumes.is_empty() {
-        let read_back = ctx
-            .status
-            .disks
-            .iter()
-            .filter(|d| d.import_verification == Some(ImportVerification::VolumeSha256))
-            .count();
-        let how = match read_back {
-            0 => "each checked by CDI against the copy's sha256".to_owned(),
-            n if n == succeeded => "each read back and hashed to the copy's sha256".to_owned(),
-            n => format!("{n} read back and hashed, the others checked by CDI, against the copy's sha256"),
+        let count = |how: ImportVerification| {
+            ctx.status.disks.iter().filter(|d| d.import_verification == Some(how)).count()
+        };
+        let (read_back, filled) =
+            (count(ImportVerification::VolumeSha256), count(ImportVerification::Filled));
+        let how = match (read_back, filled) {
+            (0, 0) => "each checked by CDI against the copy's sha256".to_owned(),
+            (n, 0) if n == succeeded => "each read back and hashed to the copy's sha256".to_owned(),
+            (0, n) if n == succeeded => {
+                "each filled by vmmigrate, the bytes written hashed to the copy's sha256".to_owned()
+            }
+            (r, f) => format!(
+                "{f} filled by vmmigrate, {r} read back and hashed, the others checked by CDI, against the copy's sha256"
+            ),
         };
         ctx.condition(
             condition::DISK_IMPORTED,
@@ -110,7 +130,9 @@ pub(super) fn importing(ctx: &mut Ctx<'_>, observed: Observed) {
         set_progress(ctx, progress);
         let mut message = format!("{succeeded} of {} DataVolume(s) succeeded and verified", volumes.len());
         if verifying > 0 {
-            message.push_str(&format!("; {verifying} being read back to compare its sha256 with the copy's"));
+            message.push_str(&format!(
+                "; {verifying} being filled or read back to compare its sha256 with the copy's"
+            ));
         }
         let reason = if importer_trouble.is_empty() { "Importing" } else { "ImporterRestarting" };
         for trouble in &importer_trouble {
@@ -151,7 +173,12 @@ fn verify_import(ctx: &mut Ctx<'_>, disk: usize, name: &str, check: Option<Volum
         }
         Some(VolumeCheck::Running) => Verified::NotYet,
         Some(VolumeCheck::Matches { sha256 }) if sha256 == expected => {
-            record(ctx, ImportVerification::VolumeSha256, Some(sha256));
+            // Filled where it was planned so, else read back.
+            let how = match ctx.status.disks.get(disk).and_then(|d| d.import_verification) {
+                Some(ImportVerification::Filled) => ImportVerification::Filled,
+                _ => ImportVerification::VolumeSha256,
+            };
+            record(ctx, how, Some(sha256));
             Verified::Yes
         }
         Some(VolumeCheck::Matches { sha256 } | VolumeCheck::Differs { sha256, .. }) => {

@@ -748,6 +748,26 @@ fn discovering(ctx: &mut Ctx<'_>, observed: Observed) {
     }
 }
 
+/// Where the destination fills raw disks itself, its blank DataVolumes are
+/// asked for once, as Preparing begins: CDI provisions them (a claim bound,
+/// a pod that makes the empty image: seconds whatever the size) while the
+/// disks are copied, and Importing only fills them. Blank volumes hold
+/// nothing of the source, so asking before the power-off changes nothing.
+fn request_volumes_early(ctx: &mut Ctx<'_>, facts: &PreparingFacts) {
+    let disks = ctx.status.source_inventory.as_ref().map_or(0, |i| i.disks.len());
+    if !facts.fills_volumes
+        || ctx.spec.conversion.format != crate::api::DiskFormat::Raw
+        || ctx.status.timestamps.volumes_requested.is_some()
+        || disks == 0
+    {
+        return;
+    }
+    ctx.status.timestamps.volumes_requested = Some(ctx.now.clone());
+    for disk in 0..disks {
+        ctx.actions.push(Action::CreateDataVolume { disk });
+    }
+}
+
 fn preparing(ctx: &mut Ctx<'_>, observed: Observed, input: &Gating) {
     let facts = match observed {
         Observed::Preparing(Ok(facts)) => facts,
@@ -764,6 +784,7 @@ fn preparing(ctx: &mut Ctx<'_>, observed: Observed, input: &Gating) {
     if ctx.spec.mode == MigrationMode::Rehearsal {
         return rehearsal::preparing(ctx, &facts);
     }
+    request_volumes_early(ctx, &facts);
     let already_off = ctx.status.timestamps.source_powered_off.is_some();
     // Warm: once a snapshot was taken, or while the source runs. A source
     // already off before anything was taken is copied cold.

@@ -179,6 +179,9 @@ pub(crate) struct PreparingFacts {
     /// warm once its bases are copied), to compare with discovery's; `None`
     /// where it was not read.
     pub inventory: Option<Result<SourceInventory, Failure>>,
+    /// Whether the destination fills blank DataVolumes itself: they are
+    /// then asked for as Preparing begins.
+    pub fills_volumes: bool,
 }
 
 /// The local copy of one source disk.
@@ -254,7 +257,10 @@ pub enum DataVolumeState {
 pub(crate) struct ImportingFacts {
     pub volumes: Vec<DataVolumeState>,
     pub cdi_verifies_checksum: Option<bool>,
-    /// One per disk; `None` where no verify Job is looked for.
+    /// Whether this cluster fills blank DataVolumes itself (read with
+    /// `cdi_verifies_checksum`).
+    pub fills_volumes: Option<bool>,
+    /// One per disk; `None` where no verify or fill Job is looked for.
     pub checks: Vec<Option<VolumeCheck>>,
 }
 
@@ -263,7 +269,7 @@ impl ImportingFacts {
     #[cfg(test)]
     pub(crate) fn volumes(volumes: Vec<DataVolumeState>) -> ImportingFacts {
         let checks = vec![None; volumes.len()];
-        ImportingFacts { volumes, cdi_verifies_checksum: Some(true), checks }
+        ImportingFacts { volumes, cdi_verifies_checksum: Some(true), fills_volumes: Some(false), checks }
     }
 }
 

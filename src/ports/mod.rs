@@ -254,7 +254,25 @@ pub trait Cluster: Send + Sync {
         vmm: &VirtualMachineMigration,
         disk: usize,
     ) -> Result<Option<crate::machine::VolumeCheck>, Failure>;
+    /// Whether raw disks go into blank DataVolumes this cluster fills
+    /// itself, the fill Job standing where the verify Job stands
+    /// (`destination::fill`); asked while a DataVolume is to be made.
+    async fn fills_volumes(&self) -> bool {
+        false
+    }
+    /// Starts the verify Job that reads disk `disk`'s succeeded DataVolume back.
     async fn start_volume_check(&self, _vmm: &VirtualMachineMigration, _disk: usize) -> Result<(), Failure> {
+        Ok(())
+    }
+    /// Starts the fill Job of disk `disk`'s blank DataVolume
+    /// (`ImportVerification::Filled`), with the artifact's credentials and
+    /// CA applied first. Its state is read by [`Self::import_check`].
+    async fn start_fill(
+        &self,
+        _vmm: &VirtualMachineMigration,
+        _disk: usize,
+        _access: &ImportAccess,
+    ) -> Result<(), Failure> {
         Ok(())
     }
     async fn delete_volume_check(&self, _vmm: &VirtualMachineMigration, _disk: usize) -> Result<(), Failure> {

@@ -37,6 +37,7 @@ use vmmigrate::metrics::Metrics;
 pub(crate) use crate::support::migration::*;
 
 mod faults;
+mod fill;
 mod interference;
 mod rehearsal;
 mod vmware_guests;

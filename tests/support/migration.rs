@@ -149,6 +149,9 @@ pub(crate) struct Setup {
     /// The test holds `support::VIRT_API` for writing (it takes virt-api
     /// down); others with a real guest read it.
     pub(crate) holds_virt_api: bool,
+    /// CDI's importer (most tests: its failure model is what they prove)
+    /// or blank DataVolumes filled by vmmigrate's Jobs.
+    pub(crate) import_method: service::ImportMethod,
 }
 
 impl Default for Setup {
@@ -162,6 +165,7 @@ impl Default for Setup {
             snapshot_format: crate::support::vmdk_delta::DeltaFormat::SeSparse,
             work_dir: None,
             holds_virt_api: false,
+            import_method: service::ImportMethod::Cdi,
         }
     }
 }
@@ -240,6 +244,7 @@ impl Migration {
             snapshot_format,
             work_dir,
             holds_virt_api,
+            import_method,
         } = setup;
         let virt_api = match kubevirt {
             Kubevirt::Real if !holds_virt_api => Some(crate::support::VIRT_API.read().await),
@@ -334,6 +339,7 @@ impl Migration {
             job_namespace: None,
             work_claim: Some("vmmigrate-work".into()),
             job_guest_memory_limit: "4Gi".into(),
+            import_method,
             instance: "e2e".into(),
             // The source-VM claims live in the controller's namespace: here the test's.
             leader_election: service::LeaderElectionOptions {

@@ -23,6 +23,7 @@ fn facts(power: SourcePowerState, copies: Vec<CopyState>, snapshot: Option<&str>
         snapshot: snapshot.map(str::to_owned),
         deltas: Vec::new(),
         inventory: None,
+        fills_volumes: false,
     }))
 }
 

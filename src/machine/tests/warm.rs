@@ -24,6 +24,7 @@ fn facts(
         deltas,
         // Discovery's inventory (which does not count the migration's own snapshot).
         inventory: Some(Ok(inventory())),
+        fills_volumes: false,
     }))
 }
 
