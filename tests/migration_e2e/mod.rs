@@ -401,8 +401,11 @@ async fn a_completed_vm_rewritten_by_real_virt_api_gets_no_writes_over_20_reconc
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_bios_guest_boots_from_the_copied_bytes_on_real_kubevirt_and_its_own_page_agent_and_address_pass() {
-    let m = Migration::guest("e2e-bios", "app-bios").await;
+async fn a_bios_guest_boots_on_real_kubevirt_from_a_volume_vmmigrate_filled_and_its_own_page_agent_and_address_pass()
+ {
+    let setup =
+        Setup { import_method: vmmigrate::controller::service::ImportMethod::Fill, ..Default::default() };
+    let m = Migration::guest_with("e2e-bios", "app-bios", setup).await;
     let started = Instant::now();
     m.create(|_| {}).await;
     let vmm = m.wait_completed().await;
@@ -413,6 +416,9 @@ async fn a_bios_guest_boots_from_the_copied_bytes_on_real_kubevirt_and_its_own_p
     let status = vmm.status.clone().unwrap();
     let source = m.source_sha256_at_start();
     assert_eq!(m.imported_sha256(1).await, source, "the bytes in the PVC are the source's");
+    // Written by vmmigrate's fill Job into a blank volume, not by CDI's importer.
+    assert_eq!(status.disks[0].import_verification, Some(vmmigrate::api::ImportVerification::Filled));
+    assert_eq!(status.disks[0].imported_sha256.as_ref(), Some(&source[0]));
     assert_the_three_checks_passed(&status);
     let guest = m.guest_facts().await;
     assert!(guest.console.contains("vmmigrate-guest: booted firmware bios"), "console:\n{}", guest.console);

@@ -153,8 +153,12 @@ async fn a_vmware_uefi_guest_on_two_nvme_disks_converted_whole_in_one_job_boots_
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_vmware_guest_is_converted_in_its_worker_pod_from_the_release_image() {
-    let setup = Setup { data_plane: DataPlane::Pods, ..Default::default() };
+async fn a_vmware_guest_is_converted_in_its_worker_pod_from_the_release_image_and_filled_into_its_volume() {
+    let setup = Setup {
+        data_plane: DataPlane::Pods,
+        import_method: vmmigrate::controller::service::ImportMethod::Fill,
+        ..Default::default()
+    };
     let m = Migration::vmware_guest_with("e2e-vmw-pod", "vmware-bios", setup).await;
     let started = Instant::now();
     m.create(|body| {
@@ -173,6 +177,9 @@ async fn a_vmware_guest_is_converted_in_its_worker_pod_from_the_release_image() 
     );
     // Converted there, not here: the log is on the worker's claim.
     assert!(!report.log.starts_with(&m.work.path().display().to_string()), "{report:?}");
+    // The converted disk went from the worker's staging server into a blank
+    // volume by vmmigrate's fill Job.
+    assert_eq!(status.disks[0].import_verification, Some(vmmigrate::api::ImportVerification::Filled));
     assert_converted_and_chained(&m, &status, 1).await;
 }
 
