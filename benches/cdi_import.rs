@@ -130,7 +130,8 @@ async fn namespace_with_access(
     let credential = access.credential(uid, "disk-0.raw");
     let secret: Secret = serde_json::from_value(json!({
         "metadata": { "name": "disk-0-import" },
-        "stringData": { "accessKeyId": credential.access_key_id, "secretKey": credential.secret_key },
+        "stringData": { "accessKeyId": credential.access_key_id, "secretKey": credential.secret_key,
+                        "ca.pem": access.ca_pem() },
     }))
     .unwrap();
     Api::<Secret>::namespaced(client.clone(), ns).create(&PostParams::default(), &secret).await.unwrap();
@@ -223,20 +224,18 @@ async fn fill_once(
                                  "seccompProfile": { "type": "RuntimeDefault" } },
             "containers": [{
                 "name": "fill", "image": image, "command": ["vmmigrate"],
-                "args": ["fill-volume", "--url", url, "--ca", "/ca/ca.pem", "--credentials", "/credentials",
+                "args": ["fill-volume", "--url", url, "--ca", "/credentials/ca.pem", "--credentials", "/credentials",
                          "--path", "/volume/disk.img", "--size", size.to_string(), "--sha256", sha256],
                 "securityContext": { "allowPrivilegeEscalation": false, "capabilities": { "drop": ["ALL"] },
                                      "readOnlyRootFilesystem": true },
                 "volumeMounts": [
                     { "name": "volume", "mountPath": "/volume" },
                     { "name": "credentials", "mountPath": "/credentials", "readOnly": true },
-                    { "name": "ca", "mountPath": "/ca", "readOnly": true },
                 ],
             }],
             "volumes": [
                 { "name": "volume", "persistentVolumeClaim": { "claimName": "disk-0" } },
                 { "name": "credentials", "secret": { "secretName": "disk-0-import" } },
-                { "name": "ca", "configMap": { "name": "disk-0-import-ca" } },
             ],
         } } },
     }))

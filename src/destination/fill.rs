@@ -33,7 +33,7 @@ const IN_FLIGHT: usize = 6;
 const ZERO_BLOCK: usize = 64 << 10;
 
 /// What to fill, from where.
-pub struct FillRequest<'a> {
+pub(crate) struct FillRequest<'a> {
     /// The artifact's staging URL (`https://…/artifacts/<uid>/disk-<n>.<fmt>`).
     pub url: &'a str,
     /// The staging server's CA, PEM: the only certificate authority trusted.
@@ -48,7 +48,7 @@ pub struct FillRequest<'a> {
 
 /// What `fill-volume` wrote.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct FillReport {
+pub(crate) struct FillReport {
     /// sha256 of the bytes written (the disk), hex.
     pub sha256: String,
     pub size: u64,
@@ -71,9 +71,10 @@ fn dv_name(vmm: &VirtualMachineMigration, disk: usize) -> String {
 }
 
 /// The Job filling disk `disk`'s blank DataVolume from its staged artifact:
-/// the volume mounted read-write, the artifact's import Secret and the
-/// staging CA (what CDI's importer would have been given) read-only. It
-/// runs as [`VOLUME_OWNER`], every capability dropped.
+/// the volume mounted read-write, the artifact's import Secret (its
+/// credentials and the staging CA) read-only; nothing else, as `deploy/`'s
+/// admission policy demands. It runs as [`VOLUME_OWNER`], every capability
+/// dropped.
 pub(crate) fn fill_job(settings: &VerifySettings, vmm: &VirtualMachineMigration, disk: usize) -> Value {
     let status = vmm.status.clone().unwrap_or_default();
     let evidence = status.disks.get(disk).cloned().unwrap_or_default();
@@ -92,7 +93,7 @@ pub(crate) fn fill_job(settings: &VerifySettings, vmm: &VirtualMachineMigration,
             "args": [
                 "fill-volume",
                 "--url", evidence.artifact_url.unwrap_or_default(),
-                "--ca", "/ca/ca.pem",
+                "--ca", "/credentials/ca.pem",
                 "--credentials", "/credentials",
                 "--path", "/volume/disk.img",
                 "--size", size.to_string(),
@@ -104,13 +105,11 @@ pub(crate) fn fill_job(settings: &VerifySettings, vmm: &VirtualMachineMigration,
             "volumeMounts": [
                 { "name": "volume", "mountPath": "/volume" },
                 { "name": "credentials", "mountPath": "/credentials", "readOnly": true },
-                { "name": "ca", "mountPath": "/ca", "readOnly": true },
             ],
         }],
         "volumes": [
             { "name": "volume", "persistentVolumeClaim": { "claimName": dv } },
             { "name": "credentials", "secret": { "secretName": crate::destination::render::import_secret_name(&dv) } },
-            { "name": "ca", "configMap": { "name": crate::destination::render::import_ca_name(&dv) } },
         ],
     });
     json!({
@@ -139,7 +138,7 @@ pub(crate) fn parse_report(line: &str) -> Option<FillReport> {
 
 /// Reads the artifact and writes it into the volume; the sha256 is of the
 /// bytes received, which are the bytes written.
-pub fn fill_volume(request: &FillRequest<'_>) -> anyhow::Result<FillReport> {
+pub(crate) fn fill_volume(request: &FillRequest<'_>) -> anyhow::Result<FillReport> {
     let _ = rustls::crypto::ring::default_provider().install_default();
     let ca = reqwest::Certificate::from_pem(request.ca_pem)
         .map_err(|e| anyhow::anyhow!("the staging CA is not a PEM certificate: {e}"))?;
@@ -306,13 +305,11 @@ mod tests {
             json!([
                 { "name": "volume", "persistentVolumeClaim": { "claimName": "web-disk-0" } },
                 { "name": "credentials", "secret": { "secretName": "web-disk-0-import" } },
-                { "name": "ca", "configMap": { "name": "web-disk-0-import-ca" } },
             ])
         );
         let container = &pod["containers"][0];
         assert_eq!(container["securityContext"]["capabilities"]["drop"], json!(["ALL"]));
         assert_eq!(container["volumeMounts"][1]["readOnly"], true);
-        assert_eq!(container["volumeMounts"][2]["readOnly"], true);
         let args: Vec<&str> =
             container["args"].as_array().unwrap().iter().map(|a| a.as_str().unwrap()).collect();
         assert_eq!(
@@ -322,7 +319,7 @@ mod tests {
                 "--url",
                 "https://stage:8443/artifacts/u/disk-0.raw",
                 "--ca",
-                "/ca/ca.pem",
+                "/credentials/ca.pem",
                 "--credentials",
                 "/credentials",
                 "--path",

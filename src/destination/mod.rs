@@ -2,7 +2,7 @@
 //! VirtualMachines, observation of VMIs, and application probes.
 
 pub mod cluster;
-pub mod fill;
+pub(crate) mod fill;
 pub mod http_check;
 pub(crate) mod render;
 pub mod verify;

@@ -27,7 +27,10 @@ pub(crate) fn import_ca_name(dv: &str) -> String {
 }
 
 /// The credentials of disk `disk`'s artifact, as CDI's HTTP source reads
-/// them from `secretRef` (keys `accessKeyId` and `secretKey`).
+/// them from `secretRef` (keys `accessKeyId` and `secretKey`), and the
+/// staging CA beside them (`ca.pem`) for the fill Job, which mounts this one
+/// Secret: the admission policy of `deploy/` lets vmmigrate's Jobs mount
+/// claims, Secrets and empty directories only.
 pub(crate) fn import_secret(vmm: &VirtualMachineMigration, disk: usize, access: &ImportAccess) -> Value {
     use base64::Engine as _;
     let encode = |s: &str| base64::engine::general_purpose::STANDARD.encode(s);
@@ -39,6 +42,7 @@ pub(crate) fn import_secret(vmm: &VirtualMachineMigration, disk: usize, access: 
         "data": {
             "accessKeyId": encode(&access.access_key_id),
             "secretKey": encode(&access.secret_key),
+            "ca.pem": encode(&access.ca_pem),
         },
     })
 }
