@@ -140,22 +140,6 @@ impl Times {
     }
 }
 
-fn phase_name(phase: Phase) -> &'static str {
-    match phase {
-        Phase::Pending => "Pending",
-        Phase::Discovering => "Discovering",
-        Phase::Validated => "Validated",
-        Phase::Preparing => "Preparing",
-        Phase::Converting => "Converting",
-        Phase::Importing => "Importing",
-        Phase::CreatingVm => "CreatingVM",
-        Phase::Starting => "Starting",
-        Phase::Validating => "Validating",
-        Phase::Completed => "Completed",
-        _ => "other",
-    }
-}
-
 /// Migrates `app-bios` of `emu` in `mode` (`Cold` or `Warm`) to Completed,
 /// its disks imported by `method`.
 async fn migrate(
@@ -276,7 +260,7 @@ async fn migrate(
         if std::env::var_os("VMMIGRATE_BENCH_TRACE").is_some() {
             eprintln!("{at:8.2} s {run} {}", status.phase);
         }
-        times.phases.entry(phase_name(status.phase)).or_insert(at);
+        times.phases.entry(status.phase.as_str()).or_insert(at);
         match status.phase {
             Phase::Completed => {
                 assert!(

@@ -150,23 +150,30 @@ pub(crate) fn convert_guest(request: &std::path::Path) -> anyhow::Result<()> {
 const VOLUME_DIFFERS: u8 = 3;
 
 pub(crate) fn verify_volume(path: &std::path::Path, size: u64, sha256: &str) -> ExitCode {
-    let digest = match crate::images::digest::volume_digest(path, size) {
-        Ok(digest) => digest,
-        Err(e) => {
-            let line = format!("error: reading {}: {e}", path.display());
+    let digest = crate::images::digest::volume_digest(path, size)
+        .map_err(|e| format!("error: reading {}: {e}", path.display()));
+    volume_job_answer(digest, |d| d.sha256 == sha256 && d.nonzero_tail_bytes == 0)
+}
+
+/// The one line a volume Job (verify, fill) answers with, printed and
+/// written as its termination message: the error, or the report as JSON;
+/// exit 0 when `matches` holds, 3 when it does not, 1 on the error.
+fn volume_job_answer<T: serde::Serialize>(
+    report: Result<T, String>,
+    matches: impl Fn(&T) -> bool,
+) -> ExitCode {
+    let report = match report {
+        Ok(report) => report,
+        Err(line) => {
             eprintln!("{line}");
             termination_message(&line);
             return ExitCode::FAILURE;
         }
     };
-    let line = serde_json::to_string(&digest).unwrap_or_default();
+    let line = serde_json::to_string(&report).unwrap_or_default();
     println!("{line}");
     termination_message(&line);
-    if digest.sha256 == sha256 && digest.nonzero_tail_bytes == 0 {
-        ExitCode::SUCCESS
-    } else {
-        ExitCode::from(VOLUME_DIFFERS)
-    }
+    if matches(&report) { ExitCode::SUCCESS } else { ExitCode::from(VOLUME_DIFFERS) }
 }
 
 pub(crate) fn fill_volume(
@@ -192,19 +199,8 @@ pub(crate) fn fill_volume(
             size,
         })
     })();
-    let report = match filled {
-        Ok(report) => report,
-        Err(e) => {
-            let line = format!("error: filling {}: {e:#}", path.display());
-            eprintln!("{line}");
-            termination_message(&line);
-            return ExitCode::FAILURE;
-        }
-    };
-    let line = serde_json::to_string(&report).unwrap_or_default();
-    println!("{line}");
-    termination_message(&line);
-    if report.sha256 == sha256 { ExitCode::SUCCESS } else { ExitCode::from(VOLUME_DIFFERS) }
+    let filled = filled.map_err(|e| format!("error: filling {}: {e:#}", path.display()));
+    volume_job_answer(filled, |r| r.sha256 == sha256)
 }
 
 /// The repository's manifests were rendered and found wrong (each error printed already).

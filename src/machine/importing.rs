@@ -23,13 +23,14 @@ pub(super) fn importing(ctx: &mut Ctx<'_>, observed: Observed) {
             d.data_volume_name = Some(name.clone());
         }
         let size = ctx.status.disks.get(disk).map(|d| d.size_bytes).unwrap_or(0);
+        let raw = ctx.status.disks.get(disk).and_then(|d| d.artifact_format.as_deref()) == Some("raw");
         // A volume asked for blank as Preparing began is filled by vmmigrate.
         let early = ctx.status.timestamps.volumes_requested.is_some();
         if early
+            && raw
             && *dv != DataVolumeState::Absent
             && let Some(d) = ctx.status.disks.get_mut(disk)
             && d.import_verification.is_none()
-            && d.artifact_format.as_deref() == Some("raw")
         {
             d.import_verification = Some(ImportVerification::Filled);
         }
@@ -40,8 +41,6 @@ pub(super) fn importing(ctx: &mut Ctx<'_>, observed: Observed) {
                 // A raw artifact goes into a blank volume that vmmigrate
                 // fills where this cluster does; CDI's importer converts
                 // anything else.
-                let raw =
-                    ctx.status.disks.get(disk).and_then(|d| d.artifact_format.as_deref()) == Some("raw");
                 let planned = match (facts.fills_volumes, facts.cdi_verifies_checksum) {
                     (Some(true), Some(_)) if raw => ImportVerification::Filled,
                     (_, Some(true)) => ImportVerification::CdiChecksum,
