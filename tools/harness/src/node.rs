@@ -498,10 +498,19 @@ impl Node {
     }
 
     /// Waits until containerd answers on its socket.
+    /// Waits until containerd answers and its CRI plugin has served: after a
+    /// restart the plugin first recovers its containers, and a kubelet
+    /// started then fails with "server is not initialized yet". The CRI
+    /// plugin logs "Start streaming server" as the last step before it
+    /// serves, once per start of containerd (the log is appended to).
     pub(crate) fn wait_containerd(&self, janitor: &Janitor) -> anyhow::Result<()> {
-        wait_until(Duration::from_secs(30), "containerd", || {
+        let log = janitor.log_path("containerd");
+        wait_until(Duration::from_secs(60), "containerd and its CRI plugin", || {
             janitor.check_alive()?;
-            Ok(self.ctr(&["version"]).is_ok())
+            let text = std::fs::read_to_string(&log).unwrap_or_default();
+            let starts = text.matches("msg=\"starting containerd\"").count();
+            let served = text.matches("msg=\"Start streaming server\"").count();
+            Ok(starts > 0 && served >= starts && self.ctr(&["version"]).is_ok())
         })
     }
 
