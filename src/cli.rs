@@ -199,9 +199,13 @@ pub enum Command {
         /// The artifact's size in bytes.
         #[arg(long)]
         size: u64,
-        /// The artifact's sha256 (64 hex digits).
+        /// The artifact's sha256 (64 hex digits); with `--patch`, the patch's.
         #[arg(long, value_parser = parse_sha256)]
         sha256: String,
+        /// The URL serves a patch (`images::patch`): only its ranges are
+        /// written, onto the base the volume already holds.
+        #[arg(long)]
+        patch: bool,
     },
     VerifyVolume {
         /// The imported image (`/volume/disk.img`) or block device.
@@ -258,8 +262,9 @@ pub fn run(cli: Cli) -> ExitCode {
             crate::process::worker(worker)
         }
         Command::VerifyVolume { path, size, sha256 } => return commands::verify_volume(&path, size, &sha256),
-        Command::FillVolume { url, ca, credentials, path, size, sha256 } => {
-            return commands::fill_volume(&url, &ca, &credentials, &path, size, &sha256);
+        Command::FillVolume { url, ca, credentials, path, size, sha256, patch } => {
+            let request = commands::FillArgs { url: &url, ca: &ca, credentials: &credentials, patch };
+            return commands::fill_volume(&request, &path, size, &sha256);
         }
         Command::ConvertGuest { request } => {
             init_logging();

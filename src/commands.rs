@@ -176,27 +176,29 @@ fn volume_job_answer<T: serde::Serialize>(
     if matches(&report) { ExitCode::SUCCESS } else { ExitCode::from(VOLUME_DIFFERS) }
 }
 
-pub(crate) fn fill_volume(
-    url: &str,
-    ca: &std::path::Path,
-    credentials: &std::path::Path,
-    path: &std::path::Path,
-    size: u64,
-    sha256: &str,
-) -> ExitCode {
+/// Where `fill-volume` reads from, and what.
+pub(crate) struct FillArgs<'a> {
+    pub url: &'a str,
+    pub ca: &'a std::path::Path,
+    pub credentials: &'a std::path::Path,
+    pub patch: bool,
+}
+
+pub(crate) fn fill_volume(args: &FillArgs<'_>, path: &std::path::Path, size: u64, sha256: &str) -> ExitCode {
     let read =
         |p: &std::path::Path| std::fs::read(p).map_err(|e| anyhow::anyhow!("reading {}: {e}", p.display()));
     let filled = (|| {
-        let ca_pem = read(ca)?;
-        let username = String::from_utf8(read(&credentials.join("accessKeyId"))?)?;
-        let password = String::from_utf8(read(&credentials.join("secretKey"))?)?;
+        let ca_pem = read(args.ca)?;
+        let username = String::from_utf8(read(&args.credentials.join("accessKeyId"))?)?;
+        let password = String::from_utf8(read(&args.credentials.join("secretKey"))?)?;
         crate::destination::fill::fill_volume(&crate::destination::fill::FillRequest {
-            url,
+            url: args.url,
             ca_pem: &ca_pem,
             username: username.trim(),
             password: password.trim(),
             path,
             size,
+            patch: args.patch,
         })
     })();
     let filled = filled.map_err(|e| format!("error: filling {}: {e:#}", path.display()));

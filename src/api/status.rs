@@ -77,6 +77,12 @@ pub struct VirtualMachineMigrationStatus {
     /// only change either makes to the source besides a warm power-off, logged here.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub snapshot: Option<SnapshotRecord>,
+    /// Warm, where vmmigrate fills the volumes: what each disk's volume was
+    /// filled with before the cutover (its base, copied from the snapshot).
+    /// An entry means the volume holds exactly those bytes; it goes when
+    /// anything else writes the volume or the volume is made again.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub volume_bases: Vec<VolumeBase>,
     /// The mode the migration runs in, fixed when it left Validated: a later
     /// change of `spec.mode` is not applied (a rehearsal never turns into a
     /// migration that powers its source off, nor the reverse).
@@ -243,6 +249,21 @@ pub struct SnapshotRecord {
     /// The epoch it was taken in: the base copies read from it carry it.
     #[serde(default, skip_serializing_if = "is_zero_i32")]
     pub epoch: i32,
+}
+
+/// A volume filled with its disk's base before the cutover.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct VolumeBase {
+    pub disk: i32,
+    /// sha256 of the base the fill Job wrote and hashed, hex.
+    pub sha256: String,
+    /// When the fill was proven; absent when it failed (`failed` says why)
+    /// and the volume is filled whole after the cutover.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub filled: Option<Time>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub failed: Option<String>,
 }
 
 /// One entry in the phase timeline.
@@ -505,6 +526,16 @@ pub struct GuestConversion {
 impl VirtualMachineMigrationStatus {
     /// The sha256 disk `disk`'s imported volume must have: its converted
     /// bytes' when the guest was converted, else its copy's.
+    /// Whether disk `disk`'s volume holds exactly the base with `sha256`.
+    pub(crate) fn volume_holds_base(&self, disk: usize, sha256: &str) -> bool {
+        self.volume_bases.iter().any(|b| b.disk == disk as i32 && b.sha256 == sha256 && b.filled.is_some())
+    }
+
+    /// Disk `disk`'s volume is about to be written otherwise, or made again.
+    pub(crate) fn forget_volume_base(&mut self, disk: usize) {
+        self.volume_bases.retain(|b| b.disk != disk as i32);
+    }
+
     pub(crate) fn expected_volume_sha256(&self, disk: usize) -> Option<String> {
         match &self.guest_conversion {
             Some(converted) => converted.disk_sha256.get(disk).cloned(),
@@ -567,6 +598,25 @@ pub struct DiskStatus {
     /// means the source ran unobserved, and the copy is stale.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub source_stat: Option<String>,
+    /// Warm: the changes after the snapshot, for a volume holding the base.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub patch: Option<DiskPatch>,
+}
+
+/// A warm migration's changes to one disk after its snapshot: the ranges
+/// its deltas wrote, as one stream (`images::patch`) that turns a volume
+/// holding the base into the disk at the cutover.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct DiskPatch {
+    /// sha256 of the patch stream, hex.
+    pub sha256: String,
+    /// The ranges it holds.
+    pub ranges: i64,
+    /// The disk bytes it holds.
+    pub bytes: i64,
+    /// sha256 of the base it applies on (the copy taken from the snapshot).
+    pub base_sha256: String,
 }
 
 /// How an import is proven to hold the copied bytes.
@@ -583,6 +633,11 @@ pub enum ImportVerification {
     /// in a Job) and hashed the bytes it wrote: they are the staged
     /// artifact's, compared with its sha256.
     Filled,
+    /// Warm: the volume held the disk's base, filled and hashed before the
+    /// cutover; after it vmmigrate wrote only the ranges changed since
+    /// (`disks[].patch`), hashed against the patch's sha256. The volume's
+    /// bytes are the disk's by construction.
+    Patched,
 }
 
 /// The VirtualMachine created by this migration.

@@ -138,9 +138,34 @@ async fn observe_preparing(
         None
     };
     let mut deltas = Vec::new();
+    let mut patches = Vec::new();
     if warm && status.snapshot.is_some() && status.timestamps.source_powered_off.is_some() {
         for disk in 0..disks {
             deltas.push(answered(adapters.disks.delta_state(vmm, disk)).await);
+        }
+        if deltas.iter().all(|d| matches!(d, CopyState::Complete { .. })) {
+            for disk in 0..disks {
+                patches.push(
+                    tokio::time::timeout(CALL_TIMEOUT, adapters.disks.patch(vmm, disk)).await.ok().flatten(),
+                );
+            }
+        }
+    }
+    // Warm, before the cutover: the volumes asked for early, and their bases.
+    let mut base_fills = Vec::new();
+    if warm
+        && bases_copied
+        && status.snapshot.is_some()
+        && status.timestamps.source_powered_off.is_none()
+        && status.timestamps.volumes_requested.is_some()
+    {
+        for disk in 0..disks {
+            let volume = bounded("DataVolume", CALL_TIMEOUT, adapters.cluster.data_volume(vmm, disk)).await?;
+            let fill = match adapters.staging.stages_bases() {
+                true => bounded("base fill Job", CALL_TIMEOUT, adapters.cluster.base_fill(vmm, disk)).await?,
+                false => None,
+            };
+            base_fills.push((volume, fill));
         }
     }
     Ok(machine::PreparingFacts {
@@ -151,6 +176,8 @@ async fn observe_preparing(
         deltas,
         inventory,
         fills_volumes: adapters.cluster.fills_volumes().await,
+        base_fills,
+        patches,
     })
 }
 
@@ -374,6 +401,18 @@ pub(crate) async fn perform(
         Action::StartDeltaCopy { disk } => {
             bounded("delta copy", esxi * 4, adapters.disks.start_delta_copy(vmm, *disk)).await
         }
+        Action::StartBaseFill { disk, sha256 } => {
+            let staged =
+                bounded("base staging", CALL_TIMEOUT, adapters.staging.stage_base(vmm, *disk, sha256));
+            let Some(url) = staged.await? else { return Ok(()) };
+            let access =
+                bounded("import access", CALL_TIMEOUT, adapters.staging.import_access(vmm, *disk)).await?;
+            let start = adapters.cluster.start_base_fill(vmm, *disk, (&url, sha256), &access);
+            bounded("base fill Job create", CALL_TIMEOUT, start).await
+        }
+        Action::DeleteBaseFill { disk } => {
+            bounded("base fill Job delete", CALL_TIMEOUT, adapters.cluster.delete_base_fill(vmm, *disk)).await
+        }
         Action::DiscardDiskCopy { disk } => {
             bounded("disk discard", CALL_TIMEOUT, adapters.disks.discard_copy(vmm, *disk)).await
         }
@@ -393,9 +432,10 @@ pub(crate) async fn perform(
             bounded("DataVolume create", CALL_TIMEOUT, create).await
         }
         Action::StartVolumeCheck { disk } => {
-            let filled =
-                vmm.status.as_ref().and_then(|s| s.disks.get(*disk)).and_then(|d| d.import_verification)
-                    == Some(crate::api::ImportVerification::Filled);
+            use crate::api::ImportVerification::{Filled, Patched};
+            let how =
+                vmm.status.as_ref().and_then(|s| s.disks.get(*disk)).and_then(|d| d.import_verification);
+            let filled = matches!(how, Some(Filled | Patched));
             if filled {
                 // The artifact's credentials and the CA, fresh: the staging
                 // key or CA may have changed since the volume was asked for.

@@ -200,7 +200,7 @@ impl StagingAccess {
     /// `file` of `uid` (the MAC compared in constant time).
     pub(crate) fn allows(&self, authorization: Option<&[u8]>, uid: &str, file: &str) -> bool {
         let Some((user, password)) = authorization.and_then(basic_credentials) else { return false };
-        let name = format!("{uid}/{file}");
+        let name = format!("{uid}/{}", super::staging::companion_of(file));
         if user != name {
             return false;
         }
@@ -380,6 +380,21 @@ pub(crate) mod tests {
         assert!(!access.allows(Some(b"Bearer abc"), "uid-a", "disk-0.raw"));
         let empty = basic(&own.access_key_id, "");
         assert!(!access.allows(Some(empty.as_bytes()), "uid-a", "disk-0.raw"));
+    }
+
+    #[test]
+    fn a_raw_disks_credential_opens_its_warm_base_and_patch_and_no_other_disks() {
+        let dir = tempfile::tempdir().unwrap();
+        let access = StagingAccess::load_or_create(dir.path(), "https://staging.example:8443").unwrap();
+        let own = access.credential("uid-a", "disk-0.raw");
+        let header = basic(&own.access_key_id, &own.secret_key);
+        for file in ["disk-0.raw.base", "disk-0.raw.patch"] {
+            assert!(access.allows(Some(header.as_bytes()), "uid-a", file), "{file}");
+        }
+        for file in ["disk-1.raw.base", "disk-1.raw.patch", "disk-0.qcow2.patch", "disk-0.raw.other"] {
+            assert!(!access.allows(Some(header.as_bytes()), "uid-a", file), "{file}");
+        }
+        assert!(!access.allows(Some(header.as_bytes()), "uid-b", "disk-0.raw.patch"), "another migration");
     }
 
     #[test]

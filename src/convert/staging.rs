@@ -183,12 +183,24 @@ fn is_uid(s: &str) -> bool {
 /// `disk-<n>.raw` or `disk-<n>.qcow2`, `<n>` without leading zeros so each
 /// disk has exactly one URL.
 fn is_disk_file(name: &str) -> bool {
+    // A raw disk's warm companions: its base and its patch.
+    let name = companion_of(name);
     let Some((stem, ext)) = name.rsplit_once('.') else { return false };
     let Some(n) = stem.strip_prefix("disk-") else { return false };
     matches!(ext, "raw" | "qcow2")
         && !n.is_empty()
         && n.bytes().all(|b| b.is_ascii_digit())
         && (n == "0" || !n.starts_with('0'))
+}
+
+/// The artifact a warm companion (`disk-<n>.raw.base`, `disk-<n>.raw.patch`)
+/// belongs to, whose credentials open it too: a disk's base and changes are
+/// no more than its artifact. Any other name is itself.
+pub(crate) fn companion_of(name: &str) -> &str {
+    [".raw.base", ".raw.patch"]
+        .iter()
+        .find_map(|suffix| name.strip_suffix(suffix).map(|stem| &name[..stem.len() + 4]))
+        .unwrap_or(name)
 }
 
 /// An answer with no body but the reason phrase (none for HEAD).
@@ -770,6 +782,9 @@ mod tests {
             resolve(root, &artifact_path(&"a".repeat(64), 3, "raw")),
             Some(root.join("a".repeat(64)).join("disk-3.raw"))
         );
+        // A raw disk's warm companions.
+        assert_eq!(resolve(root, "/artifacts/abc/disk-0.raw.base"), Some(root.join("abc/disk-0.raw.base")));
+        assert_eq!(resolve(root, "/artifacts/abc/disk-2.raw.patch"), Some(root.join("abc/disk-2.raw.patch")));
         for bad in [
             "/artifacts/../x",
             "/artifacts/abc/../disk-0.raw",
@@ -779,6 +794,10 @@ mod tests {
             "/artifacts/abc/disk-.raw",
             "/artifacts/abc/disk-0.raw.sha256",
             "/artifacts/abc/disk-0.raw.corrupt",
+            "/artifacts/abc/disk-0.qcow2.patch",
+            "/artifacts/abc/disk-0.raw.patch.sha256",
+            "/artifacts/abc/disk-0.raw.base.patch",
+            "/artifacts/abc/disk-01.raw.base",
             "/artifacts/abc/disk-0",
             "/artifacts/abc/disk-0.RAW",
             "/artifacts//disk-0.raw",

@@ -110,7 +110,8 @@ impl ArtifactStore {
         self.settings.work_dir.join("artifacts").join(uid_of(vmm)).join(Self::file_name(vmm, disk))
     }
 
-    /// `<work>/staging/<uid>/disk-<n>.<fmt>`.
+    /// `<work>/staging/<uid>/disk-<n>.<fmt>`; its warm companions add
+    /// `.base` and `.patch` (see [`companion`]).
     pub(crate) fn staged_path(&self, vmm: &VirtualMachineMigration, disk: usize) -> PathBuf {
         Self::staging_root(&self.settings.work_dir).join(uid_of(vmm)).join(Self::file_name(vmm, disk))
     }
@@ -599,7 +600,59 @@ impl Staging for ArtifactStore {
         }
         // A hard link: publishing costs no copy; the marker is written last.
         std::fs::hard_link(&artifact, &staged).map_err(io)?;
-        artifact::write_marker(&staged, &marker).map_err(io)
+        artifact::write_marker(&staged, &marker).map_err(io)?;
+        // Warm: the base is the assembled disk's now (the copy was
+        // assembled in place); the patch, where the store made one, is
+        // published beside the artifact for a volume that holds the base.
+        let copy = self.copy(vmm, disk);
+        let (base, patch) = (companion(&staged, "base"), companion(&staged, "patch"));
+        artifact::remove_with_markers(&base).map_err(io)?;
+        artifact::remove_with_markers(&patch).map_err(io)?;
+        if let Some(info) = crate::ports::workdir::read_patch_info(&copy) {
+            let file = crate::ports::workdir::patch_path(&copy);
+            let size = std::fs::metadata(&file).map_err(io)?.len();
+            std::fs::hard_link(&file, &patch).map_err(io)?;
+            artifact::write_marker(&patch, &artifact::Marker { size, sha256: info.sha256 }).map_err(io)?;
+        }
+        Ok(())
+    }
+
+    fn stages_bases(&self) -> bool {
+        true
+    }
+
+    async fn stage_base(
+        &self,
+        vmm: &VirtualMachineMigration,
+        disk: usize,
+        sha256: &str,
+    ) -> Result<Option<String>, Failure> {
+        if vmm.spec.conversion.format != crate::api::DiskFormat::Raw {
+            return Ok(None);
+        }
+        let copy = self.copy(vmm, disk);
+        let base = companion(&self.staged_path(vmm, disk), "base");
+        let io = |e| io_failure("staging the base", e);
+        let marker =
+            artifact::Marker { size: std::fs::metadata(&copy).map_err(io)?.len(), sha256: sha256.to_owned() };
+        // Only the base copy the machine names: complete, of that sha256.
+        let copied = std::fs::read_to_string(copy.with_extension("sha256")).unwrap_or_default();
+        if copied.split_whitespace().nth(1) != Some(sha256) {
+            return Err(Failure::retryable(
+                Reason::AcquiredCopyMissing,
+                format!("disk {disk}: no complete base copy with sha256 {sha256} to stage"),
+            ));
+        }
+        if read_marker(&base).as_ref() != Some(&marker) || !base.exists() {
+            artifact::remove_with_markers(&base).map_err(io)?;
+            if let Some(dir) = base.parent() {
+                std::fs::create_dir_all(dir).map_err(io)?;
+            }
+            std::fs::hard_link(&copy, &base).map_err(io)?;
+            artifact::write_marker(&base, &marker).map_err(io)?;
+        }
+        let path = super::staging::artifact_path(&uid_of(vmm), disk, "raw");
+        Ok(Some(format!("{}{path}.base", self.settings.staging_url.trim_end_matches('/'))))
     }
 
     async fn import_access(
@@ -641,6 +694,13 @@ impl Staging for ArtifactStore {
         }
         Ok(())
     }
+}
+
+/// `<staged>.<what>`: a staged raw disk's warm base or patch.
+fn companion(staged: &Path, what: &str) -> PathBuf {
+    let mut name = staged.file_name().map(|n| n.to_os_string()).unwrap_or_default();
+    name.push(format!(".{what}"));
+    staged.with_file_name(name)
 }
 
 #[cfg(test)]

@@ -110,6 +110,13 @@ pub struct KubeCluster {
     fill: bool,
 }
 
+/// A Job's state as the volume checks read it.
+enum JobEnd {
+    Absent,
+    Running,
+    Finished { complete: bool, said: String },
+}
+
 impl KubeCluster {
     /// `claims_namespace` holds the source-VM claims (the controller's own namespace).
     pub fn new(client: Client, claims_namespace: &str) -> KubeCluster {
@@ -197,6 +204,51 @@ impl KubeCluster {
 
     /// Creates Job `name` from `body` in the destination namespace; one
     /// already there (made before a restart) is the one.
+    /// Where a Job of this migration's destination namespace stands, and
+    /// once it ended, the line its pod said.
+    async fn job_end(&self, vmm: &VirtualMachineMigration, job_name: &str) -> Result<JobEnd, Failure> {
+        let jobs: Api<Job> = Api::namespaced(self.client.clone(), &vmm.spec.destination.namespace);
+        let job = match jobs.get_opt(job_name).await {
+            Ok(Some(job)) => job,
+            Ok(None) => return Ok(JobEnd::Absent),
+            Err(e) => return Err(classify(&format!("reading Job {job_name}"), e)),
+        };
+        let status = job.status.unwrap_or_default();
+        let finished =
+            |t: &str| status.conditions.iter().flatten().any(|c| c.type_ == t && c.status == "True");
+        if !finished("Complete") && !finished("Failed") {
+            return Ok(JobEnd::Running);
+        }
+        let namespace = &vmm.spec.destination.namespace;
+        let said = crate::objects::pods::job_termination_line(&self.client, namespace, job_name).await;
+        Ok(JobEnd::Finished { complete: finished("Complete"), said: said.unwrap_or_default() })
+    }
+
+    /// A fill Job's outcome: the sha256 of what it wrote, matching what it
+    /// was told or not.
+    async fn fill_check(
+        &self,
+        vmm: &VirtualMachineMigration,
+        job_name: &str,
+    ) -> Result<VolumeCheck, Failure> {
+        let (complete, said) = match self.job_end(vmm, job_name).await? {
+            JobEnd::Absent => return Ok(VolumeCheck::Absent),
+            JobEnd::Running => return Ok(VolumeCheck::Running),
+            JobEnd::Finished { complete, said } => (complete, said),
+        };
+        Ok(match fill::parse_report(&said) {
+            Some(r) if complete => VolumeCheck::Matches { sha256: r.sha256 },
+            Some(r) => VolumeCheck::Differs { sha256: r.sha256, nonzero_tail_bytes: 0 },
+            None => VolumeCheck::Failed(Failure::retryable(
+                Reason::VolumeCheckFailed,
+                format!(
+                    "Job {job_name} could not fill the volume: {}",
+                    if said.is_empty() { "no message" } else { said.as_str() }
+                ),
+            )),
+        })
+    }
+
     async fn create_job(
         &self,
         vmm: &VirtualMachineMigration,
@@ -517,44 +569,17 @@ impl Cluster for KubeCluster {
                 false => "no image for Jobs is configured (--job-image) to read the volume back".into(),
             })));
         }
-        let jobs: Api<Job> = Api::namespaced(self.client.clone(), &vmm.spec.destination.namespace);
-        let job_name = match filled {
-            true => fill::job_name(vmm, disk),
-            false => verify::job_name(vmm, disk),
-        };
-        let job = match jobs.get_opt(&job_name).await {
-            Ok(Some(job)) => job,
-            Ok(None) => return Ok(Some(VolumeCheck::Absent)),
-            Err(e) => return Err(classify(&format!("reading Job {job_name}"), e)),
-        };
-        let status = job.status.unwrap_or_default();
-        let finished =
-            |t: &str| status.conditions.iter().flatten().any(|c| c.type_ == t && c.status == "True");
-        if !finished("Complete") && !finished("Failed") {
-            return Ok(Some(VolumeCheck::Running));
-        }
-        let said = crate::objects::pods::job_termination_line(
-            &self.client,
-            &vmm.spec.destination.namespace,
-            &job_name,
-        )
-        .await
-        .unwrap_or_default();
         if filled {
-            return Ok(Some(match fill::parse_report(&said) {
-                Some(r) if finished("Complete") => VolumeCheck::Matches { sha256: r.sha256 },
-                Some(r) => VolumeCheck::Differs { sha256: r.sha256, nonzero_tail_bytes: 0 },
-                None => VolumeCheck::Failed(Failure::retryable(
-                    Reason::VolumeCheckFailed,
-                    format!(
-                        "Job {job_name} could not fill the volume: {}",
-                        if said.is_empty() { "no message" } else { said.as_str() }
-                    ),
-                )),
-            }));
+            return self.fill_check(vmm, &fill::job_name(vmm, disk)).await.map(Some);
         }
+        let job_name = verify::job_name(vmm, disk);
+        let (complete, said) = match self.job_end(vmm, &job_name).await? {
+            JobEnd::Absent => return Ok(Some(VolumeCheck::Absent)),
+            JobEnd::Running => return Ok(Some(VolumeCheck::Running)),
+            JobEnd::Finished { complete, said } => (complete, said),
+        };
         Ok(Some(match verify::parse_answer(&said) {
-            Some(d) if finished("Complete") => VolumeCheck::Matches { sha256: d.sha256 },
+            Some(d) if complete => VolumeCheck::Matches { sha256: d.sha256 },
             Some(d) => VolumeCheck::Differs { sha256: d.sha256, nonzero_tail_bytes: d.nonzero_tail_bytes },
             None => VolumeCheck::Failed(Failure::retryable(
                 Reason::VolumeCheckFailed,
@@ -564,6 +589,34 @@ impl Cluster for KubeCluster {
                 ),
             )),
         }))
+    }
+
+    async fn base_fill(
+        &self,
+        vmm: &VirtualMachineMigration,
+        disk: usize,
+    ) -> Result<Option<VolumeCheck>, Failure> {
+        if self.verify.is_none() || !self.fill {
+            return Ok(None);
+        }
+        self.fill_check(vmm, &fill::base_job_name(vmm, disk)).await.map(Some)
+    }
+
+    async fn start_base_fill(
+        &self,
+        vmm: &VirtualMachineMigration,
+        disk: usize,
+        (url, sha256): (&str, &str),
+        access: &ImportAccess,
+    ) -> Result<(), Failure> {
+        let Some(settings) = &self.verify else { return Ok(()) };
+        self.apply(vmm, &secret_resource(), render::import_secret(vmm, disk, access)).await?;
+        let job = fill::fill_job(settings, vmm, disk, fill::Fill::Base { url, sha256 });
+        self.create_job(vmm, job, &fill::base_job_name(vmm, disk)).await
+    }
+
+    async fn delete_base_fill(&self, vmm: &VirtualMachineMigration, disk: usize) -> Result<(), Failure> {
+        self.delete_if_ours(vmm, &job_resource(), &fill::base_job_name(vmm, disk)).await
     }
 
     async fn fills_volumes(&self) -> bool {
@@ -586,11 +639,17 @@ impl Cluster for KubeCluster {
         // changed staging key or CA is what it finds.
         self.apply(vmm, &secret_resource(), render::import_secret(vmm, disk, access)).await?;
         self.apply(vmm, &config_map_resource(), render::import_ca(vmm, disk, access)).await?;
-        self.create_job(vmm, fill::fill_job(settings, vmm, disk), &fill::job_name(vmm, disk)).await
+        self.create_job(
+            vmm,
+            fill::fill_job(settings, vmm, disk, fill::Fill::Import),
+            &fill::job_name(vmm, disk),
+        )
+        .await
     }
 
     async fn delete_volume_check(&self, vmm: &VirtualMachineMigration, disk: usize) -> Result<(), Failure> {
         self.delete_if_ours(vmm, &job_resource(), &verify::job_name(vmm, disk)).await?;
+        self.delete_if_ours(vmm, &job_resource(), &fill::base_job_name(vmm, disk)).await?;
         self.delete_if_ours(vmm, &job_resource(), &fill::job_name(vmm, disk)).await
     }
 

@@ -42,8 +42,12 @@ pub(crate) struct FillRequest<'a> {
     pub password: &'a str,
     /// The volume's image file or block device.
     pub path: &'a Path,
-    /// The artifact's size in bytes; the served length must be this.
+    /// The artifact's size in bytes; the served length must be this. With
+    /// `patch`, the disk's: no range may end past it.
     pub size: u64,
+    /// The URL serves a patch (`images::patch`) to write onto the base the
+    /// volume holds, not the disk.
+    pub patch: bool,
 }
 
 /// What `fill-volume` wrote.
@@ -66,6 +70,27 @@ pub(crate) fn job_name(vmm: &VirtualMachineMigration, disk: usize) -> String {
     bounded_name(&dv_name(vmm, disk), "-fill")
 }
 
+/// The base fill Job's name: `<dv>-fill-base`.
+pub(crate) fn base_job_name(vmm: &VirtualMachineMigration, disk: usize) -> String {
+    bounded_name(&dv_name(vmm, disk), "-fill-base")
+}
+
+/// What a fill Job writes into the volume.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Fill<'a> {
+    /// The staged artifact, whole (`disks[].artifactUrl`); or, where the
+    /// disk's import is `Patched`, only its patch (`<artifact>.patch`) onto
+    /// the base the volume holds.
+    Import,
+    /// Warm, before the cutover: the disk's base, staged at `url`.
+    Base { url: &'a str, sha256: &'a str },
+}
+
+/// The staged patch's URL: beside the artifact.
+pub(crate) fn patch_url(artifact_url: &str) -> String {
+    format!("{artifact_url}.patch")
+}
+
 fn dv_name(vmm: &VirtualMachineMigration, disk: usize) -> String {
     data_volume_name(&destination_name(&vmm.spec, vmm.metadata.name.as_deref().unwrap_or_default()), disk)
 }
@@ -75,11 +100,49 @@ fn dv_name(vmm: &VirtualMachineMigration, disk: usize) -> String {
 /// credentials and the staging CA) read-only; nothing else, as `deploy/`'s
 /// admission policy demands. It runs as [`VOLUME_OWNER`], every capability
 /// dropped.
-pub(crate) fn fill_job(settings: &VerifySettings, vmm: &VirtualMachineMigration, disk: usize) -> Value {
+pub(crate) fn fill_job(
+    settings: &VerifySettings,
+    vmm: &VirtualMachineMigration,
+    disk: usize,
+    fill: Fill<'_>,
+) -> Value {
     let status = vmm.status.clone().unwrap_or_default();
     let evidence = status.disks.get(disk).cloned().unwrap_or_default();
     let dv = dv_name(vmm, disk);
-    let size = evidence.size_bytes.max(0) as u64;
+    let size = match fill {
+        Fill::Import => evidence.size_bytes.max(0) as u64,
+        Fill::Base { .. } => disk_size(vmm, disk),
+    };
+    let artifact_url = evidence.artifact_url.clone().unwrap_or_default();
+    let patch = evidence
+        .patch
+        .as_ref()
+        .filter(|_| evidence.import_verification == Some(crate::api::ImportVerification::Patched));
+    let (name, url, sha256) = match (fill, patch) {
+        (Fill::Base { url, sha256 }, _) => (base_job_name(vmm, disk), url.to_owned(), sha256.to_owned()),
+        (Fill::Import, Some(patch)) => (job_name(vmm, disk), patch_url(&artifact_url), patch.sha256.clone()),
+        (Fill::Import, None) => {
+            (job_name(vmm, disk), artifact_url, status.expected_volume_sha256(disk).unwrap_or_default())
+        }
+    };
+    let mut args = vec![
+        "fill-volume".to_owned(),
+        "--url".into(),
+        url,
+        "--ca".into(),
+        "/credentials/ca.pem".into(),
+        "--credentials".into(),
+        "/credentials".into(),
+        "--path".into(),
+        "/volume/disk.img".into(),
+        "--size".into(),
+        size.to_string(),
+        "--sha256".into(),
+        sha256,
+    ];
+    if patch.is_some() && fill == Fill::Import {
+        args.push("--patch".into());
+    }
     let mut labels = labels(vmm);
     labels.insert(LABEL_ROLE.into(), json!("fill"));
     labels.insert(crate::api::labels::DISK.into(), json!(disk.to_string()));
@@ -90,15 +153,7 @@ pub(crate) fn fill_job(settings: &VerifySettings, vmm: &VirtualMachineMigration,
             "name": "fill",
             "image": settings.image,
             "command": ["vmmigrate"],
-            "args": [
-                "fill-volume",
-                "--url", evidence.artifact_url.unwrap_or_default(),
-                "--ca", "/credentials/ca.pem",
-                "--credentials", "/credentials",
-                "--path", "/volume/disk.img",
-                "--size", size.to_string(),
-                "--sha256", status.expected_volume_sha256(disk).unwrap_or_default(),
-            ],
+            "args": args,
             "terminationMessagePolicy": "FallbackToLogsOnError",
             "resources": { "requests": { "cpu": "100m", "memory": "64Mi" }, "limits": { "memory": "256Mi" } },
             "securityContext": container_security_context(true),
@@ -116,7 +171,7 @@ pub(crate) fn fill_job(settings: &VerifySettings, vmm: &VirtualMachineMigration,
         "apiVersion": "batch/v1",
         "kind": "Job",
         "metadata": {
-            "name": job_name(vmm, disk),
+            "name": name,
             "namespace": vmm.spec.destination.namespace,
             "labels": labels.clone(),
             "ownerReferences": owner_references(vmm, &vmm.spec.destination.namespace),
@@ -129,6 +184,13 @@ pub(crate) fn fill_job(settings: &VerifySettings, vmm: &VirtualMachineMigration,
             "template": { "metadata": { "labels": labels }, "spec": pod_spec },
         },
     })
+}
+
+/// The inventory's size of disk `disk` (the disks' status is recorded only
+/// once Preparing ends).
+fn disk_size(vmm: &VirtualMachineMigration, disk: usize) -> u64 {
+    let inventory = vmm.status.as_ref().and_then(|s| s.source_inventory.as_ref());
+    inventory.and_then(|i| i.disks.get(disk)).map_or(0, |d| d.capacity_bytes.max(0) as u64)
 }
 
 /// What the fill Job's one line says.
@@ -155,6 +217,9 @@ pub(crate) fn fill_volume(request: &FillRequest<'_>) -> anyhow::Result<FillRepor
         .send()
         .map_err(|e| anyhow::anyhow!("GET {}: {e}", request.url))?;
     anyhow::ensure!(response.status().is_success(), "GET {}: {}", request.url, response.status());
+    if request.patch {
+        return apply_patch(&mut response, request);
+    }
     let length = response.content_length();
     anyhow::ensure!(
         length == Some(request.size),
@@ -175,6 +240,24 @@ pub(crate) fn fill_volume(request: &FillRequest<'_>) -> anyhow::Result<FillRepor
     let written = writer.join().map_err(|_| anyhow::anyhow!("the writer panicked"))??;
     read?;
     Ok(FillReport { sha256, size: request.size, written })
+}
+
+/// Writes a patch's ranges into the volume as they arrive; the sha256 is
+/// of the patch stream, the bytes written its ranges'.
+fn apply_patch(body: &mut impl Read, request: &FillRequest<'_>) -> anyhow::Result<FillReport> {
+    let volume = open_volume(request.path, request.size)?;
+    let mut applier = crate::images::patch::Applier::new(request.size);
+    let mut buffer = vec![0u8; 1 << 20];
+    loop {
+        let n = body.read(&mut buffer)?;
+        if n == 0 {
+            break;
+        }
+        applier.feed(&buffer[..n], &mut |at, bytes| volume.write_all_at(bytes, at))?;
+    }
+    let summary = applier.finish()?;
+    volume.sync_data()?;
+    Ok(FillReport { sha256: summary.sha256, size: request.size, written: summary.bytes })
 }
 
 /// The volume opened for writing, never truncated; a file shorter than the
@@ -293,7 +376,7 @@ mod tests {
     #[test]
     fn the_fill_job_writes_the_volume_as_qemu_with_only_the_artifacts_credentials_and_ca() {
         let settings = VerifySettings { image: "vmmigrate:1".into(), run_as: Some((65532, 65532)) };
-        let job = fill_job(&settings, &vmm(), 0);
+        let job = fill_job(&settings, &vmm(), 0, Fill::Import);
         assert_eq!(job["metadata"]["name"], "web-disk-0-fill");
         assert_eq!(job["spec"]["backoffLimit"], 0);
         assert_eq!(job["spec"]["activeDeadlineSeconds"], 600 + 102);
@@ -329,6 +412,53 @@ mod tests {
                 "--sha256",
                 &"ab".repeat(32),
             ]
+        );
+    }
+
+    fn args(job: &Value) -> Vec<String> {
+        let container = &job["spec"]["template"]["spec"]["containers"][0];
+        container["args"].as_array().unwrap().iter().map(|a| a.as_str().unwrap().to_owned()).collect()
+    }
+
+    #[test]
+    fn a_base_fill_writes_the_staged_base_and_a_patched_import_only_the_patch() {
+        let settings = VerifySettings { image: "vmmigrate:1".into(), run_as: None };
+        let mut warm = vmm();
+        let status = warm.status.as_mut().unwrap();
+        status.source_inventory = Some(crate::api::SourceInventory {
+            disks: vec![crate::api::SourceDisk { capacity_bytes: 1 << 20, ..Default::default() }],
+            ..Default::default()
+        });
+        let base =
+            Fill::Base { url: "https://stage:8443/artifacts/u/disk-0.raw.base", sha256: &"ba".repeat(32) };
+        let job = fill_job(&settings, &warm, 0, base);
+        assert_eq!(job["metadata"]["name"], "web-disk-0-fill-base");
+        let said = args(&job);
+        assert_eq!(said[2], "https://stage:8443/artifacts/u/disk-0.raw.base");
+        assert_eq!(said[10..], ["1048576".to_owned(), "--sha256".into(), "ba".repeat(32)]);
+        // The same volume and Secret as any fill.
+        let pod = &job["spec"]["template"]["spec"];
+        assert_eq!(pod["volumes"][1]["secret"]["secretName"], "web-disk-0-import");
+
+        let d = &mut warm.status.as_mut().unwrap().disks[0];
+        d.patch = Some(crate::api::DiskPatch {
+            sha256: "9a".repeat(32),
+            ranges: 2,
+            bytes: 8192,
+            base_sha256: "ba".repeat(32),
+        });
+        // Recorded, but the import not planned patched: the artifact, whole.
+        let whole = args(&fill_job(&settings, &warm, 0, Fill::Import));
+        assert!(!whole.contains(&"--patch".to_owned()) && whole[2].ends_with("disk-0.raw"));
+        warm.status.as_mut().unwrap().disks[0].import_verification =
+            Some(crate::api::ImportVerification::Patched);
+        let job = fill_job(&settings, &warm, 0, Fill::Import);
+        assert_eq!(job["metadata"]["name"], "web-disk-0-fill");
+        let args = args(&job);
+        assert_eq!(args[2], "https://stage:8443/artifacts/u/disk-0.raw.patch");
+        assert_eq!(
+            args[10..],
+            ["1073741824".to_owned(), "--sha256".into(), "9a".repeat(32), "--patch".into()]
         );
     }
 

@@ -111,7 +111,7 @@ pub(crate) fn data_volume(vmm: &VirtualMachineMigration, disk: usize) -> Value {
     // provisions it.
     let source = match evidence.import_verification {
         _ if early => json!({ "blank": {} }),
-        Some(ImportVerification::Filled) => json!({ "blank": {} }),
+        Some(ImportVerification::Filled | ImportVerification::Patched) => json!({ "blank": {} }),
         _ => json!({ "http": http }),
     };
     json!({

@@ -64,12 +64,14 @@ pub enum ChainError {
 /// ranges are (`qemu-img map`); the bytes are then read from the copied
 /// delta at those offsets, each range checked against the disk's and the
 /// file's size. Applying the same deltas again gives the same bytes.
+/// Returns the ranges written, merged (`patch::merge`): what differs from
+/// the base.
 pub async fn apply(
     base: &Path,
     capacity: u64,
     deltas: &[(DeltaKind, PathBuf)],
     work: &Path,
-) -> Result<(), ChainError> {
+) -> Result<Vec<(u64, u64)>, ChainError> {
     use std::os::unix::fs::FileExt;
     if capacity == 0 || !capacity.is_multiple_of(512) {
         return Err(ChainError::NotSectors { expected: capacity });
@@ -80,6 +82,7 @@ pub async fn apply(
     if target.metadata()?.len() != capacity {
         return Err(ChainError::SizeMismatch { expected: capacity, actual: target.metadata()?.len() });
     }
+    let mut written = Vec::new();
     for (i, (kind, data)) in deltas.iter().enumerate() {
         let level = i + 1;
         let bad = |what: String| ChainError::BadDelta { level, what };
@@ -112,6 +115,7 @@ pub async fn apply(
                     range.start, range.length
                 )));
             }
+            written.push((range.start, range.length));
             let mut done = 0;
             while done < range.length {
                 let n = ((range.length - done) as usize).min(buf.len());
@@ -134,5 +138,5 @@ pub async fn apply(
         }
     }
     target.sync_all()?;
-    Ok(())
+    Ok(super::patch::merge(written))
 }

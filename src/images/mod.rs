@@ -6,4 +6,5 @@
 
 pub mod chain;
 pub mod digest;
+pub mod patch;
 pub mod qemu;

@@ -29,10 +29,17 @@ pub(super) fn importing(ctx: &mut Ctx<'_>, observed: Observed) {
         if early
             && raw
             && *dv != DataVolumeState::Absent
-            && let Some(d) = ctx.status.disks.get_mut(disk)
-            && d.import_verification.is_none()
+            && ctx.status.disks.get(disk).is_some_and(|d| d.import_verification.is_none())
         {
-            d.import_verification = Some(ImportVerification::Filled);
+            let how = match patchable(&ctx.status, disk) {
+                true => ImportVerification::Patched,
+                false => ImportVerification::Filled,
+            };
+            // Written from now on: what it held before no longer stands.
+            ctx.status.forget_volume_base(disk);
+            if let Some(d) = ctx.status.disks.get_mut(disk) {
+                d.import_verification = Some(how);
+            }
         }
         let percent = match dv {
             DataVolumeState::Absent => {
@@ -48,6 +55,8 @@ pub(super) fn importing(ctx: &mut Ctx<'_>, observed: Observed) {
                     (_, None) => return mismatch(ctx, Phase::Importing, "CDI's checksum support"),
                 };
                 let now = ctx.now.clone();
+                // A volume made again is blank.
+                ctx.status.forget_volume_base(disk);
                 if let Some(d) = ctx.status.disks.get_mut(disk) {
                     d.import_verification = Some(planned);
                     d.imported_sha256 = None;
@@ -106,9 +115,14 @@ pub(super) fn importing(ctx: &mut Ctx<'_>, observed: Observed) {
         let count = |how: ImportVerification| {
             ctx.status.disks.iter().filter(|d| d.import_verification == Some(how)).count()
         };
-        let (read_back, filled) =
-            (count(ImportVerification::VolumeSha256), count(ImportVerification::Filled));
+        let (read_back, patched) =
+            (count(ImportVerification::VolumeSha256), count(ImportVerification::Patched));
+        let filled = count(ImportVerification::Filled) + patched;
         let how = match (read_back, filled) {
+            (0, n) if n == succeeded && patched > 0 => format!(
+                "{patched} holding its base before the cutover and written only the ranges changed since, {} filled whole, each hashed to the copy's",
+                filled - patched
+            ),
             (0, 0) => "each checked by CDI against the copy's sha256".to_owned(),
             (n, 0) if n == succeeded => "each read back and hashed to the copy's sha256".to_owned(),
             (0, n) if n == succeeded => {
@@ -143,6 +157,19 @@ pub(super) fn importing(ctx: &mut Ctx<'_>, observed: Observed) {
     }
 }
 
+/// Whether disk `disk`'s volume can take its patch alone: it holds the
+/// base the patch applies on (filled and hashed before the cutover), and
+/// the artifact is the assembled copy itself (a converted guest's disk is
+/// not, and is filled whole).
+fn patchable(status: &VirtualMachineMigrationStatus, disk: usize) -> bool {
+    let Some(d) = status.disks.get(disk) else { return false };
+    let Some(patch) = &d.patch else { return false };
+    d.artifact_sha256.is_some()
+        && d.artifact_sha256 == d.source_sha256
+        && status.expected_volume_sha256(disk) == d.source_sha256
+        && status.volume_holds_base(disk, &patch.base_sha256)
+}
+
 enum Verified {
     Yes,
     NotYet,
@@ -154,7 +181,14 @@ enum Verified {
 /// by CDI's own checksum check (`check` is `None`: the stored DataVolume
 /// kept `checksum`), or by the verify Job reading the volume.
 fn verify_import(ctx: &mut Ctx<'_>, disk: usize, name: &str, check: Option<VolumeCheck>) -> Verified {
-    let expected = ctx.status.expected_volume_sha256(disk).unwrap_or_default();
+    let planned = ctx.status.disks.get(disk).and_then(|d| d.import_verification);
+    let whole = ctx.status.expected_volume_sha256(disk).unwrap_or_default();
+    // Patched: the fill Job hashed the patch it wrote, not the disk.
+    let patch = ctx.status.disks.get(disk).and_then(|d| d.patch.as_ref()).map(|p| p.sha256.clone());
+    let expected = match (planned, patch) {
+        (Some(ImportVerification::Patched), Some(patch)) => patch,
+        _ => whole.clone(),
+    };
     let record = |ctx: &mut Ctx<'_>, how: ImportVerification, sha: Option<String>| {
         if let Some(d) = ctx.status.disks.get_mut(disk) {
             d.import_verification = Some(how);
@@ -172,12 +206,14 @@ fn verify_import(ctx: &mut Ctx<'_>, disk: usize, name: &str, check: Option<Volum
         }
         Some(VolumeCheck::Running) => Verified::NotYet,
         Some(VolumeCheck::Matches { sha256 }) if sha256 == expected => {
-            // Filled where it was planned so, else read back.
-            let how = match ctx.status.disks.get(disk).and_then(|d| d.import_verification) {
-                Some(ImportVerification::Filled) => ImportVerification::Filled,
+            // Filled (or patched) where it was planned so, else read back.
+            // A patched volume is its base (hashed when it was filled) with
+            // the patch (hashed now) written: the disk's bytes.
+            let how = match planned {
+                Some(how @ (ImportVerification::Filled | ImportVerification::Patched)) => how,
                 _ => ImportVerification::VolumeSha256,
             };
-            record(ctx, how, Some(sha256));
+            record(ctx, how, Some(whole));
             Verified::Yes
         }
         Some(VolumeCheck::Matches { sha256 } | VolumeCheck::Differs { sha256, .. }) => {

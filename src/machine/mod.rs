@@ -144,6 +144,17 @@ pub enum Action {
     StartDeltaCopy {
         disk: usize,
     },
+    /// Warm mode, before the cutover, where vmmigrate fills the volumes:
+    /// publish one disk's base copy (`sha256`) and start the Job that fills
+    /// its blank volume with it.
+    StartBaseFill {
+        disk: usize,
+        sha256: String,
+    },
+    /// Delete a base fill Job that filled another base than the one copied now.
+    DeleteBaseFill {
+        disk: usize,
+    },
     /// Remove a failed or corrupt local copy.
     DiscardDiskCopy {
         disk: usize,

@@ -182,6 +182,13 @@ pub(crate) struct PreparingFacts {
     /// Whether the destination fills blank DataVolumes itself: they are
     /// then asked for as Preparing begins.
     pub fills_volumes: bool,
+    /// Warm, bases copied, before the cutover, where volumes were asked for
+    /// early: each disk's DataVolume and its base fill Job (`None` where
+    /// the destination or the staging cannot fill bases). Empty otherwise.
+    pub base_fills: Vec<(DataVolumeState, Option<VolumeCheck>)>,
+    /// Warm, once the disks are assembled: each disk's patch (the ranges
+    /// changed since its base), where the store made one.
+    pub patches: Vec<Option<crate::api::DiskPatch>>,
 }
 
 /// The local copy of one source disk.

@@ -9,8 +9,8 @@
 
 use super::gates::{hold, note_approval};
 use super::*;
-use crate::api::SnapshotRecord;
 use crate::api::snapshot_name;
+use crate::api::{SnapshotRecord, VolumeBase};
 
 pub(super) fn preparing(ctx: &mut Ctx<'_>, facts: &PreparingFacts, input: &Gating) {
     let name = snapshot_name(ctx.name);
@@ -49,7 +49,12 @@ pub(super) fn preparing(ctx: &mut Ctx<'_>, facts: &PreparingFacts, input: &Gatin
             "{} disk(s): bases copied while the VM ran, deltas after the cutover, assembled and checksummed",
             facts.deltas.len()
         );
-        return finish_from_snapshot(ctx, facts, &name, &facts.deltas, "the host consolidated it", summary);
+        finish_from_snapshot(ctx, facts, &name, &facts.deltas, "the host consolidated it", summary);
+        // Each disk's patch, for a volume that holds its base.
+        for (disk, patch) in ctx.status.disks.iter_mut().zip(&facts.patches) {
+            disk.patch = patch.clone();
+        }
+        return;
     }
 
     // The frozen bases, copied while the VM runs; a VM that went off before
@@ -69,6 +74,9 @@ pub(super) fn preparing(ctx: &mut Ctx<'_>, facts: &PreparingFacts, input: &Gatin
         return ctx.wait(POLL_IN_PROGRESS);
     }
     if !off {
+        if !bases_filled(ctx, facts) {
+            return;
+        }
         return cutover(ctx, facts, input, total);
     }
     ctx.status.waiting = None;
@@ -140,6 +148,96 @@ fn copy_deltas(ctx: &mut Ctx<'_>, facts: &PreparingFacts, total: usize) {
         ),
     );
     ctx.wait(POLL_IN_PROGRESS);
+}
+
+/// Where vmmigrate fills the volumes (asked for blank as Preparing began),
+/// each volume is filled with its disk's base while the VM still runs, so
+/// that after the cutover only the changed ranges are written into it
+/// (Importing, `ImportVerification::Patched`). `true` once every volume
+/// holds its base, or will be filled whole after the cutover (its fill
+/// failed, or this destination cannot fill bases): the cutover waits for
+/// the fills, never for ever.
+fn bases_filled(ctx: &mut Ctx<'_>, facts: &PreparingFacts) -> bool {
+    let mut filling = 0;
+    for (disk, (volume, fill)) in facts.base_fills.iter().enumerate() {
+        let Some(CopyState::Complete { sha256: base, .. }) = facts.copies.get(disk) else { continue };
+        let settled = ctx.status.volume_bases.iter().any(|b| b.disk == disk as i32 && &b.sha256 == base);
+        let Some(fill) = fill else { continue };
+        if settled {
+            continue;
+        }
+        match (volume, fill) {
+            // A volume not provisioned yet is waited for; one gone or failed
+            // is Importing's to make again, whole.
+            (DataVolumeState::InProgress { .. }, _) => filling += 1,
+            (DataVolumeState::Absent | DataVolumeState::Failed(_), _) => {
+                give_up_base(ctx, disk, base, "its DataVolume is not there to fill".into())
+            }
+            (DataVolumeState::Succeeded, VolumeCheck::Absent) => {
+                ctx.status.forget_volume_base(disk);
+                ctx.actions.push(Action::StartBaseFill { disk, sha256: base.clone() });
+                filling += 1;
+            }
+            (DataVolumeState::Succeeded, VolumeCheck::Running) => filling += 1,
+            (DataVolumeState::Succeeded, VolumeCheck::Matches { sha256 }) if sha256 == base => {
+                ctx.status.forget_volume_base(disk);
+                ctx.status.volume_bases.push(VolumeBase {
+                    disk: disk as i32,
+                    sha256: base.clone(),
+                    filled: Some(ctx.now.clone()),
+                    failed: None,
+                });
+            }
+            // A Job that filled another base (an earlier epoch's) goes, and
+            // this one is filled.
+            (DataVolumeState::Succeeded, VolumeCheck::Matches { .. }) => {
+                ctx.status.forget_volume_base(disk);
+                ctx.actions.push(Action::DeleteBaseFill { disk });
+                filling += 1;
+            }
+            (DataVolumeState::Succeeded, VolumeCheck::Differs { sha256, .. }) => {
+                let why = format!("the bytes written hash to {sha256}, not the base's");
+                give_up_base(ctx, disk, base, why)
+            }
+            (DataVolumeState::Succeeded, VolumeCheck::Failed(failure)) => {
+                give_up_base(ctx, disk, base, failure.message.clone())
+            }
+            (DataVolumeState::Succeeded, VolumeCheck::Unavailable(why)) => {
+                give_up_base(ctx, disk, base, why.clone())
+            }
+        }
+    }
+    if filling == 0 {
+        return true;
+    }
+    let total = facts.base_fills.len();
+    let held = ctx.status.volume_bases.iter().filter(|b| b.filled.is_some()).count();
+    ctx.condition(
+        condition::DISK_ACQUIRED,
+        false,
+        "FillingBase",
+        format!("{held} of {total} volume(s) hold their disk's base; the cutover follows the fills"),
+    );
+    ctx.wait(POLL_IN_PROGRESS);
+    false
+}
+
+/// A base fill that did not end with the base in the volume: the volume is
+/// filled whole after the cutover instead (whatever it holds now is
+/// overwritten), and the cutover does not wait for it again.
+fn give_up_base(ctx: &mut Ctx<'_>, disk: usize, base: &str, why: String) {
+    ctx.status.forget_volume_base(disk);
+    ctx.event(
+        EventType::Warning,
+        "BaseFillFailed",
+        format!("disk {disk}: the volume was not filled with its base ({why}); it is filled whole after the cutover"),
+    );
+    ctx.status.volume_bases.push(VolumeBase {
+        disk: disk as i32,
+        sha256: base.to_owned(),
+        filled: None,
+        failed: Some(why),
+    });
 }
 
 /// Every base copied and the source still on: the cutover, as for a cold

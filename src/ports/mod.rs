@@ -137,6 +137,12 @@ pub trait DiskStore: Send + Sync {
     async fn start_delta_copy(&self, _vmm: &VirtualMachineMigration, _disk: usize) -> Result<(), Failure> {
         Err(unsupported("warm migration"))
     }
+    /// Warm, once disk `disk` is assembled: the ranges its deltas changed,
+    /// as a patch for a volume holding its base; `None` where the store made
+    /// none (the volume is then filled whole).
+    async fn patch(&self, _vmm: &VirtualMachineMigration, _disk: usize) -> Option<crate::api::DiskPatch> {
+        None
+    }
 }
 
 /// Turns an acquired disk into the artifact CDI imports.
@@ -196,6 +202,22 @@ pub trait Staging: Send + Sync {
     ) -> Result<ImportAccess, Failure>;
     /// Removes everything staged for this migration. "Not found" is success.
     async fn remove_all(&self, vmm: &VirtualMachineMigration) -> Result<(), Failure>;
+    /// Whether [`Self::stage_base`] can publish base copies here.
+    fn stages_bases(&self) -> bool {
+        false
+    }
+    /// Warm, before the cutover: publishes disk `disk`'s base copy (its
+    /// sha256 `sha256`) beside where its artifact will be, under the
+    /// artifact's credentials, and returns its URL; `None` where this
+    /// staging cannot (the copies live elsewhere).
+    async fn stage_base(
+        &self,
+        _vmm: &VirtualMachineMigration,
+        _disk: usize,
+        _sha256: &str,
+    ) -> Result<Option<String>, Failure> {
+        Ok(None)
+    }
 }
 
 /// The destination cluster: DataVolumes, the VirtualMachine and its VMI.
@@ -276,6 +298,29 @@ pub trait Cluster: Send + Sync {
         Ok(())
     }
     async fn delete_volume_check(&self, _vmm: &VirtualMachineMigration, _disk: usize) -> Result<(), Failure> {
+        Ok(())
+    }
+    /// Warm, before the cutover: the Job filling disk `disk`'s blank volume
+    /// with its base (`None` where this cluster fills nothing).
+    async fn base_fill(
+        &self,
+        _vmm: &VirtualMachineMigration,
+        _disk: usize,
+    ) -> Result<Option<crate::machine::VolumeCheck>, Failure> {
+        Ok(None)
+    }
+    /// Starts that Job: the base staged at `url`, its sha256 `sha256`.
+    async fn start_base_fill(
+        &self,
+        _vmm: &VirtualMachineMigration,
+        _disk: usize,
+        _base: (&str, &str),
+        _access: &ImportAccess,
+    ) -> Result<(), Failure> {
+        Ok(())
+    }
+    /// Deletes it (it filled another base than the one now copied).
+    async fn delete_base_fill(&self, _vmm: &VirtualMachineMigration, _disk: usize) -> Result<(), Failure> {
         Ok(())
     }
 }

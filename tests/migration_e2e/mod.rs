@@ -299,6 +299,11 @@ async fn a_byte_flipped_in_a_staged_artifact_is_caught_retried_and_only_the_sour
 }
 
 /// The controller's reconcile count (ok and error) from its metrics.
+/// The sha256 of a disk file as the copy computes it.
+fn copy_sha256(path: &Path) -> String {
+    vmmigrate::source::esxi::copy::sha256_file(path).expect("sha256")
+}
+
 fn reconciles(metrics: &Metrics) -> u64 {
     metrics
         .encode()

@@ -212,7 +212,9 @@ async fn assert_converted_and_chained(m: &Migration, status: &VirtualMachineMigr
             // CDI checked what it downloaded against the artifact's sha256.
             Some(vmmigrate::api::ImportVerification::CdiChecksum) => {}
             Some(
-                vmmigrate::api::ImportVerification::VolumeSha256 | vmmigrate::api::ImportVerification::Filled,
+                vmmigrate::api::ImportVerification::VolumeSha256
+                | vmmigrate::api::ImportVerification::Filled
+                | vmmigrate::api::ImportVerification::Patched,
             ) => {
                 assert_eq!(disk.imported_sha256.as_ref(), Some(&report.disk_sha256[i]), "disk {i}")
             }

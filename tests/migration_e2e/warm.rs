@@ -28,23 +28,34 @@ async fn a_warm_migration_in_a_worker_pod_copies_the_bases_while_the_vm_runs_and
         vm: ("pair", "12"),
         snapshot_format: DeltaFormat::SeSparse,
         data_plane: DataPlane::Pods,
+        import_method: vmmigrate::controller::service::ImportMethod::Fill,
         ..Default::default()
     };
     let m = Migration::start("e2e-warm-pod", setup).await;
-    warm_migration_checks(m, "-sesparse.vmdk").await;
+    // Slower writes: the bases are also filled before the cutover, so the
+    // VM runs longer, and the deltas must still be a part of the disks.
+    let status = warm_migration_checks(m, "-sesparse.vmdk", 200).await;
+    // The worker staged each base for its volume before the cutover and
+    // each patch after it: only the changed ranges were written then.
+    for (i, disk) in status.disks.iter().enumerate() {
+        assert_eq!(disk.import_verification, Some(vmmigrate::api::ImportVerification::Patched), "disk {i}");
+    }
 }
 
 async fn warm_migration_of_a_changing_vm(format: DeltaFormat, delta_suffix: &str) {
     let m = Migration::pair_with(&format!("e2e-warm-{format:?}").to_lowercase(), format).await;
-    warm_migration_checks(m, delta_suffix).await;
+    warm_migration_checks(m, delta_suffix, 500).await;
 }
 
-/// A warm migration of `m` (the emulator's `pair`, its guest writing the
-/// whole time) and what it must show.
-async fn warm_migration_checks(m: Migration, delta_suffix: &str) {
-    let writer = m
-        .emu
-        .start_guest_writes(m.vmid, GuestWrites { blocks_per_second: 500, seed: 3, ..Default::default() });
+/// A warm migration of `m` (the emulator's `pair`, its guest writing
+/// `blocks_per_second` 4 KiB blocks the whole time) and what it must show.
+async fn warm_migration_checks(
+    m: Migration,
+    delta_suffix: &str,
+    blocks_per_second: u32,
+) -> vmmigrate::api::VirtualMachineMigrationStatus {
+    let writer =
+        m.emu.start_guest_writes(m.vmid, GuestWrites { blocks_per_second, seed: 3, ..Default::default() });
     m.create(|body| body["spec"]["mode"] = json!("Warm")).await;
     let vmm = m.wait_completed().await;
     drop(writer);
@@ -81,8 +92,5 @@ async fn warm_migration_checks(m: Migration, delta_suffix: &str) {
     let delta_bytes: u64 = reads.iter().filter(|r| r.path.ends_with(delta_suffix)).map(|r| r.delivered).sum();
     let total: u64 = m.emu.disk_files(m.vmid).iter().map(|d| d.3).sum();
     assert!(delta_bytes > 0 && delta_bytes < total / 2, "deltas: {delta_bytes} of {total} bytes");
-}
-
-fn copy_sha256(path: &std::path::Path) -> String {
-    vmmigrate::source::esxi::copy::sha256_file(path).expect("sha256")
+    status
 }

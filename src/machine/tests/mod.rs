@@ -177,6 +177,8 @@ fn preparing(power: SourcePowerState, copies: Vec<CopyState>) -> Observed {
         deltas: Vec::new(),
         inventory: Some(Ok(inventory())),
         fills_volumes: false,
+        base_fills: Vec::new(),
+        patches: Vec::new(),
     }))
 }
 
@@ -367,6 +369,8 @@ fn without_vmware_tools_graceful_only_needs_a_human_and_graceful_then_force_forc
             deltas: Vec::new(),
             inventory: Some(Ok(inventory())),
             fills_volumes: false,
+            base_fills: Vec::new(),
+            patches: Vec::new(),
         }))
     };
     let run = Run::at(Phase::Preparing);

@@ -24,6 +24,8 @@ fn facts(power: SourcePowerState, copies: Vec<CopyState>, snapshot: Option<&str>
         deltas: Vec::new(),
         inventory: None,
         fills_volumes: false,
+        base_fills: Vec::new(),
+        patches: Vec::new(),
     }))
 }
 

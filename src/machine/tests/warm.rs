@@ -25,6 +25,8 @@ fn facts(
         // Discovery's inventory (which does not count the migration's own snapshot).
         inventory: Some(Ok(inventory())),
         fills_volumes: false,
+        base_fills: Vec::new(),
+        patches: Vec::new(),
     }))
 }
 

@@ -251,7 +251,9 @@ pub(crate) fn is_complete(local: &Path) -> Option<CopyMarker> {
 
 /// Removes a copy and its bookkeeping. "Not found" is success.
 pub fn discard(local: &Path) -> std::io::Result<()> {
-    for path in [local.to_path_buf(), sidecar_path(local), local.with_extension("sha256")] {
+    let patch = [crate::ports::workdir::patch_path(local), crate::ports::workdir::patch_info_path(local)];
+    let derived = [local.with_extension("sha256")].into_iter().chain(patch);
+    for path in [local.to_path_buf(), sidecar_path(local)].into_iter().chain(derived) {
         match std::fs::remove_file(&path) {
             Ok(()) => {}
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}

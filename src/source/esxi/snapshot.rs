@@ -13,9 +13,11 @@ use super::hosts::{EsxiHosts, disk_file, extent_file, head, join, parent, vim_fa
 use super::parse;
 use super::ssh::Session;
 use super::store::{EsxiDiskStore, delta_key_uid};
+use crate::api::DiskPatch;
 use crate::api::{Reason, VirtualMachineMigration};
 use crate::images::chain::{self, DeltaKind};
 use crate::machine::{CopyState, Failure};
+use crate::ports::workdir::{patch_info_path, patch_path, read_patch_info, write_patch_info};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
@@ -220,6 +222,12 @@ fn assembled_marker(local: &Path) -> PathBuf {
     local.with_extension("assembled")
 }
 
+/// The patch of an assembled disk, where one was made.
+pub(super) fn read_patch(local: &Path) -> Option<DiskPatch> {
+    read_assembled(local)?;
+    read_patch_info(local)
+}
+
 fn read_assembled(local: &Path) -> Option<copy::CopyMarker> {
     let assembled = copy::CopyMarker::parse(&std::fs::read_to_string(assembled_marker(local)).ok()?)?;
     // Done only once the copy in place is the assembled disk.
@@ -262,7 +270,9 @@ impl EsxiDiskStore {
         if read_assembled(&local).is_some() {
             return Ok(());
         }
-        let Some(copy::CopyMarker { verified: base_verified, .. }) = copy::is_complete(&local) else {
+        let Some(copy::CopyMarker { verified: base_verified, sha256: base_sha256, .. }) =
+            copy::is_complete(&local)
+        else {
             return Err(Failure::retryable(
                 Reason::AcquiredCopyMissing,
                 format!("disk {disk}: no complete copy of its base to assemble on"),
@@ -314,8 +324,8 @@ impl EsxiDiskStore {
         let epoch = vmm.status.as_ref().map_or(0, |s| s.epoch);
         self.spawn_copy(vmm, reservation, 0, move |progress| async move {
             let strides = (chunk_size, streams);
-            copy_and_assemble(session, &local, capacity, &levels, strides, (base_verified, epoch), progress)
-                .await
+            let base = (base_sha256, base_verified, epoch);
+            copy_and_assemble(session, &local, capacity, &levels, strides, base, progress).await
         });
         Ok(())
     }
@@ -329,7 +339,7 @@ async fn copy_and_assemble(
     capacity: u64,
     levels: &[(DeltaKind, String, PathBuf)],
     (chunk_size, streams): (u64, usize),
-    (base_verified, epoch): (bool, i32),
+    (base_sha256, base_verified, epoch): (String, bool, i32),
     progress: Arc<AtomicU64>,
 ) -> Result<CopyResult, CopyError> {
     let mut verified = base_verified;
@@ -344,15 +354,32 @@ async fn copy_and_assemble(
         copied.push((*kind, delta_local.clone()));
     }
     let work = local.with_extension("assembly");
+    // An assembly found begun was interrupted: the copy in place is part
+    // base, part assembled, and no longer the base whose sha256 its marker
+    // says; the patch would claim a base it cannot name, so none is made.
+    let base_known = !work.exists();
     // The deltas' ranges onto the base copy, in place: the disk at the
     // cutover, written in the time the deltas take, not the disk. Done only
     // once both markers say the new sha256 (the assembled one last); a
     // crash in between is redone from here, and applying the same deltas
     // again gives the same bytes.
     let _ = std::fs::remove_file(assembled_marker(local));
-    chain::apply(local, capacity, &copied, &work)
+    let _ = std::fs::remove_file(patch_info_path(local));
+    let changed = chain::apply(local, capacity, &copied, &work)
         .await
         .map_err(|e| CopyError::Io(std::io::Error::other(e.to_string())))?;
+    // The changed ranges as the assembled disk holds them: what a volume
+    // holding the base needs to become this disk.
+    if base_known {
+        let summary = crate::images::patch::write(local, &changed, &patch_path(local))?;
+        let patch = DiskPatch {
+            sha256: summary.sha256,
+            ranges: summary.ranges as i64,
+            bytes: summary.bytes as i64,
+            base_sha256: base_sha256.clone(),
+        };
+        write_patch_info(local, &patch)?;
+    }
     let sha = copy::sha256_file(local)?;
     let marker = copy::CopyMarker { size: capacity, sha256: sha.clone(), verified, epoch, source: None };
     std::fs::write(local.with_extension("sha256"), marker.line())?;

@@ -305,6 +305,10 @@ impl DiskStore for EsxiDiskStore {
         self.warm_start_delta_copy(vmm, disk).await
     }
 
+    async fn patch(&self, vmm: &VirtualMachineMigration, disk: usize) -> Option<crate::api::DiskPatch> {
+        super::snapshot::read_patch(&self.local_path(vmm, disk))
+    }
+
     async fn discard_copy(&self, vmm: &VirtualMachineMigration, disk: usize) -> Result<(), Failure> {
         // A start under way loses its reservation and does not spawn.
         if let Some(CopyEntry::Running(task)) = self.copies().remove(&Self::task_key(vmm, disk)) {
