@@ -9,8 +9,9 @@
 //! of 20 MiB) with a second disk of `VMMIGRATE_BENCH_MIB` MiB holding an
 //! ext4 file system filled to 90 % with incompressible data. While the
 //! source runs, a guest writer changes 4 KiB blocks of that data disk at a
-//! rate meant to change about 5 % of its blocks during one read of the disk
-//! (the table says what it changed, and what was read after the power-off).
+//! rate meant to change about 5 % of its blocks during one read of the disk,
+//! and stops once it wrote as many blocks as 5 % of the disk holds (the
+//! table says what it changed, and what was read after the power-off).
 //! The source is powered on before each run and shut down by the migration
 //! (`GracefulThenForce`). Each mode runs with each import method: CDI's
 //! importer (`--import-method cdi`) and a blank DataVolume that a Job of the
@@ -258,7 +259,13 @@ async fn migrate(
             times.guest_ready.get_or_insert(at);
         }
         if std::env::var_os("VMMIGRATE_BENCH_TRACE").is_some() {
-            eprintln!("{at:8.2} s {run} {}", status.phase);
+            // Which checks pass, to see which one the downtime waits for.
+            let checks: Vec<String> = status
+                .validation_results
+                .iter()
+                .map(|r| format!("{} {}: {}", r.name, if r.passed { "passed" } else { "not yet" }, r.message))
+                .collect();
+            eprintln!("{at:8.2} s {run} {} {checks:?}", status.phase);
         }
         times.phases.entry(status.phase.as_str()).or_insert(at);
         match status.phase {
@@ -353,6 +360,10 @@ fn main() {
         // bare `cat` just measured) and the snapshot and look around it.
         let blocks = (mib << 20) / 4096;
         let blocks_per_second = ((blocks as f64 * 0.05) / (cat * 1.3 + 2.0)).ceil() as u32;
+        // Then it stops: 5 % of the blocks written, whatever the mode makes
+        // the source run for (warm runs it longer: its bases are also
+        // filled into the volumes before the cutover).
+        let budget = blocks / 20;
         runtime.block_on(async {
             let client = cluster.client().await;
             for run in 1..=repeat {
@@ -363,7 +374,12 @@ fn main() {
                     let before = emu.guest_blocks_written();
                     let writer = emu.start_guest_writes(
                         VMID,
-                        GuestWrites { blocks_per_second, seed: run, only_disk: Some(1) },
+                        GuestWrites {
+                            blocks_per_second,
+                            seed: run,
+                            only_disk: Some(1),
+                            at_most: Some(budget),
+                        },
                     );
                     let name = format!("{mib}-{method_name}-{}-{run}", mode.to_lowercase());
                     let times = migrate(&client, cluster, &emu, &name, mode, method).await;

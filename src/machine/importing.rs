@@ -153,8 +153,22 @@ pub(super) fn importing(ctx: &mut Ctx<'_>, observed: Observed) {
             message.push_str(trouble);
         }
         ctx.condition(condition::DISK_IMPORTED, false, reason, message);
-        ctx.wait(POLL_IN_PROGRESS);
+        // DataVolumes are watched, Jobs are not (that would take reading
+        // every Job in the cluster): while a fill or verify Job runs, look
+        // again as the checks do, from every second (a patch written after
+        // a warm cutover takes seconds, each of them downtime) to every 5 s.
+        let poll = match verifying {
+            0 => POLL_IN_PROGRESS,
+            _ => checks_poll(elapsed_since(&phase_entered(&ctx.status), ctx.now_ts).unwrap_or_default())
+                .min(POLL_IN_PROGRESS),
+        };
+        ctx.wait(poll);
     }
+}
+
+/// When the current phase was entered, as the history records it.
+fn phase_entered(status: &VirtualMachineMigrationStatus) -> Option<Time> {
+    status.history.iter().rev().find(|t| t.phase == status.phase).map(|t| t.time.clone())
 }
 
 /// Whether disk `disk`'s volume can take its patch alone: it holds the

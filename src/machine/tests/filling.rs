@@ -289,3 +289,23 @@ fn a_volume_is_filled_whole_where_it_holds_another_base_or_the_artifact_is_not_t
     assert_eq!(d.actions, vec![Action::CreateDataVolume { disk: 0 }]);
     assert!(d.status.volume_bases.is_empty());
 }
+
+#[test]
+fn while_a_fill_job_runs_importing_looks_again_within_seconds_and_slower_as_it_goes_on() {
+    let mut run = Run::at(Phase::Importing);
+    run.status.history.push(crate::api::PhaseTransition { phase: Phase::Importing, time: api_time(t(0)) });
+    run.status.disks[0].artifact_format = Some("raw".into());
+    run.status.disks[0].import_verification = Some(ImportVerification::Filled);
+    let running = || filling(DataVolumeState::Succeeded, Some(VolumeCheck::Running));
+    assert_eq!(run.decide_at(running(), t(2)).requeue, Some(Duration::from_secs(1)));
+    assert_eq!(run.decide_at(running(), t(15)).requeue, Some(Duration::from_secs(3)));
+    assert_eq!(run.decide_at(running(), t(600)).requeue, Some(Duration::from_secs(5)));
+    // A DataVolume CDI still imports wakes the controller through its watch.
+    let importing = DataVolumeState::InProgress {
+        phase: "ImportInProgress".into(),
+        percent: 10,
+        restarts: 0,
+        importer_error: None,
+    };
+    assert_eq!(run.decide_at(filling(importing, None), t(2)).requeue, Some(Duration::from_secs(5)));
+}

@@ -80,12 +80,14 @@ impl Vm {
 
 /// A running guest's writes: `blocks_per_second` blocks of 4 KiB at
 /// pseudo-random block-aligned offsets of each disk in turn, or of disk
-/// `only_disk` alone (a data disk, when the others hold a guest that boots).
+/// `only_disk` alone (a data disk, when the others hold a guest that boots);
+/// at most `at_most` blocks in all, if given (then the guest is idle).
 #[derive(Clone, Copy, Debug, Default)]
 pub struct GuestWrites {
     pub blocks_per_second: u32,
     pub seed: u64,
     pub only_disk: Option<usize>,
+    pub at_most: Option<u64>,
 }
 
 pub(crate) struct Engine {
@@ -391,6 +393,9 @@ impl Engine {
                 for _ in 0..per_tick {
                     if !engine.power_on(&vmid) {
                         break;
+                    }
+                    if writes.at_most.is_some_and(|most| n >= most) {
+                        break 'ticks;
                     }
                     let sizes: Vec<u64> = {
                         let vms = engine.vms.lock().unwrap_or_else(|e| e.into_inner());
