@@ -158,6 +158,10 @@ fn copy_deltas(ctx: &mut Ctx<'_>, facts: &PreparingFacts, total: usize) {
 /// failed, or this destination cannot fill bases): the cutover waits for
 /// the fills, never for ever.
 fn bases_filled(ctx: &mut Ctx<'_>, facts: &PreparingFacts) -> bool {
+    // A volume still not provisioned after the import stall timeout (from
+    // when it was asked for) is not waited for any longer.
+    let stall = Duration::from_secs(ctx.spec.strategy.timeouts.import_stall_seconds.max(1) as u64);
+    let asked = elapsed_since(&ctx.status.timestamps.volumes_requested, ctx.now_ts).unwrap_or_default();
     let mut filling = 0;
     for (disk, (volume, fill)) in facts.base_fills.iter().enumerate() {
         let Some(CopyState::Complete { sha256: base, .. }) = facts.copies.get(disk) else { continue };
@@ -169,7 +173,12 @@ fn bases_filled(ctx: &mut Ctx<'_>, facts: &PreparingFacts) -> bool {
         match (volume, fill) {
             // A volume not provisioned yet is waited for; one gone or failed
             // is Importing's to make again, whole.
-            (DataVolumeState::InProgress { .. }, _) => filling += 1,
+            (DataVolumeState::InProgress { .. }, _) if asked < stall => filling += 1,
+            (DataVolumeState::InProgress { phase, .. }, _) => {
+                let why =
+                    format!("its DataVolume is still {phase} {}s after it was asked for", asked.as_secs());
+                give_up_base(ctx, disk, base, why)
+            }
             (DataVolumeState::Absent | DataVolumeState::Failed(_), _) => {
                 give_up_base(ctx, disk, base, "its DataVolume is not there to fill".into())
             }

@@ -207,6 +207,20 @@ fn a_base_fill_that_fails_lets_the_cutover_go_on_and_the_volume_is_filled_whole_
         assert!(!d.actions.iter().any(|a| matches!(a, Action::StartBaseFill { .. })), "not again");
         assert!(!d.events.iter().any(|e| e.reason == "BaseFillFailed"), "said once");
     }
+    // A volume that is never provisioned is waited for no longer than an
+    // import would be: the cutover goes on.
+    let mut run = warm_filling_run();
+    let stuck = DataVolumeState::InProgress {
+        phase: "Pending".into(),
+        percent: 0,
+        restarts: 0,
+        importer_error: None,
+    };
+    let d = run.step(warm_base(stuck.clone(), Some(VolumeCheck::Absent)), t(599));
+    assert!(!has_power_action(&d));
+    let d = run.step(warm_base(stuck, Some(VolumeCheck::Absent)), t(601));
+    assert!(d.events.iter().any(|e| e.reason == "BaseFillFailed" && e.message.contains("Pending")));
+    assert!(has_power_action(&d), "{:?}", d.actions);
     // Where the destination cannot fill bases, nothing waits for them.
     let mut run = warm_filling_run();
     let d = run.step(warm_base(DataVolumeState::Succeeded, None), t(1));
