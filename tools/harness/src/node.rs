@@ -502,15 +502,17 @@ impl Node {
     /// restart the plugin first recovers its containers, and a kubelet
     /// started then fails with "server is not initialized yet". The CRI
     /// plugin logs "Start streaming server" as the last step before it
-    /// serves, once per start of containerd (the log is appended to).
+    /// serves: it must follow the latest "starting containerd" (the log is
+    /// appended to across starts, and a start killed early never says it).
     pub(crate) fn wait_containerd(&self, janitor: &Janitor) -> anyhow::Result<()> {
         let log = janitor.log_path("containerd");
         wait_until(Duration::from_secs(60), "containerd and its CRI plugin", || {
             janitor.check_alive()?;
             let text = std::fs::read_to_string(&log).unwrap_or_default();
-            let starts = text.matches("msg=\"starting containerd\"").count();
-            let served = text.matches("msg=\"Start streaming server\"").count();
-            Ok(starts > 0 && served >= starts && self.ctr(&["version"]).is_ok())
+            let started = text.rfind("msg=\"starting containerd\"");
+            let served = text.rfind("msg=\"Start streaming server\"");
+            let serving = matches!((started, served), (Some(s), Some(v)) if v > s);
+            Ok(serving && self.ctr(&["version"]).is_ok())
         })
     }
 
