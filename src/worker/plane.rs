@@ -649,13 +649,11 @@ impl DiskStore for WorkerPlane {
         self.write(vmm, Call::StartCopy { disk }).await
     }
 
-    /// None: worker pods fill their volumes whole after a warm cutover.
-    /// A warm migration in a worker pod once imported other bytes than the
-    /// disk's with patches (the full suite, 2026-12-07; not understood yet),
-    /// so patching stays with the in-process data plane until it is.
-    async fn patch(&self, _vmm: &VirtualMachineMigration, _disk: usize) -> Option<crate::api::DiskPatch> {
-        None
-    }
+    // No `patch` and no base staging (the defaults): worker pods fill their
+    // volumes whole after a warm cutover. A warm migration in a worker pod
+    // once imported other bytes than the disk's with patches (the full
+    // suite, 2026-12-07; not understood yet), so patching stays with the
+    // in-process data plane until it is.
 
     async fn discard_copy(&self, vmm: &VirtualMachineMigration, disk: usize) -> Result<(), Failure> {
         self.write(vmm, Call::DiscardCopy { disk }).await
@@ -667,18 +665,6 @@ impl DiskStore for WorkerPlane {
 }
 
 impl WorkerPlane {
-    /// A call the worker answers with a staged URL, or none yet (also
-    /// while its pod is not there to answer).
-    async fn url_call(&self, vmm: &VirtualMachineMigration, call: Call) -> Result<Option<String>, Failure> {
-        match self.presence(vmm).await? {
-            Presence::Ready(ip) => {
-                self.call::<Result<Option<String>, Failure>>(vmm, &ip, call).await?.unwrap_or(Ok(None))
-            }
-            Presence::Failed(failure) => Err(failure),
-            Presence::Absent | Presence::Waiting => Ok(None),
-        }
-    }
-
     /// A disk's copy (or, warm after the cutover, delta) state as the
     /// worker answers `call`; while its pod is replaced, what it last said.
     async fn disk_state(&self, vmm: &VirtualMachineMigration, disk: usize, call: Call) -> CopyState {
@@ -747,25 +733,18 @@ impl Staging for WorkerPlane {
         disk: usize,
         sha256: &str,
     ) -> Result<Option<String>, Failure> {
-        self.url_call(vmm, Call::StagedUrl { disk, sha256: sha256.into() }).await
+        match self.presence(vmm).await? {
+            Presence::Ready(ip) => {
+                let call = Call::StagedUrl { disk, sha256: sha256.into() };
+                self.call::<Result<Option<String>, Failure>>(vmm, &ip, call).await?.unwrap_or(Ok(None))
+            }
+            Presence::Failed(failure) => Err(failure),
+            Presence::Absent | Presence::Waiting => Ok(None),
+        }
     }
 
     async fn stage(&self, vmm: &VirtualMachineMigration, disk: usize) -> Result<(), Failure> {
         self.write(vmm, Call::Stage { disk }).await
-    }
-
-    /// Not yet: see `DiskStore::patch` above.
-    fn stages_bases(&self) -> bool {
-        false
-    }
-
-    async fn stage_base(
-        &self,
-        vmm: &VirtualMachineMigration,
-        disk: usize,
-        sha256: &str,
-    ) -> Result<Option<String>, Failure> {
-        self.url_call(vmm, Call::StageBase { disk, sha256: sha256.into() }).await
     }
 
     async fn import_access(
