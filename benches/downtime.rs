@@ -30,6 +30,8 @@
 //! the migration. Each run has a namespace of its own, deleted (the VM
 //! with it) before the next run. A run stops the benchmark unless it
 //! reaches Completed with every copy checked against the host's own sha256.
+//! Beside the times: the peak RSS of this process during each run (the
+//! controller) and of the fill Jobs' `fill-volume` processes on the node.
 //! Needs root and the cluster's build (as `cargo test` does).
 
 use futures::StreamExt;
@@ -136,6 +138,13 @@ struct Times {
     page_answered: Option<f64>,
     guest_ready: Option<f64>,
     completed: f64,
+    /// Peak RSS of this process during the run (the controller, with the
+    /// in-process data plane and staging server, and the bench's own
+    /// bookkeeping), MiB.
+    controller_mib: f64,
+    /// Peak RSS of the `vmmigrate fill-volume` processes (the fill Jobs'
+    /// pods on the node), sampled every 200 ms, MiB; 0 if none ran.
+    fill_mib: f64,
 }
 
 impl Times {
@@ -144,11 +153,36 @@ impl Times {
     }
 }
 
+/// The highest peak RSS (`VmHWM`, MiB) of the node's `vmmigrate fill-volume`
+/// processes, sampled until the task is aborted.
+async fn sample_fill_rss(cluster: &'static KubeEnv, peak: Arc<std::sync::Mutex<f64>>) {
+    let node = cluster.node.as_ref().expect("the cluster has a node");
+    let scan = move || {
+        let mut highest: f64 = 0.0;
+        for pid in node.processes() {
+            let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+            let args: Vec<&[u8]> = cmdline.split(|b| *b == 0).collect();
+            if args.len() > 1 && args[0].ends_with(b"vmmigrate") && args[1] == b"fill-volume" {
+                highest = highest.max(vmmigrate_harness::process::status_kib(pid, "VmHWM") as f64 / 1024.0);
+            }
+        }
+        highest
+    };
+    loop {
+        let highest = tokio::task::spawn_blocking(scan).await.unwrap_or(0.0);
+        {
+            let mut peak = peak.lock().unwrap();
+            *peak = peak.max(highest);
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
 /// Migrates `app-bios` of `emu` in `mode` (`Cold` or `Warm`) to Completed,
 /// its disks imported by `method`.
 async fn migrate(
     client: &kube::Client,
-    cluster: &KubeEnv,
+    cluster: &'static KubeEnv,
     emu: &EsxiEmulator,
     run: &str,
     mode: &str,
@@ -213,6 +247,10 @@ async fn migrate(
         metrics: metrics.clone(),
         ..Default::default()
     };
+    // This process's peak RSS from here on (Linux: 5 resets VmHWM).
+    std::fs::write("/proc/self/clear_refs", "5").expect("reset the peak RSS");
+    let fill_peak = Arc::new(std::sync::Mutex::new(0.0));
+    let sampler = tokio::spawn(sample_fill_rss(cluster, fill_peak.clone()));
     let controller = tokio::spawn(reconciler::run(client.clone(), adapters, config, std::future::pending()));
 
     let api: Api<VirtualMachineMigration> = Api::namespaced(client.clone(), &ns);
@@ -282,6 +320,10 @@ async fn migrate(
                     status.disks
                 );
                 times.completed = at;
+                times.controller_mib =
+                    vmmigrate_harness::process::status_kib(std::process::id(), "VmHWM") as f64 / 1024.0;
+                sampler.abort();
+                times.fill_mib = *fill_peak.lock().unwrap();
                 break;
             }
             Phase::Failed | Phase::ManualInterventionRequired | Phase::Retryable => {
@@ -407,16 +449,16 @@ fn main() {
     }
     println!("\ndowntime (power-off → GuestReady) and its parts, seconds");
     println!(
-        "| data disk | import | run | mode | before the power-off | copy or delta | conversion, staging | import | VM creation | start → running | checks pass | **downtime** | page answers (downtime) | create → Completed | guest blocks written while on | bytes read after the power-off |"
+        "| data disk | import | run | mode | before the power-off | copy or delta | conversion, staging | import | VM creation | start → running | checks pass | **downtime** | page answers (downtime) | create → Completed | guest blocks written while on | bytes read after the power-off | peak RSS: controller | fill Job |"
     );
-    println!("|---:|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    println!("|---:|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     for r in &rows {
         let t = &r.times;
         let off = t.powered_off.expect("the source was powered off");
         let ready = t.guest_ready.unwrap_or(t.completed);
         let blocks = (r.mib << 20) / 4096;
         println!(
-            "| {} MiB | {} | {} | {} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | **{:.2}** | {:.2} | {:.2} | {} ({:.1} %) | {:.1} MiB |",
+            "| {} MiB | {} | {} | {} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | **{:.2}** | {:.2} | {:.2} | {} ({:.1} %) | {:.1} MiB | {:.0} MiB | {:.0} MiB |",
             r.mib,
             r.method,
             r.run,
@@ -434,6 +476,8 @@ fn main() {
             r.written,
             r.written as f64 / blocks as f64 * 100.0,
             r.read_after_off as f64 / (1 << 20) as f64,
+            t.controller_mib,
+            t.fill_mib,
         );
     }
     let median = |mib: u64, method: &str, mode: &str, f: &dyn Fn(&Row) -> f64| {

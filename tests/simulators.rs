@@ -11,8 +11,9 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 use vmmigrate::api::VirtualMachineMigration;
 use vmmigrate::destination::cluster::{
-    KubeCluster, KubeProber, virtual_machine_instance_resource, virtual_machine_resource,
+    KubeCluster, virtual_machine_instance_resource, virtual_machine_resource,
 };
+use vmmigrate::destination::probe::KubeProber;
 use vmmigrate::machine::{CheckResult, VmiState};
 use vmmigrate::ports::{Cluster, Prober};
 

@@ -1,20 +1,19 @@
-//! The real `Cluster` and `Prober` adapters: CDI DataVolumes, the KubeVirt
-//! VirtualMachine and its VMI, through the Kubernetes API.
+//! The real `Cluster` adapter: CDI DataVolumes, the KubeVirt VirtualMachine
+//! and its VMI, through the Kubernetes API (the checks are `probe.rs`'s).
 
 use super::fill;
-use super::http_check::run_http_check;
 use super::render;
 use super::verify::{self, VerifySettings};
 use crate::api::Reason;
 use crate::api::labels::MIGRATION_UID as LABEL_MIGRATION_UID;
-use crate::api::{CheckKindRef, LeftOnSource, ValidationCheck, VirtualMachineMigration};
+use crate::api::{LeftOnSource, VirtualMachineMigration};
 use crate::machine::{
-    CheckResult, DataVolumeState, DestinationOccupancy, Failure, PreflightFacts, StartingFacts, VmState,
-    VmiState, VolumeCheck, data_volume_name, destination_name,
+    DataVolumeState, DestinationOccupancy, Failure, PreflightFacts, StartingFacts, VmState, VmiState,
+    VolumeCheck, data_volume_name, destination_name,
 };
 use crate::objects::claims::SourceClaims;
 use crate::ports::kube_errors::{classify, delete_by_uid};
-use crate::ports::{Cluster, ImportAccess, Prober};
+use crate::ports::{Cluster, ImportAccess};
 use async_trait::async_trait;
 use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::core::v1::Namespace;
@@ -801,190 +800,6 @@ impl Cluster for KubeCluster {
     }
 }
 
-/// Probes through the Kubernetes API: the VMI's guest agent and IP address,
-/// and HTTP checks through a Service to an address the VMI reports
-/// (`vmi_addresses`, never a Service range).
-#[derive(Clone)]
-pub struct KubeProber {
-    client: Client,
-}
-
-impl KubeProber {
-    pub fn new(client: Client) -> KubeProber {
-        KubeProber { client }
-    }
-}
-
-#[async_trait]
-impl Prober for KubeProber {
-    async fn check(&self, vmm: &VirtualMachineMigration, check: &ValidationCheck) -> CheckResult {
-        let name = destination_name(&vmm.spec, vmm.metadata.name.as_deref().unwrap_or_default());
-        let api: Api<DynamicObject> = Api::namespaced_with(
-            self.client.clone(),
-            &vmm.spec.destination.namespace,
-            &virtual_machine_instance_resource(),
-        );
-        let vmi = match api.get_opt(&name).await {
-            Ok(Some(vmi)) => vmi,
-            Ok(None) => return CheckResult::NotYet { message: "the VMI does not exist yet".into() },
-            Err(e) => return CheckResult::NotYet { message: format!("reading the VMI: {e}") },
-        };
-        let status = vmi.data.get("status").cloned().unwrap_or(Value::Null);
-        match check.kind() {
-            Some(CheckKindRef::GuestAgent) => {
-                let connected = status["conditions"].as_array().is_some_and(|cs| {
-                    cs.iter().any(|c| c["type"] == "AgentConnected" && c["status"] == "True")
-                });
-                if connected {
-                    CheckResult::Pass { message: "the guest agent is connected".into() }
-                } else {
-                    CheckResult::NotYet { message: "the guest agent is not connected yet".into() }
-                }
-            }
-            Some(CheckKindRef::Ip) => ip_check(&status),
-            Some(CheckKindRef::Http(http)) => {
-                let services = match service_ranges(&self.client).await {
-                    Ok(ranges) => ranges,
-                    Err(e) => {
-                        return CheckResult::NotYet { message: format!("reading the Service ranges: {e}") };
-                    }
-                };
-                let addresses: Vec<std::net::IpAddr> =
-                    vmi_addresses(&status).into_iter().filter(|ip| !in_any(ip, &services)).collect();
-                run_http_check(&self.client, &vmm.spec.destination.namespace, http, &addresses).await
-            }
-            None => CheckResult::Wrong { message: "the check sets none of http, guestAgent, ip".into() },
-        }
-    }
-}
-
-/// The `ip` check: an address the guest itself reports. virt-handler fills
-/// `ipAddress` from the pod's network for a masquerade interface before the
-/// guest has booted; only an interface whose `infoSource` names
-/// `guest-agent` shows the guest holds an address.
-fn ip_check(status: &Value) -> CheckResult {
-    let interfaces = status["interfaces"].as_array().map(Vec::as_slice).unwrap_or_default();
-    let from_agent = |i: &&Value| {
-        i["infoSource"].as_str().is_some_and(|s| s.split(',').any(|p| p.trim() == "guest-agent"))
-    };
-    let address = |i: &Value| i["ipAddress"].as_str().filter(|s| !s.is_empty()).map(str::to_owned);
-    if let Some((ip, name)) = interfaces
-        .iter()
-        .filter(from_agent)
-        .find_map(|i| Some((address(i)?, i["interfaceName"].as_str().unwrap_or("?").to_owned())))
-    {
-        return CheckResult::Pass { message: format!("the guest agent reports {ip} on {name}") };
-    }
-    match interfaces.iter().find_map(address) {
-        Some(ip) => CheckResult::NotYet {
-            message: format!(
-                "the VMI shows {ip}, but not from the guest agent (infoSource); the guest has not reported an address yet"
-            ),
-        },
-        None => CheckResult::NotYet { message: "the VMI reports no IP address yet".into() },
-    }
-}
-
-/// The addresses the `http` check may talk to: those KubeVirt itself
-/// reports for the VMI's interfaces (`infoSource` naming the domain or
-/// Multus, or not given), never one only the guest agent announces (a
-/// guest could name the API server or a metadata endpoint), and never a
-/// loopback, link-local, unspecified, multicast or broadcast address.
-fn vmi_addresses(status: &Value) -> Vec<std::net::IpAddr> {
-    let mut addresses = Vec::new();
-    for interface in status["interfaces"].as_array().into_iter().flatten() {
-        let only_the_guest_says = interface["infoSource"]
-            .as_str()
-            .is_some_and(|s| !s.split(',').any(|p| matches!(p.trim(), "domain" | "multus-status")));
-        if only_the_guest_says {
-            continue;
-        }
-        let listed = interface["ipAddresses"].as_array().into_iter().flatten().filter_map(Value::as_str);
-        for text in interface["ipAddress"].as_str().into_iter().chain(listed) {
-            if let Ok(ip) = text.parse::<std::net::IpAddr>()
-                && may_be_checked(&ip)
-                && !addresses.contains(&ip)
-            {
-                addresses.push(ip);
-            }
-        }
-    }
-    addresses
-}
-
-/// The cluster's Service address ranges (its ServiceCIDR objects,
-/// networking.k8s.io/v1 since Kubernetes 1.33): an `http` check never
-/// talks to one, whatever the VMI reports. A cluster without the API
-/// has none to read (404).
-async fn service_ranges(client: &Client) -> Result<Vec<Range>, kube::Error> {
-    use k8s_openapi::api::networking::v1::ServiceCIDR;
-    let api: Api<ServiceCIDR> = Api::all(client.clone());
-    let listed = match api.list(&kube::api::ListParams::default()).await {
-        Ok(listed) => listed,
-        Err(kube::Error::Api(s)) if s.code == 404 => return Ok(Vec::new()),
-        Err(e) => return Err(e),
-    };
-    Ok(listed
-        .items
-        .iter()
-        .filter_map(|c| c.spec.as_ref()?.cidrs.clone())
-        .flatten()
-        .filter_map(|c| parse_range(&c))
-        .collect())
-}
-
-/// An address range, `(network, prefix length)`.
-type Range = (std::net::IpAddr, u8);
-
-/// `10.96.0.0/16`, `fd00:10:96::/112`.
-fn parse_range(text: &str) -> Option<Range> {
-    let (ip, prefix) = text.trim().split_once('/')?;
-    let ip: std::net::IpAddr = ip.parse().ok()?;
-    let prefix: u8 = prefix.parse().ok()?;
-    let bits = if ip.is_ipv4() { 32 } else { 128 };
-    (prefix <= bits).then_some((ip, prefix))
-}
-
-fn in_any(ip: &std::net::IpAddr, ranges: &[Range]) -> bool {
-    let bits = |ip: &std::net::IpAddr| match ip {
-        std::net::IpAddr::V4(v4) => (u128::from(u32::from(*v4)), 32u32),
-        std::net::IpAddr::V6(v6) => (u128::from(*v6), 128u32),
-    };
-    let (value, width) = bits(ip);
-    ranges.iter().any(|(net, prefix)| {
-        let (network, net_width) = bits(net);
-        let prefix = u32::from(*prefix);
-        if net_width != width {
-            return false;
-        }
-        if prefix == 0 {
-            return true;
-        }
-        let shift = width - prefix;
-        (value >> shift) == (network >> shift)
-    })
-}
-
-/// Not an address of the host, the link or everyone.
-fn may_be_checked(ip: &std::net::IpAddr) -> bool {
-    match ip {
-        std::net::IpAddr::V4(v4) => {
-            !(v4.is_loopback()
-                || v4.is_link_local()
-                || v4.is_unspecified()
-                || v4.is_multicast()
-                || v4.is_broadcast())
-        }
-        std::net::IpAddr::V6(v6) => {
-            !(v6.is_loopback()
-                || v6.is_unspecified()
-                || v6.is_multicast()
-                || v6.is_unicast_link_local()
-                || v6.to_ipv4_mapped().is_some_and(|v4| !may_be_checked(&std::net::IpAddr::V4(v4))))
-        }
-    }
-}
-
 /// What a failed VMI says about why: the messages of its conditions (virt-
 /// handler's `Synchronized`, the pod's scheduling or readiness), as
 /// `: Type Reason: message; …`, at most 500 characters; empty when it says
@@ -1017,39 +832,6 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_http_check_talks_only_to_addresses_kubevirt_reports_and_never_to_special_ones() {
-        let status = json!({ "interfaces": [
-            { "name": "nic-0", "ipAddress": "10.244.0.7", "ipAddresses": ["10.244.0.7", "fd10::7", "fe80::1"],
-              "infoSource": "domain, guest-agent" },
-            // A second NIC only the guest announces, naming a metadata
-            // endpoint and the API server's address.
-            { "name": "nic-1", "ipAddresses": ["169.254.169.254", "10.96.0.1"], "infoSource": "guest-agent" },
-            { "name": "nic-2", "ipAddresses": ["192.168.7.4", "127.0.0.1", "0.0.0.0", "224.0.0.1", "::ffff:169.254.1.1"],
-              "infoSource": "domain, guest-agent, multus-status" },
-        ] });
-        let addresses: Vec<String> = vmi_addresses(&status).iter().map(ToString::to_string).collect();
-        assert_eq!(addresses, ["10.244.0.7", "fd10::7", "192.168.7.4"]);
-    }
-
-    #[test]
-    fn an_address_in_a_service_range_is_never_checked_whatever_the_vmi_reports() {
-        let ranges: Vec<Range> =
-            ["10.96.0.0/16", "fd00:10:96::/112"].iter().filter_map(|r| parse_range(r)).collect();
-        assert_eq!(ranges.len(), 2);
-        let inside = |ip: &str| in_any(&ip.parse().unwrap(), &ranges);
-        assert!(inside("10.96.0.1"), "the API server's Service address");
-        assert!(inside("10.96.255.254"));
-        assert!(inside("fd00:10:96::1"));
-        assert!(!inside("10.97.0.1"));
-        assert!(!inside("10.244.0.7"), "a pod address");
-        assert!(!inside("fd00:10:97::1"));
-        assert!(in_any(&"192.168.1.1".parse().unwrap(), &[parse_range("0.0.0.0/0").unwrap()]));
-        assert!(!in_any(&"::1".parse().unwrap(), &[parse_range("0.0.0.0/0").unwrap()]), "families apart");
-        assert_eq!(parse_range("10.0.0.0/33"), None);
-        assert_eq!(parse_range("10.0.0.0"), None);
-    }
-
-    #[test]
     fn a_failed_vmi_is_reported_with_what_its_conditions_say() {
         let status = json!({ "phase": "Failed", "conditions": [
             { "type": "Ready", "status": "False", "reason": "PodTerminating", "message": "" },
@@ -1061,20 +843,6 @@ mod tests {
         assert_eq!(vmi_failure_detail(&json!({ "phase": "Failed" })), "");
         let long = json!({ "conditions": [{ "type": "X", "message": "é".repeat(400) }] });
         assert!(vmi_failure_detail(&long).chars().count() <= 502);
-    }
-
-    #[test]
-    fn the_ip_check_passes_only_on_an_address_the_guest_agent_reports() {
-        let pod_address =
-            json!({ "interfaces": [{ "name": "nic-0", "ipAddress": "10.244.0.7", "infoSource": "domain" }] });
-        let CheckResult::NotYet { message } = ip_check(&pod_address) else {
-            panic!("passed on the pod's address")
-        };
-        assert!(message.contains("10.244.0.7") && message.contains("guest agent"), "{message}");
-        let guest = json!({ "interfaces": [
-            { "name": "nic-0", "ipAddress": "10.244.0.7", "infoSource": "domain, guest-agent", "interfaceName": "eth0" }] });
-        assert!(matches!(ip_check(&guest), CheckResult::Pass { message } if message.contains("eth0")));
-        assert!(matches!(ip_check(&json!({})), CheckResult::NotYet { .. }));
     }
 
     #[test]

@@ -4,5 +4,6 @@
 pub mod cluster;
 pub(crate) mod fill;
 pub mod http_check;
+pub mod probe;
 pub(crate) mod render;
 pub mod verify;

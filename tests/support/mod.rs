@@ -185,7 +185,8 @@ pub fn sim_adapters(
     claims_namespace: &str,
 ) -> vmmigrate::ports::Adapters {
     use std::sync::Arc;
-    use vmmigrate::destination::cluster::{KubeCluster, KubeProber};
+    use vmmigrate::destination::cluster::KubeCluster;
+    use vmmigrate::destination::probe::KubeProber;
     vmmigrate::ports::Adapters {
         esxi: world.clone(),
         disks: world.clone(),
