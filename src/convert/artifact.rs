@@ -3,11 +3,9 @@
 //! presence means "complete and validated"), the `.corrupt` marker the
 //! staging server leaves when served bytes differ, and hashing with progress.
 
-use sha2::{Digest, Sha256};
 use std::fs::{self, File};
-use std::io::{self, Read, Write};
+use std::io::{self, Write};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
 
 /// What the `.sha256` marker records about a finished artifact.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -91,24 +89,7 @@ pub(crate) fn remove_with_markers(file: &Path) -> io::Result<()> {
 }
 
 /// Size and sha256 of a file, adding the bytes read to `progress` as it goes.
-pub fn sha256_file(path: &Path, progress: Option<&AtomicU64>) -> io::Result<(u64, String)> {
-    let mut file = File::open(path)?;
-    let mut hasher = Sha256::new();
-    let mut buf = vec![0u8; 1 << 20];
-    let mut total = 0u64;
-    loop {
-        let n = file.read(&mut buf)?;
-        if n == 0 {
-            break;
-        }
-        hasher.update(&buf[..n]);
-        total += n as u64;
-        if let Some(p) = progress {
-            p.fetch_add(n as u64, Ordering::Relaxed);
-        }
-    }
-    Ok((total, hex(&hasher.finalize())))
-}
+pub use crate::images::digest::file_sha256 as sha256_file;
 
 pub(crate) use crate::images::digest::hex;
 
