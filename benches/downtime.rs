@@ -142,6 +142,8 @@ struct Times {
     /// in-process data plane and staging server, and the bench's own
     /// bookkeeping), MiB.
     controller_mib: f64,
+    /// This process's RSS when the run began (what the peak grew from), MiB.
+    start_mib: f64,
     /// Peak RSS of the `vmmigrate fill-volume` processes (the fill Jobs'
     /// pods on the node), sampled every 200 ms, MiB; 0 if none ran.
     fill_mib: f64,
@@ -249,6 +251,7 @@ async fn migrate(
     };
     // This process's peak RSS from here on (Linux: 5 resets VmHWM).
     std::fs::write("/proc/self/clear_refs", "5").expect("reset the peak RSS");
+    let start_mib = vmmigrate_harness::process::status_kib(std::process::id(), "VmRSS") as f64 / 1024.0;
     let fill_peak = Arc::new(std::sync::Mutex::new(0.0));
     let sampler = tokio::spawn(sample_fill_rss(cluster, fill_peak.clone()));
     let controller = tokio::spawn(reconciler::run(client.clone(), adapters, config, std::future::pending()));
@@ -280,7 +283,7 @@ async fn migrate(
     let vmm: VirtualMachineMigration = serde_json::from_value(body).unwrap();
     let started = Instant::now();
     api.create(&PostParams::default(), &vmm).await.expect("create migration");
-    let mut times = Times::default();
+    let mut times = Times { start_mib, ..Times::default() };
     let deadline = tokio::time::Instant::now() + Duration::from_secs(1800);
     loop {
         let event = tokio::time::timeout_at(deadline, events.next())
@@ -449,7 +452,7 @@ fn main() {
     }
     println!("\ndowntime (power-off → GuestReady) and its parts, seconds");
     println!(
-        "| data disk | import | run | mode | before the power-off | copy or delta | conversion, staging | import | VM creation | start → running | checks pass | **downtime** | page answers (downtime) | create → Completed | guest blocks written while on | bytes read after the power-off | peak RSS: controller | fill Job |"
+        "| data disk | import | run | mode | before the power-off | copy or delta | conversion, staging | import | VM creation | start → running | checks pass | **downtime** | page answers (downtime) | create → Completed | guest blocks written while on | bytes read after the power-off | peak RSS: controller (at the start) | fill Job |"
     );
     println!("|---:|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     for r in &rows {
@@ -458,7 +461,7 @@ fn main() {
         let ready = t.guest_ready.unwrap_or(t.completed);
         let blocks = (r.mib << 20) / 4096;
         println!(
-            "| {} MiB | {} | {} | {} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | **{:.2}** | {:.2} | {:.2} | {} ({:.1} %) | {:.1} MiB | {:.0} MiB | {:.0} MiB |",
+            "| {} MiB | {} | {} | {} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | **{:.2}** | {:.2} | {:.2} | {} ({:.1} %) | {:.1} MiB | {:.0} MiB ({:.0} MiB) | {:.0} MiB |",
             r.mib,
             r.method,
             r.run,
@@ -477,6 +480,7 @@ fn main() {
             r.written as f64 / blocks as f64 * 100.0,
             r.read_after_off as f64 / (1 << 20) as f64,
             t.controller_mib,
+            t.start_mib,
             t.fill_mib,
         );
     }

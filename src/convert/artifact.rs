@@ -89,7 +89,12 @@ pub(crate) fn remove_with_markers(file: &Path) -> io::Result<()> {
 }
 
 /// Size and sha256 of a file, adding the bytes read to `progress` as it goes.
-pub use crate::images::digest::file_sha256 as sha256_file;
+pub fn sha256_file(
+    path: &Path,
+    progress: Option<&std::sync::atomic::AtomicU64>,
+) -> io::Result<(u64, String)> {
+    crate::images::digest::file_sha256(path, progress)
+}
 
 pub(crate) use crate::images::digest::hex;
 

@@ -17,7 +17,7 @@ const READS_AHEAD: usize = 2;
 /// `progress` as it goes. A reader thread keeps the next reads coming while
 /// this one hashes, so that a large file costs the hashing alone: on the
 /// warm path this hash of the assembled disk is part of the downtime.
-pub fn file_sha256(path: &Path, progress: Option<&AtomicU64>) -> io::Result<(u64, String)> {
+pub(crate) fn file_sha256(path: &Path, progress: Option<&AtomicU64>) -> io::Result<(u64, String)> {
     let mut file = File::open(path)?;
     let (to_hasher, filled) = std::sync::mpsc::sync_channel::<Vec<u8>>(READS_AHEAD);
     let (to_reader, emptied) = std::sync::mpsc::sync_channel::<Vec<u8>>(READS_AHEAD + 2);

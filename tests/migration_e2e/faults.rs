@@ -14,6 +14,7 @@
 use super::*;
 use crate::support::fault_proxy::{FaultProxy, Mode};
 use crate::support::full_fs::SmallFs;
+use std::sync::Arc;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn sshd_restarted_mid_copy_with_its_sessions_ends_in_the_same_bytes_without_spending_the_budget() {
@@ -45,21 +46,17 @@ async fn a_host_refusing_logins_past_max_startups_mid_copy_is_waited_out() {
     .await;
     m.wait_copying(4 << 20).await;
     // sshd restarts with MaxStartups 2, and another tool takes both places
-    // with logins it never finishes. A login of the controller's may hold a
-    // place for a moment: the tool tries until it holds two.
+    // with logins it never finishes, and takes them again when sshd ends
+    // one after its LoginGraceTime (30 s: on a busy machine the
+    // controller's next login can come later than that). A login of the
+    // controller's may hold a place for a moment: the tool tries until it
+    // holds two.
     m.emu.set_max_startups(Some(2)).expect("MaxStartups 2");
-    let mut held: Vec<std::net::TcpStream> = Vec::new();
+    let hog = PlaceHog::start(m.emu.port, 2);
     let deadline = Instant::now() + WAIT;
-    while held.len() < 2 {
+    while hog.held() < 2 {
         assert!(Instant::now() < deadline, "the other tool never held two places: {}", m.emu.sshd_log_tail());
-        let stream = std::net::TcpStream::connect(("127.0.0.1", m.emu.port)).expect("connect");
-        stream.set_read_timeout(Some(Duration::from_secs(5))).expect("read timeout");
-        let mut banner = [0u8; 8];
-        if std::io::Read::read_exact(&mut &stream, &mut banner).is_ok() {
-            held.push(stream);
-        } else {
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
     // The controller's connections end; every login it tries now is
     // dropped before the banner.
@@ -75,7 +72,7 @@ async fn a_host_refusing_logins_past_max_startups_mid_copy_is_waited_out() {
         assert!(Instant::now() < deadline, "sshd never dropped a login: {}", m.emu.sshd_log_tail());
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    drop(held);
+    drop(hog);
     m.emu.set_max_startups(None).expect("MaxStartups back");
     m.emu.set_read_rate(None);
     m.assert_survived().await;
@@ -242,4 +239,69 @@ async fn virt_api_down_while_the_vm_is_created_is_waited_out_and_the_guest_boots
     vm_watch.abort();
     assert_eq!(m.imported_sha256(1).await, m.source_sha256_at_start());
     m.assert_source_off_and_untouched().await;
+}
+
+/// Another tool on the host: it keeps `places` connections that got sshd's
+/// banner and never log in, opening a new one whenever sshd ends one
+/// (`LoginGraceTime`), until dropped.
+struct PlaceHog {
+    held: Arc<std::sync::atomic::AtomicUsize>,
+    stop: Arc<std::sync::atomic::AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl PlaceHog {
+    fn start(port: u16, places: usize) -> PlaceHog {
+        use std::sync::atomic::Ordering::SeqCst;
+        let held = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (count, stopping) = (held.clone(), stop.clone());
+        let thread = std::thread::spawn(move || {
+            let mut streams: Vec<std::net::TcpStream> = Vec::new();
+            while !stopping.load(SeqCst) {
+                // sshd closed the ones whose grace ran out.
+                streams.retain(|s| {
+                    // Whatever sshd sent is read and dropped; the end of the
+                    // stream (or a reset) means the place is gone.
+                    let _ = s.set_nonblocking(true);
+                    let mut buf = [0u8; 4096];
+                    let open = loop {
+                        match std::io::Read::read(&mut &*s, &mut buf) {
+                            Ok(0) => break false,
+                            Ok(_) => continue,
+                            Err(e) => break e.kind() == std::io::ErrorKind::WouldBlock,
+                        }
+                    };
+                    let _ = s.set_nonblocking(false);
+                    open
+                });
+                if streams.len() < places
+                    && let Ok(stream) = std::net::TcpStream::connect(("127.0.0.1", port))
+                {
+                    let _ = stream.set_read_timeout(Some(Duration::from_secs(5)));
+                    let mut banner = [0u8; 8];
+                    // Dropped past MaxStartups: no banner, tried again below.
+                    if std::io::Read::read_exact(&mut &stream, &mut banner).is_ok() {
+                        streams.push(stream);
+                    }
+                }
+                count.store(streams.len(), SeqCst);
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        });
+        PlaceHog { held, stop, thread: Some(thread) }
+    }
+
+    fn held(&self) -> usize {
+        self.held.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+impl Drop for PlaceHog {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
 }
