@@ -1,8 +1,8 @@
 //! Application checks through the Kubernetes API (`Prober`): the VMI's
 //! guest agent and the address it reports, and HTTP checks through a
 //! Service to an address that is the VMI's own: one KubeVirt reports for
-//! its interfaces from the domain or Multus, or one of its running
-//! virt-launcher pods (set by the kubelet). Never an address only the guest
+//! its interfaces from the domain or Multus, or, on the pod network, that
+//! of one of its running virt-launcher pods (set by the kubelet). Never an address only the guest
 //! announces, never a Service range.
 
 use super::cluster::virtual_machine_instance_resource;
@@ -156,9 +156,14 @@ fn vmi_addresses(status: &Value) -> Vec<IpAddr> {
 /// nothing), owned by the VMI as controller, running: their
 /// `status.podIPs`, which the kubelet writes, not the guest. On the pod
 /// network that is the guest's address (masquerade forwards to it, bridge
-/// hands it over).
+/// hands it over); a VMI without a pod network has none there.
 fn launcher_addresses(vmi: &DynamicObject, pods: &[Pod]) -> Vec<IpAddr> {
     let Some(uid) = vmi.metadata.uid.as_deref() else { return Vec::new() };
+    // Only a VMI on the pod network is reached at its pod's address.
+    let networks = vmi.data["spec"]["networks"].as_array().map(Vec::as_slice).unwrap_or_default();
+    if !networks.iter().any(|n| n.get("pod").is_some()) {
+        return Vec::new();
+    }
     let active = &vmi.data["status"]["activePods"];
     let mut addresses = Vec::new();
     for pod in pods {
@@ -320,10 +325,12 @@ mod tests {
     }
 
     #[test]
-    fn the_http_check_may_talk_to_the_vmis_own_running_launcher_pod_and_no_pod_that_only_claims_to_be_it() {
+    fn the_http_check_may_talk_to_the_vmis_own_running_launcher_pod_on_the_pod_network_and_no_pod_that_only_claims_to_be_it()
+     {
         let vmi: DynamicObject = serde_json::from_value(json!({
             "apiVersion": "kubevirt.io/v1", "kind": "VirtualMachineInstance",
             "metadata": { "name": "vm", "uid": "vmi-1" },
+            "spec": { "networks": [{ "name": "default", "pod": {} }] },
             "status": { "activePods": { "pod-a": "node", "pod-forged": "node", "pod-done": "node" } }
         }))
         .unwrap();
@@ -343,5 +350,9 @@ mod tests {
             "apiVersion": "kubevirt.io/v1", "kind": "VirtualMachineInstance", "metadata": { "name": "vm" } }))
         .unwrap();
         assert!(launcher_addresses(&no_uid, &pods).is_empty());
+        // On a Multus network alone, the pod's address is not the guest's.
+        let mut multus_only = vmi.clone();
+        multus_only.data["spec"]["networks"] = json!([{ "name": "lan", "multus": { "networkName": "lan" } }]);
+        assert!(launcher_addresses(&multus_only, &pods).is_empty());
     }
 }
