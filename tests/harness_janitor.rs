@@ -9,7 +9,8 @@ use vmmigrate_harness::process::{Janitor, recorded_pids, start_time};
 
 #[test]
 fn a_janitor_stops_its_own_processes_and_leaves_a_reused_pid_alone() {
-    let janitor = Janitor::new("vmmigrate-janitor-test").unwrap();
+    // It removes its directory even where VMMIGRATE_TEST_KEEP keeps others'.
+    let janitor = Janitor::keeping("vmmigrate-janitor-test", false).unwrap();
     let own = janitor.spawn("own", Command::new("sleep").arg("600")).unwrap();
     // A process this janitor did not start, recorded under its pid with a
     // start time that is not its own: what a reused pid looks like.

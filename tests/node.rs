@@ -193,6 +193,8 @@ fn a_killed_test_process_leaves_no_cluster_behind() {
     use std::process::{Command, Stdio};
     let mut child = Command::new(std::env::current_exe().unwrap())
         .args(["--ignored", "--exact", "node::node_cluster_child_process", "--nocapture"])
+        // Its cluster is to be removed even where this run keeps others.
+        .env_remove("VMMIGRATE_TEST_KEEP")
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .spawn()

@@ -79,10 +79,18 @@ done
 "#;
 
 impl Janitor {
-    /// Creates a fresh temporary directory named after `prefix`.
+    /// Creates a fresh temporary directory named after `prefix`, kept at
+    /// the end if `VMMIGRATE_TEST_KEEP` is set.
     pub fn new(prefix: &str) -> anyhow::Result<Janitor> {
+        Janitor::keeping(prefix, std::env::var_os("VMMIGRATE_TEST_KEEP").is_some())
+    }
+
+    /// [`Janitor::new`], keeping the directory at the end only if `keep`
+    /// (a test of the janitor's own clean-up asks for it whatever the
+    /// environment says).
+    pub fn keeping(prefix: &str, keep: bool) -> anyhow::Result<Janitor> {
         let dir = tempfile::Builder::new().prefix(prefix).tempdir()?.keep();
-        let keep = if std::env::var_os("VMMIGRATE_TEST_KEEP").is_some() { "1" } else { "0" };
+        let keep = if keep { "1" } else { "0" };
         let mut janitor = Command::new("sh")
             .args(["-c", JANITOR_SCRIPT, "janitor"])
             .arg(&dir)
