@@ -160,15 +160,8 @@ impl Times {
 async fn sample_fill_rss(cluster: &'static KubeEnv, peak: Arc<std::sync::Mutex<f64>>) {
     let node = cluster.node.as_ref().expect("the cluster has a node");
     let scan = move || {
-        let mut highest: f64 = 0.0;
-        for pid in node.processes() {
-            let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-            let args: Vec<&[u8]> = cmdline.split(|b| *b == 0).collect();
-            if args.len() > 1 && args[0].ends_with(b"vmmigrate") && args[1] == b"fill-volume" {
-                highest = highest.max(vmmigrate_harness::process::status_kib(pid, "VmHWM") as f64 / 1024.0);
-            }
-        }
-        highest
+        let kib = |pid| vmmigrate_harness::process::status_kib(pid, "VmHWM");
+        node.vmmigrate_processes("fill-volume").into_iter().map(kib).max().unwrap_or(0) as f64 / 1024.0
     };
     loop {
         let highest = tokio::task::spawn_blocking(scan).await.unwrap_or(0.0);

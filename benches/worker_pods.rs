@@ -39,13 +39,8 @@ fn env(name: &str, default: u64) -> u64 {
 /// RSS in MiB of each process of the node whose command line is `vmmigrate worker …`.
 fn worker_rss(env: &KubeEnv) -> Vec<f64> {
     let node = env.node.as_ref().expect("the shared cluster has a node");
-    node.processes()
+    node.vmmigrate_processes("worker")
         .into_iter()
-        .filter(|pid| {
-            let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-            let args: Vec<&[u8]> = cmdline.split(|b| *b == 0).collect();
-            args.len() > 1 && args[0].ends_with(b"vmmigrate") && args[1] == b"worker"
-        })
         .map(|pid| vmmigrate_harness::process::rss_bytes(pid) as f64 / (1 << 20) as f64)
         .collect()
 }

@@ -739,16 +739,15 @@ impl Cluster for KubeCluster {
             return Ok(None);
         };
         let Some(vmi_uid) = vmi.metadata.uid.clone() else { return Ok(None) };
-        let pods: Api<Pod> = Api::namespaced(self.client.clone(), &vmm.spec.destination.namespace);
-        let selector = format!("kubevirt.io/created-by={vmi_uid}");
-        let listed = pods
-            .list(&kube::api::ListParams::default().labels(&selector))
+        let namespace = &vmm.spec.destination.namespace;
+        let pods: Api<Pod> = Api::namespaced(self.client.clone(), namespace);
+        let listed = launcher_pods(&self.client, namespace, &vmi_uid)
             .await
             .map_err(|e| classify(&format!("listing the launcher pod of VMI {name}"), e))?;
         // The VMI's own launcher: owned by it, not a pod that only wears its
         // label. KubeVirt runs the console container as a native sidecar (an
         // init container that keeps running); a plain container is read too.
-        let launcher = listed.items.into_iter().find(|p| {
+        let launcher = listed.into_iter().find(|p| {
             let logs_console = p.spec.as_ref().is_some_and(|s| {
                 s.containers
                     .iter()
@@ -798,6 +797,20 @@ impl Cluster for KubeCluster {
         // The imports are done: their credentials and CA go, never released.
         self.delete_import_access(vmm).await
     }
+}
+
+/// The pods labelled as created for the VMI of uid `vmi_uid` (at most 16):
+/// its virt-launcher pods, and any other pod that wears the label, which is
+/// anybody's to set; callers check what vouches for a pod.
+pub(crate) async fn launcher_pods(
+    client: &Client,
+    namespace: &str,
+    vmi_uid: &str,
+) -> Result<Vec<k8s_openapi::api::core::v1::Pod>, kube::Error> {
+    let pods: Api<k8s_openapi::api::core::v1::Pod> = Api::namespaced(client.clone(), namespace);
+    let params =
+        kube::api::ListParams::default().labels(&format!("kubevirt.io/created-by={vmi_uid}")).limit(16);
+    Ok(pods.list(&params).await?.items)
 }
 
 /// What a failed VMI says about why: the messages of its conditions (virt-

@@ -2,17 +2,17 @@
 //! guest agent and the address it reports, and HTTP checks through a
 //! Service to an address that is the VMI's own: one KubeVirt reports for
 //! its interfaces from the domain or Multus, or, on the pod network, that
-//! of one of its running virt-launcher pods (set by the kubelet). Never an address only the guest
-//! announces, never a Service range.
+//! of one of its running virt-launcher pods (set by the kubelet). Never an
+//! address only the guest announces, never a Service range.
 
-use super::cluster::virtual_machine_instance_resource;
+use super::cluster::{launcher_pods, virtual_machine_instance_resource};
 use super::http_check::run_http_check;
 use crate::api::{CheckKindRef, ValidationCheck, VirtualMachineMigration};
 use crate::machine::{CheckResult, destination_name};
 use crate::ports::Prober;
 use async_trait::async_trait;
 use k8s_openapi::api::core::v1::Pod;
-use kube::api::{Api, DynamicObject, ListParams};
+use kube::api::{Api, DynamicObject};
 use kube::{Client, ResourceExt};
 use serde_json::Value;
 use std::net::IpAddr;
@@ -26,15 +26,6 @@ pub struct KubeProber {
 impl KubeProber {
     pub fn new(client: Client) -> KubeProber {
         KubeProber { client }
-    }
-
-    /// The pods labelled as created for `vmi` (which `launcher_addresses`
-    /// still checks: a label is anybody's to set).
-    async fn launcher_pods(&self, namespace: &str, vmi: &DynamicObject) -> Result<Vec<Pod>, kube::Error> {
-        let Some(uid) = vmi.metadata.uid.as_deref() else { return Ok(Vec::new()) };
-        let pods: Api<Pod> = Api::namespaced(self.client.clone(), namespace);
-        let params = ListParams::default().labels(&format!("kubevirt.io/created-by={uid}")).limit(16);
-        Ok(pods.list(&params).await?.items)
     }
 }
 
@@ -76,16 +67,18 @@ impl Prober for KubeProber {
                 // As the guest agent connects, KubeVirt redoes the VMI's
                 // interface list from what the agent reports, and for a
                 // while lists no address; its launcher pod's stays.
-                match self.launcher_pods(&vmm.spec.destination.namespace, &vmi).await {
-                    Ok(pods) => {
-                        for ip in launcher_addresses(&vmi, &pods) {
-                            if !addresses.contains(&ip) {
-                                addresses.push(ip);
+                if let Some(uid) = vmi.metadata.uid.as_deref() {
+                    match launcher_pods(&self.client, &vmm.spec.destination.namespace, uid).await {
+                        Ok(pods) => {
+                            for ip in launcher_addresses(&vmi, &pods) {
+                                if !addresses.contains(&ip) {
+                                    addresses.push(ip);
+                                }
                             }
                         }
-                    }
-                    Err(e) => {
-                        tracing::debug!(vmi = %name, error = %e, "listing the launcher pods for an http check")
+                        Err(e) => {
+                            tracing::debug!(vmi = %name, error = %e, "listing the launcher pods for an http check")
+                        }
                     }
                 }
                 addresses.retain(|ip| !in_any(ip, &services));

@@ -433,6 +433,19 @@ impl Node {
         Ok(())
     }
 
+    /// The node's processes whose command line is `…/vmmigrate <subcommand> …`
+    /// (a worker pod's `worker`, a fill Job's `fill-volume`).
+    pub fn vmmigrate_processes(&self, subcommand: &str) -> Vec<u32> {
+        self.processes()
+            .into_iter()
+            .filter(|pid| {
+                let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+                let args: Vec<&[u8]> = cmdline.split(|b| *b == 0).collect();
+                args.len() > 1 && args[0].ends_with(b"vmmigrate") && args[1] == subcommand.as_bytes()
+            })
+            .collect()
+    }
+
     /// Processes in the node's network namespace (containerd, the shims, the
     /// kubelet, kube-proxy) and in its pods' cgroups.
     pub fn processes(&self) -> Vec<u32> {
