@@ -12,6 +12,10 @@
 //! rate meant to change about 5 % of its blocks during one read of the disk,
 //! and stops once it wrote as many blocks as 5 % of the disk holds (the
 //! table says what it changed, and what was read after the power-off).
+//! Above the smallest size, a third mode (`Warm, same bytes`) is warm with
+//! the writer stopped at the smallest size's count of blocks: the changed
+//! bytes of issue 37's ratio, warm downtime at 4 GiB against 1 GiB "with the
+//! same changed bytes".
 //! The source is powered on before each run and shut down by the migration
 //! (`GracefulThenForce`). Each mode runs with each import method: CDI's
 //! importer (`--import-method cdi`) and a blank DataVolume that a Job of the
@@ -53,6 +57,8 @@ use vmmigrate_harness::esxi_snapshots::GuestWrites;
 use vmmigrate_harness::qemu_guest::{Boot, Hardware, QemuGuest};
 
 const VMID: &str = "8";
+/// Warm, with as many blocks changed as at the smallest size.
+const SAME_BYTES: &str = "Warm, same bytes";
 const VM: &str = "app-bios";
 /// The guest's line on its serial console once its address, web server
 /// and agent are up.
@@ -408,25 +414,38 @@ fn main() {
         // the source run for (warm runs it longer: its bases are also
         // filled into the volumes before the cutover).
         let budget = blocks / 20;
+        // The smallest size's budget, for the same changed bytes at this one.
+        let smallest = sizes.iter().min().copied().unwrap_or(mib);
+        let same_bytes = ((smallest << 20) / 4096) / 20;
+        let modes: &[&'static str] =
+            if mib > smallest { &["Cold", "Warm", SAME_BYTES] } else { &["Cold", "Warm"] };
         runtime.block_on(async {
             let client = cluster.client().await;
             for run in 1..=repeat {
                 for (mode, (method_name, method)) in
-                    methods.iter().flat_map(|m| ["Cold", "Warm"].into_iter().map(move |mode| (mode, *m)))
+                    methods.iter().flat_map(|m| modes.iter().map(move |mode| (*mode, *m)))
                 {
                     emu.set_power(VMID, true);
                     let before = emu.guest_blocks_written();
+                    let (rate, at_most) = if mode == SAME_BYTES {
+                        // As many blocks, at the rate that writes them during one read.
+                        (((same_bytes as f64) / (cat * 1.3 + 2.0)).ceil() as u32, same_bytes)
+                    } else {
+                        (blocks_per_second, budget)
+                    };
                     let writer = emu.start_guest_writes(
                         VMID,
                         GuestWrites {
-                            blocks_per_second,
+                            blocks_per_second: rate,
                             seed: run,
                             only_disk: Some(1),
-                            at_most: Some(budget),
+                            at_most: Some(at_most),
                         },
                     );
-                    let name = format!("{mib}-{method_name}-{}-{run}", mode.to_lowercase());
-                    let times = migrate(&client, cluster, &emu, &name, mode, method).await;
+                    let label = if mode == SAME_BYTES { "same".to_owned() } else { mode.to_lowercase() };
+                    let name = format!("{mib}-{method_name}-{label}-{run}");
+                    let spec_mode = if mode == SAME_BYTES { "Warm" } else { mode };
+                    let times = migrate(&client, cluster, &emu, &name, spec_mode, method).await;
                     drop(writer);
                     let written = emu.guest_blocks_written() - before;
                     let read_after_off: u64 =
@@ -505,6 +524,29 @@ fn main() {
                 warm_page / cold_page * 100.0,
                 total / (cat + boot)
             );
+        }
+    }
+    // Issue 37's second ratio: warm downtime at a larger disk against the
+    // smallest, with 5 % of each disk changed and with the same changed bytes.
+    let smallest = sizes.iter().min().copied().unwrap_or_default();
+    let larger: Vec<u64> = sizes.iter().copied().filter(|&m| m > smallest).collect();
+    if !larger.is_empty() {
+        println!("\nwarm downtime against the {smallest} MiB disk's (to GuestReady; to the page)");
+        println!("| data disk | import | 5 % of each disk changed | the same changed bytes |");
+        println!("|---:|---|---:|---:|");
+        for &mib in &larger {
+            for (method, _) in &methods {
+                let base = median(smallest, method, "Warm", &downtime);
+                let base_page = median(smallest, method, "Warm", &page);
+                let ratio = |mode: &str| {
+                    format!(
+                        "{:.2}× ; {:.2}×",
+                        median(mib, method, mode, &downtime) / base,
+                        median(mib, method, mode, &page) / base_page
+                    )
+                };
+                println!("| {mib} MiB | {method} | {} | {} |", ratio("Warm"), ratio(SAME_BYTES));
+            }
         }
     }
 }

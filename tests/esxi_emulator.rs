@@ -521,6 +521,35 @@ fn a_snapshot_freezes_the_base_qemu_img_reads_the_delta_chain_and_removal_consol
     }
 }
 
+/// As on a host, no guest write lands once a power-off has returned: the
+/// guest writer and `vim-cmd`'s power-off take the same lock, so while it is
+/// held neither writes, and after the power-off nothing more is written.
+#[test]
+fn a_guest_write_never_lands_after_the_power_off_returns() {
+    use crate::support::esxi_snapshots::GuestWrites;
+    let emu = own(EsxiOptions { pair_disk_mib: Some((4, 4)), ..Default::default() });
+    let _writer =
+        emu.start_guest_writes("12", GuestWrites { blocks_per_second: 2000, seed: 3, ..Default::default() });
+    wait_for_guest_blocks(&emu, 50);
+    let held = emu.hold_power_lock("12");
+    let before = emu.guest_blocks_written();
+    std::thread::scope(|s| {
+        let off = s.spawn(|| run(&emu, "vim-cmd vmsvc/power.off 12"));
+        // An observation window, not a wait for readiness: at 2,000 blocks
+        // a second a writer that ignored the lock would write hundreds.
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        assert_eq!(emu.guest_blocks_written(), before, "the guest wrote while the power lock was held");
+        assert_eq!(emu.vm_power("12"), "on", "the power went off while its lock was held");
+        assert!(!off.is_finished(), "power.off returned while its lock was held");
+        drop(held);
+        off.join().expect("power.off");
+    });
+    assert_eq!(emu.vm_power("12"), "off");
+    let after_off = emu.guest_blocks_written();
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    assert_eq!(emu.guest_blocks_written(), after_off, "a guest write landed after the power-off returned");
+}
+
 #[test]
 fn snapshot_remove_of_an_unknown_snapshot_is_a_fault() {
     let emu = own(EsxiOptions { pair_disk_mib: Some((1, 1)), ..Default::default() });

@@ -102,6 +102,42 @@ pub(crate) struct Engine {
 
 const GUEST_BLOCK: u64 = 4096;
 
+/// A VM's power lock: a directory made atomically, shared with `vim-cmd`'s
+/// `power_off_now` (BusyBox has no `flock`), held for one write or one
+/// power-off. One older than two seconds was left by a holder that was
+/// killed (a test drops the host's sessions) and is taken over.
+pub(crate) struct PowerLock(PathBuf);
+
+impl PowerLock {
+    pub(crate) fn take(path: &Path) -> PowerLock {
+        let mut waited = Duration::ZERO;
+        let tick = Duration::from_millis(1);
+        loop {
+            match fs::create_dir(path) {
+                Ok(()) => return PowerLock(path.to_owned()),
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+                // No VM directory (a VM being removed): nothing to hold.
+                Err(_) => return PowerLock(PathBuf::new()),
+            }
+            if waited >= Duration::from_secs(2) {
+                let _ = fs::remove_dir(path);
+                waited = Duration::ZERO;
+            }
+            // The holder's turn (a lock, not a wait for readiness).
+            std::thread::sleep(tick);
+            waited += tick;
+        }
+    }
+}
+
+impl Drop for PowerLock {
+    fn drop(&mut self) {
+        if !self.0.as_os_str().is_empty() {
+            let _ = fs::remove_dir(&self.0);
+        }
+    }
+}
+
 impl Engine {
     /// Serves requests from `state/requests` until dropped.
     pub(crate) fn start(state: PathBuf, format: DeltaFormat, vms: BTreeMap<String, Vm>) -> Arc<Engine> {
@@ -349,8 +385,13 @@ impl Engine {
 
     /// Writes one guest block to disk `d` of `vmid` at `offset`: into the top of its chain.
     fn guest_write(&self, vmid: &str, d: usize, offset: u64, block: &[u8]) -> anyhow::Result<()> {
+        // The power lock `vim-cmd` holds while it powers the VM off: a write
+        // begun while the VM ran has landed before the power-off is
+        // recorded, and none lands after it (a stalled thread here must not
+        // write into a disk the migration has already read as final).
+        let _power = PowerLock::take(&self.state.join("vms").join(vmid).join("power.lock"));
         let mut vms = self.vms.lock().unwrap_or_else(|e| e.into_inner());
-        // Looked at again under the lock: a guest of a VM powered off in between writes nothing.
+        // Looked at again under the locks: a guest of a VM powered off in between writes nothing.
         if !self.power_on(vmid) {
             return Ok(());
         }

@@ -568,6 +568,13 @@ impl EsxiEmulator {
         GuestWriter { running, thread: Some(thread) }
     }
 
+    /// Takes `vmid`'s power lock (what `vim-cmd`'s power-off and the guest
+    /// writer share) until the guard is dropped: a test's hand on the power
+    /// switch, to see that both wait for it.
+    pub fn hold_power_lock(&self, vmid: &str) -> impl Drop {
+        crate::esxi_snapshots::PowerLock::take(&self.vm_dir(vmid).join("power.lock"))
+    }
+
     /// Blocks written by guest writers so far, all VMs.
     pub fn guest_blocks_written(&self) -> u64 {
         self.snapshots.guest_blocks.load(std::sync::atomic::Ordering::Relaxed)
