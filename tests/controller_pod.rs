@@ -135,17 +135,26 @@ fn kill_container_process(env: &KubeEnv, pod: &Pod) {
         let in_pod = dir.parent().is_some_and(|p| p.ends_with(format!("pod{uid}")));
         if in_pod && dir.ends_with(id) && !read {
             read = true;
-            for pid in std::fs::read_to_string(dir.join("cgroup.procs")).unwrap_or_default().lines() {
+            let procs = std::fs::read_to_string(dir.join("cgroup.procs")).unwrap_or_default();
+            let pids: Vec<&str> = procs.lines().collect();
+            // A child forked to run git shows its parent's command line until
+            // it execs: the main process is the one whose parent is not here.
+            let parent = |pid: &str| {
+                let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+                status.lines().find_map(|l| l.strip_prefix("PPid:")).map(|p| p.trim().to_owned())
+            };
+            for pid in &pids {
                 let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
                 // The main process only: not its git children (whose
                 // arguments name /var/lib/vmmigrate) nor a `vmmigrate convert`.
                 let argv: Vec<&[u8]> = cmdline.split(|b| *b == 0).collect();
                 let main = argv.first().is_some_and(|a| a.ends_with(b"vmmigrate"))
-                    && argv.get(1).is_some_and(|a| *a == b"run");
+                    && argv.get(1).is_some_and(|a| *a == b"run")
+                    && !parent(pid).is_some_and(|p| pids.contains(&p.as_str()));
                 seen.push(format!("{pid}: {}", String::from_utf8_lossy(&cmdline).replace('\0', " ")));
                 if main {
                     assert!(Command::new("kill").args(["-KILL", pid]).status().unwrap().success());
-                    killed.push(pid.to_owned());
+                    killed.push((*pid).to_owned());
                 }
             }
         }

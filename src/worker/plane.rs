@@ -649,11 +649,16 @@ impl DiskStore for WorkerPlane {
         self.write(vmm, Call::StartCopy { disk }).await
     }
 
-    // No `patch` and no base staging (the defaults): worker pods fill their
-    // volumes whole after a warm cutover. A warm migration in a worker pod
-    // once imported other bytes than the disk's with patches (the full
-    // suite, 2026-12-07; not understood yet), so patching stays with the
-    // in-process data plane until it is.
+    /// The worker's patch; none while its pod is not there to say (the
+    /// volume is then filled whole, which is never wrong).
+    async fn patch(&self, vmm: &VirtualMachineMigration, disk: usize) -> Option<crate::api::DiskPatch> {
+        match self.presence(vmm).await {
+            Ok(Presence::Ready(ip)) => {
+                self.call(vmm, &ip, Call::Patch { disk }).await.ok().flatten().flatten()
+            }
+            _ => None,
+        }
+    }
 
     async fn discard_copy(&self, vmm: &VirtualMachineMigration, disk: usize) -> Result<(), Failure> {
         self.write(vmm, Call::DiscardCopy { disk }).await
@@ -665,6 +670,18 @@ impl DiskStore for WorkerPlane {
 }
 
 impl WorkerPlane {
+    /// A call the worker answers with a staged URL, or none yet (also
+    /// while its pod is not there to answer).
+    async fn url_call(&self, vmm: &VirtualMachineMigration, call: Call) -> Result<Option<String>, Failure> {
+        match self.presence(vmm).await? {
+            Presence::Ready(ip) => {
+                self.call::<Result<Option<String>, Failure>>(vmm, &ip, call).await?.unwrap_or(Ok(None))
+            }
+            Presence::Failed(failure) => Err(failure),
+            Presence::Absent | Presence::Waiting => Ok(None),
+        }
+    }
+
     /// A disk's copy (or, warm after the cutover, delta) state as the
     /// worker answers `call`; while its pod is replaced, what it last said.
     async fn disk_state(&self, vmm: &VirtualMachineMigration, disk: usize, call: Call) -> CopyState {
@@ -733,18 +750,25 @@ impl Staging for WorkerPlane {
         disk: usize,
         sha256: &str,
     ) -> Result<Option<String>, Failure> {
-        match self.presence(vmm).await? {
-            Presence::Ready(ip) => {
-                let call = Call::StagedUrl { disk, sha256: sha256.into() };
-                self.call::<Result<Option<String>, Failure>>(vmm, &ip, call).await?.unwrap_or(Ok(None))
-            }
-            Presence::Failed(failure) => Err(failure),
-            Presence::Absent | Presence::Waiting => Ok(None),
-        }
+        self.url_call(vmm, Call::StagedUrl { disk, sha256: sha256.into() }).await
     }
 
     async fn stage(&self, vmm: &VirtualMachineMigration, disk: usize) -> Result<(), Failure> {
         self.write(vmm, Call::Stage { disk }).await
+    }
+
+    /// The worker stages its own copies, as it stages its artifacts.
+    fn stages_bases(&self) -> bool {
+        true
+    }
+
+    async fn stage_base(
+        &self,
+        vmm: &VirtualMachineMigration,
+        disk: usize,
+        sha256: &str,
+    ) -> Result<Option<String>, Failure> {
+        self.url_call(vmm, Call::StageBase { disk, sha256: sha256.into() }).await
     }
 
     async fn import_access(

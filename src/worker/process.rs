@@ -231,6 +231,10 @@ impl Worker {
             Call::StartDeltaCopy { disk } => {
                 json(serde_json::to_value(self.disks.start_delta_copy(vmm, *disk).await))
             }
+            Call::Patch { disk } => json(serde_json::to_value(self.disks.patch(vmm, *disk).await)),
+            Call::StageBase { disk, sha256 } => {
+                json(serde_json::to_value(self.store.stage_base(vmm, *disk, sha256).await))
+            }
         }
     }
 }

@@ -46,6 +46,11 @@ pub enum Call {
     DeltaState { disk: usize },
     /// `DiskStore::start_delta_copy` → `Result<(), Failure>`.
     StartDeltaCopy { disk: usize },
+    /// `DiskStore::patch` → `Option<DiskPatch>` (warm, once assembled).
+    Patch { disk: usize },
+    /// `Staging::stage_base` → `Result<Option<String>, Failure>` (warm,
+    /// before the cutover).
+    StageBase { disk: usize, sha256: String },
 }
 
 /// What the controller sends.

@@ -28,10 +28,18 @@ async fn a_warm_migration_in_a_worker_pod_copies_the_bases_while_the_vm_runs_and
         vm: ("pair", "12"),
         snapshot_format: DeltaFormat::SeSparse,
         data_plane: DataPlane::Pods,
+        import_method: vmmigrate::controller::service::ImportMethod::Fill,
         ..Default::default()
     };
     let m = Migration::start("e2e-warm-pod", setup).await;
-    warm_migration_checks(m, "-sesparse.vmdk", 500).await;
+    // Slower writes: the bases are also filled before the cutover, so the
+    // VM runs longer, and the deltas must still be a part of the disks.
+    let status = warm_migration_checks(m, "-sesparse.vmdk", 200).await;
+    // The worker staged each base for its volume before the cutover and
+    // each patch after it: only the changed ranges were written then.
+    for (i, disk) in status.disks.iter().enumerate() {
+        assert_eq!(disk.import_verification, Some(vmmigrate::api::ImportVerification::Patched), "disk {i}");
+    }
 }
 
 async fn warm_migration_of_a_changing_vm(format: DeltaFormat, delta_suffix: &str) {
