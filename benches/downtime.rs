@@ -389,6 +389,9 @@ fn main() {
 
     let mut rows = Vec::new();
     let mut baselines = Vec::new();
+    // 5 % of the 4 KiB blocks of a data disk of `mib` MiB.
+    let five_percent = |mib: u64| (mib << 20) / 4096 / 20;
+    let smallest = sizes.iter().min().copied().unwrap_or_default();
     for &mib in &sizes {
         let dir = tempfile::tempdir_in("/var/tmp").expect("scratch");
         let made = Instant::now();
@@ -406,17 +409,18 @@ fn main() {
         let cat = bare_ssh_cat(&emu);
         let boot = plain_qemu_boot(&[guests.join("bios.img"), data.clone()]);
         baselines.push((mib, cat, boot));
-        // About 5 % of the data disk's blocks during one read of it (the
-        // bare `cat` just measured) and the snapshot and look around it.
-        let blocks = (mib << 20) / 4096;
-        let blocks_per_second = ((blocks as f64 * 0.05) / (cat * 1.3 + 2.0)).ceil() as u32;
-        // Then it stops: 5 % of the blocks written, whatever the mode makes
-        // the source run for (warm runs it longer: its bases are also
-        // filled into the volumes before the cutover).
-        let budget = blocks / 20;
-        // The smallest size's budget, for the same changed bytes at this one.
-        let smallest = sizes.iter().min().copied().unwrap_or(mib);
-        let same_bytes = ((smallest << 20) / 4096) / 20;
+        // A budget of blocks written during one read of the disk (the bare
+        // `cat` just measured) and the snapshot and look around it; then the
+        // writer stops, whatever the mode makes the source run for (warm runs
+        // it longer: its bases are also filled into the volumes before the
+        // cutover). 5 % of this disk's blocks, or, for the same changed
+        // bytes, of the smallest disk's.
+        let writes = |budget: u64| GuestWrites {
+            blocks_per_second: (budget as f64 / (cat * 1.3 + 2.0)).ceil() as u32,
+            only_disk: Some(1),
+            at_most: Some(budget),
+            ..Default::default()
+        };
         let modes: &[&'static str] =
             if mib > smallest { &["Cold", "Warm", SAME_BYTES] } else { &["Cold", "Warm"] };
         runtime.block_on(async {
@@ -427,21 +431,8 @@ fn main() {
                 {
                     emu.set_power(VMID, true);
                     let before = emu.guest_blocks_written();
-                    let (rate, at_most) = if mode == SAME_BYTES {
-                        // As many blocks, at the rate that writes them during one read.
-                        (((same_bytes as f64) / (cat * 1.3 + 2.0)).ceil() as u32, same_bytes)
-                    } else {
-                        (blocks_per_second, budget)
-                    };
-                    let writer = emu.start_guest_writes(
-                        VMID,
-                        GuestWrites {
-                            blocks_per_second: rate,
-                            seed: run,
-                            only_disk: Some(1),
-                            at_most: Some(at_most),
-                        },
-                    );
+                    let budget = five_percent(if mode == SAME_BYTES { smallest } else { mib });
+                    let writer = emu.start_guest_writes(VMID, GuestWrites { seed: run, ..writes(budget) });
                     let label = if mode == SAME_BYTES { "same".to_owned() } else { mode.to_lowercase() };
                     let name = format!("{mib}-{method_name}-{label}-{run}");
                     let spec_mode = if mode == SAME_BYTES { "Warm" } else { mode };
@@ -528,7 +519,6 @@ fn main() {
     }
     // Issue 37's second ratio: warm downtime at a larger disk against the
     // smallest, with 5 % of each disk changed and with the same changed bytes.
-    let smallest = sizes.iter().min().copied().unwrap_or_default();
     let larger: Vec<u64> = sizes.iter().copied().filter(|&m| m > smallest).collect();
     if !larger.is_empty() {
         println!("\nwarm downtime against the {smallest} MiB disk's (to GuestReady; to the page)");
